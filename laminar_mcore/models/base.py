@@ -1,0 +1,363 @@
+"""Model-family adapters: the single naming authority between Hugging Face and Megatron-Core.
+
+An adapter owns, for one family of dense decoder-only models:
+  * the translation of a Hugging Face config into a Megatron ``TransformerConfig`` and the
+    ``GPTModel`` constructor arguments (rotary base and scaling, tied embeddings, ...);
+  * the mapping of weight names and layouts in both directions, in "full" form (every tensor
+    whole, layers numbered globally) and the tensor-parallel split of each full tensor.
+
+The online weight publisher, the checkpoint converters and the engines' loaders all go through
+these functions; nothing else in the code base knows how QKV is interleaved or how
+``linear_fc1`` stacks gate and up. Adapters never import engine or trainer code.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import ClassVar, Dict, Iterable, Mapping, Optional, Tuple
+
+import torch
+
+Tensor = torch.Tensor
+
+
+class AdapterError(ValueError):
+    """A config or checkpoint that an adapter cannot map; the message says what and how to fix."""
+
+
+_REGISTRY: Dict[str, "ModelAdapter"] = {}
+
+
+def register_adapter(adapter: "ModelAdapter") -> "ModelAdapter":
+    for model_type in adapter.hf_model_types:
+        if model_type in _REGISTRY:
+            raise AdapterError(f"model_type {model_type!r} already has an adapter")
+        _REGISTRY[model_type] = adapter
+    return adapter
+
+
+def known_model_types() -> Tuple[str, ...]:
+    return tuple(sorted(_REGISTRY))
+
+
+def get_adapter(hf_config) -> "ModelAdapter":
+    """The adapter for a Hugging Face config (by its exact ``model_type``, never a substring)."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in _REGISTRY:
+        raise AdapterError(
+            f"no adapter for model_type {model_type!r}; known: {', '.join(known_model_types())}. "
+            "Add one under laminar_mcore/models/ (see models/families.py)."
+        )
+    return _REGISTRY[model_type]
+
+
+# Megatron full names (local layer spec), relative to "decoder.layers.{i}.".
+_QKV_W = "self_attention.linear_qkv.weight"
+_QKV_B = "self_attention.linear_qkv.bias"
+_PROJ_W = "self_attention.linear_proj.weight"
+_Q_NORM = "self_attention.q_layernorm.weight"
+_K_NORM = "self_attention.k_layernorm.weight"
+_IN_NORM = "input_layernorm.weight"
+_MLP_NORM = "pre_mlp_layernorm.weight"
+_FC1_W = "mlp.linear_fc1.weight"
+_FC2_W = "mlp.linear_fc2.weight"
+
+# Transformer-Engine specs fuse the norms into the following linear layer.
+_TE_ALIASES = {
+    "self_attention.linear_qkv.layer_norm_weight": _IN_NORM,
+    "mlp.linear_fc1.layer_norm_weight": _MLP_NORM,
+}
+
+# Tensor-parallel split of full Megatron tensors: name suffix -> partition dim (None: replicated).
+_TP_DIM = {
+    "embedding.word_embeddings.weight": 0,
+    "output_layer.weight": 0,
+    _QKV_W: 0,
+    _QKV_B: 0,
+    _PROJ_W: 1,
+    _FC1_W: 0,
+    _FC2_W: 1,
+}
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def split_layer_name(name: str) -> Tuple[Optional[int], str]:
+    """``decoder.layers.3.mlp.linear_fc2.weight`` -> (3, ``mlp.linear_fc2.weight``)."""
+    m = _LAYER_RE.match(name)
+    if not m:
+        return None, name
+    suffix = m.group(2)
+    return int(m.group(1)), _TE_ALIASES.get(suffix, suffix)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The few sizes every layout transform needs."""
+
+    hidden: int
+    heads: int
+    groups: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    layers: int
+
+
+@dataclass(frozen=True)
+class ModelAdapter:
+    """A dense Llama-like family. Subclasses/instances set the flags that distinguish them."""
+
+    name: str
+    hf_model_types: Tuple[str, ...]
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    supports_llama3_rope_scaling: bool = False
+
+    HF_LAYER: ClassVar[str] = "model.layers.{i}."
+
+    # ---------------------------------------------------------------- config translation
+    def shape(self, hf_config) -> Shape:
+        heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        return Shape(
+            hidden=hf_config.hidden_size,
+            heads=heads,
+            groups=getattr(hf_config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            ffn=hf_config.intermediate_size,
+            vocab=hf_config.vocab_size,
+            layers=hf_config.num_hidden_layers,
+        )
+
+    def tied_embeddings(self, hf_config) -> bool:
+        return bool(getattr(hf_config, "tie_word_embeddings", False))
+
+    def check_hf_config(self, hf_config) -> None:
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise AdapterError(f"{self.name}: hidden_act {act!r} is not supported (only silu)")
+        if getattr(hf_config, "attention_bias", False) and not self.qkv_bias:
+            raise AdapterError(f"{self.name}: attention_bias=True is not supported")
+        if getattr(hf_config, "mlp_bias", False):
+            raise AdapterError(f"{self.name}: mlp_bias=True is not supported")
+        if getattr(hf_config, "use_sliding_window", False):
+            raise AdapterError(f"{self.name}: sliding-window attention is not supported; "
+                               "set use_sliding_window=false in config.json")
+        self.rope_scaling(hf_config)
+
+    def rope_theta(self, hf_config) -> float:
+        theta = getattr(hf_config, "rope_theta", None)
+        if theta is None:
+            params = getattr(hf_config, "rope_parameters", None) or {}
+            theta = params.get("rope_theta", 10000.0)
+        return float(theta)
+
+    def rope_scaling(self, hf_config) -> Optional[float]:
+        """The Llama-3 rope scaling factor, None when the config has no scaling."""
+        scaling = getattr(hf_config, "rope_scaling", None) or {}
+        if not scaling:
+            params = getattr(hf_config, "rope_parameters", None) or {}
+            scaling = params if params.get("rope_type", "default") != "default" else {}
+        rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+        if rope_type == "default":
+            return None
+        if rope_type != "llama3" or not self.supports_llama3_rope_scaling:
+            raise AdapterError(f"{self.name}: rope scaling {rope_type!r} is not supported")
+        expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192}
+        for key, value in expected.items():
+            if key in scaling and float(scaling[key]) != float(value):
+                raise AdapterError(
+                    f"{self.name}: llama3 rope scaling with {key}={scaling[key]} is not supported "
+                    f"(Megatron-Core implements {key}={value})")
+        return float(scaling.get("factor", 8.0))
+
+    def transformer_config_kwargs(self, hf_config) -> dict:
+        """Megatron ``TransformerConfig`` fields that come from the model (not the run)."""
+        import torch.nn.functional as F
+
+        self.check_hf_config(hf_config)
+        s = self.shape(hf_config)
+        return dict(
+            num_layers=s.layers,
+            hidden_size=s.hidden,
+            num_attention_heads=s.heads,
+            num_query_groups=s.groups,
+            kv_channels=s.head_dim,
+            ffn_hidden_size=s.ffn,
+            normalization="RMSNorm",
+            layernorm_epsilon=float(hf_config.rms_norm_eps),
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            add_qkv_bias=self.qkv_bias,
+            qk_layernorm=self.qk_norm,
+            init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        )
+
+    def gpt_model_kwargs(self, hf_config) -> dict:
+        factor = self.rope_scaling(hf_config)
+        return dict(
+            vocab_size=hf_config.vocab_size,
+            max_sequence_length=hf_config.max_position_embeddings,
+            share_embeddings_and_output_weights=self.tied_embeddings(hf_config),
+            position_embedding_type="rope",
+            rotary_base=self.rope_theta(hf_config),
+            rope_scaling=factor is not None,
+            rope_scaling_factor=factor or 8.0,
+        )
+
+    def layer_spec(self, use_te: bool):
+        """Transformer-Engine spec on GPUs when TE is installed, the local spec otherwise."""
+        from megatron.core.models.gpt import gpt_layer_specs
+
+        if use_te:
+            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+                qk_layernorm=self.qk_norm)
+        return gpt_layer_specs.get_gpt_layer_local_spec(
+            qk_layernorm=self.qk_norm, normalization="RMSNorm")
+
+    # ------------------------------------------------------------- weights: HF <-> full mcore
+    def _layer_pairs(self, s: Shape) -> Iterable[Tuple[str, str]]:
+        """(mcore suffix, hf suffix) for one-to-one tensors of a layer."""
+        yield _IN_NORM, "input_layernorm.weight"
+        yield _MLP_NORM, "post_attention_layernorm.weight"
+        yield _PROJ_W, "self_attn.o_proj.weight"
+        yield _FC2_W, "mlp.down_proj.weight"
+        if self.qk_norm:
+            yield _Q_NORM, "self_attn.q_norm.weight"
+            yield _K_NORM, "self_attn.k_norm.weight"
+
+    def hf_to_mcore(self, hf_config, hf_state: Mapping[str, Tensor]) -> Dict[str, Tensor]:
+        """Full Megatron tensors (global layer numbers) from a Hugging Face state dict.
+
+        Every HF tensor must be consumed and every Megatron tensor produced; anything else is an
+        error naming the tensor, never a silent drop.
+        """
+        s = self.shape(hf_config)
+        used = set()
+
+        def take(name: str) -> Tensor:
+            if name not in hf_state:
+                raise AdapterError(f"{self.name}: tensor {name!r} is missing from the checkpoint")
+            used.add(name)
+            return hf_state[name]
+
+        out: Dict[str, Tensor] = {"embedding.word_embeddings.weight": take("model.embed_tokens.weight")}
+        for i in range(s.layers):
+            hf = self.HF_LAYER.format(i=i)
+            mc = f"decoder.layers.{i}."
+            for m_suffix, h_suffix in self._layer_pairs(s):
+                out[mc + m_suffix] = take(hf + h_suffix)
+            q, k, v = (take(hf + f"self_attn.{p}_proj.weight") for p in "qkv")
+            out[mc + _QKV_W] = self.merge_qkv(s, q, k, v)
+            if self.qkv_bias:
+                qb, kb, vb = (take(hf + f"self_attn.{p}_proj.bias") for p in "qkv")
+                out[mc + _QKV_B] = self.merge_qkv(s, qb, kb, vb)
+            out[mc + _FC1_W] = torch.cat([take(hf + "mlp.gate_proj.weight"),
+                                          take(hf + "mlp.up_proj.weight")], dim=0)
+        out["decoder.final_layernorm.weight"] = take("model.norm.weight")
+        if self.tied_embeddings(hf_config):
+            if "lm_head.weight" in hf_state:
+                used.add("lm_head.weight")
+                if not torch.equal(hf_state["lm_head.weight"], out["embedding.word_embeddings.weight"]):
+                    raise AdapterError(f"{self.name}: tie_word_embeddings=true but lm_head.weight "
+                                       "differs from model.embed_tokens.weight")
+        else:
+            out["output_layer.weight"] = take("lm_head.weight")
+        extra = sorted(n for n in hf_state if n not in used and not n.endswith("rotary_emb.inv_freq"))
+        if extra:
+            raise AdapterError(f"{self.name}: checkpoint tensors with no Megatron counterpart: "
+                               f"{extra[:8]}{' ...' if len(extra) > 8 else ''}")
+        return out
+
+    def mcore_to_hf(self, hf_config, mcore_state: Mapping[str, Tensor]) -> Dict[str, Tensor]:
+        """Hugging Face tensors from full Megatron tensors (the inverse of ``hf_to_mcore``)."""
+        s = self.shape(hf_config)
+        used = set()
+
+        def take(name: str) -> Tensor:
+            if name not in mcore_state:
+                raise AdapterError(f"{self.name}: Megatron tensor {name!r} is missing")
+            used.add(name)
+            return mcore_state[name]
+
+        out: Dict[str, Tensor] = {"model.embed_tokens.weight": take("embedding.word_embeddings.weight")}
+        for i in range(s.layers):
+            hf = self.HF_LAYER.format(i=i)
+            mc = f"decoder.layers.{i}."
+            for m_suffix, h_suffix in self._layer_pairs(s):
+                out[hf + h_suffix] = take(mc + m_suffix)
+            q, k, v = self.split_qkv(s, take(mc + _QKV_W))
+            out.update({hf + "self_attn.q_proj.weight": q, hf + "self_attn.k_proj.weight": k,
+                        hf + "self_attn.v_proj.weight": v})
+            if self.qkv_bias:
+                qb, kb, vb = self.split_qkv(s, take(mc + _QKV_B))
+                out.update({hf + "self_attn.q_proj.bias": qb, hf + "self_attn.k_proj.bias": kb,
+                            hf + "self_attn.v_proj.bias": vb})
+            gate, up = torch.chunk(take(mc + _FC1_W), 2, dim=0)
+            out[hf + "mlp.gate_proj.weight"] = gate
+            out[hf + "mlp.up_proj.weight"] = up
+        out["model.norm.weight"] = take("decoder.final_layernorm.weight")
+        if not self.tied_embeddings(hf_config):
+            out["lm_head.weight"] = take("output_layer.weight")
+        extra = sorted(set(mcore_state) - used)
+        if extra:
+            raise AdapterError(f"{self.name}: Megatron tensors with no Hugging Face counterpart: "
+                               f"{extra[:8]}{' ...' if len(extra) > 8 else ''}")
+        return out
+
+    @staticmethod
+    def merge_qkv(s: Shape, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Megatron interleaves QKV by query group: [q_g (heads/groups rows), k_g, v_g] per group."""
+        per = s.heads // s.groups
+        rest = q.shape[1:]
+        q = q.reshape(s.groups, per * s.head_dim, *rest)
+        k = k.reshape(s.groups, s.head_dim, *rest)
+        v = v.reshape(s.groups, s.head_dim, *rest)
+        return torch.cat([q, k, v], dim=1).reshape(-1, *rest).contiguous()
+
+    @staticmethod
+    def split_qkv(s: Shape, qkv: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        per = s.heads // s.groups
+        rest = qkv.shape[1:]
+        grouped = qkv.reshape(s.groups, (per + 2) * s.head_dim, *rest)
+        q, k, v = torch.split(grouped, [per * s.head_dim, s.head_dim, s.head_dim], dim=1)
+        return (q.reshape(-1, *rest).contiguous(), k.reshape(-1, *rest).contiguous(),
+                v.reshape(-1, *rest).contiguous())
+
+    # ------------------------------------------------------------ tensor-parallel layout
+    @staticmethod
+    def tp_dim(name: str) -> Optional[int]:
+        _, suffix = split_layer_name(name)
+        return _TP_DIM.get(suffix)
+
+    def shard(self, name: str, full: Tensor, tp_rank: int, tp_size: int) -> Tensor:
+        """The slice of a full Megatron tensor held by one tensor-parallel rank."""
+        dim = self.tp_dim(name)
+        if dim is None or tp_size == 1:
+            return full
+        if full.shape[dim] % tp_size:
+            raise AdapterError(f"{name}: dimension {dim} of size {full.shape[dim]} does not "
+                               f"divide by tensor parallel size {tp_size}")
+        if split_layer_name(name)[1] == _FC1_W:
+            # Each rank holds [gate_r; up_r], not a contiguous slice of [gate; up].
+            gate, up = torch.chunk(full, 2, dim=0)
+            return torch.cat([torch.chunk(gate, tp_size, 0)[tp_rank],
+                              torch.chunk(up, tp_size, 0)[tp_rank]], dim=0)
+        return torch.chunk(full, tp_size, dim=dim)[tp_rank]
+
+    def unshard(self, name: str, shards: list) -> Tensor:
+        """The full tensor from every tensor-parallel rank's shard (in rank order)."""
+        dim = self.tp_dim(name)
+        if dim is None or len(shards) == 1:
+            return shards[0]
+        if split_layer_name(name)[1] == _FC1_W:
+            pairs = [torch.chunk(t, 2, dim=0) for t in shards]
+            return torch.cat([p[0] for p in pairs] + [p[1] for p in pairs], dim=0)
+        return torch.cat(shards, dim=dim)
+

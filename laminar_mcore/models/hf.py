@@ -1,0 +1,108 @@
+"""Hugging Face checkpoint directories: config, safetensors shards, tiny configs for tests.
+
+Reads and writes only local files (``local_files_only``): nothing is ever fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Dict, Mapping, Optional
+
+import torch
+
+from .base import AdapterError
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def load_hf_config(path: str | os.PathLike):
+    """The transformers config of a local checkpoint directory, with a clear error if absent."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise AdapterError(f"model path {str(path)!r} has no config.json; point model.path at a "
+                           "Hugging Face checkpoint directory")
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def load_hf_state_dict(path: str | os.PathLike) -> Dict[str, torch.Tensor]:
+    """Every tensor of a safetensors checkpoint (single file or sharded with an index)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    index = path / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif (path / "model.safetensors").is_file():
+        files, weight_map = ["model.safetensors"], None
+    else:
+        raise AdapterError(f"{str(path)!r} has neither model.safetensors nor {SAFETENSORS_INDEX}")
+    state: Dict[str, torch.Tensor] = {}
+    for name in files:
+        file = path / name
+        if not file.is_file():
+            raise AdapterError(f"shard {str(file)!r} named by the index is missing")
+        try:
+            state.update(load_file(str(file)))
+        except Exception as exc:  # safetensors raises its own error types for truncated files
+            raise AdapterError(f"cannot read {str(file)!r} (truncated or corrupt?): {exc}") from exc
+    if weight_map is not None:
+        missing = sorted(set(weight_map) - set(state))
+        if missing:
+            raise AdapterError(f"tensors listed in the index but absent from the shards: {missing[:8]}")
+    return state
+
+
+def save_hf_checkpoint(path: str | os.PathLike, hf_config, state: Mapping[str, torch.Tensor],
+                       max_shard_bytes: Optional[int] = None) -> None:
+    """Write config.json and safetensors shards (with an index when there is more than one)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    hf_config.save_pretrained(str(path))
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    if max_shard_bytes is None or sum(t.numel() * t.element_size() for t in tensors.values()) <= max_shard_bytes:
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        return
+    shards, current, size = [], {}, 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = tensors[name]
+        size += nbytes
+    shards.append(current)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / fname), metadata={"format": "pt"})
+        weight_map.update({name: fname for name in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (path / SAFETENSORS_INDEX).write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+_TINY_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                  max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+                  tie_word_embeddings=False, hidden_act="silu")
+
+
+def tiny_hf_config(family: str, **overrides):
+    """A small config of a known family, built locally by transformers (for tests and demos)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    classes = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config}
+    if family not in classes:
+        raise AdapterError(f"unknown tiny family {family!r}; choose one of {sorted(classes)}")
+    kwargs = dict(_TINY_BASE)
+    if family == "qwen3":
+        kwargs["head_dim"] = 16
+    kwargs.update(overrides)
+    return classes[family](**kwargs)

@@ -1,0 +1,276 @@
+"""CPU compatibility layer for Megatron-Core 0.19 on a CPU build of torch.
+
+Owns every adaptation that lets Megatron-Core's model, pipeline schedules, tensor-parallel
+layers, optimizer helpers and dist_checkpointing run with gloo on a machine without CUDA:
+
+* ``torch.cuda.current_device()`` answers ``cpu`` instead of raising;
+* inside ``megatron.core`` modules, the name ``torch`` is rebound to a thin namespace in which
+  factory functions (``zeros``, ``empty``, ``tensor``, ...) map ``device="cuda"`` to the CPU and
+  ``torch.cuda`` streams, events, synchronisation and NVTX ranges are no-ops;
+* the CUDA RNG tracker is replaced by one that forks the CPU generator, so
+  ``model_parallel_cuda_manual_seed`` and ``get_cuda_rng_tracker().fork()`` keep their meaning.
+
+It is applied only when CUDA is absent (``apply_cpu_compat()`` is a no-op otherwise) and it
+never edits installed files: everything happens on module objects at run time. It must never be
+imported by engine code: engines do not use Megatron.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import pkgutil
+import sys
+import types
+
+import torch
+
+__all__ = ["apply_cpu_compat", "is_applied", "CpuRNGStatesTracker"]
+
+_APPLIED = False
+
+# torch factory functions whose ``device`` argument Megatron hard-codes to "cuda".
+_FACTORIES = (
+    "empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn", "randint",
+    "empty_strided", "as_tensor", "zeros_like", "ones_like", "empty_like", "full_like",
+)
+
+# Megatron-Core packages imported (so that their ``torch`` can be rebound) when the layer is
+# applied. Modules imported later are rebound by a second ``apply_cpu_compat()`` call, which is
+# cheap; ``laminar_mcore`` calls it again after building models and optimizers.
+_MEGATRON_PACKAGES = (
+    "megatron.core.parallel_state",
+    "megatron.core.tensor_parallel",
+    "megatron.core.pipeline_parallel",
+    "megatron.core.transformer",
+    "megatron.core.models.gpt",
+    "megatron.core.optimizer",
+    "megatron.core.distributed",
+    "megatron.core.dist_checkpointing",
+    "megatron.core.utils",
+    "megatron.core.rerun_state_machine",
+)
+
+
+def _is_cuda(device) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int)  # a bare ordinal means a CUDA device in torch's API
+
+
+def _to_cpu_factory(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        kwargs.pop("pin_memory", None)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class _NullStream:
+    """Stands in for ``torch.cuda.Stream``/``Event``: CPU work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NullStream()
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _noop(*args, **kwargs):
+    return None
+
+
+def _cpu_device(*args, **kwargs):
+    return torch.device("cpu")
+
+
+def _build_cuda_namespace() -> types.ModuleType:
+    ns = types.ModuleType("torch.cuda[laminar-cpu]")
+    ns.__dict__.update(torch.cuda.__dict__)
+    ns.current_device = _cpu_device
+    ns.Stream = _NullStream
+    ns.Event = _NullStream
+    ns.ExternalStream = _NullStream
+    ns.current_stream = lambda *a, **k: _NullStream()
+    ns.default_stream = lambda *a, **k: _NullStream()
+    ns.stream = lambda *a, **k: contextlib.nullcontext()
+    ns.device = lambda *a, **k: contextlib.nullcontext()
+    ns.set_stream = _noop
+    ns.synchronize = _noop
+    ns.empty_cache = _noop
+    ns.set_device = _noop
+    ns.memory_allocated = lambda *a, **k: 0
+    ns.max_memory_allocated = lambda *a, **k: 0
+    ns.memory_reserved = lambda *a, **k: 0
+    ns.memory_stats = lambda *a, **k: {}
+    ns.is_current_stream_capturing = lambda: False
+    ns.nvtx = types.SimpleNamespace(range_push=_noop, range_pop=_noop,
+                                    range=lambda *a, **k: contextlib.nullcontext(), mark=_noop)
+    return ns
+
+
+def _build_torch_namespace(cuda_ns: types.ModuleType) -> types.ModuleType:
+    ns = types.ModuleType("torch[laminar-cpu]")
+    ns.__dict__.update(torch.__dict__)
+    for name in _FACTORIES:
+        setattr(ns, name, _to_cpu_factory(getattr(torch, name)))
+    ns.cuda = cuda_ns
+    return ns
+
+
+class CpuRNGStatesTracker:
+    """The CPU twin of Megatron's ``CudaRNGStatesTracker``: named CPU generator states.
+
+    ``fork(name)`` swaps the default CPU generator to the named state and back, which is what
+    the CUDA tracker does with the device generator (dropout in tensor-parallel regions draws
+    from the per-TP-rank state, everything else from the data-parallel one).
+    """
+
+    def __init__(self, *args, **kwargs):
+        self.use_cudagraphable_rng = False
+        self.is_inference_rng_tracker = False
+        self.reset()
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def reset(self):
+        self._is_initialized = False
+        self.states_ = {}
+        self.seeds_ = set()
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise ValueError(f"RNG seed {seed} is already tracked")
+        if name in self.states_:
+            raise ValueError(f"RNG state {name!r} is already tracked")
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise KeyError(f"RNG state {name!r} was never added to the tracker")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+_TORCH_NS: types.ModuleType | None = None
+
+
+def _rebind_megatron_modules() -> int:
+    """Point the ``torch`` global of every loaded megatron.core module at the CPU namespace."""
+    count = 0
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("megatron.core") or module is None:
+            continue
+        if module.__dict__.get("torch") is torch:
+            module.torch = _TORCH_NS
+            count += 1
+    return count
+
+
+def _import_megatron_packages() -> None:
+    for pkg_name in _MEGATRON_PACKAGES:
+        pkg = importlib.import_module(pkg_name)
+        for info in pkgutil.walk_packages(getattr(pkg, "__path__", []), prefix=pkg_name + "."):
+            # Transformer-Engine/Apex-only and experimental modules may fail to import on CPU.
+            if any(part in info.name for part in ("transformer_engine", "apex", "experimental",
+                                                  "fsdp", "cuda_graphs", "inference")):
+                continue
+            try:
+                importlib.import_module(info.name)
+            except Exception:  # noqa: BLE001 - optional modules with GPU-only dependencies
+                pass
+
+
+def _install_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if not isinstance(mrandom._CUDA_RNG_STATE_TRACKER, CpuRNGStatesTracker):
+        mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+    original = mrandom.initialize_rng_tracker
+
+    if getattr(original, "_laminar_cpu", False):
+        return
+
+    @functools.wraps(original)
+    def initialize_rng_tracker(*args, force_reset=False, **kwargs):
+        # A forced reset must still produce the CPU tracker, never the CUDA one.
+        if force_reset or not isinstance(mrandom._CUDA_RNG_STATE_TRACKER, CpuRNGStatesTracker):
+            mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+        mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+    initialize_rng_tracker._laminar_cpu = True
+    mrandom.initialize_rng_tracker = initialize_rng_tracker
+
+
+def is_applied() -> bool:
+    return _APPLIED
+
+
+def apply_cpu_compat(force: bool = False) -> bool:
+    """Adapt Megatron-Core to a CPU-only process. Returns True when the layer is active.
+
+    Idempotent; a no-op when CUDA is available (unless ``force``). Call it before building any
+    Megatron object; calling it again later also covers megatron modules imported since.
+    """
+    global _APPLIED, _TORCH_NS
+    if torch.cuda.is_available() and not force:
+        return False
+    if _TORCH_NS is None:
+        _TORCH_NS = _build_torch_namespace(_build_cuda_namespace())
+    if not _APPLIED:
+        torch.cuda.current_device = _cpu_device  # raises on a CPU build; Megatron calls it often
+        _import_megatron_packages()
+        _install_rng_tracker()
+        _APPLIED = True
+    _rebind_megatron_modules()
+    return True

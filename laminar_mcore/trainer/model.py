@@ -1,0 +1,127 @@
+"""Build a Megatron-Core ``GPTModel`` stage from a Hugging Face config and load full weights.
+
+Owns the run-side half of ``TransformerConfig`` (parallel sizes, dtype, fusions that need CUDA)
+and the loading of full Megatron tensors (from ``ModelAdapter.hf_to_mcore``) into this rank's
+tensor- and pipeline-parallel shards, checking every parameter and shape.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Mapping, Optional
+
+import torch
+
+from ..models import get_adapter
+from ..models.base import AdapterError, split_layer_name
+from ..parallel import apply_cpu_compat
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not usable"
+        return False
+    return torch.cuda.is_available()
+
+
+def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, **overrides):
+    """Megatron ``TransformerConfig`` for the current parallel state."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
+
+    adapter = get_adapter(hf_config)
+    on_gpu = torch.cuda.is_available()
+    kwargs = adapter.transformer_config_kwargs(hf_config)
+    kwargs.update(
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not on_gpu,
+        # Fusions below need CUDA kernels (apex or TE); on CPU the plain torch path is used.
+        bias_activation_fusion=False,
+        masked_softmax_fusion=on_gpu,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        variable_seq_lengths=True,  # packed micro-batches differ in length under PP
+        moe_token_dispatcher_type="alltoall",  # the one Megatron allows with variable lengths
+        attention_softmax_in_fp32=True,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32,
+                    use_te: Optional[bool] = None, **config_overrides):
+    """This rank's pipeline stage of the model (call after ``init_trainer_parallel``)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    apply_cpu_compat()
+    adapter = get_adapter(hf_config)
+    config = transformer_config(hf_config, dtype=dtype, **config_overrides)
+    tp = config.tensor_model_parallel_size
+    pp = config.pipeline_model_parallel_size
+    if hf_config.vocab_size % tp:
+        raise AdapterError(f"vocab_size {hf_config.vocab_size} is not divisible by tp={tp}")
+    if hf_config.num_hidden_layers % pp:
+        raise AdapterError(f"num_hidden_layers {hf_config.num_hidden_layers} is not divisible "
+                           f"by pp={pp}")
+    use_te = te_available() if use_te is None else use_te
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=adapter.layer_spec(use_te),
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,
+        **adapter.gpt_model_kwargs(hf_config),
+    )
+    apply_cpu_compat()  # rebinds megatron modules that building the model imported
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def global_param_name(model, local_name: str) -> str:
+    """``decoder.layers.{local}.x`` -> ``decoder.layers.{global}.x`` using each layer's number."""
+    local, suffix = split_layer_name(local_name)
+    if local is None:
+        return local_name
+    layer_number = model.decoder.layers[local].layer_number  # 1-based, global
+    return f"decoder.layers.{layer_number - 1}.{suffix}"
+
+
+def local_full_names(model, hf_config) -> Dict[str, str]:
+    """Local parameter name -> the full Megatron name whose shard it holds."""
+    tied = get_adapter(hf_config).tied_embeddings(hf_config)
+    names = {}
+    for name, _ in model.named_parameters():
+        full = global_param_name(model, name)
+        if full == "output_layer.weight" and tied:
+            full = "embedding.word_embeddings.weight"  # last stage's copy of the tied embedding
+        names[name] = full
+    return names
+
+
+@torch.no_grad()
+def load_full_state(model, hf_config, full_state: Mapping[str, torch.Tensor]) -> None:
+    """Copy this rank's shards of full Megatron tensors into ``model``; every shape is checked."""
+    from megatron.core import parallel_state
+
+    adapter = get_adapter(hf_config)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    params = dict(model.named_parameters())
+    for local, full_name in local_full_names(model, hf_config).items():
+        if full_name not in full_state:
+            raise AdapterError(f"no source tensor for parameter {local!r} ({full_name!r})")
+        shard = adapter.shard(full_name, full_state[full_name], tp_rank, tp_size)
+        param = params[local]
+        if tuple(shard.shape) != tuple(param.shape):
+            raise AdapterError(f"{local}: source shard has shape {tuple(shard.shape)}, the model "
+                               f"expects {tuple(param.shape)} (wrong config or tp size?)")
+        param.copy_(shard.to(param.dtype))
