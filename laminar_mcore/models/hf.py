@@ -94,15 +94,47 @@ _TINY_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                   tie_word_embeddings=False, hidden_act="silu")
 
 
-def tiny_hf_config(family: str, **overrides):
-    """A small config of a known family, built locally by transformers (for tests and demos)."""
+def build_hf_config(family: str, **fields):
+    """A transformers config of a known family from explicit fields (nothing is downloaded)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     classes = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config}
     if family not in classes:
-        raise AdapterError(f"unknown tiny family {family!r}; choose one of {sorted(classes)}")
+        raise AdapterError(f"unknown model family {family!r}; choose one of {sorted(classes)}")
+    fields = {k: v for k, v in fields.items() if v is not None}
+    if family != "qwen3" and "head_dim" in fields:
+        hidden, heads = fields.get("hidden_size"), fields.get("num_attention_heads")
+        if hidden and heads and fields["head_dim"] != hidden // heads:
+            raise AdapterError(f"{family}: head_dim must equal hidden_size/num_attention_heads")
+        fields.pop("head_dim")
+    return classes[family](**fields)
+
+
+def tiny_hf_config(family: str, **overrides):
+    """A small config of a known family (for tests and demos)."""
     kwargs = dict(_TINY_BASE)
     if family == "qwen3":
         kwargs["head_dim"] = 16
     kwargs.update(overrides)
-    return classes[family](**kwargs)
+    return build_hf_config(family, **kwargs)
+
+
+def hf_config_for(model_cfg):
+    """The transformers config of ``cfg.model``: from ``path`` if set, else from ``arch``."""
+    if model_cfg.path is not None:
+        return load_hf_config(model_cfg.path)
+    arch = dict(model_cfg.arch)
+    family = arch.pop("family")
+    return build_hf_config(family, hidden_act="silu", **arch)
+
+
+def initial_hf_state(model_cfg, hf_config, seed: int) -> Dict[str, torch.Tensor]:
+    """Starting weights: the checkpoint at ``path``, or transformers' init under ``seed``."""
+    if model_cfg.path is not None:
+        return load_hf_state_dict(model_cfg.path)
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32)
+    return {k: v.detach() for k, v in model.state_dict().items()}

@@ -1,0 +1,184 @@
+"""Typed configuration of a laminar_mcore run: one dataclass per component.
+
+These dataclasses are registered in Hydra's ConfigStore (``register_configs``), so every YAML
+file under ``conf/`` and every command-line override is checked against them: an unknown key
+or a value of the wrong type is an error, never a silently ignored typo. Semantic checks that
+span several sections (divisibility, paths) live in ``config/validate.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class ArchConfig:
+    """Architecture of a model built from scratch (used when ``model.path`` is null)."""
+
+    family: str = "qwen2"  # a known model_type: qwen2, llama, qwen3
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: Optional[int] = None  # Qwen3 sets it explicitly; null means hidden/heads
+    vocab_size: int = 128
+    max_position_embeddings: int = 512
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny-qwen2"
+    # Hugging Face checkpoint directory (config.json + safetensors). Null: build from `arch`.
+    path: Optional[str] = None
+    arch: ArchConfig = field(default_factory=ArchConfig)
+    # auto: bf16 on GPUs, fp32 on CPU. Or one of fp32, bf16, fp16.
+    dtype: str = "auto"
+
+
+@dataclass
+class ParallelConfig:
+    """Trainer parallelism; data parallel size is world / (tp * pp * cp)."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = True  # GPUs only; CPU falls back to a local optimizer
+
+
+@dataclass
+class AlgoConfig:
+    """Advantage estimation and the (decoupled) PPO objective, as in AReaL."""
+
+    advantage: str = "grpo"
+    std_normalize: bool = True
+    leave_one_out: bool = False
+    use_decoupled_loss: bool = True
+    eps_clip: float = 0.2
+    eps_clip_high: Optional[float] = 0.28
+    dual_clip: Optional[float] = None
+    behav_imp_weight_cap: Optional[float] = None
+    cap_mode: str = "mask"  # mask | clamp
+    cap_level: str = "token"  # token | sequence
+    # AReaL's admission control eta; null: unbounded, as in Laminar.
+    max_staleness: Optional[int] = None
+    n_samples_per_prompt: int = 8
+
+
+@dataclass
+class SamplingConfig:
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = "cpu"  # cpu (built-in engine) | sglang
+    num_engines: int = 2
+    engine_tp: int = 1
+    mem_fraction_static: float = 0.8
+    kv_capacity_tokens: int = 16384  # CPU engine KV cache size
+    max_running_requests: int = 64
+    base_port: int = 0  # 0: pick free ports
+    host: str = "127.0.0.1"
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    extra_args: List[str] = field(default_factory=list)  # passed to sglang.launch_server
+    repack_interval_s: float = 5.0
+
+
+@dataclass
+class WeightSyncConfig:
+    bucket_mb: int = 512
+    chain_chunks: Optional[int] = None  # null: from Laminar's T(p, k) model
+
+
+@dataclass
+class NodeGroupConfig:
+    nnodes: int = 1
+    nproc_per_node: int = 1
+
+
+@dataclass
+class ClusterConfig:
+    """Where the roles run. ``controller_addr`` is how multi-node roles find each other."""
+
+    name: str = "local_cpu"
+    trainer: NodeGroupConfig = field(default_factory=NodeGroupConfig)
+    rollout_nodes: int = 1
+    controller_addr: str = "127.0.0.1"
+    controller_port: int = 0
+    # CPU threads per process on a shared machine; 0: leave torch's default.
+    threads_per_process: int = 1
+
+
+@dataclass
+class DataConfig:
+    train_files: List[str] = field(default_factory=list)
+    eval_files: List[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    max_prompt_len: int = 64
+
+
+@dataclass
+class TrainerConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    train_batch_prompts: int = 32
+    max_tokens_per_microbatch: int = 4096
+    total_steps: int = 100
+    save_interval: int = 0  # 0: never
+    resume: str = "none"  # none | auto | a checkpoint directory
+    max_consecutive_nonfinite: int = 3
+
+
+@dataclass
+class LaminarConfig:
+    """The whole run. ``mode`` picks laminar / one_step / sync on one code base."""
+
+    run_name: str = "default"
+    output_dir: str = "outputs"
+    mode: str = "laminar"
+    seed: int = 1234
+    # What `python -m laminar_mcore.launch` runs; `smoke` is the parallel Megatron check.
+    job: str = "smoke"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+_GROUP_SCHEMAS = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "algo": AlgoConfig,
+    "rollout": RolloutConfig,
+    "cluster": ClusterConfig,
+}
+
+
+def register_configs() -> None:
+    """Register the schemas: ``base_config`` for the root and ``<group>/schema`` per group."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=LaminarConfig)
+    for group, schema in _GROUP_SCHEMAS.items():
+        cs.store(group=group, name="schema", node=schema)
+
+
+__all__ = [name for name in dir() if name.endswith("Config")] + ["register_configs", "MISSING"]

@@ -1,0 +1,121 @@
+"""Checks of a composed run config that span sections; run before any process starts.
+
+Type and key errors are caught by the schemas when Hydra composes the config; this module
+catches what a type cannot say: sizes that must divide, paths that must exist, enum values.
+Every error names the key and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import List
+
+from omegaconf import DictConfig
+
+
+class ConfigError(ValueError):
+    """An invalid run config. The message lists every problem found, each with its fix."""
+
+
+_CHOICES = {
+    "mode": ("laminar", "one_step", "sync"),
+    "job": ("smoke", "train"),
+    "model.dtype": ("auto", "fp32", "bf16", "fp16"),
+    "rollout.backend": ("cpu", "sglang"),
+    "algo.cap_mode": ("mask", "clamp"),
+    "algo.cap_level": ("token", "sequence"),
+    "algo.advantage": ("grpo",),
+}
+
+
+def _get(cfg: DictConfig, dotted: str):
+    node = cfg
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def model_shape(cfg: DictConfig) -> dict:
+    """Vocab, heads, groups and layers of the configured model (from config.json if a path)."""
+    if cfg.model.path is not None:
+        from ..models.hf import load_hf_config
+
+        hf = load_hf_config(cfg.model.path)
+        return dict(vocab=hf.vocab_size, heads=hf.num_attention_heads,
+                    groups=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+                    layers=hf.num_hidden_layers, family=hf.model_type, source="model.path")
+    a = cfg.model.arch
+    return dict(vocab=a.vocab_size, heads=a.num_attention_heads, groups=a.num_key_value_heads,
+                layers=a.num_hidden_layers, family=a.family, source="model.arch")
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Raise ``ConfigError`` listing every problem of ``cfg``; return silently if it is valid."""
+    problems: List[str] = []
+    for key, choices in _CHOICES.items():
+        value = _get(cfg, key)
+        if value not in choices:
+            problems.append(f"{key}={value!r} is not one of {', '.join(choices)}")
+
+    p = cfg.parallel
+    for key in ("tp", "pp", "cp"):
+        if p[key] < 1:
+            problems.append(f"parallel.{key}={p[key]} must be >= 1")
+    t = cfg.cluster.trainer
+    world = t.nnodes * t.nproc_per_node
+    model_parallel = max(p.tp, 1) * max(p.pp, 1) * max(p.cp, 1)
+    if world < 1:
+        problems.append("cluster.trainer.nnodes * cluster.trainer.nproc_per_node must be >= 1")
+    elif world % model_parallel:
+        problems.append(
+            f"trainer world size {world} (cluster.trainer.nnodes={t.nnodes} x "
+            f"cluster.trainer.nproc_per_node={t.nproc_per_node}) is not divisible by "
+            f"tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {model_parallel}; change parallel.tp/pp/cp or "
+            "the trainer process count")
+
+    path = cfg.model.path
+    if path is not None and not os.path.isdir(path):
+        problems.append(f"model.path={path!r} does not exist or is not a directory; give a Hugging "
+                        "Face checkpoint directory, or model.path=null to build from model.arch")
+    elif path is not None and not os.path.isfile(os.path.join(path, "config.json")):
+        problems.append(f"model.path={path!r} has no config.json; it must be a Hugging Face "
+                        "checkpoint directory")
+    else:
+        try:
+            shape = model_shape(cfg)
+        except Exception as exc:  # noqa: BLE001 - an unreadable config.json is a config error
+            problems.append(f"model.path={path!r}: cannot read config.json: {exc}")
+        else:
+            _check_model_divisibility(shape, p, problems)
+
+    if cfg.algo.n_samples_per_prompt < 1:
+        problems.append("algo.n_samples_per_prompt must be >= 1")
+    if cfg.algo.max_staleness is not None and cfg.algo.max_staleness < 0:
+        problems.append("algo.max_staleness must be >= 0, or null for unbounded staleness")
+    if cfg.rollout.num_engines < 1:
+        problems.append("rollout.num_engines must be >= 1")
+    if cfg.weight_sync.bucket_mb < 1:
+        problems.append("weight_sync.bucket_mb must be >= 1")
+    if problems:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+def _check_model_divisibility(shape: dict, p, problems: List[str]) -> None:
+    from ..models import known_model_types
+
+    src = shape["source"]
+    if shape["family"] not in known_model_types():
+        problems.append(f"{src}: model family {shape['family']!r} has no adapter; known: "
+                        f"{', '.join(known_model_types())}")
+    if p.tp >= 1 and shape["vocab"] % p.tp:
+        problems.append(f"vocab size {shape['vocab']} ({src}) is not divisible by parallel.tp="
+                        f"{p.tp}; choose a tp that divides it")
+    if p.tp >= 1 and shape["heads"] % p.tp:
+        problems.append(f"num_attention_heads {shape['heads']} ({src}) is not divisible by "
+                        f"parallel.tp={p.tp}")
+    if p.tp >= 1 and shape["groups"] % p.tp:
+        problems.append(f"num_key_value_heads {shape['groups']} ({src}) is not divisible by "
+                        f"parallel.tp={p.tp}")
+    if p.pp >= 1 and shape["layers"] % p.pp:
+        problems.append(f"num_hidden_layers {shape['layers']} ({src}) is not divisible by "
+                        f"parallel.pp={p.pp}")
