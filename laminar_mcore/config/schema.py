@@ -36,7 +36,8 @@ class ArchConfig:
 class ModelConfig:
     name: str = "tiny-qwen2"
     # Hugging Face checkpoint directory (config.json + safetensors). Null: build from `arch`.
-    path: Optional[str] = None
+    # Mandatory (???) unless a model file sets it, so a recipe cannot silently fall back to `arch`.
+    path: Optional[str] = MISSING
     arch: ArchConfig = field(default_factory=ArchConfig)
     # auto: bf16 on GPUs, fp32 on CPU. Or one of fp32, bf16, fp16.
     dtype: str = "auto"
@@ -114,7 +115,7 @@ class ClusterConfig:
     name: str = "local_cpu"
     trainer: NodeGroupConfig = field(default_factory=NodeGroupConfig)
     rollout_nodes: int = 1
-    controller_addr: str = "127.0.0.1"
+    controller_addr: str = MISSING  # local_cpu sets 127.0.0.1; multi-node runs must set it
     controller_port: int = 0
     # CPU threads per process on a shared machine; 0: leave torch's default.
     threads_per_process: int = 1

@@ -52,6 +52,14 @@ def model_shape(cfg: DictConfig) -> dict:
 def validate_config(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` listing every problem of ``cfg``; return silently if it is valid."""
     problems: List[str] = []
+    _check_against_schema(cfg)
+    from omegaconf import OmegaConf
+
+    missing = sorted(k for k in OmegaConf.missing_keys(cfg) if not k.startswith("hydra"))
+    if missing:
+        raise ConfigError("invalid configuration: mandatory values are not set: "
+                          + ", ".join(missing) + "; give them on the command line, e.g. "
+                          + " ".join(f"{k}=..." for k in missing))
     for key, choices in _CHOICES.items():
         value = _get(cfg, key)
         if value not in choices:
@@ -98,6 +106,23 @@ def validate_config(cfg: DictConfig) -> None:
         problems.append("weight_sync.bucket_mb must be >= 1")
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+def _check_against_schema(cfg: DictConfig) -> None:
+    """Keys added with ``+key=value`` bypass Hydra's struct check; re-merge onto the schema."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from .schema import LaminarConfig
+
+    plain = OmegaConf.to_container(cfg, resolve=False)
+    plain.pop("hydra", None)
+    try:
+        OmegaConf.merge(OmegaConf.structured(LaminarConfig), plain)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "?"
+        raise ConfigError(f"invalid configuration: key '{key}': {exc.msg if hasattr(exc, 'msg') else exc}; "
+                          "remove it or fix its name/type (see laminar_mcore/config/schema.py)") from None
 
 
 def _check_model_divisibility(shape: dict, p, problems: List[str]) -> None:

@@ -12,6 +12,7 @@ import hydra
 from omegaconf import DictConfig
 
 from ..config import ConfigError, register_configs, validate_config
+from ..config.overrides import check_overrides
 from . import CONF_DIR
 
 register_configs()
@@ -34,5 +35,14 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    try:
+        check_overrides(sys.argv[1:], CONF_DIR)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -90,7 +90,7 @@ def save_hf_checkpoint(path: str | os.PathLike, hf_config, state: Mapping[str, t
 
 _TINY_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                  max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+                  max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
                   tie_word_embeddings=False, hidden_act="silu")
 
 

@@ -202,6 +202,39 @@ class CpuRNGStatesTracker:
 
 _TORCH_NS: types.ModuleType | None = None
 
+# Megatron methods that call ``tensor.cuda()`` directly; on CPU the call keeps the tensor where
+# it is, only for the duration of these methods.
+_TENSOR_CUDA_CALLERS = (
+    ("megatron.core.models.common.language_module.language_module", "LanguageModule",
+     "setup_embeddings_and_output_layer"),
+)
+
+
+@contextlib.contextmanager
+def _tensor_cuda_is_identity():
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
+def _wrap_tensor_cuda_callers() -> None:
+    for module_name, cls_name, method_name in _TENSOR_CUDA_CALLERS:
+        cls = getattr(importlib.import_module(module_name), cls_name)
+        method = getattr(cls, method_name)
+        if getattr(method, "_laminar_cpu", False):
+            continue
+
+        @functools.wraps(method)
+        def wrapper(*args, __method=method, **kwargs):
+            with _tensor_cuda_is_identity():
+                return __method(*args, **kwargs)
+
+        wrapper._laminar_cpu = True
+        setattr(cls, method_name, wrapper)
+
 
 def _rebind_megatron_modules() -> int:
     """Point the ``torch`` global of every loaded megatron.core module at the CPU namespace."""
@@ -271,6 +304,7 @@ def apply_cpu_compat(force: bool = False) -> bool:
         torch.cuda.current_device = _cpu_device  # raises on a CPU build; Megatron calls it often
         _import_megatron_packages()
         _install_rng_tracker()
+        _wrap_tensor_cuda_callers()
         _APPLIED = True
     _rebind_megatron_modules()
     return True

@@ -125,3 +125,35 @@ def load_full_state(model, hf_config, full_state: Mapping[str, torch.Tensor]) ->
             raise AdapterError(f"{local}: source shard has shape {tuple(shard.shape)}, the model "
                                f"expects {tuple(param.shape)} (wrong config or tp size?)")
         param.copy_(shard.to(param.dtype))
+
+
+@torch.no_grad()
+def stage_full_tensors(model, hf_config, *, grads: bool = False) -> Dict[str, torch.Tensor]:
+    """This pipeline stage's parameters (or their gradients) as full tensors, gathered over TP.
+
+    Returned on every rank of the tensor-parallel group, keyed by full Megatron names with
+    global layer numbers. The last stage's copy of a tied embedding is left out (the first
+    stage holds it). Collective over the TP group.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    adapter = get_adapter(hf_config)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    tied = adapter.tied_embeddings(hf_config)
+    out: Dict[str, torch.Tensor] = {}
+    for local, param in model.named_parameters():
+        if tied and local == "output_layer.weight":
+            continue
+        full_name = global_param_name(model, local)
+        tensor = param.grad if grads else param
+        if tensor is None:
+            tensor = torch.zeros_like(param)
+        tensor = tensor.detach().contiguous()
+        if adapter.tp_dim(full_name) is not None and tp_size > 1:
+            shards = [torch.empty_like(tensor) for _ in range(tp_size)]
+            dist.all_gather(shards, tensor, group=tp_group)
+            tensor = adapter.unshard(full_name, shards)
+        out[full_name] = tensor.cpu().clone()
+    return out

@@ -1,0 +1,128 @@
+"""Hydra configuration: composition against the schemas, and the errors promised to users."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+
+from laminar_mcore.config import ConfigError, register_configs, validate_config
+from laminar_mcore.config.overrides import check_overrides
+from laminar_mcore.config.paths import conf_dir
+
+register_configs()
+CONF = conf_dir()
+
+
+def _compose(*overrides):
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_default_config_composes_and_is_valid():
+    cfg = _compose()
+    assert cfg.run_name == "cpu_demo" and cfg.mode == "laminar"
+    assert cfg.model.arch.family == "qwen2" and cfg.rollout.backend == "cpu"
+    assert cfg.algo.eps_clip_high == 0.28 and cfg.algo.max_staleness is None
+    validate_config(cfg)
+
+
+@pytest.mark.parametrize("experiment", ["cpu_demo", "cpu_tp2_pp2"])
+def test_cpu_experiments_are_valid(experiment):
+    validate_config(_compose(f"experiment={experiment}"))
+
+
+def test_gpu_recipes_compose_and_ask_for_the_model_path():
+    cfg = _compose("experiment=qwen2_5_72b_math")
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.rollout.backend) == (8, 4, "sglang")
+    with pytest.raises(ConfigError, match=r"mandatory values are not set: cluster.controller_addr, "
+                                          r"model.path; .* model.path=\.\.\."):
+        validate_config(cfg)
+
+
+def test_world_size_must_divide_by_model_parallel_size():
+    cfg = _compose("parallel.tp=2", "parallel.pp=2", "cluster.trainer.nproc_per_node=6")
+    with pytest.raises(ConfigError, match=r"world size 6 .* not divisible by tp\*pp\*cp = 2\*2\*1"):
+        validate_config(cfg)
+
+
+def test_vocab_heads_and_layers_must_divide():
+    cfg = _compose("parallel.tp=3", "cluster.trainer.nproc_per_node=3")
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    assert "vocab size 128 (model.arch) is not divisible by parallel.tp=3" in str(err.value)
+    assert "num_attention_heads 4" in str(err.value)
+    cfg = _compose("parallel.pp=3", "cluster.trainer.nproc_per_node=3")
+    with pytest.raises(ConfigError, match="num_hidden_layers 4 .* parallel.pp=3"):
+        validate_config(cfg)
+
+
+def test_model_path_must_exist_and_be_a_checkpoint(tmp_path):
+    cfg = _compose("model=hf", f"model.path={tmp_path / 'nope'}")
+    with pytest.raises(ConfigError, match="does not exist"):
+        validate_config(cfg)
+    cfg = _compose("model=hf", f"model.path={tmp_path}")
+    with pytest.raises(ConfigError, match="has no config.json"):
+        validate_config(cfg)
+
+
+def test_vocab_check_reads_the_checkpoint_config(tmp_path):
+    from laminar_mcore.models.hf import tiny_hf_config
+
+    tiny_hf_config("qwen3", vocab_size=129).save_pretrained(tmp_path)
+    cfg = _compose("model=hf", f"model.path={tmp_path}", "parallel.tp=2",
+                   "cluster.trainer.nproc_per_node=2")
+    with pytest.raises(ConfigError, match=r"vocab size 129 \(model.path\) is not divisible"):
+        validate_config(cfg)
+
+
+def test_unknown_keys_and_wrong_types_are_refused():
+    with pytest.raises(ConfigError, match="did you mean model.arch.hidden_size"):
+        check_overrides(["model.arch.hiden_size=3"], CONF)
+    with pytest.raises(ConfigError, match="'parallel' has no field 'foo'"):
+        check_overrides(["+parallel.foo=1"], CONF)
+    check_overrides(["model=tiny_llama", "experiment=cpu_tp2_pp2", "parallel.tp=2",
+                     "hydra.run.dir=x", "--cfg", "job"], CONF)
+    with pytest.raises(ConfigCompositionException, match="parallel.tp"):
+        _compose("parallel.tp=two")
+    with pytest.raises(ConfigCompositionException, match="hiden_size"):
+        _compose("model.arch.hiden_size=3")
+    cfg = _compose("+trainer.lr_typo=1")  # Hydra lets `+` through; validation does not
+    with pytest.raises(ConfigError, match="lr_typo"):
+        validate_config(cfg)
+    with pytest.raises(ConfigError, match="mode='async' is not one of laminar, one_step, sync"):
+        validate_config(_compose("mode=async"))
+
+
+def _launch(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "laminar_mcore.launch", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+
+
+def test_cli_prints_the_composed_config(tmp_path):
+    proc = _launch("--cfg", "job", "model=tiny_qwen3", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "name: tiny-qwen3" in proc.stdout and "head_dim: 16" in proc.stdout
+
+
+def test_cli_reports_invalid_config_before_starting_anything(tmp_path):
+    proc = _launch("parallel.tp=3", "cluster.trainer.nproc_per_node=4", "output_dir=out", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "not divisible by tp*pp*cp" in proc.stderr
+    assert "smoke" not in proc.stdout  # the job never started
+    proc = _launch("paralel.tp=2", cwd=tmp_path)
+    assert proc.returncode == 2 and "did you mean parallel" in proc.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_launcher_runs_the_smoke_job_at_tp2_pp2(tmp_path):
+    proc = _launch("experiment=cpu_tp2_pp2", "model=tiny_llama", "output_dir=out", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "cpu_tp2_pp2" / "smoke.json").read_text())
+    assert summary["world_size"] == 4 and (summary["tp"], summary["pp"]) == (2, 2)
+    assert summary["abs_diff"] <= 1e-5 and summary["max_rank_spread"] == 0.0
