@@ -8,7 +8,10 @@ layers, optimizer helpers and dist_checkpointing run with gloo on a machine with
   factory functions (``zeros``, ``empty``, ``tensor``, ...) map ``device="cuda"`` to the CPU and
   ``torch.cuda`` streams, events, synchronisation and NVTX ranges are no-ops;
 * the CUDA RNG tracker is replaced by one that forks the CPU generator, so
-  ``model_parallel_cuda_manual_seed`` and ``get_cuda_rng_tracker().fork()`` keep their meaning.
+  ``model_parallel_cuda_manual_seed`` and ``get_cuda_rng_tracker().fork()`` keep their meaning;
+* gradient clipping (``clip_grad_by_total_norm_fp32``, which asserts CUDA tensors and uses an
+  apex kernel) scales the CPU gradients with ``torch._foreach_mul_``;
+* the tied-embedding set-up's ``tensor.cuda()`` keeps the tensor on the CPU.
 
 It is applied only when CUDA is absent (``apply_cpu_compat()`` is a no-op otherwise) and it
 never edits installed files: everything happens on module objects at run time. It must never be
@@ -220,6 +223,30 @@ def _tensor_cuda_is_identity():
         torch.Tensor.cuda = original
 
 
+def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """Megatron's ``clip_grad_by_total_norm_fp32`` without its CUDA-only assertion and apex
+    kernel: scale every gradient in place by min(1, max_norm / total_norm)."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if isinstance(clip_coeff, torch.Tensor):
+        clip_coeff = clip_coeff.clamp_max(1.0)
+        if grads:
+            torch._foreach_mul_(grads, clip_coeff.to(grads[0].device))
+    elif clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+def _patch_grad_clipping() -> None:
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as moptimizer
+
+    for module in (clip_grads, moptimizer):
+        module.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
+
+
 def _wrap_tensor_cuda_callers() -> None:
     for module_name, cls_name, method_name in _TENSOR_CUDA_CALLERS:
         cls = getattr(importlib.import_module(module_name), cls_name)
@@ -305,6 +332,7 @@ def apply_cpu_compat(force: bool = False) -> bool:
         _import_megatron_packages()
         _install_rng_tracker()
         _wrap_tensor_cuda_callers()
+        _patch_grad_clipping()
         _APPLIED = True
     _rebind_megatron_modules()
     return True

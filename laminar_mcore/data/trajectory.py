@@ -1,0 +1,67 @@
+"""The Trajectory: one dataclass from the engine that generated it to the loss that consumes it.
+
+It carries everything the trainer needs and nothing is re-derived later: the prompt and response
+token ids, the behaviour policy's log-prob of every response token (as the engine reported it),
+the weight version that generated it (exactly one), its reward and GRPO group, why generation
+stopped, and the timings of its life. It is plain data: no torch, no engine or trainer imports.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass
+class Trajectory:
+    prompt_ids: List[int]
+    response_ids: List[int]
+    behav_logprobs: List[float]  # one per response token, from the engine that sampled it
+    weight_version: int
+    group_id: str  # trajectories of one prompt share it (GRPO groups)
+    reward: Optional[float] = None
+    finish_reason: str = "stop"
+    uid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # Seconds since the epoch: submitted, first_token, finished, rewarded, consumed, ...
+    timings: Dict[str, float] = field(default_factory=dict)
+    metadata: Dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError(f"trajectory {self.uid}: empty prompt")
+        if len(self.behav_logprobs) != len(self.response_ids):
+            raise ValueError(f"trajectory {self.uid}: {len(self.response_ids)} response tokens "
+                             f"but {len(self.behav_logprobs)} behaviour log-probs")
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"trajectory {self.uid}: finish_reason {self.finish_reason!r} is "
+                             f"not one of {FINISH_REASONS}")
+        if self.weight_version < 0:
+            raise ValueError(f"trajectory {self.uid}: negative weight_version")
+        if any(not math.isfinite(x) or x > 1e-6 for x in self.behav_logprobs):
+            raise ValueError(f"trajectory {self.uid}: behaviour log-probs must be finite and <= 0")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    def staleness(self, trainer_version: int) -> int:
+        """How many versions the trainer is ahead of the policy that generated this."""
+        return trainer_version - self.weight_version
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "Trajectory":
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown Trajectory fields: {sorted(unknown)}")
+        return cls(**data)
