@@ -126,3 +126,18 @@ def test_launcher_runs_the_smoke_job_at_tp2_pp2(tmp_path):
     summary = json.loads((tmp_path / "out" / "cpu_tp2_pp2" / "smoke.json").read_text())
     assert summary["world_size"] == 4 and (summary["tp"], summary["pp"]) == (2, 2)
     assert summary["abs_diff"] <= 1e-5 and summary["max_rank_spread"] == 0.0
+
+
+def test_algorithm_and_trainer_values_are_checked_and_reach_the_actor():
+    from laminar_mcore.trainer.actor import ActorSettings
+
+    cfg = _compose("algo.behav_imp_weight_cap=5.0", "trainer.lr=3e-6", "trainer.max_tokens_per_microbatch=512")
+    settings = ActorSettings.from_config(cfg)
+    assert (settings.behav_imp_weight_cap, settings.lr, settings.max_tokens_per_microbatch) == (5.0, 3e-6, 512)
+    assert settings.eps_clip_high == 0.28 and settings.use_decoupled_loss is True
+    with pytest.raises(ConfigError, match="algo.dual_clip=0.5 must be > 1"):
+        validate_config(_compose("algo.dual_clip=0.5"))
+    with pytest.raises(ConfigError, match="behav_imp_weight_cap=0.9"):
+        validate_config(_compose("algo.behav_imp_weight_cap=0.9"))
+    with pytest.raises(ConfigError, match="lr_decay_style='exp'"):
+        validate_config(_compose("trainer.lr_decay_style=exp"))

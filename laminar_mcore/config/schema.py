@@ -133,8 +133,15 @@ class DataConfig:
 @dataclass
 class TrainerConfig:
     lr: float = 1e-5
+    min_lr: float = 0.0
+    lr_warmup_steps: int = 0
+    lr_decay_style: str = "constant"  # constant | linear | cosine (Megatron's scheduler)
     weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
     grad_clip: float = 1.0
+    logprob_chunk_size: int = 1024  # tokens per chunk of the vocab-parallel log-prob pass
     train_batch_prompts: int = 32
     max_tokens_per_microbatch: int = 4096
     total_steps: int = 100

@@ -25,6 +25,7 @@ _CHOICES = {
     "algo.cap_mode": ("mask", "clamp"),
     "algo.cap_level": ("token", "sequence"),
     "algo.advantage": ("grpo",),
+    "trainer.lr_decay_style": ("constant", "linear", "cosine"),
 }
 
 
@@ -104,6 +105,18 @@ def validate_config(cfg: DictConfig) -> None:
         problems.append("rollout.num_engines must be >= 1")
     if cfg.weight_sync.bucket_mb < 1:
         problems.append("weight_sync.bucket_mb must be >= 1")
+    tr = cfg.trainer
+    if tr.max_tokens_per_microbatch < 1:
+        problems.append("trainer.max_tokens_per_microbatch must be >= 1")
+    if tr.lr <= 0 or tr.min_lr < 0 or tr.min_lr > tr.lr:
+        problems.append(f"trainer.lr={tr.lr} must be > 0 and trainer.min_lr={tr.min_lr} in [0, lr]")
+    if cfg.algo.eps_clip <= 0 or (cfg.algo.eps_clip_high is not None and cfg.algo.eps_clip_high <= 0):
+        problems.append("algo.eps_clip and algo.eps_clip_high must be > 0")
+    if cfg.algo.dual_clip is not None and cfg.algo.dual_clip <= 1:
+        problems.append(f"algo.dual_clip={cfg.algo.dual_clip} must be > 1 (or null)")
+    if cfg.algo.behav_imp_weight_cap is not None and cfg.algo.behav_imp_weight_cap <= 1:
+        problems.append(f"algo.behav_imp_weight_cap={cfg.algo.behav_imp_weight_cap} must be > 1 "
+                        "(AReaL uses 5.0) or null")
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
 

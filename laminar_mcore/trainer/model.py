@@ -16,6 +16,16 @@ from ..models.base import AdapterError, split_layer_name
 from ..parallel import apply_cpu_compat
 
 
+def resolve_dtype(name: str) -> torch.dtype:
+    """``model.dtype``: auto is bf16 on GPUs and fp32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    table = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if name not in table:
+        raise ValueError(f"model.dtype={name!r} is not one of auto, fp32, bf16, fp16")
+    return table[name]
+
+
 def te_available() -> bool:
     try:
         import transformer_engine  # noqa: F401

@@ -1,0 +1,315 @@
+"""The Megatron-Core actor: decoupled-PPO train steps on packed trajectories at any TP x PP x DP.
+
+Owns the model (wrapped in Megatron's DistributedDataParallel), Megatron's optimizer and LR
+schedule, the weight version counter, and one train step:
+
+  1. rank 0 computes advantages, plans balanced micro-batches per DP rank and scatters them;
+  2. pi_prox is recomputed once per batch with a forward-only pass (skipped, pi_prox = pi_behav,
+     when ``use_decoupled_loss`` is false);
+  3. Megatron's forward-backward schedule computes vocab-parallel log-probs and the decoupled PPO
+     loss, normalised by the global loss-token count (so splitting does not change the gradient);
+  4. a non-finite loss or gradient norm skips the step (warned and counted); too many in a row
+     stop the run with a clear error.
+
+It never imports engine code; weights leave it only through ``laminar_mcore.weights`` formats.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..algos import decoupled_ppo_token_terms, finalize_stats, get_advantage_fn
+from ..data.trajectory import Trajectory
+from ..parallel import apply_cpu_compat
+from .logprobs import DEFAULT_CHUNK, megatron_vocab_parallel_logprobs
+from .model import build_gpt_model, load_full_state, te_available
+from .packing import PackedMicroBatch, pack_trajectories, pad_multiple, padded_length, plan_microbatches
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many consecutive steps had a NaN/inf loss or gradient norm."""
+
+
+@dataclass
+class ActorSettings:
+    """What the actor needs from ``cfg.algo`` and ``cfg.trainer`` (plain values)."""
+
+    advantage: str = "grpo"
+    std_normalize: bool = True
+    leave_one_out: bool = False
+    use_decoupled_loss: bool = True
+    eps_clip: float = 0.2
+    eps_clip_high: Optional[float] = None
+    dual_clip: Optional[float] = None
+    behav_imp_weight_cap: Optional[float] = None
+    cap_mode: str = "mask"
+    cap_level: str = "token"
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    lr_warmup_steps: int = 0
+    lr_decay_style: str = "constant"
+    total_steps: int = 1000
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    max_tokens_per_microbatch: int = 4096
+    max_consecutive_nonfinite: int = 3
+    logprob_chunk_size: int = DEFAULT_CHUNK
+    extra: Dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, cfg) -> "ActorSettings":
+        names = set(cls.__dataclass_fields__)
+        values = {k: v for k, v in dict(cfg.algo).items() if k in names}
+        values.update({k: v for k, v in dict(cfg.trainer).items() if k in names})
+        return cls(**values)
+
+
+class MegatronActor:
+    """One pipeline stage of the policy on this rank, with its optimizer. Collective: every
+    trainer rank constructs it and calls ``train_step`` together."""
+
+    def __init__(self, hf_config, settings: ActorSettings, *, full_state=None,
+                 dtype: torch.dtype = torch.float32, use_distributed_optimizer: bool = True,
+                 use_te: Optional[bool] = None):
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import (DistributedDataParallel,
+                                               DistributedDataParallelConfig, finalize_model_grads)
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        apply_cpu_compat()
+        self.hf_config = hf_config
+        self.settings = settings
+        self.use_te = te_available() if use_te is None else use_te
+        self.version = 0
+        self.consecutive_nonfinite = 0
+        self.total_nonfinite = 0
+        use_dist_opt = bool(use_distributed_optimizer and torch.cuda.is_available())
+
+        model = build_gpt_model(hf_config, dtype=dtype, use_te=self.use_te)
+        if full_state is not None:
+            load_full_state(model, hf_config, full_state)
+        self.model = DistributedDataParallel(
+            model.config,
+            DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                          use_distributed_optimizer=use_dist_opt),
+            model)
+        self.config = model.config
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=settings.lr, min_lr=settings.min_lr,
+                            weight_decay=settings.weight_decay, adam_beta1=settings.adam_beta1,
+                            adam_beta2=settings.adam_beta2, adam_eps=settings.adam_eps,
+                            clip_grad=settings.grad_clip, bf16=dtype == torch.bfloat16,
+                            fp16=False, params_dtype=dtype,
+                            use_distributed_optimizer=use_dist_opt),
+            [self.model])
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if settings.lr_warmup_steps else settings.lr,
+            max_lr=settings.lr, min_lr=settings.min_lr, lr_warmup_steps=settings.lr_warmup_steps,
+            lr_decay_steps=max(settings.total_steps, 1), lr_decay_style=settings.lr_decay_style,
+            start_wd=settings.weight_decay, end_wd=settings.weight_decay,
+            wd_incr_steps=max(settings.total_steps, 1), wd_incr_style="constant")
+        apply_cpu_compat()  # modules imported by DDP / optimizer construction
+        self.ps = ps
+        # The data-parallel rank of every global rank, for scattering rank 0's batch.
+        self._dp_ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(self._dp_ranks, ps.get_data_parallel_rank())
+
+    # ------------------------------------------------------------------ batch distribution
+    def _plan(self, trajectories: Sequence[Trajectory]):
+        s = self.settings
+        rewards = [t.reward for t in trajectories]
+        if any(r is None for r in rewards):
+            raise ValueError("every trajectory needs a reward before training on it")
+        adv_fn = get_advantage_fn(s.advantage)
+        adv = adv_fn(rewards, [t.group_id for t in trajectories], std_normalize=s.std_normalize,
+                     leave_one_out=s.leave_one_out).tolist()
+        multiple = pad_multiple(self.ps.get_tensor_model_parallel_world_size(),
+                                self.ps.get_context_parallel_world_size())
+        lengths = [padded_length(t.num_tokens, multiple) for t in trajectories]
+        plan = plan_microbatches(lengths, s.max_tokens_per_microbatch,
+                                 self.ps.get_data_parallel_world_size())
+        return adv, plan
+
+    def distribute(self, trajectories: Optional[Sequence[Trajectory]]) -> List[PackedMicroBatch]:
+        """Rank 0's batch -> this rank's packed micro-batches (scattered with torch.distributed)."""
+        world = dist.get_world_size()
+        payload = [None] * world
+        if dist.get_rank() == 0:
+            if not trajectories:
+                raise ValueError("train_step needs a non-empty batch on rank 0")
+            adv, plan = self._plan(trajectories)
+            for rank in range(world):
+                payload[rank] = [[(trajectories[i].to_dict(), adv[i], i) for i in mb]
+                                 for mb in plan[self._dp_ranks[rank]]]
+        received = [None]
+        dist.scatter_object_list(received, payload if dist.get_rank() == 0 else None, src=0)
+        tp = self.ps.get_tensor_model_parallel_world_size()
+        cp = self.ps.get_context_parallel_world_size()
+        return [pack_trajectories([Trajectory.from_dict(d) for d, _, _ in mb],
+                                  [a for _, a, _ in mb], [i for _, _, i in mb], tp=tp, cp=cp)
+                for mb in received[0]]
+
+    # ------------------------------------------------------------------ forward passes
+    def _model_inputs(self, mb: PackedMicroBatch):
+        if self.use_te:
+            return dict(attention_mask=None, packed_seq_params=mb.packed_seq_params())
+        return dict(attention_mask=mb.attention_mask())
+
+    def _run_schedule(self, micro_batches, loss_func_factory, forward_only: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            if device is not None:
+                mb.to(device)
+            output = model(mb.tokens, mb.position_ids, **self._model_inputs(mb))
+            return output, loss_func_factory(mb)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.model],
+            num_microbatches=len(micro_batches),
+            seq_length=max(mb.num_tokens for mb in micro_batches), micro_batch_size=1,
+            forward_only=forward_only)
+
+    def _logprobs(self, logits: torch.Tensor, mb: PackedMicroBatch):
+        return megatron_vocab_parallel_logprobs(logits[0], mb.labels[0],
+                                                chunk_size=self.settings.logprob_chunk_size)
+
+    @torch.no_grad()
+    def compute_logprobs(self, micro_batches: List[PackedMicroBatch]) -> None:
+        """Forward only: store the current policy's log-probs as ``mb.prox_logprobs``."""
+        self.model.eval()
+
+        def factory(mb):
+            def loss_func(logits):
+                lp, _ = self._logprobs(logits, mb)
+                mb.prox_logprobs = lp.detach().float().unsqueeze(0)
+                return torch.zeros((), device=logits.device), {}
+
+            return loss_func
+
+        self._run_schedule(micro_batches, factory, forward_only=True)
+        self.model.train()
+
+    # ------------------------------------------------------------------ train step
+    def train_step(self, trajectories: Optional[Sequence[Trajectory]]) -> Dict[str, float]:
+        """One optimizer step on rank 0's batch. Returns the same stats on every rank."""
+        s = self.settings
+        micro_batches = self.distribute(trajectories)
+        num_mb = len(micro_batches)
+        dp_group = self.ps.get_data_parallel_group()
+        dp_size = self.ps.get_data_parallel_world_size()
+        count = torch.tensor([float(sum(mb.loss_mask.sum() for mb in micro_batches))],
+                             dtype=torch.float64)
+        dist.all_reduce(count, group=dp_group)
+        global_tokens = float(count.item())
+
+        if s.use_decoupled_loss:
+            self.compute_logprobs(micro_batches)
+        sums: Dict[str, torch.Tensor] = {}
+
+        def factory(mb):
+            def loss_func(logits):
+                lp, entropy = self._logprobs(logits, mb)
+                mask = mb.loss_mask[0]
+                prox = mb.prox_logprobs[0] if mb.prox_logprobs is not None else mb.behav_logprobs[0]
+                terms, stats = decoupled_ppo_token_terms(
+                    lp, prox, mb.behav_logprobs[0], mb.advantages[0], mask,
+                    eps_clip=s.eps_clip, eps_clip_high=s.eps_clip_high, dual_clip=s.dual_clip,
+                    behav_imp_weight_cap=s.behav_imp_weight_cap, cap_mode=s.cap_mode,
+                    cap_level=s.cap_level, seq_ids=mb.seq_ids[0])
+                loss_sum = terms.sum()
+                stats["loss"] = loss_sum.detach()
+                stats["entropy"] = (entropy.detach() * mask).sum()
+                for key, value in stats.items():
+                    value = value.detach().double().cpu()
+                    if key == "imp_weight_max":
+                        sums[key] = torch.maximum(sums.get(key, value), value)
+                    else:
+                        sums[key] = sums.get(key, torch.zeros((), dtype=torch.float64)) + value
+                # The schedule divides by num_mb and DDP averages over DP: undo both so that the
+                # gradient is that of (sum over all loss tokens) / (global loss-token count).
+                scale = num_mb * dp_size / max(global_tokens, 1.0)
+                return loss_sum * scale, {}
+
+            return loss_func
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._run_schedule(micro_batches, factory, forward_only=False)
+        stats = self._reduce_stats(sums)
+        finite = torch.tensor([1.0 if math.isfinite(stats["loss"]) else 0.0])
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+
+        result = dict(stats, num_microbatches=float(num_mb), global_tokens=global_tokens)
+        if global_tokens == 0:
+            logger.warning("batch has no loss tokens; optimizer step skipped")
+            result.update(skipped=1.0, grad_norm=0.0, lr=self.scheduler.get_lr(
+                self.optimizer.param_groups[0]))
+            return result
+        grad_norm = float("nan")
+        if finite.item() == 1.0:
+            ok, grad_norm, _ = self.optimizer.step()
+            grad_norm = float(grad_norm) if grad_norm is not None else 0.0
+            if ok and math.isfinite(grad_norm):
+                self.scheduler.step(increment=1)
+                self.version += 1
+                self.consecutive_nonfinite = 0
+                result.update(skipped=0.0, grad_norm=grad_norm, version=float(self.version),
+                              lr=self.optimizer.param_groups[0]["lr"])
+                return result
+        self._skip_nonfinite(stats["loss"], grad_norm)
+        result.update(skipped=1.0, grad_norm=grad_norm, version=float(self.version),
+                      nonfinite_total=float(self.total_nonfinite))
+        return result
+
+    def _skip_nonfinite(self, loss: float, grad_norm: float) -> None:
+        self.consecutive_nonfinite += 1
+        self.total_nonfinite += 1
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        logger.warning("non-finite loss %s or grad norm %s: step skipped (%d in a row, %d total)",
+                       loss, grad_norm, self.consecutive_nonfinite, self.total_nonfinite)
+        if self.consecutive_nonfinite >= self.settings.max_consecutive_nonfinite:
+            raise NonFiniteLossError(
+                f"{self.consecutive_nonfinite} consecutive steps had a non-finite loss or gradient "
+                f"norm (last loss {loss}, grad norm {grad_norm}); lower trainer.lr, check the "
+                "rewards and behaviour log-probs of the data, or raise "
+                "trainer.max_consecutive_nonfinite")
+
+    def _reduce_stats(self, sums: Dict[str, torch.Tensor]) -> Dict[str, float]:
+        """Sum the per-micro-batch stats over DP on the last stage, then share them over PP."""
+        keys = ["loss", "entropy", "n_tokens", "clip_frac", "dual_clip_frac", "imp_weight_mean",
+                "behav_masked_frac", "approx_kl"]
+        vec = torch.tensor([float(sums.get(k, 0.0)) for k in keys], dtype=torch.float64)
+        wmax = torch.tensor([float(sums.get("imp_weight_max", 0.0))], dtype=torch.float64)
+        if self.ps.is_pipeline_last_stage():
+            dist.all_reduce(vec, group=self.ps.get_data_parallel_group())
+            dist.all_reduce(wmax, op=dist.ReduceOp.MAX, group=self.ps.get_data_parallel_group())
+        if self.ps.get_pipeline_model_parallel_world_size() > 1:
+            both = torch.cat([vec, wmax])
+            dist.broadcast(both, src=self.ps.get_pipeline_model_parallel_last_rank(),
+                           group=self.ps.get_pipeline_model_parallel_group())
+            vec, wmax = both[:-1], both[-1:]
+        raw = dict(zip(keys, vec.tolist()))
+        raw["imp_weight_max"] = float(wmax.item())
+        out = finalize_stats({k: torch.tensor(v) for k, v in raw.items()})
+        n = raw["n_tokens"]
+        out["loss"] = raw["loss"] / n if n > 0 else 0.0
+        out["entropy"] = raw["entropy"] / n if n > 0 else 0.0
+        return out

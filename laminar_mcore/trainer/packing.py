@@ -1,0 +1,170 @@
+"""Pack trajectories into Megatron's THD layout and plan micro-batches by token budget.
+
+A packed micro-batch is one row of concatenated sequences (prompt + response), each padded to a
+multiple of TP (x 2*CP when CP > 1), with ``cu_seqlens`` marking the boundaries. Position ids
+restart at every sequence. Position ``i`` of a sequence predicts token ``i+1``; its loss mask is
+1 exactly when token ``i+1`` is a response token, and it carries that token's behaviour
+log-prob and its trajectory's advantage.
+
+With Transformer-Engine attention the boundaries travel as ``PackedSeqParams`` (qkv_format
+"thd"); the local attention of the CPU path gets the equivalent block-diagonal causal mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from ..data.trajectory import Trajectory
+
+
+@dataclass
+class PackedMicroBatch:
+    tokens: torch.Tensor  # [1, T] int64 input ids
+    labels: torch.Tensor  # [1, T] int64 next-token ids (0 where there is none)
+    position_ids: torch.Tensor  # [1, T]
+    loss_mask: torch.Tensor  # [1, T] float32
+    behav_logprobs: torch.Tensor  # [1, T] float32 (0 where masked)
+    advantages: torch.Tensor  # [1, T] float32 (0 where masked)
+    seq_ids: torch.Tensor  # [1, T] int64: index of the trajectory in the whole batch, -1 padding
+    cu_seqlens: torch.Tensor  # [n+1] int32, real lengths
+    cu_seqlens_padded: torch.Tensor  # [n+1] int32, padded lengths (the layout)
+    traj_indices: List[int]
+    prox_logprobs: Optional[torch.Tensor] = None  # [1, T] float32, filled by the trainer
+    extras: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[1])
+
+    @property
+    def max_seqlen(self) -> int:
+        return int((self.cu_seqlens_padded[1:] - self.cu_seqlens_padded[:-1]).max())
+
+    def packed_seq_params(self):
+        """Megatron ``PackedSeqParams`` for Transformer-Engine attention (THD)."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        return PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
+            cu_seqlens_q_padded=self.cu_seqlens_padded, cu_seqlens_kv_padded=self.cu_seqlens_padded,
+            max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
+
+    def attention_mask(self) -> torch.Tensor:
+        """[1, 1, T, T] bool, True where attention is *not* allowed (Megatron's convention)."""
+        segment = torch.repeat_interleave(
+            torch.arange(len(self.cu_seqlens_padded) - 1),
+            (self.cu_seqlens_padded[1:] - self.cu_seqlens_padded[:-1]).long())
+        same = segment.unsqueeze(0) == segment.unsqueeze(1)
+        causal = torch.ones(len(segment), len(segment), dtype=torch.bool).tril()
+        return ~(same & causal).view(1, 1, len(segment), len(segment))
+
+    def to(self, device) -> "PackedMicroBatch":
+        for name in ("tokens", "labels", "position_ids", "loss_mask", "behav_logprobs",
+                     "advantages", "seq_ids", "cu_seqlens", "cu_seqlens_padded", "prox_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value.to(device, non_blocking=True))
+        return self
+
+
+def pad_multiple(tp: int = 1, cp: int = 1) -> int:
+    return tp * (2 * cp if cp > 1 else 1)
+
+
+def padded_length(length: int, multiple: int) -> int:
+    return -(-length // multiple) * multiple
+
+
+def pack_trajectories(trajectories: Sequence[Trajectory], advantages: Sequence[float],
+                      traj_indices: Sequence[int], *, tp: int = 1, cp: int = 1) -> PackedMicroBatch:
+    """One packed micro-batch from ``trajectories`` (and one advantage per trajectory)."""
+    if len(trajectories) != len(advantages) or len(trajectories) != len(traj_indices):
+        raise ValueError("pack_trajectories needs one advantage and one index per trajectory")
+    if not trajectories:
+        raise ValueError("cannot pack an empty micro-batch")
+    multiple = pad_multiple(tp, cp)
+    cols = {k: [] for k in ("tokens", "labels", "pos", "mask", "behav", "adv", "seq")}
+    cu, cu_pad = [0], [0]
+    for traj, adv, index in zip(trajectories, advantages, traj_indices):
+        ids = list(traj.prompt_ids) + list(traj.response_ids)
+        n, p = len(ids), len(traj.prompt_ids)
+        n_pad = padded_length(n, multiple)
+        labels = ids[1:] + [0]
+        mask = [1.0 if p - 1 <= i <= n - 2 else 0.0 for i in range(n)]
+        behav = [0.0] * n
+        for j, lp in enumerate(traj.behav_logprobs):
+            behav[p - 1 + j] = float(lp)
+        pad = n_pad - n
+        cols["tokens"] += ids + [0] * pad
+        cols["labels"] += labels + [0] * pad
+        cols["pos"] += list(range(n_pad))
+        cols["mask"] += mask + [0.0] * pad
+        cols["behav"] += behav + [0.0] * pad
+        cols["adv"] += [float(adv) if m else 0.0 for m in mask] + [0.0] * pad
+        cols["seq"] += [index] * n + [-1] * pad
+        cu.append(cu[-1] + n)
+        cu_pad.append(cu_pad[-1] + n_pad)
+
+    def row(values, dtype):
+        return torch.tensor(values, dtype=dtype).unsqueeze(0)
+
+    return PackedMicroBatch(
+        tokens=row(cols["tokens"], torch.long), labels=row(cols["labels"], torch.long),
+        position_ids=row(cols["pos"], torch.long), loss_mask=row(cols["mask"], torch.float32),
+        behav_logprobs=row(cols["behav"], torch.float32), advantages=row(cols["adv"], torch.float32),
+        seq_ids=row(cols["seq"], torch.long), cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        cu_seqlens_padded=torch.tensor(cu_pad, dtype=torch.int32), traj_indices=list(traj_indices))
+
+
+def partition_balanced(lengths: Sequence[int], parts: int) -> List[List[int]]:
+    """Split item indices into ``parts`` groups of near-equal total length (greedy LPT; each
+    item goes to the currently lightest group, longest items first)."""
+    if parts < 1:
+        raise ValueError("parts must be >= 1")
+    if len(lengths) < parts:
+        raise ValueError(f"{len(lengths)} trajectories cannot be spread over {parts} "
+                         "data-parallel ranks; make the batch larger")
+    groups: List[List[int]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        # Lightest group; among equals the one with fewer items, so every group gets one.
+        g = min(range(parts), key=lambda k: (loads[k], len(groups[k]), k))
+        groups[g].append(i)
+        loads[g] += lengths[i]
+    return [sorted(g) for g in groups]
+
+
+def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> List[List[int]]:
+    """Bins of item indices whose total length is at most ``capacity`` (an item longer than
+    ``capacity`` gets a bin of its own). Bins are returned in a deterministic order."""
+    if capacity < 1:
+        raise ValueError("max_tokens_per_microbatch must be >= 1")
+    bins: List[List[int]] = []
+    loads: List[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= capacity:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def plan_microbatches(lengths: Sequence[int], max_tokens_per_microbatch: int,
+                      dp_size: int = 1) -> List[List[List[int]]]:
+    """For each DP rank, its micro-batches as lists of trajectory indices.
+
+    Token counts are balanced across DP ranks; within a rank, micro-batches are bins of at most
+    ``max_tokens_per_microbatch`` (padded) tokens.
+    """
+    plan = []
+    for rank_items in partition_balanced(lengths, dp_size):
+        bins = first_fit_decreasing([lengths[i] for i in rank_items], max_tokens_per_microbatch)
+        plan.append([[rank_items[j] for j in b] for b in bins])
+    return plan

@@ -1,0 +1,104 @@
+"""Worker (under torchrun): one decoupled-PPO optimizer step at several layouts.
+
+For each TPxPP layout (DP takes the rest of the world) it builds the actor from the same
+weights, trains one step on the same batch and saves the updated full weights of its stage.
+Options add: micro-batch splitting at a small token budget, vocab-parallel log-prob checks,
+and a NaN-weight fault that must skip steps and finally stop the run.
+"""
+
+import argparse
+import json
+import os
+
+import torch
+
+
+def vocab_parallel_check(ps):
+    """Log-probs/entropy from this rank's vocab slice equal the full-vocabulary reference, and
+    so does the gradient of the slice."""
+    from laminar_mcore.trainer.logprobs import megatron_vocab_parallel_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(29, 102, generator=g) * 4
+    targets = torch.randint(0, 102, (29,), generator=g)
+    w1, w2 = torch.randn(29, generator=g), torch.randn(29, generator=g)
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    part = full.chunk(tp, dim=-1)[rank].clone().requires_grad_()
+    lp, ent = megatron_vocab_parallel_logprobs(part, targets, chunk_size=5)
+    (lp * w1 + ent * w2).sum().backward()
+    ref = full.double().requires_grad_()
+    ls = torch.log_softmax(ref, -1)
+    rlp, rent = ls.gather(-1, targets[:, None])[:, 0], -(ls.exp() * ls).sum(-1)
+    (rlp * w1 + rent * w2).sum().backward()
+    return {"lp": (lp.double() - rlp).abs().max().item(),
+            "entropy": (ent.double() - rent).abs().max().item(),
+            "grad": (part.grad.double() - ref.grad.chunk(tp, dim=-1)[rank]).abs().max().item()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layouts", default="1x1")
+    ap.add_argument("--budgets", default="4096", help="max_tokens_per_microbatch values")
+    ap.add_argument("--nan-fault", action="store_true")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    from safetensors.torch import save_file
+
+    from laminar_mcore.models import get_adapter
+    from laminar_mcore.models.hf import initial_hf_state, tiny_hf_config
+    from laminar_mcore.parallel import init_trainer_parallel
+    from laminar_mcore.testing.dist import write_rank_result
+    from laminar_mcore.testing.synthetic import random_trajectories
+    from laminar_mcore.trainer.actor import ActorSettings, MegatronActor, NonFiniteLossError
+    from laminar_mcore.trainer.model import stage_full_tensors
+
+    torch.set_num_threads(1)
+    cfg = tiny_hf_config("qwen2")
+    full = get_adapter(cfg).hf_to_mcore(cfg, initial_hf_state(type("M", (), {"path": None})(), cfg, 3))
+    batch = random_trajectories(4, 4, cfg.vocab_size, seed=5)
+    result = {"rank": int(os.environ["RANK"]), "stats": {}}
+
+    for layout in args.layouts.split(","):
+        tp, pp = (int(x) for x in layout.split("x"))
+        init_trainer_parallel(tp=tp, pp=pp, seed=1)
+        from megatron.core import parallel_state as ps
+
+        if tp > 1:
+            result["vocab_parallel_check"] = vocab_parallel_check(ps)
+        for budget in (int(b) for b in args.budgets.split(",")):
+            settings = ActorSettings(lr=1e-3, adam_eps=1e-6, eps_clip=0.2, eps_clip_high=0.28,
+                                     behav_imp_weight_cap=5.0, grad_clip=1.0,
+                                     max_tokens_per_microbatch=budget, logprob_chunk_size=7)
+            actor = MegatronActor(cfg, settings, full_state=full)
+            stats = actor.train_step(batch)
+            result["stats"][f"{layout}@{budget}"] = stats
+            weights = stage_full_tensors(actor.model.module, cfg)
+            if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
+                name = f"weights_{layout}@{budget}_pp{ps.get_pipeline_model_parallel_rank()}"
+                save_file(weights, os.path.join(args.out, name + ".safetensors"))
+
+    if args.nan_fault:
+        init_trainer_parallel(tp=1, pp=1, seed=1)
+        settings = ActorSettings(lr=1e-2, max_consecutive_nonfinite=2)
+        actor = MegatronActor(cfg, settings, full_state=full)
+        before = {k: v.clone() for k, v in actor.model.module.state_dict().items()
+                  if isinstance(v, torch.Tensor)}
+        with torch.no_grad():
+            actor.model.module.decoder.final_layernorm.weight[0] = float("nan")
+        first = actor.train_step(batch)
+        result["nan_first"] = {"skipped": first["skipped"], "version": actor.version}
+        unchanged = all(torch.equal(v, actor.model.module.state_dict()[k]) for k, v in before.items()
+                        if "final_layernorm" not in k)
+        result["nan_weights_unchanged"] = unchanged
+        try:
+            actor.train_step(batch)
+            result["nan_error"] = None
+        except NonFiniteLossError as exc:
+            result["nan_error"] = str(exc)
+    write_rank_result(args.out, result)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
