@@ -128,13 +128,16 @@ def test_launcher_runs_the_smoke_job_at_tp2_pp2(tmp_path):
     assert summary["abs_diff"] <= 1e-5 and summary["max_rank_spread"] == 0.0
 
 
-def test_algorithm_and_trainer_values_are_checked_and_reach_the_actor():
-    from laminar_mcore.trainer.actor import ActorSettings
+def test_algorithm_and_trainer_values_are_typed_and_checked():
+    from omegaconf import OmegaConf
+
+    from laminar_mcore.config.schema import AlgoConfig, TrainerConfig
 
     cfg = _compose("algo.behav_imp_weight_cap=5.0", "trainer.lr=3e-6", "trainer.max_tokens_per_microbatch=512")
-    settings = ActorSettings.from_config(cfg)
-    assert (settings.behav_imp_weight_cap, settings.lr, settings.max_tokens_per_microbatch) == (5.0, 3e-6, 512)
-    assert settings.eps_clip_high == 0.28 and settings.use_decoupled_loss is True
+    algo, trainer = OmegaConf.to_object(cfg.algo), OmegaConf.to_object(cfg.trainer)
+    assert isinstance(algo, AlgoConfig) and isinstance(trainer, TrainerConfig)
+    assert (algo.behav_imp_weight_cap, trainer.lr, trainer.max_tokens_per_microbatch) == (5.0, 3e-6, 512)
+    assert algo.eps_clip_high == 0.28 and algo.use_decoupled_loss is True
     with pytest.raises(ConfigError, match="algo.dual_clip=0.5 must be > 1"):
         validate_config(_compose("algo.dual_clip=0.5"))
     with pytest.raises(ConfigError, match="behav_imp_weight_cap=0.9"):

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..algos import decoupled_ppo_token_terms, finalize_stats, get_advantage_fn
+from ..config.schema import AlgoConfig, TrainerConfig
 from ..data.trajectory import Trajectory
 from ..parallel import apply_cpu_compat
 from .logprobs import DEFAULT_CHUNK, megatron_vocab_parallel_logprobs
@@ -38,48 +38,11 @@ class NonFiniteLossError(RuntimeError):
     """Too many consecutive steps had a NaN/inf loss or gradient norm."""
 
 
-@dataclass
-class ActorSettings:
-    """What the actor needs from ``cfg.algo`` and ``cfg.trainer`` (plain values)."""
-
-    advantage: str = "grpo"
-    std_normalize: bool = True
-    leave_one_out: bool = False
-    use_decoupled_loss: bool = True
-    eps_clip: float = 0.2
-    eps_clip_high: Optional[float] = None
-    dual_clip: Optional[float] = None
-    behav_imp_weight_cap: Optional[float] = None
-    cap_mode: str = "mask"
-    cap_level: str = "token"
-    lr: float = 1e-5
-    min_lr: float = 0.0
-    lr_warmup_steps: int = 0
-    lr_decay_style: str = "constant"
-    total_steps: int = 1000
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0
-    max_tokens_per_microbatch: int = 4096
-    max_consecutive_nonfinite: int = 3
-    logprob_chunk_size: int = DEFAULT_CHUNK
-    extra: Dict[str, float] = field(default_factory=dict)
-
-    @classmethod
-    def from_config(cls, cfg) -> "ActorSettings":
-        names = set(cls.__dataclass_fields__)
-        values = {k: v for k, v in dict(cfg.algo).items() if k in names}
-        values.update({k: v for k, v in dict(cfg.trainer).items() if k in names})
-        return cls(**values)
-
-
 class MegatronActor:
     """One pipeline stage of the policy on this rank, with its optimizer. Collective: every
     trainer rank constructs it and calls ``train_step`` together."""
 
-    def __init__(self, hf_config, settings: ActorSettings, *, full_state=None,
+    def __init__(self, hf_config, algo: AlgoConfig, trainer: TrainerConfig, *, full_state=None,
                  dtype: torch.dtype = torch.float32, use_distributed_optimizer: bool = True,
                  use_te: Optional[bool] = None):
         from megatron.core import parallel_state as ps
@@ -90,7 +53,9 @@ class MegatronActor:
 
         apply_cpu_compat()
         self.hf_config = hf_config
-        self.settings = settings
+        self.algo = algo
+        self.trainer = trainer
+        t = trainer
         self.use_te = te_available() if use_te is None else use_te
         self.version = 0
         self.consecutive_nonfinite = 0
@@ -108,19 +73,19 @@ class MegatronActor:
         self.config = model.config
         self.config.finalize_model_grads_func = finalize_model_grads
         self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=settings.lr, min_lr=settings.min_lr,
-                            weight_decay=settings.weight_decay, adam_beta1=settings.adam_beta1,
-                            adam_beta2=settings.adam_beta2, adam_eps=settings.adam_eps,
-                            clip_grad=settings.grad_clip, bf16=dtype == torch.bfloat16,
+            OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.min_lr,
+                            weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+                            adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
+                            clip_grad=t.grad_clip, bf16=dtype == torch.bfloat16,
                             fp16=False, params_dtype=dtype,
                             use_distributed_optimizer=use_dist_opt),
             [self.model])
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if settings.lr_warmup_steps else settings.lr,
-            max_lr=settings.lr, min_lr=settings.min_lr, lr_warmup_steps=settings.lr_warmup_steps,
-            lr_decay_steps=max(settings.total_steps, 1), lr_decay_style=settings.lr_decay_style,
-            start_wd=settings.weight_decay, end_wd=settings.weight_decay,
-            wd_incr_steps=max(settings.total_steps, 1), wd_incr_style="constant")
+            self.optimizer, init_lr=0.0 if t.lr_warmup_steps else t.lr,
+            max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.lr_warmup_steps,
+            lr_decay_steps=max(t.total_steps, 1), lr_decay_style=t.lr_decay_style,
+            start_wd=t.weight_decay, end_wd=t.weight_decay,
+            wd_incr_steps=max(t.total_steps, 1), wd_incr_style="constant")
         apply_cpu_compat()  # modules imported by DDP / optimizer construction
         self.ps = ps
         # The data-parallel rank of every global rank, for scattering rank 0's batch.
@@ -129,17 +94,17 @@ class MegatronActor:
 
     # ------------------------------------------------------------------ batch distribution
     def _plan(self, trajectories: Sequence[Trajectory]):
-        s = self.settings
+        a = self.algo
         rewards = [t.reward for t in trajectories]
         if any(r is None for r in rewards):
             raise ValueError("every trajectory needs a reward before training on it")
-        adv_fn = get_advantage_fn(s.advantage)
-        adv = adv_fn(rewards, [t.group_id for t in trajectories], std_normalize=s.std_normalize,
-                     leave_one_out=s.leave_one_out).tolist()
+        adv_fn = get_advantage_fn(a.advantage)
+        adv = adv_fn(rewards, [t.group_id for t in trajectories], std_normalize=a.std_normalize,
+                     leave_one_out=a.leave_one_out).tolist()
         multiple = pad_multiple(self.ps.get_tensor_model_parallel_world_size(),
                                 self.ps.get_context_parallel_world_size())
         lengths = [padded_length(t.num_tokens, multiple) for t in trajectories]
-        plan = plan_microbatches(lengths, s.max_tokens_per_microbatch,
+        plan = plan_microbatches(lengths, self.trainer.max_tokens_per_microbatch,
                                  self.ps.get_data_parallel_world_size())
         return adv, plan
 
@@ -188,7 +153,7 @@ class MegatronActor:
 
     def _logprobs(self, logits: torch.Tensor, mb: PackedMicroBatch):
         return megatron_vocab_parallel_logprobs(logits[0], mb.labels[0],
-                                                chunk_size=self.settings.logprob_chunk_size)
+                                                chunk_size=self.trainer.logprob_chunk_size)
 
     @torch.no_grad()
     def compute_logprobs(self, micro_batches: List[PackedMicroBatch]) -> None:
@@ -209,7 +174,7 @@ class MegatronActor:
     # ------------------------------------------------------------------ train step
     def train_step(self, trajectories: Optional[Sequence[Trajectory]]) -> Dict[str, float]:
         """One optimizer step on rank 0's batch. Returns the same stats on every rank."""
-        s = self.settings
+        s = self.algo
         micro_batches = self.distribute(trajectories)
         num_mb = len(micro_batches)
         dp_group = self.ps.get_data_parallel_group()
@@ -285,7 +250,7 @@ class MegatronActor:
         self.optimizer.zero_grad()
         logger.warning("non-finite loss %s or grad norm %s: step skipped (%d in a row, %d total)",
                        loss, grad_norm, self.consecutive_nonfinite, self.total_nonfinite)
-        if self.consecutive_nonfinite >= self.settings.max_consecutive_nonfinite:
+        if self.consecutive_nonfinite >= self.trainer.max_consecutive_nonfinite:
             raise NonFiniteLossError(
                 f"{self.consecutive_nonfinite} consecutive steps had a non-finite loss or gradient "
                 f"norm (last loss {loss}, grad norm {grad_norm}); lower trainer.lr, check the "

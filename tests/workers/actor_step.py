@@ -50,7 +50,8 @@ def main():
     from laminar_mcore.parallel import init_trainer_parallel
     from laminar_mcore.testing.dist import write_rank_result
     from laminar_mcore.testing.synthetic import random_trajectories
-    from laminar_mcore.trainer.actor import ActorSettings, MegatronActor, NonFiniteLossError
+    from laminar_mcore.config.schema import AlgoConfig, TrainerConfig
+    from laminar_mcore.trainer.actor import MegatronActor, NonFiniteLossError
     from laminar_mcore.trainer.model import stage_full_tensors
 
     torch.set_num_threads(1)
@@ -67,10 +68,10 @@ def main():
         if tp > 1:
             result["vocab_parallel_check"] = vocab_parallel_check(ps)
         for budget in (int(b) for b in args.budgets.split(",")):
-            settings = ActorSettings(lr=1e-3, adam_eps=1e-6, eps_clip=0.2, eps_clip_high=0.28,
-                                     behav_imp_weight_cap=5.0, grad_clip=1.0,
-                                     max_tokens_per_microbatch=budget, logprob_chunk_size=7)
-            actor = MegatronActor(cfg, settings, full_state=full)
+            algo = AlgoConfig(eps_clip=0.2, eps_clip_high=0.28, behav_imp_weight_cap=5.0)
+            trainer = TrainerConfig(lr=1e-3, adam_eps=1e-6, grad_clip=1.0,
+                                    max_tokens_per_microbatch=budget, logprob_chunk_size=7)
+            actor = MegatronActor(cfg, algo, trainer, full_state=full)
             stats = actor.train_step(batch)
             result["stats"][f"{layout}@{budget}"] = stats
             weights = stage_full_tensors(actor.model.module, cfg)
@@ -80,8 +81,8 @@ def main():
 
     if args.nan_fault:
         init_trainer_parallel(tp=1, pp=1, seed=1)
-        settings = ActorSettings(lr=1e-2, max_consecutive_nonfinite=2)
-        actor = MegatronActor(cfg, settings, full_state=full)
+        actor = MegatronActor(cfg, AlgoConfig(), TrainerConfig(lr=1e-2, max_consecutive_nonfinite=2),
+                              full_state=full)
         before = {k: v.clone() for k, v in actor.model.module.state_dict().items()
                   if isinstance(v, torch.Tensor)}
         with torch.no_grad():
