@@ -1,0 +1,168 @@
+"""Start, watch and stop rollout engine servers: SGLang on GPUs, the CPU engine elsewhere.
+
+``sglang_command`` builds ``python -m sglang.launch_server`` from the rollout config;
+``cpu_engine_command`` the CPU engine's. ``EngineProcess`` runs either in its own session with
+its output captured to a log file, waits for /health, and stops it cleanly (SIGTERM, then
+SIGKILL for the whole process group), also when the launcher itself fails.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Dict, List, Optional, Sequence
+
+
+class EngineStartError(RuntimeError):
+    """An engine exited or stayed unhealthy while starting; the message has its log's tail."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def sglang_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp: int = 1,
+                   mem_fraction_static: float = 0.8, api_key: Optional[str] = None,
+                   max_running_requests: Optional[int] = None, weight_version: Optional[str] = None,
+                   extra_args: Sequence[str] = (), python: str = sys.executable) -> List[str]:
+    """The ``sglang.launch_server`` command line for one rollout engine."""
+    cmd = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
+           "--port", str(port), "--tp-size", str(tp), "--mem-fraction-static",
+           str(mem_fraction_static), "--skip-server-warmup"]
+    if max_running_requests:
+        cmd += ["--max-running-requests", str(max_running_requests)]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    if weight_version is not None:
+        cmd += ["--weight-version", str(weight_version)]
+    return cmd + list(extra_args)
+
+
+def cpu_engine_command(model_path: str, *, port: int = 0, host: str = "127.0.0.1",
+                       api_key: Optional[str] = None, kv_capacity_tokens: int = 16384,
+                       max_running_requests: int = 64, threads: int = 1, seed: int = 0,
+                       weight_version: Optional[str] = None, python: str = sys.executable) -> List[str]:
+    cmd = [python, "-m", "laminar_mcore.rollout.cpu_engine", "--model", model_path, "--host", host,
+           "--port", str(port), "--kv-capacity-tokens", str(kv_capacity_tokens),
+           "--max-running-requests", str(max_running_requests), "--threads", str(threads),
+           "--seed", str(seed)]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    if weight_version is not None:
+        cmd += ["--weight-version", str(weight_version)]
+    return cmd
+
+
+def engine_command_from_config(rollout_cfg, model_path: str, *, port: int,
+                               api_key: Optional[str] = None, index: int = 0) -> List[str]:
+    """The command for engine ``index`` of ``cfg.rollout`` (backend cpu or sglang)."""
+    if rollout_cfg.backend == "sglang":
+        return sglang_command(model_path, port=port, host=rollout_cfg.host, tp=rollout_cfg.engine_tp,
+                              mem_fraction_static=rollout_cfg.mem_fraction_static, api_key=api_key,
+                              max_running_requests=rollout_cfg.max_running_requests,
+                              extra_args=list(rollout_cfg.extra_args))
+    if rollout_cfg.backend == "cpu":
+        return cpu_engine_command(model_path, port=port, host=rollout_cfg.host, api_key=api_key,
+                                  kv_capacity_tokens=rollout_cfg.kv_capacity_tokens,
+                                  max_running_requests=rollout_cfg.max_running_requests,
+                                  seed=index)
+    raise ValueError(f"rollout.backend={rollout_cfg.backend!r} is not one of cpu, sglang")
+
+
+class EngineProcess:
+    """One engine server process. Use as a context manager, or call ``start``/``stop``."""
+
+    def __init__(self, command: List[str], *, log_path: str, host: str = "127.0.0.1",
+                 port: Optional[int] = None, env: Optional[Dict[str, str]] = None,
+                 api_key: Optional[str] = None):
+        self.command = command
+        self.log_path = log_path
+        self.host = host
+        self.port = port
+        self.env = dict(os.environ, **(env or {}))
+        self.env.setdefault("OMP_NUM_THREADS", "1")
+        self.env.setdefault("PYTHONWARNINGS", "ignore")
+        self.api_key = api_key
+        self.proc: Optional[subprocess.Popen] = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> "EngineProcess":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self, timeout_s: float = 180.0) -> "EngineProcess":
+        os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=self.env, start_new_session=True)
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise EngineStartError(f"engine exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if self.port in (None, 0):
+                match = re.search(r"LAMINAR_ENGINE_PORT=(\d+)", self.log_text())
+                if match:
+                    self.port = int(match.group(1))
+            if self.port and self._healthy():
+                return
+            time.sleep(0.1)
+        raise EngineStartError(f"engine not healthy after {timeout_s}s:\n{self.log_tail()}")
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def log_text(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read().decode(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_text()[-chars:]
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=grace_s)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        self._log.close()

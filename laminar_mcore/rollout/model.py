@@ -1,0 +1,199 @@
+"""The CPU engine's model: a plain-torch decoder for the Llama family (Qwen2, Llama 3, Qwen3)
+that reads Hugging Face weights by their own names and attends over a shared KV cache.
+
+Owns the forward pass of a ragged batch (each request brings its new tokens and attends to its
+cached ones) and in-place weight loading. It never imports Megatron or trainer code; the weight
+names it accepts are Hugging Face's, as produced by ``ModelAdapter.mcore_to_hf``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from ..models import get_adapter
+
+
+def rope_inv_freq(head_dim: int, theta: float, llama3_factor: Optional[float]) -> torch.Tensor:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if llama3_factor is None:
+        return inv.float()
+    # Llama 3.1 frequency-dependent scaling (low 1, high 4, original context 8192).
+    low, high, original = 1.0, 4.0, 8192
+    low_wavelen, high_wavelen = original / low, original / high
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / llama3_factor, inv)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / llama3_factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled).float()
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class DecoderLM:
+    """Weights as a flat dict of Hugging Face names; forward over a ragged batch."""
+
+    def __init__(self, hf_config, state: Mapping[str, torch.Tensor], dtype=torch.float32):
+        self.config = hf_config
+        self.adapter = get_adapter(hf_config)
+        self.adapter.check_hf_config(hf_config)
+        s = self.adapter.shape(hf_config)
+        self.shape = s
+        self.dtype = dtype
+        self.eps = float(hf_config.rms_norm_eps)
+        self.tied = self.adapter.tied_embeddings(hf_config)
+        self.inv_freq = rope_inv_freq(s.head_dim, self.adapter.rope_theta(hf_config),
+                                      self.adapter.rope_scaling(hf_config))
+        self.params: Dict[str, torch.Tensor] = {}
+        self.expected = self._expected_shapes()
+        self.load_weights(state, strict=True)
+
+    def _expected_shapes(self) -> Dict[str, Tuple[int, ...]]:
+        s = self.shape
+        q, kv = s.heads * s.head_dim, s.groups * s.head_dim
+        shapes = {"model.embed_tokens.weight": (s.vocab, s.hidden), "model.norm.weight": (s.hidden,)}
+        if not self.tied:
+            shapes["lm_head.weight"] = (s.vocab, s.hidden)
+        for i in range(s.layers):
+            p = f"model.layers.{i}."
+            shapes.update({
+                p + "input_layernorm.weight": (s.hidden,),
+                p + "post_attention_layernorm.weight": (s.hidden,),
+                p + "self_attn.q_proj.weight": (q, s.hidden),
+                p + "self_attn.k_proj.weight": (kv, s.hidden),
+                p + "self_attn.v_proj.weight": (kv, s.hidden),
+                p + "self_attn.o_proj.weight": (s.hidden, q),
+                p + "mlp.gate_proj.weight": (s.ffn, s.hidden),
+                p + "mlp.up_proj.weight": (s.ffn, s.hidden),
+                p + "mlp.down_proj.weight": (s.hidden, s.ffn),
+            })
+            if self.adapter.qkv_bias:
+                shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                               p + "self_attn.v_proj.bias": (kv,)})
+            if self.adapter.qk_norm:
+                shapes.update({p + "self_attn.q_norm.weight": (s.head_dim,),
+                               p + "self_attn.k_norm.weight": (s.head_dim,)})
+        return shapes
+
+    @torch.no_grad()
+    def load_weights(self, named: Mapping[str, torch.Tensor], strict: bool = False) -> int:
+        """Copy tensors in by name (all of them when ``strict``); every name and shape is checked
+        before anything is written, so a bad update leaves the weights untouched."""
+        named = {k: v for k, v in named.items() if not k.endswith("rotary_emb.inv_freq")}
+        if self.tied and "lm_head.weight" in named:
+            named.pop("lm_head.weight")
+        unknown = sorted(set(named) - set(self.expected))
+        if unknown:
+            raise ValueError(f"unknown weight names: {unknown[:8]}")
+        for name, tensor in named.items():
+            if tuple(tensor.shape) != self.expected[name]:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {self.expected[name]}")
+        if strict:
+            missing = sorted(set(self.expected) - set(named))
+            if missing:
+                raise ValueError(f"missing weights: {missing[:8]}")
+        for name, tensor in named.items():
+            if name in self.params:
+                self.params[name].copy_(tensor)
+            else:
+                self.params[name] = tensor.detach().to(self.dtype).clone().contiguous()
+        return len(named)
+
+    def new_kv_cache(self, capacity_tokens: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        s = self.shape
+        size = (s.layers, capacity_tokens, s.groups, s.head_dim)
+        return torch.zeros(size, dtype=self.dtype), torch.zeros(size, dtype=self.dtype)
+
+    @torch.no_grad()
+    def forward(self, new_tokens: Sequence[Sequence[int]], cache_starts: Sequence[int],
+                cached_lens: Sequence[int], kv: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Logits [R, vocab] (fp32) of the last new token of each request.
+
+        Request r owns cache slots ``cache_starts[r] ...``; its first ``cached_lens[r]`` slots
+        hold its past, and its new tokens are written right after them.
+        """
+        s, p = self.shape, self.params
+        k_cache, v_cache = kv
+        R = len(new_tokens)
+        n_new = [len(t) for t in new_tokens]
+        q_max, total = max(n_new), [c + n for c, n in zip(cached_lens, n_new)]
+        l_max = max(total)
+        tokens = torch.tensor([t for seq in new_tokens for t in seq], dtype=torch.long)
+        positions = torch.tensor([c + i for c, n in zip(cached_lens, n_new) for i in range(n)])
+        slots = torch.tensor([st + c + i for st, c, n in zip(cache_starts, cached_lens, n_new)
+                              for i in range(n)])
+        # Padded views: [R, q_max] index of each new token in the flat batch; [R, l_max] slots.
+        row_of = torch.repeat_interleave(torch.arange(R), torch.tensor(n_new))
+        col_of = torch.cat([torch.arange(n) for n in n_new])
+        key_slots = torch.stack([st + torch.arange(l_max) for st in cache_starts])
+        key_valid = torch.arange(l_max).unsqueeze(0) < torch.tensor(total).unsqueeze(1)
+        key_slots = torch.where(key_valid, key_slots, torch.zeros_like(key_slots))
+        q_pos = torch.full((R, q_max), -1, dtype=torch.long)
+        q_pos[row_of, col_of] = positions
+        allowed = (torch.arange(l_max).view(1, 1, l_max) <= q_pos.unsqueeze(-1)) & key_valid.unsqueeze(1)
+        allowed |= (q_pos < 0).unsqueeze(-1) & (torch.arange(l_max) == 0).view(1, 1, -1)  # pad rows
+        mask = allowed.unsqueeze(1)  # [R, 1, q_max, l_max]
+
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.unsqueeze(0)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos().to(self.dtype).unsqueeze(1), emb.sin().to(self.dtype).unsqueeze(1)
+
+        x = F.embedding(tokens, p["model.embed_tokens.weight"])
+        rep = s.heads // s.groups
+        for i in range(s.layers):
+            pre = f"model.layers.{i}."
+            h = _rms_norm(x, p[pre + "input_layernorm.weight"], self.eps)
+            q = F.linear(h, p[pre + "self_attn.q_proj.weight"], p.get(pre + "self_attn.q_proj.bias"))
+            k = F.linear(h, p[pre + "self_attn.k_proj.weight"], p.get(pre + "self_attn.k_proj.bias"))
+            v = F.linear(h, p[pre + "self_attn.v_proj.weight"], p.get(pre + "self_attn.v_proj.bias"))
+            q = q.view(-1, s.heads, s.head_dim)
+            k = k.view(-1, s.groups, s.head_dim)
+            v = v.view(-1, s.groups, s.head_dim)
+            if self.adapter.qk_norm:
+                q = _rms_norm(q, p[pre + "self_attn.q_norm.weight"], self.eps)
+                k = _rms_norm(k, p[pre + "self_attn.k_norm.weight"], self.eps)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            k_cache[i, slots] = k
+            v_cache[i, slots] = v
+            qp = torch.zeros(R, q_max, s.heads, s.head_dim, dtype=self.dtype)
+            qp[row_of, col_of] = q
+            keys = k_cache[i][key_slots]  # [R, l_max, groups, d]
+            values = v_cache[i][key_slots]
+            if rep > 1:
+                keys = keys.repeat_interleave(rep, dim=2)
+                values = values.repeat_interleave(rep, dim=2)
+            out = F.scaled_dot_product_attention(qp.transpose(1, 2), keys.transpose(1, 2),
+                                                 values.transpose(1, 2), attn_mask=mask)
+            out = out.transpose(1, 2)[row_of, col_of].reshape(-1, s.heads * s.head_dim)
+            x = x + F.linear(out, p[pre + "self_attn.o_proj.weight"])
+            h = _rms_norm(x, p[pre + "post_attention_layernorm.weight"], self.eps)
+            gate = F.linear(h, p[pre + "mlp.gate_proj.weight"])
+            up = F.linear(h, p[pre + "mlp.up_proj.weight"])
+            x = x + F.linear(F.silu(gate) * up, p[pre + "mlp.down_proj.weight"])
+        last = torch.tensor(n_new).cumsum(0) - 1
+        h = _rms_norm(x[last], p["model.norm.weight"], self.eps)
+        head = p["model.embed_tokens.weight"] if self.tied else p["lm_head.weight"]
+        return F.linear(h, head).float()
+
+
+def load_decoder(model_dir: str, dtype=torch.float32) -> DecoderLM:
+    from ..models.hf import load_hf_config, load_hf_state_dict
+
+    return DecoderLM(load_hf_config(model_dir), load_hf_state_dict(model_dir), dtype=dtype)
+
+
+__all__: List[str] = ["DecoderLM", "load_decoder", "rope_inv_freq"]

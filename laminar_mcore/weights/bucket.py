@@ -1,0 +1,138 @@
+"""Flattened weight buckets: the format in which weights travel between trainer, relays and
+engines, and their CPU shared-memory handles (the CPU twin of CUDA IPC).
+
+A bucket is one contiguous byte buffer plus, per tensor, its name (Hugging Face naming), dtype,
+shape and byte offset -- the payload of SGLang's ``update_weights_from_tensor`` with
+``load_format="flattened_bucket"``. On CPU the buffer lives in a file under /dev/shm and the
+handle that crosses process boundaries names that file; receivers map it without copying.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Dict, Iterator, List, Mapping, Tuple
+
+import torch
+
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+    torch.uint8, torch.int8, torch.bool)}
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    dtype: str
+    shape: Tuple[int, ...]
+    offset: int  # bytes from the start of the bucket
+    nbytes: int
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r} in a weight bucket")
+    return _DTYPES[name]
+
+
+def layout(named: Mapping[str, torch.Tensor]) -> Tuple[List[TensorMeta], int]:
+    """Byte layout of ``named`` in one bucket (each tensor 64-byte aligned)."""
+    metas, offset = [], 0
+    for name, t in named.items():
+        nbytes = t.numel() * t.element_size()
+        metas.append(TensorMeta(name, str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                                offset, nbytes))
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    return metas, offset
+
+
+def write_bucket(buffer: torch.Tensor, named: Mapping[str, torch.Tensor],
+                 metas: List[TensorMeta]) -> None:
+    for meta in metas:
+        src = named[meta.name].detach().contiguous().reshape(-1).view(torch.uint8)
+        buffer[meta.offset:meta.offset + meta.nbytes].copy_(src)
+
+
+def read_bucket(buffer: torch.Tensor, metas: List[TensorMeta]) -> Dict[str, torch.Tensor]:
+    """Views (no copy) of every tensor in ``buffer``."""
+    out = {}
+    for meta in metas:
+        raw = buffer[meta.offset:meta.offset + meta.nbytes]
+        out[meta.name] = raw.view(dtype_from_name(meta.dtype)).view(meta.shape)
+    return out
+
+
+class ShmBucket:
+    """A bucket in a /dev/shm file owned by this process (unlinked on ``close``)."""
+
+    def __init__(self, nbytes: int, prefix: str = "laminar-bucket"):
+        self.path = os.path.join(SHM_DIR, f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        self.nbytes = max(int(nbytes), 1)
+        with open(self.path, "wb") as f:
+            f.truncate(self.nbytes)
+        self.buffer = torch.from_file(self.path, shared=True, size=self.nbytes, dtype=torch.uint8)
+
+    @classmethod
+    def from_tensors(cls, named: Mapping[str, torch.Tensor]) -> Tuple["ShmBucket", List[TensorMeta]]:
+        metas, nbytes = layout(named)
+        bucket = cls(nbytes)
+        write_bucket(bucket.buffer, named, metas)
+        return bucket, metas
+
+    def handle(self, metas: List[TensorMeta]) -> dict:
+        return {"kind": "shm", "path": self.path, "nbytes": self.nbytes,
+                "tensors": [asdict(m) for m in metas]}
+
+    def close(self) -> None:
+        self.buffer = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+def encode_handle(handle: dict) -> str:
+    """A handle as the string SGLang's ``serialized_named_tensors`` entries are."""
+    return base64.b64encode(json.dumps(handle).encode()).decode()
+
+
+def decode_handle(data: str) -> dict:
+    try:
+        handle = json.loads(base64.b64decode(data, validate=True))
+    except Exception as exc:  # noqa: BLE001 - any decoding failure is the caller's input error
+        raise ValueError(f"not a laminar bucket handle (base64 JSON): {exc}") from None
+    if not isinstance(handle, dict) or handle.get("kind") != "shm":
+        raise ValueError("unsupported bucket handle: expected kind 'shm' (CUDA IPC handles are "
+                         "served to SGLang engines, not to the CPU engine)")
+    return handle
+
+
+@contextlib.contextmanager
+def open_handle(handle: dict) -> Iterator[Dict[str, torch.Tensor]]:
+    """Map a shared-memory bucket and yield views of its tensors (valid inside the block)."""
+    path = handle.get("path", "")
+    if not os.path.realpath(path).startswith(os.path.realpath(SHM_DIR) + os.sep):
+        raise ValueError(f"bucket path {path!r} is outside {SHM_DIR}")
+    if not os.path.exists(path):
+        raise ValueError(f"bucket {path!r} does not exist (released by its owner?)")
+    nbytes = int(handle["nbytes"])
+    if os.path.getsize(path) < nbytes:
+        raise ValueError(f"bucket {path!r} is smaller than its handle says")
+    metas = [TensorMeta(m["name"], m["dtype"], tuple(m["shape"]), int(m["offset"]), int(m["nbytes"]))
+             for m in handle["tensors"]]
+    for m in metas:
+        numel = 1
+        for d in m.shape:
+            numel *= d
+        if m.offset < 0 or m.offset + m.nbytes > nbytes or \
+                numel * torch.empty((), dtype=dtype_from_name(m.dtype)).element_size() != m.nbytes:
+            raise ValueError(f"bucket entry {m.name!r} does not fit its declared shape/bounds")
+    buffer = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
+    try:
+        yield read_bucket(buffer, metas)
+    finally:
+        del buffer
