@@ -52,7 +52,7 @@ def smoke_worker(cfg_dict: dict) -> dict:
 def _transformers_loss(hf_config, hf_state, tokens) -> float:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     model.load_state_dict(hf_state)
     with torch.no_grad():
         logits = model(tokens[:, :-1]).logits

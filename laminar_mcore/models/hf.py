@@ -66,6 +66,14 @@ def save_hf_checkpoint(path: str | os.PathLike, hf_config, state: Mapping[str, t
     path.mkdir(parents=True, exist_ok=True)
     hf_config.save_pretrained(str(path))
     tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    if getattr(hf_config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)  # tied: transformers re-ties it on load
+    seen = {}
+    for name, t in tensors.items():  # safetensors refuses tensors that share memory
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key in seen:
+            tensors[name] = t.clone()
+        seen[key] = name
     if max_shard_bytes is None or sum(t.numel() * t.element_size() for t in tensors.values()) <= max_shard_bytes:
         save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
         return
@@ -136,5 +144,5 @@ def initial_hf_state(model_cfg, hf_config, seed: int) -> Dict[str, torch.Tensor]
 
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     return {k: v.detach() for k, v in model.state_dict().items()}

@@ -325,7 +325,7 @@ class CpuEngineServer:
 
         def receive():
             for t in tensors:  # the sender (rank 0 of the group) broadcasts in this order
-                pg.broadcast([t], 0).wait()
+                pg.broadcast(t, 0).wait()
             return dict(zip(names, tensors))
 
         named = await asyncio.to_thread(receive)

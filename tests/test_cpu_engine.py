@@ -1,0 +1,369 @@
+"""The built-in CPU engine as a real server on loopback, driven by the real SGLang client:
+protocol, continuous batching, pause modes, aborts, weight updates, auth and bad input."""
+
+import asyncio
+import json
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from laminar_mcore.models import get_adapter
+from laminar_mcore.models.hf import initial_hf_state, save_hf_checkpoint, tiny_hf_config
+from laminar_mcore.rollout.client import EngineError, SGLangClient
+from laminar_mcore.rollout.launcher import EngineProcess, cpu_engine_command
+from laminar_mcore.weights.bucket import ShmBucket, encode_handle
+
+pytestmark = pytest.mark.multiprocess
+KEY = "sekrit"
+
+
+def _state(cfg, seed):
+    return initial_hf_state(type("M", (), {"path": None})(), cfg, seed)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    cfg = tiny_hf_config("qwen2")
+    paths = {}
+    for seed in (1, 2):
+        paths[seed] = str(root / f"model{seed}")
+        save_hf_checkpoint(paths[seed], cfg, _state(cfg, seed))
+    return cfg, paths, root
+
+
+@pytest.fixture(scope="module")
+def engine(models):
+    cfg, paths, root = models
+    cmd = cpu_engine_command(paths[1], api_key=KEY, kv_capacity_tokens=2048,
+                             max_running_requests=16)
+    with EngineProcess(cmd, log_path=str(root / "engine.log")) as proc:
+        yield proc
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _with_client(url, fn, api_key=KEY):
+    async with SGLangClient(url, api_key=api_key, timeout_s=30) as client:
+        return await fn(client)
+
+
+def _reference_logprobs(cfg, state, prompt, response):
+    """The trainer's recomputation: Megatron-Core model, vocab-parallel log-prob path."""
+    from laminar_mcore.trainer.logprobs import vocab_parallel_logprobs
+    from laminar_mcore.trainer.model import build_gpt_model, load_full_state
+
+    model = build_gpt_model(cfg)
+    load_full_state(model, cfg, get_adapter(cfg).hf_to_mcore(cfg, state))
+    tokens = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(tokens[:, :-1], torch.arange(tokens.shape[1] - 1).unsqueeze(0), None)
+        lp, _ = vocab_parallel_logprobs(logits[0], tokens[0, 1:])
+    return lp[len(prompt) - 1:]
+
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    from laminar_mcore.parallel import destroy_trainer_parallel, init_trainer_parallel
+
+    init_trainer_parallel(tp=1, pp=1, seed=0)
+    yield
+    destroy_trainer_parallel()
+
+
+def test_logprobs_equal_the_trainers_recomputation(engine, models, megatron_world):
+    cfg, paths, _ = models
+    prompt = [3, 14, 15, 92, 65]
+
+    async def go(c):
+        return await c.generate(prompt, {"max_new_tokens": 24, "temperature": 1.0, "seed": 7})
+
+    out = run(_with_client(engine.url, go))
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 24}
+    assert meta["prompt_tokens"] == 5 and meta["completion_tokens"] == 24
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"]
+    engine_lp = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]])
+    trainer_lp = _reference_logprobs(cfg, _state(cfg, 1), prompt, out["output_ids"])
+    assert (engine_lp - trainer_lp).abs().max().item() <= 1e-4
+
+
+def test_seeded_sampling_is_reproducible_and_stop_tokens_stop(engine):
+    async def go(c):
+        a = await c.generate([1, 2, 3], {"max_new_tokens": 12, "seed": 11})
+        b = await c.generate([1, 2, 3], {"max_new_tokens": 12, "seed": 11})
+        greedy = await c.generate([1, 2, 3], {"max_new_tokens": 12, "temperature": 0})
+        stop_at = greedy["output_ids"][4]
+        stopped = await c.generate([1, 2, 3], {"max_new_tokens": 12, "temperature": 0,
+                                               "stop_token_ids": [stop_at]})
+        return a, b, greedy, stopped, stop_at
+
+    a, b, greedy, stopped, stop_at = run(_with_client(engine.url, go))
+    assert a["output_ids"] == b["output_ids"]
+    first = greedy["output_ids"].index(stop_at)
+    assert stopped["output_ids"] == greedy["output_ids"][:first + 1]
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
+
+
+def test_continuous_batching_lets_short_requests_leave_early(engine):
+    async def go(c):
+        before = (await c._request("GET", "/get_load", timeout=10))["steps"]
+        lengths = [4, 60, 8, 60, 2, 30]
+        finished = []
+
+        async def one(i, n):
+            r = await c.generate([7, i + 1], {"max_new_tokens": n, "seed": i})
+            finished.append(i)
+            return r
+
+        outs = await asyncio.gather(*[one(i, n) for i, n in enumerate(lengths)])
+        after = (await c._request("GET", "/get_load", timeout=10))["steps"]
+        return lengths, outs, finished, after - before
+
+    lengths, outs, finished, steps = run(_with_client(engine.url, go))
+    assert [len(o["output_ids"]) for o in outs] == lengths
+    assert steps < sum(lengths) / 2  # decoded together, not one request after another
+    assert finished.index(4) < finished.index(1) and finished.index(0) < finished.index(3)
+
+
+async def _start_long(c, rid, n=400):
+    task = asyncio.create_task(c.generate([9, 9, 9], {"max_new_tokens": n, "seed": 1}, rid=rid))
+    for _ in range(200):
+        load = await c.get_load()
+        if load.num_running:
+            return task
+        await asyncio.sleep(0.02)
+    raise AssertionError("request never started")
+
+
+def test_pause_in_place_and_retract_resume_without_losing_tokens(engine):
+    async def go(c):
+        results = {}
+        for mode in ("in_place", "retract"):
+            task = await _start_long(c, f"long-{mode}", n=120)
+            await c.pause_generation(mode)
+            load1 = await c.get_load()
+            await asyncio.sleep(0.3)
+            load2 = await c.get_load()
+            assert load1.paused == mode and not task.done()
+            if mode == "in_place":
+                assert load1.kv_used_tokens == load2.kv_used_tokens > 0  # nothing moves
+            else:
+                assert load2.num_running == 0 and load2.num_waiting == 1 and load2.kv_used_tokens == 0
+            await c.continue_generation()
+            results[mode] = await task
+        return results
+
+    results = run(_with_client(engine.url, go))
+    for mode, out in results.items():
+        assert out["meta_info"]["finish_reason"]["type"] == "length", mode
+        assert len(out["output_ids"]) == 120
+        assert len(out["meta_info"]["output_token_logprobs"]) == 120
+
+
+def test_pause_abort_and_abort_by_rid(engine):
+    async def go(c):
+        task = await _start_long(c, "to-abort")
+        await c.abort_request("to-abort")
+        by_rid = await task
+        task = await _start_long(c, "to-pause")
+        await c.pause_generation("abort")
+        paused = await task
+        queued = asyncio.create_task(c.generate([1], {"max_new_tokens": 3}))
+        await asyncio.sleep(0.3)
+        assert not queued.done()  # paused: new work waits
+        await c.continue_generation()
+        return by_rid, paused, await queued
+
+    by_rid, paused, queued = run(_with_client(engine.url, go))
+    assert by_rid["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(by_rid["output_ids"]) < 400
+    assert paused["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(queued["output_ids"]) == 3
+
+
+def test_flush_cache_refuses_while_requests_run(engine):
+    async def go(c):
+        task = await _start_long(c, "flush-busy", n=200)
+        with pytest.raises(EngineError) as err:
+            await c.flush_cache()
+        await c.abort_request(abort_all=True)
+        await task
+        return err.value, await c.flush_cache()
+
+    err, ok = run(_with_client(engine.url, go))
+    assert err.status == 400 and "while 1 requests run" in err.message and err.endpoint == "/flush_cache"
+    assert "flushed" in ok.lower()
+
+
+def test_weight_updates_from_bucket_and_disk_keep_in_flight_requests(engine, models, megatron_world):
+    cfg, paths, _ = models
+    new_state = _state(cfg, 2)
+    bucket, metas = ShmBucket.from_tensors(new_state)
+    prompt = [4, 8, 15, 16]
+
+    async def go(c):
+        task = await _start_long(c, "in-flight", n=150)
+        out = await c.update_weights_from_tensor([encode_handle(bucket.handle(metas))],
+                                                 weight_version="v2")
+        assert out["success"] and await c.get_weight_version() == "v2"
+        in_flight = await task
+        after = await c.generate(prompt, {"max_new_tokens": 10, "seed": 3})
+        back = await c.update_weights_from_disk(paths[1], weight_version="v3")
+        assert back["weight_version"] == "v3"
+        restored = await c.generate(prompt, {"max_new_tokens": 10, "seed": 3})
+        return in_flight, after, restored
+
+    try:
+        in_flight, after, restored = run(_with_client(engine.url, go))
+    finally:
+        bucket.close()
+    # The in-flight request was not aborted; it saw both versions.
+    assert in_flight["meta_info"]["finish_reason"]["type"] == "length"
+    assert in_flight["meta_info"]["weight_versions"] == ["0", "v2"]
+    assert after["meta_info"]["weight_version"] == "v2"
+    lp = torch.tensor([x[0] for x in after["meta_info"]["output_token_logprobs"]])
+    ref = _reference_logprobs(cfg, new_state, prompt, after["output_ids"])
+    assert (lp - ref).abs().max().item() <= 1e-4
+    lp = torch.tensor([x[0] for x in restored["meta_info"]["output_token_logprobs"]])
+    ref = _reference_logprobs(cfg, _state(cfg, 1), prompt, restored["output_ids"])
+    assert (lp - ref).abs().max().item() <= 1e-4
+
+
+def test_bad_weight_updates_are_refused_and_change_nothing(engine, models):
+    cfg, paths, root = models
+    bad = {"model.norm.weight": torch.zeros(3)}
+    bucket, metas = ShmBucket.from_tensors(bad)
+
+    async def go(c):
+        before = await c.generate([5, 5], {"max_new_tokens": 6, "temperature": 0})
+        errors = []
+        for call in (
+            c.update_weights_from_tensor([encode_handle(bucket.handle(metas))]),
+            c.update_weights_from_tensor(["not base64!"]),
+            c.update_weights_from_tensor([encode_handle(bucket.handle(metas))], load_format="direct"),
+            c.update_weights_from_disk(str(root / "missing")),
+        ):
+            with pytest.raises(EngineError) as err:
+                await call
+            errors.append(err.value)
+        after = await c.generate([5, 5], {"max_new_tokens": 6, "temperature": 0})
+        return before, errors, after
+
+    try:
+        before, errors, after = run(_with_client(engine.url, go))
+    finally:
+        bucket.close()
+    assert all(e.status == 400 for e in errors)
+    assert "shape (3,)" in errors[0].message and "flattened_bucket" in errors[2].message
+    assert before["output_ids"] == after["output_ids"]
+
+
+def test_weights_from_a_gloo_broadcast_group(engine, models):
+    import datetime
+
+    import torch.distributed as dist
+
+    from laminar_mcore.rollout.launcher import free_port
+
+    cfg, paths, _ = models
+    new_state = _state(cfg, 2)
+    names = sorted(new_state)
+    port = free_port()
+
+    async def go(c):
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=True,
+                              timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+        joined = asyncio.create_task(c.init_weights_update_group("127.0.0.1", port, 1, 2, "wsync",
+                                                                 backend="gloo"))
+        pg = await asyncio.to_thread(dist.ProcessGroupGloo, dist.PrefixStore("wsync", store), 0, 2)
+        await joined
+        update = asyncio.create_task(c.update_weights_from_distributed(
+            names, [str(new_state[n].dtype) for n in names],
+            [list(new_state[n].shape) for n in names], "wsync", weight_version="dist"))
+
+        def send():
+            for n in names:
+                pg.broadcast(new_state[n].contiguous(), 0).wait()
+
+        await asyncio.to_thread(send)
+        out = await update
+        greedy = await c.generate([2, 7], {"max_new_tokens": 8, "temperature": 0})
+        await c.update_weights_from_disk(paths[1], weight_version="0")
+        return out, greedy
+
+    out, greedy = run(_with_client(engine.url, go))
+    assert out["weight_version"] == "dist"
+    from laminar_mcore.rollout.model import DecoderLM
+
+    ref = DecoderLM(cfg, new_state)
+    kv = ref.new_kv_cache(64)
+    seq, expected = [2, 7], []
+    for _ in range(8):
+        token = int(ref.forward([seq], [0], [0], kv)[0].argmax())
+        expected.append(token)
+        seq = seq + [token]
+    assert greedy["output_ids"] == expected
+
+
+def _raw(url, path, body=None, key=KEY, method="POST"):
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, method=method)
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_auth_and_malformed_requests_get_4xx_and_the_server_keeps_serving(engine):
+    url = engine.url
+    assert _raw(url, "/health", key=None, method="GET")[0] == 200
+    assert _raw(url, "/generate", {"input_ids": [1], "sampling_params": {}}, key=None)[0] == 401
+    assert _raw(url, "/get_model_info", key="wrong", method="GET")[0] == 401
+    cases = [
+        (b"{not json", "JSON object"),
+        ({"text": "hello"}, "needs input_ids"),
+        ({"input_ids": []}, "non-empty list"),
+        ({"input_ids": [1, "a"]}, "non-empty list"),
+        ({"input_ids": [1000]}, "input_ids must be in [0, 128)"),
+        ({"input_ids": [1], "sampling_params": {"max_new_tokens": 5000}}, "holds 2048"),
+        ({"input_ids": [1], "sampling_params": {"temprature": 1.0}}, "unknown sampling_params"),
+        ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p"),
+        ({"input_ids": [1], "sampling_params": {"max_new_tokens": "many"}}, "bad sampling_params"),
+    ]
+    for body, message in cases:
+        status, text = _raw(url, "/generate", body)
+        assert status == 400 and message in text, (body, status, text)
+    assert _raw(url, "/pause_generation", {"mode": "sideways"})[0] == 400
+    assert _raw(url, "/abort_request", {})[0] == 400
+    assert _raw(url, "/nope", {})[0] == 404
+    status, text = _raw(url, "/generate", {"input_ids": [[1, 2], [3]],
+                                           "sampling_params": {"max_new_tokens": 2}})
+    assert status == 200 and len(json.loads(text)) == 2
+    assert engine.alive()
+
+
+def test_client_errors_name_the_endpoint(engine):
+    async def go():
+        async with SGLangClient("http://127.0.0.1:9", timeout_s=2, retries=1,
+                                retry_backoff_s=0.01) as dead:
+            with pytest.raises(EngineError, match="/get_weight_version: unreachable"):
+                await dead.get_weight_version()
+            assert await dead.health() is False
+        async with SGLangClient(engine.url, api_key=None) as anonymous:
+            with pytest.raises(EngineError) as err:
+                await anonymous.generate([1], {"max_new_tokens": 1})
+        return err.value
+
+    err = run(go())
+    assert err.endpoint == "/generate" and err.status == 401 and "API key" in err.message

@@ -1,0 +1,66 @@
+"""Engine launchers: SGLang command lines from the rollout config (the GPU path, checked by
+construction on CPU) and the process wrapper's failure reporting and clean stop."""
+
+import os
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from laminar_mcore.config import register_configs
+from laminar_mcore.config.paths import conf_dir
+from laminar_mcore.rollout.launcher import (EngineProcess, EngineStartError, cpu_engine_command,
+                                            engine_command_from_config, sglang_command)
+
+register_configs()
+
+
+def _cfg(*overrides):
+    with initialize_config_dir(config_dir=conf_dir(), version_base=None):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_sglang_command_from_the_rollout_config():
+    cfg = _cfg("rollout=sglang", "rollout.engine_tp=4", "rollout.mem_fraction_static=0.7",
+               "rollout.extra_args=[--attention-backend,fa3]")
+    cmd = engine_command_from_config(cfg.rollout, "/models/qwen", port=31000, api_key="k")
+    assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    joined = " ".join(cmd)
+    for part in ("--model-path /models/qwen", "--port 31000", "--tp-size 4",
+                 "--mem-fraction-static 0.7", "--api-key k", "--host 127.0.0.1",
+                 "--max-running-requests 256"):
+        assert part in joined, part
+    assert cmd[-2:] == ["--attention-backend", "fa3"]
+    assert "--weight-version" in sglang_command("/m", port=1, weight_version="7")
+
+
+def test_cpu_engine_command_from_the_rollout_config():
+    cfg = _cfg()
+    cmd = engine_command_from_config(cfg.rollout, "/tmp/m", port=0, index=3)
+    assert cmd[1:3] == ["-m", "laminar_mcore.rollout.cpu_engine"]
+    assert "--kv-capacity-tokens" in cmd and cmd[cmd.index("--seed") + 1] == "3"
+    with pytest.raises(ValueError, match="backend"):
+        engine_command_from_config(type("R", (), {"backend": "vllm"})(), "/m", port=1)
+
+
+@pytest.mark.multiprocess
+def test_a_failing_engine_reports_its_log_and_leaves_nothing(tmp_path):
+    cmd = cpu_engine_command(str(tmp_path / "no-model"))
+    proc = EngineProcess(cmd, log_path=str(tmp_path / "e.log"))
+    with pytest.raises(EngineStartError, match="is not a directory"):
+        proc.start(timeout_s=60)
+    assert not proc.alive()
+
+
+@pytest.mark.multiprocess
+def test_engine_stops_cleanly(tmp_path):
+    from laminar_mcore.models.hf import initial_hf_state, save_hf_checkpoint, tiny_hf_config
+
+    cfg = tiny_hf_config("llama", tie_word_embeddings=True)
+    save_hf_checkpoint(tmp_path / "m", cfg, initial_hf_state(type("M", (), {"path": None})(), cfg, 0))
+    with EngineProcess(cpu_engine_command(str(tmp_path / "m")), log_path=str(tmp_path / "e.log")) as p:
+        assert p.alive() and p.port > 0
+        pid = p.proc.pid
+    assert not p.alive()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
