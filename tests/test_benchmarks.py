@@ -11,9 +11,9 @@ def test_engine_benchmark_writes_its_keys(tmp_path):
     from laminar_mcore.bench.engine import main
 
     out = tmp_path / "engine.json"
-    main(["--requests", "4", "--short", "4", "--long", "24", "--hidden", "64", "--vocab", "256",
+    main(["--requests", "12", "--short", "4", "--long", "40", "--hidden", "64", "--vocab", "256",
           "--json", str(out)])
     figures = json.loads(out.read_text())
     assert {"engine_tokens_per_s", "hf_tokens_per_s", "ratio"} <= set(figures)
     assert figures["ratio"] == pytest.approx(figures["engine_tokens_per_s"] / figures["hf_tokens_per_s"])
-    assert figures["length_p99"] >= 6 * figures["length_p50"]
+    assert figures["length_p99"] > 6 * figures["length_p50"]  # long-tailed

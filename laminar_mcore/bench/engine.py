@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import statistics
 import tempfile
@@ -102,7 +103,8 @@ def main(argv=None) -> dict:
         save_hf_checkpoint(model_dir, cfg, initial_hf_state(type("M", (), {"path": None})(), cfg, 0))
         engine_tps = bench_engine(model_dir, prompts, lengths, args.threads)
         hf_tps = bench_transformers(model_dir, prompts, lengths, args.threads)
-    p50, p99 = statistics.median(lengths), sorted(lengths)[int(0.99 * (len(lengths) - 1))]
+    p50 = statistics.median(lengths)
+    p99 = sorted(lengths)[math.ceil(0.99 * len(lengths)) - 1]  # nearest-rank percentile
     figures = {"engine_tokens_per_s": engine_tps, "hf_tokens_per_s": hf_tps,
                "ratio": engine_tps / hf_tps, "requests": args.requests,
                "tokens": sum(lengths), "length_p50": p50, "length_p99": p99,
