@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import ClassVar, Dict, Iterable, Mapping, Optional, Tuple
+from typing import ClassVar, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -90,6 +90,15 @@ def split_layer_name(name: str) -> Tuple[Optional[int], str]:
         return None, name
     suffix = m.group(2)
     return int(m.group(1)), _TE_ALIASES.get(suffix, suffix)
+
+
+def _flatten_groups(t: Tensor, rest) -> Tensor:
+    """[groups, rows, *rest] -> [groups*rows, *rest], a view when the groups are one row-block
+    each (q of one group, or k, or v), otherwise a copy."""
+    try:
+        return t.view(-1, *rest)
+    except RuntimeError:
+        return t.reshape(-1, *rest)
 
 
 @dataclass(frozen=True)
@@ -275,36 +284,63 @@ class ModelAdapter:
                                f"{extra[:8]}{' ...' if len(extra) > 8 else ''}")
         return out
 
-    def mcore_to_hf(self, hf_config, mcore_state: Mapping[str, Tensor]) -> Dict[str, Tensor]:
-        """Hugging Face tensors from full Megatron tensors (the inverse of ``hf_to_mcore``)."""
+    def export_units(self, hf_config) -> List[Tuple[str, List[str]]]:
+        """The conversion units in order: (unit name, the full Megatron names it needs).
+
+        A unit (the embedding, one layer, the final norm, the output layer) converts to Hugging
+        Face tensors on its own, so exporters can stream a model unit by unit.
+        """
         s = self.shape(hf_config)
-        used = set()
-
-        def take(name: str) -> Tensor:
-            if name not in mcore_state:
-                raise AdapterError(f"{self.name}: Megatron tensor {name!r} is missing")
-            used.add(name)
-            return mcore_state[name]
-
-        out: Dict[str, Tensor] = {"model.embed_tokens.weight": take("embedding.word_embeddings.weight")}
+        units = [("embedding", ["embedding.word_embeddings.weight"])]
         for i in range(s.layers):
-            hf = self.HF_LAYER.format(i=i)
             mc = f"decoder.layers.{i}."
-            for m_suffix, h_suffix in self._layer_pairs(s):
-                out[hf + h_suffix] = take(mc + m_suffix)
-            q, k, v = self.split_qkv(s, take(mc + _QKV_W))
-            out.update({hf + "self_attn.q_proj.weight": q, hf + "self_attn.k_proj.weight": k,
-                        hf + "self_attn.v_proj.weight": v})
+            names = [mc + m for m, _ in self._layer_pairs(s)] + [mc + _QKV_W, mc + _FC1_W]
             if self.qkv_bias:
-                qb, kb, vb = self.split_qkv(s, take(mc + _QKV_B))
-                out.update({hf + "self_attn.q_proj.bias": qb, hf + "self_attn.k_proj.bias": kb,
-                            hf + "self_attn.v_proj.bias": vb})
-            gate, up = torch.chunk(take(mc + _FC1_W), 2, dim=0)
-            out[hf + "mlp.gate_proj.weight"] = gate
-            out[hf + "mlp.up_proj.weight"] = up
-        out["model.norm.weight"] = take("decoder.final_layernorm.weight")
+                names.append(mc + _QKV_B)
+            units.append((f"layer.{i}", names))
+        units.append(("final_norm", ["decoder.final_layernorm.weight"]))
         if not self.tied_embeddings(hf_config):
-            out["lm_head.weight"] = take("output_layer.weight")
+            units.append(("output", ["output_layer.weight"]))
+        return units
+
+    def convert_unit_to_hf(self, hf_config, unit: str,
+                           tensors: Mapping[str, Tensor]) -> List[Tuple[str, Tensor]]:
+        """Hugging Face (name, tensor) pairs of one unit. Tensors may be views (no copies)."""
+        s = self.shape(hf_config)
+        if unit == "embedding":
+            return [("model.embed_tokens.weight", tensors["embedding.word_embeddings.weight"])]
+        if unit == "final_norm":
+            return [("model.norm.weight", tensors["decoder.final_layernorm.weight"])]
+        if unit == "output":
+            return [("lm_head.weight", tensors["output_layer.weight"])]
+        i = int(unit.split(".")[1])
+        hf, mc = self.HF_LAYER.format(i=i), f"decoder.layers.{i}."
+        out = [(hf + h, tensors[mc + m]) for m, h in self._layer_pairs(s)]
+        q, k, v = self.split_qkv(s, tensors[mc + _QKV_W])
+        out += [(hf + "self_attn.q_proj.weight", q), (hf + "self_attn.k_proj.weight", k),
+                (hf + "self_attn.v_proj.weight", v)]
+        if self.qkv_bias:
+            qb, kb, vb = self.split_qkv(s, tensors[mc + _QKV_B])
+            out += [(hf + "self_attn.q_proj.bias", qb), (hf + "self_attn.k_proj.bias", kb),
+                    (hf + "self_attn.v_proj.bias", vb)]
+        gate, up = torch.chunk(tensors[mc + _FC1_W], 2, dim=0)
+        out += [(hf + "mlp.gate_proj.weight", gate), (hf + "mlp.up_proj.weight", up)]
+        return out
+
+    def mcore_to_hf(self, hf_config, mcore_state: Mapping[str, Tensor]) -> Dict[str, Tensor]:
+        """Hugging Face tensors from full Megatron tensors (the inverse of ``hf_to_mcore``).
+
+        Every Megatron tensor must be used and every Hugging Face tensor produced.
+        """
+        out: Dict[str, Tensor] = {}
+        used = set()
+        for unit, names in self.export_units(hf_config):
+            missing = [n for n in names if n not in mcore_state]
+            if missing:
+                raise AdapterError(f"{self.name}: Megatron tensor {missing[0]!r} is missing")
+            used.update(names)
+            for name, tensor in self.convert_unit_to_hf(hf_config, unit, mcore_state):
+                out[name] = tensor.contiguous()
         extra = sorted(set(mcore_state) - used)
         if extra:
             raise AdapterError(f"{self.name}: Megatron tensors with no Hugging Face counterpart: "
@@ -327,8 +363,9 @@ class ModelAdapter:
         rest = qkv.shape[1:]
         grouped = qkv.reshape(s.groups, (per + 2) * s.head_dim, *rest)
         q, k, v = torch.split(grouped, [per * s.head_dim, s.head_dim, s.head_dim], dim=1)
-        return (q.reshape(-1, *rest).contiguous(), k.reshape(-1, *rest).contiguous(),
-                v.reshape(-1, *rest).contiguous())
+        # Views of ``qkv`` shaped like the Hugging Face tensors (no copy: exporters write them
+        # straight into a bucket); call .contiguous() to own the memory.
+        return (_flatten_groups(q, rest), _flatten_groups(k, rest), _flatten_groups(v, rest))
 
     # ------------------------------------------------------------ tensor-parallel layout
     @staticmethod

@@ -83,8 +83,9 @@ class EngineProcess:
 
     def __init__(self, command: List[str], *, log_path: str, host: str = "127.0.0.1",
                  port: Optional[int] = None, env: Optional[Dict[str, str]] = None,
-                 api_key: Optional[str] = None):
+                 api_key: Optional[str] = None, port_key: str = "LAMINAR_ENGINE_PORT"):
         self.command = command
+        self.port_key = port_key
         self.log_path = log_path
         self.host = host
         self.port = port
@@ -108,6 +109,7 @@ class EngineProcess:
     def start(self, timeout_s: float = 180.0) -> "EngineProcess":
         os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
         self._log = open(self.log_path, "ab")
+        self._log_start = self._log.tell()  # a restart appends: read only this run's lines
         self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=self.env, start_new_session=True)
         try:
@@ -123,9 +125,9 @@ class EngineProcess:
             if self.proc.poll() is not None:
                 raise EngineStartError(f"engine exited with {self.proc.returncode}:\n{self.log_tail()}")
             if self.port in (None, 0):
-                match = re.search(r"LAMINAR_ENGINE_PORT=(\d+)", self.log_text())
-                if match:
-                    self.port = int(match.group(1))
+                value = self.printed(self.port_key)
+                if value:
+                    self.port = int(value)
             if self.port and self._healthy():
                 return
             time.sleep(0.1)
@@ -138,9 +140,26 @@ class EngineProcess:
         except (urllib.error.URLError, OSError):
             return False
 
+    def printed(self, key: str) -> Optional[str]:
+        """The value of a ``KEY=value`` line the server printed (ports chosen at start-up)."""
+        match = re.search(rf"{re.escape(key)}=(\S+)", self.log_text())
+        return match.group(1) if match else None
+
+    def wait_printed(self, key: str, timeout_s: float = 60.0) -> str:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            value = self.printed(key)
+            if value:
+                return value
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise EngineStartError(f"{key} never printed:\n{self.log_tail()}")
+
     def log_text(self) -> str:
         try:
             with open(self.log_path, "rb") as f:
+                f.seek(getattr(self, "_log_start", 0))
                 return f.read().decode(errors="replace")
         except FileNotFoundError:
             return ""

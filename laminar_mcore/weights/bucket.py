@@ -55,8 +55,9 @@ def layout(named: Mapping[str, torch.Tensor]) -> Tuple[List[TensorMeta], int]:
 def write_bucket(buffer: torch.Tensor, named: Mapping[str, torch.Tensor],
                  metas: List[TensorMeta]) -> None:
     for meta in metas:
-        src = named[meta.name].detach().contiguous().reshape(-1).view(torch.uint8)
-        buffer[meta.offset:meta.offset + meta.nbytes].copy_(src)
+        src = named[meta.name].detach()
+        dst = buffer[meta.offset:meta.offset + meta.nbytes].view(src.dtype).view(src.shape)
+        dst.copy_(src)  # one copy, straight from a strided view if need be
 
 
 def read_bucket(buffer: torch.Tensor, metas: List[TensorMeta]) -> Dict[str, torch.Tensor]:

@@ -1,0 +1,305 @@
+"""The relay data plane: chunked, pipelined pushes of a version down a chain of relays (TCP),
+and the receiving end of the trainer's publish group (torch.distributed).
+
+A push streams buckets chunk by chunk *as they arrive* at the pushing relay, so a version flows
+through the whole chain while the master is still receiving it (Laminar's pipelined chain:
+T(p, k) = (p + k - 2)(M/k * t_byte + t_start), minimised at k* = sqrt((p - 2) M t_byte / t_start)).
+
+Frames on a connection: a 4-byte big-endian length, a JSON header, then ``length`` raw bytes for
+chunk frames. The receiver answers the opening frame with whether it wants the version.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import socket
+import struct
+import threading
+import time
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from ..weights.bucket import TensorMeta
+from .store import BusyError, StoredBucket, StoredVersion, VersionError, VersionStore
+
+logger = logging.getLogger(__name__)
+
+
+def optimal_chunks(num_relays: int, nbytes: int, t_byte: float = 1 / 2e9,
+                   t_start: float = 2e-4, max_chunks: int = 4096) -> int:
+    """Laminar's k* for a chain of ``num_relays`` relays after the source (p = relays + 1)."""
+    p = num_relays + 1
+    if p <= 2 or nbytes <= 0:
+        return 1
+    return max(1, min(max_chunks, round(math.sqrt((p - 2) * nbytes * t_byte / t_start))))
+
+
+def chain_time(num_relays: int, nbytes: int, k: int, t_byte: float, t_start: float) -> float:
+    p = num_relays + 1
+    return (p + k - 2) * (nbytes / k * t_byte + t_start)
+
+
+# ---------------------------------------------------------------------- framing
+def send_frame(sock: socket.socket, header: dict, payload=None) -> None:
+    data = json.dumps(header).encode()
+    sock.sendall(struct.pack(">I", len(data)) + data)
+    if payload is not None:
+        sock.sendall(payload)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        r = sock.recv_into(view[got:], n - got)
+        if r == 0:
+            raise ConnectionError("peer closed the connection")
+        got += r
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket) -> dict:
+    (length,) = struct.unpack(">I", _recv_exact(sock, 4))
+    if length > 64 * 2**20:
+        raise ConnectionError(f"frame header of {length} bytes is not plausible")
+    return json.loads(_recv_exact(sock, length))
+
+
+def recv_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        r = sock.recv_into(view[got:], len(view) - got)
+        if r == 0:
+            raise ConnectionError("peer closed the connection mid-chunk")
+        got += r
+
+
+def _np_view(bucket: StoredBucket):
+    return bucket.shm.buffer.numpy()
+
+
+def _metas(raw) -> list:
+    return [TensorMeta(m["name"], m["dtype"], tuple(m["shape"]), int(m["offset"]), int(m["nbytes"]))
+            for m in raw]
+
+
+def _meta_dicts(metas) -> list:
+    return [{"name": m.name, "dtype": m.dtype, "shape": list(m.shape), "offset": m.offset,
+             "nbytes": m.nbytes} for m in metas]
+
+
+# ---------------------------------------------------------------------- receiving (TCP)
+def serve_push(conn: socket.socket, store: VersionStore, owner: str) -> Optional[int]:
+    """Receive one pushed version on ``conn`` into ``store``; returns the version if completed."""
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    hello = recv_frame(conn)
+    if hello.get("type") != "version":
+        raise ConnectionError("push must start with a version frame")
+    version, num_stages = int(hello["version"]), int(hello["num_stages"])
+    try:
+        sv = store.begin(version, num_stages, owner=owner)
+    except VersionError as exc:
+        send_frame(conn, {"accept": False, "busy": isinstance(exc, BusyError),
+                          "have": store.latest_version, "reason": str(exc)})
+        return None
+    send_frame(conn, {"accept": True})
+    try:
+        buckets: Dict[Tuple[int, int], StoredBucket] = {}
+        while True:
+            frame = recv_frame(conn)
+            kind = frame.get("type")
+            if kind == "bucket":
+                key = tuple(frame["key"])
+                buckets[key] = store.add_bucket(sv, key, int(frame["nbytes"]), _metas(frame["metas"]),
+                                                bool(frame["last_of_stage"]))
+            elif kind == "chunk":
+                bucket = buckets[tuple(frame["key"])]
+                start, length = int(frame["offset"]), int(frame["length"])
+                if start < 0 or start + length > bucket.nbytes:
+                    raise ConnectionError("chunk outside its bucket")
+                recv_into(conn, memoryview(_np_view(bucket))[start:start + length])
+                store.progress(sv, bucket, start + length)
+            elif kind == "end":
+                done = store.try_complete(sv)
+                send_frame(conn, {"complete": done})
+                if not done:
+                    raise ConnectionError(f"version {version} ended incomplete")
+                return version
+            else:
+                raise ConnectionError(f"unknown frame type {kind!r}")
+    except BaseException as exc:
+        store.fail(sv, f"push broken: {exc}")
+        raise
+
+
+# ---------------------------------------------------------------------- pushing (TCP)
+class PushAborted(Exception):
+    pass
+
+
+class ReceiverBusy(Exception):
+    pass
+
+
+def push_version(sock: socket.socket, store: VersionStore, sv: StoredVersion, chunk_bytes: int,
+                 should_abort: Callable[[], bool]) -> bool:
+    """Stream ``sv`` (complete or still arriving) to the relay at the other end of ``sock``.
+    Returns False when the receiver already has it or something newer; raises
+    ``ReceiverBusy`` when it is receiving this version from another relay right now."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    send_frame(sock, {"type": "version", "version": sv.version, "num_stages": sv.num_stages})
+    reply = recv_frame(sock)
+    if not reply.get("accept"):
+        if reply.get("busy"):
+            raise ReceiverBusy(reply.get("reason"))
+        return False
+    sent_buckets = 0
+    sent_bytes: Dict[Tuple[int, int], int] = {}
+    while True:
+        with store.cond:
+            store.cond.wait_for(lambda: sv.failed or should_abort() or len(sv.order) > sent_buckets
+                                or any(sv.buckets[k].received > sent_bytes.get(k, 0) for k in sv.order)
+                                or _all_sent(sv, sent_bytes), timeout=1.0)
+            if sv.failed or should_abort():
+                raise PushAborted(sv.failed or "downstream changed")
+            new_keys = sv.order[sent_buckets:]
+            ready = [(k, sv.buckets[k].received) for k in sv.order]
+            finished = _all_sent(sv, sent_bytes)
+        for key in new_keys:
+            b = sv.buckets[key]
+            send_frame(sock, {"type": "bucket", "key": list(key), "nbytes": b.nbytes,
+                              "metas": _meta_dicts(b.metas), "last_of_stage": b.last_of_stage})
+            sent_buckets += 1
+            sent_bytes[key] = 0
+        for key, received in ready:
+            start = sent_bytes.get(key, 0)
+            view = memoryview(_np_view(sv.buckets[key]))
+            while received - start >= chunk_bytes or (start < received == sv.buckets[key].nbytes):
+                length = min(chunk_bytes, received - start)
+                send_frame(sock, {"type": "chunk", "key": list(key), "offset": start, "length": length},
+                           view[start:start + length])
+                start += length
+            sent_bytes[key] = start
+        if finished:
+            send_frame(sock, {"type": "end"})
+            return bool(recv_frame(sock).get("complete"))
+
+
+def _all_sent(sv: StoredVersion, sent_bytes) -> bool:
+    return (len(sv.stages_done) >= sv.num_stages and len(sent_bytes) == len(sv.order)
+            and all(sent_bytes.get(k, 0) >= sv.buckets[k].nbytes for k in sv.order))
+
+
+class Forwarder:
+    """Keeps the downstream relay up to date: pushes every newer version (complete, or while it
+    is still arriving) and reports a dead downstream so that the chain can be rebuilt."""
+
+    def __init__(self, store: VersionStore, chunk_bytes: int,
+                 on_failure: Callable[[str], None]):
+        self.store = store
+        self.chunk_bytes = chunk_bytes
+        self.on_failure = on_failure
+        self.downstream: Optional[Tuple[str, int]] = None
+        self.pushed: Dict[Tuple[str, int], int] = {}
+        self.stats: Dict[str, float] = {}
+        self._generation = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="laminar-relay-forwarder", daemon=True)
+
+    def start(self):
+        self._thread.start()
+
+    def stop(self):
+        self._stop.set()
+        with self.store.cond:
+            self.store.cond.notify_all()
+        self._thread.join(timeout=10)
+
+    def set_downstream(self, addr: Optional[Tuple[str, int]]) -> None:
+        with self.store.cond:
+            if addr != self.downstream:
+                self.downstream = addr
+                self._generation += 1
+            self.store.cond.notify_all()
+
+    def _candidate(self) -> Optional[StoredVersion]:
+        if self.downstream is None:
+            return None
+        done = self.pushed.get(self.downstream, -1)
+        versions = [v for v in self.store.receiving.values() if not v.failed]
+        if self.store.latest is not None:
+            versions.append(self.store.latest)
+        versions = [v for v in versions if v.version > done]
+        return max(versions, key=lambda v: v.version) if versions else None
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            with self.store.cond:
+                self.store.cond.wait_for(lambda: self._stop.is_set() or self._candidate() is not None,
+                                         timeout=1.0)
+                sv = self._candidate()
+                target, generation = self.downstream, self._generation
+            if sv is None or target is None:
+                continue
+            abort = lambda: self._stop.is_set() or self._generation != generation  # noqa: E731
+            try:
+                start = time.perf_counter()
+                with socket.create_connection(target, timeout=30) as sock:
+                    sock.settimeout(60)
+                    complete = push_version(sock, self.store, sv, self.chunk_bytes, abort)
+                if complete:
+                    self.stats = {"version": sv.version, "seconds": time.perf_counter() - start,
+                                  "bytes": sv.nbytes}
+                self.pushed[target] = max(self.pushed.get(target, -1), sv.version)
+            except PushAborted:
+                continue
+            except ReceiverBusy:
+                self._stop.wait(0.2)
+                continue
+            except (OSError, ConnectionError) as exc:
+                if abort():
+                    continue
+                logger.warning("push of version %d to %s failed: %s", sv.version, target, exc)
+                self.on_failure(f"{target[0]}:{target[1]}")
+                self._stop.wait(0.5)
+
+
+# ---------------------------------------------------------------------- trainer -> master relay
+def publish_header_tensors(header: dict) -> Tuple[torch.Tensor, torch.Tensor]:
+    data = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
+    return torch.tensor([data.numel()], dtype=torch.int64), data
+
+
+def receive_publishes(pg, src: int, store: VersionStore, stop: threading.Event,
+                      on_version: Callable[[int], None]) -> None:
+    """Master relay: receive buckets from trainer stage lead ``src`` until ``stop``."""
+    while not stop.is_set():
+        length = torch.zeros(1, dtype=torch.int64)
+        pg.recv([length], src, 0).wait()
+        raw = torch.empty(int(length.item()), dtype=torch.uint8)
+        pg.recv([raw], src, 0).wait()
+        header = json.loads(bytes(raw.numpy()))
+        if header.get("type") == "close":
+            return
+        version, stage = int(header["version"]), int(header["stage"])
+        nbytes, chunk = int(header["nbytes"]), int(header["chunk_bytes"])
+        try:
+            sv = store.begin(version, int(header["num_stages"]), owner="trainer")
+        except VersionError:
+            sv = None  # an old version: drain it without storing
+        if sv is None:
+            sink = torch.empty(min(nbytes, chunk), dtype=torch.uint8)
+            for start in range(0, nbytes, chunk):
+                pg.recv([sink[:min(chunk, nbytes - start)]], src, 0).wait()
+            continue
+        bucket = store.add_bucket(sv, (stage, int(header["index"])), nbytes,
+                                  _metas(header["metas"]), bool(header["last_of_stage"]))
+        for start in range(0, nbytes, chunk):
+            end = min(nbytes, start + chunk)
+            pg.recv([bucket.shm.buffer[start:end]], src, 0).wait()
+            store.progress(sv, bucket, end)
+        if store.try_complete(sv):
+            on_version(version)

@@ -1,0 +1,105 @@
+"""Clients of a relay: lease the newest version and apply it to a local engine.
+
+``pull_latest_into_engine`` is how a rollout takes new weights when it is between trajectories:
+lease the newest complete version from the relay on its machine, send its flattened buckets to
+the engine (``update_weights_from_tensor``, never aborting requests), then release the lease.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional
+
+import aiohttp
+import torch
+
+from ..weights.bucket import decode_handle, open_handle
+
+
+class RelayError(RuntimeError):
+    pass
+
+
+@dataclass
+class Lease:
+    version: int
+    lease_id: str
+    serialized_buckets: List[str]
+    nbytes: int
+
+
+class RelayClient:
+    def __init__(self, url: str, token: str, timeout_s: float = 30.0):
+        self.url = url.rstrip("/")
+        self.token = token
+        self.timeout_s = timeout_s
+        self._session: Optional[aiohttp.ClientSession] = None
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    async def close(self):
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _call(self, method: str, path: str, body: Optional[dict] = None) -> dict:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                headers={"Authorization": f"Bearer {self.token}"})
+        try:
+            async with self._session.request(method, self.url + path, json=body,
+                                             timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
+                text = await r.text()
+                if r.status >= 400:
+                    raise RelayError(f"{path}: HTTP {r.status}: {text[:300]}")
+                return json.loads(text)
+        except aiohttp.ClientError as exc:
+            raise RelayError(f"{path}: relay {self.url} unreachable: {exc!r}") from None
+
+    async def latest(self) -> dict:
+        return await self._call("GET", "/latest")
+
+    async def lease(self, min_version: int = -1, ttl_s: Optional[float] = None) -> Optional[Lease]:
+        body = {"min_version": min_version}
+        if ttl_s is not None:
+            body["ttl_s"] = ttl_s
+        out = await self._call("POST", "/pull", body)
+        if out.get("version") is None:
+            return None
+        return Lease(out["version"], out["lease_id"], out["serialized_buckets"], out["nbytes"])
+
+    async def release(self, lease: Lease) -> bool:
+        return (await self._call("POST", "/release", {"lease_id": lease.lease_id}))["released"]
+
+
+@contextlib.contextmanager
+def open_lease(lease: Lease) -> Iterator[Dict[str, torch.Tensor]]:
+    """Views of every tensor of a leased version (valid inside the block)."""
+    with contextlib.ExitStack() as stack:
+        named: Dict[str, torch.Tensor] = {}
+        for data in lease.serialized_buckets:
+            named.update(stack.enter_context(open_handle(decode_handle(data))))
+        yield named
+
+
+async def pull_latest_into_engine(relay: RelayClient, engine, current_version: int) -> Optional[int]:
+    """Apply the relay's newest version to ``engine`` (an ``SGLangClient``) if it is newer than
+    ``current_version``; returns the new version, or None when there is nothing newer."""
+    lease = await relay.lease(min_version=current_version + 1)
+    if lease is None:
+        return None
+    try:
+        last = len(lease.serialized_buckets) - 1
+        for i, data in enumerate(lease.serialized_buckets):
+            await engine.update_weights_from_tensor(
+                [data], load_format="flattened_bucket", abort_all_requests=False,
+                weight_version=str(lease.version) if i == last else None)
+    finally:
+        await relay.release(lease)
+    return lease.version

@@ -1,0 +1,21 @@
+"""Command lines for relay processes (used by the local launcher, tests and benchmarks)."""
+
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+
+def relay_command(token: str, *, master: bool = False, master_url: Optional[str] = None,
+                  trainer_stages: int = 1, host: str = "127.0.0.1", port: int = 0,
+                  relay_id: Optional[str] = None, chunk_bytes: int = 8 * 2**20,
+                  heartbeat_s: float = 0.5, python: str = sys.executable) -> List[str]:
+    cmd = [python, "-m", "laminar_mcore.relay", "--token", token, "--host", host, "--port",
+           str(port), "--chunk-bytes", str(chunk_bytes), "--heartbeat-s", str(heartbeat_s)]
+    if master:
+        cmd += ["--master", "--trainer-stages", str(trainer_stages)]
+    else:
+        cmd += ["--master-url", str(master_url)]
+    if relay_id:
+        cmd += ["--relay-id", relay_id]
+    return cmd

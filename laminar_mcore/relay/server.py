@@ -1,0 +1,355 @@
+"""The relay process: one per rollout machine.
+
+    python -m laminar_mcore.relay --token T --master --trainer-stages P [--publish-port N]
+    python -m laminar_mcore.relay --token T --master-url http://HOST:PORT
+
+Owns a ``VersionStore`` in shared host memory, a TCP data port that receives pushed versions,
+a ``Forwarder`` that pushes every newer version to its downstream relay, and an HTTP control
+API: ``/pull`` (lease the newest complete version as flattened-bucket handles), ``/release``,
+``/latest``, ``/health``; on the master also ``/register``, ``/report_failure`` and ``/chain``.
+The master hosts the trainer's publish group (its own TCPStore, outside the trainer's world),
+orders the chain, watches every relay's heartbeat and rebuilds the chain around a dead one; a
+relay that restarts registers again, joins the end of the chain and is caught up. Every
+endpoint that changes state requires the run's token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections import OrderedDict
+from typing import Dict, List, Optional, Tuple
+
+from aiohttp import web
+
+from ..weights.bucket import encode_handle
+from .chain import Forwarder, receive_publishes, serve_push
+from .store import VersionStore
+
+logger = logging.getLogger("laminar_mcore.relay")
+PUBLISH_GROUP_PREFIX = "laminar-publish"
+
+
+def _http(method: str, url: str, body: Optional[dict] = None, token: Optional[str] = None,
+          timeout: float = 5.0) -> dict:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        text = resp.read().decode()
+    return json.loads(text) if text.strip().startswith("{") else {}
+
+
+class RelayServer:
+    def __init__(self, *, token: str, host: str = "127.0.0.1", relay_id: Optional[str] = None,
+                 master: bool = False, master_url: Optional[str] = None,
+                 trainer_stages: int = 1, publish_port: int = 0, chunk_bytes: int = 8 * 2**20,
+                 heartbeat_s: float = 0.5, lease_ttl_s: float = 600.0):
+        if not token:
+            raise ValueError("a relay needs the run's token (--token)")
+        if master == bool(master_url):
+            raise ValueError("a relay is either the master (--master) or joins one (--master-url)")
+        self.token = token
+        self.host = host
+        self.relay_id = relay_id or f"relay-{uuid.uuid4().hex[:8]}"
+        self.master = master
+        self.master_url = master_url
+        self.trainer_stages = trainer_stages
+        self.publish_port = publish_port
+        self.heartbeat_s = heartbeat_s
+        self.store = VersionStore(lease_ttl_s=lease_ttl_s)
+        self.forwarder = Forwarder(self.store, chunk_bytes, self._downstream_failed)
+        self.stop_event = threading.Event()
+        self.control_url: Optional[str] = None
+        self.data_sock = socket.socket()
+        self.data_sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.data_sock.bind((host, 0))
+        self.data_sock.listen(16)
+        self.data_port = self.data_sock.getsockname()[1]
+        self.relays: "OrderedDict[str, dict]" = OrderedDict()  # master: the chain, in order
+        self.chain_lock = threading.Lock()
+        self.chain_rebuilds = 0
+        self.publish_threads: List[threading.Thread] = []
+        self.app = web.Application(middlewares=[self._middleware])
+        r = self.app.router
+        r.add_get("/health", self.health)
+        r.add_get("/latest", self.latest)
+        r.add_post("/pull", self.pull)
+        r.add_post("/release", self.release)
+        r.add_post("/set_downstream", self.set_downstream)
+        r.add_post("/register", self.register)
+        r.add_post("/report_failure", self.report_failure)
+        r.add_get("/chain", self.chain)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start_background(self, control_url: str) -> None:
+        self.control_url = control_url
+        threading.Thread(target=self._accept_loop, name="laminar-relay-accept", daemon=True).start()
+        self.forwarder.start()
+        if self.master:
+            threading.Thread(target=self._host_publish_group, name="laminar-relay-publish",
+                             daemon=True).start()
+            threading.Thread(target=self._heartbeat_loop, name="laminar-relay-heartbeat",
+                             daemon=True).start()
+        else:
+            threading.Thread(target=self._register_loop, name="laminar-relay-register",
+                             daemon=True).start()
+
+    def shutdown(self) -> None:
+        self.stop_event.set()
+        self.forwarder.stop()
+        try:
+            self.data_sock.close()
+        except OSError:
+            pass
+        self.store.close()
+
+    def _accept_loop(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                conn, _ = self.data_sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve_conn, args=(conn,), daemon=True).start()
+
+    def _serve_conn(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                serve_push(conn, self.store, owner=f"push-{id(conn)}")
+            except Exception as exc:  # noqa: BLE001 - a broken push only fails that version
+                logger.warning("incoming push failed: %s", exc)
+
+    # ------------------------------------------------------------------ master: trainer group
+    def _host_publish_group(self) -> None:
+        import torch.distributed as dist
+
+        world = 1 + self.trainer_stages
+        store = dist.TCPStore(self.host, self.publish_port, world, is_master=True,
+                              timeout=datetime.timedelta(days=30), wait_for_workers=False)
+        self.publish_port = store.port
+        print(f"LAMINAR_RELAY_PUBLISH_PORT={self.publish_port}", flush=True)
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(PUBLISH_GROUP_PREFIX, store), 0, world,
+                                   datetime.timedelta(days=30))
+        logger.info("trainer publish group formed (%d stages)", self.trainer_stages)
+        for src in range(1, world):
+            t = threading.Thread(target=self._receive_stage, args=(pg, src), daemon=True)
+            t.start()
+            self.publish_threads.append(t)
+
+    def _receive_stage(self, pg, src: int) -> None:
+        try:
+            receive_publishes(pg, src, self.store, self.stop_event,
+                              lambda v: logger.info("version %d complete", v))
+        except Exception as exc:  # noqa: BLE001 - the trainer went away
+            if not self.stop_event.is_set():
+                logger.warning("publish stream from stage %d ended: %s", src - 1, exc)
+
+    # ------------------------------------------------------------------ chain management
+    def _downstream_failed(self, data_addr: str) -> None:
+        if self.master:
+            self._check_and_remove(data_addr)
+        else:
+            try:
+                _http("POST", self.master_url + "/report_failure", {"data_addr": data_addr},
+                      self.token)
+            except (urllib.error.URLError, OSError) as exc:
+                logger.warning("cannot report failure to the master: %s", exc)
+
+    def _check_and_remove(self, data_addr: str) -> None:
+        with self.chain_lock:
+            victim = next((rid for rid, r in self.relays.items()
+                           if f"{r['data_host']}:{r['data_port']}" == data_addr), None)
+        if victim is None or self._alive(self.relays.get(victim, {})):
+            return
+        self._remove(victim)
+
+    def _alive(self, relay: dict) -> bool:
+        if not relay:
+            return False
+        try:
+            with urllib.request.urlopen(relay["control_url"] + "/health", timeout=1.0) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def _remove(self, relay_id: str) -> None:
+        with self.chain_lock:
+            if self.relays.pop(relay_id, None) is None:
+                return
+        logger.warning("relay %s is gone; rebuilding the chain", relay_id)
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        with self.chain_lock:
+            order = list(self.relays.values())
+            self.chain_rebuilds += 1
+        first = order[0] if order else None
+        self.forwarder.set_downstream((first["data_host"], first["data_port"]) if first else None)
+        for i, relay in enumerate(order):
+            nxt = order[i + 1] if i + 1 < len(order) else None
+            body = {"data_host": nxt["data_host"], "data_port": nxt["data_port"]} if nxt else {}
+            try:
+                _http("POST", relay["control_url"] + "/set_downstream", body, self.token)
+            except (urllib.error.URLError, OSError) as exc:
+                logger.warning("cannot reach relay %s: %s", relay["relay_id"], exc)
+
+    def _heartbeat_loop(self) -> None:
+        misses: Dict[str, int] = {}
+        while not self.stop_event.wait(self.heartbeat_s):
+            with self.chain_lock:
+                relays = list(self.relays.values())
+            for relay in relays:
+                if self._alive(relay):
+                    misses[relay["relay_id"]] = 0
+                    continue
+                misses[relay["relay_id"]] = misses.get(relay["relay_id"], 0) + 1
+                if misses[relay["relay_id"]] >= 2:
+                    self._remove(relay["relay_id"])
+
+    def _register_loop(self) -> None:
+        body = {"relay_id": self.relay_id, "control_url": self.control_url,
+                "data_host": self.host, "data_port": self.data_port}
+        while not self.stop_event.is_set():
+            try:
+                _http("POST", self.master_url + "/register", body, self.token)
+                logger.info("registered with the master relay %s", self.master_url)
+                return
+            except (urllib.error.URLError, OSError) as exc:
+                logger.info("master relay not reachable yet (%s); retrying", exc)
+                self.stop_event.wait(0.5)
+
+    # ------------------------------------------------------------------ HTTP
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler):
+        if request.method == "POST" and request.headers.get("Authorization") != f"Bearer {self.token}":
+            return web.json_response({"error": "missing or wrong run token"}, status=401)
+        try:
+            return await handler(request)
+        except web.HTTPException:
+            raise
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
+            return web.json_response({"error": f"bad request: {exc}"}, status=400)
+
+    async def _body(self, request: web.Request) -> dict:
+        if not request.can_read_body:
+            return {}
+        body = await request.json()
+        if not isinstance(body, dict):
+            raise ValueError("body must be a JSON object")
+        return body
+
+    async def health(self, request):
+        return web.json_response({"ok": True, "relay_id": self.relay_id})
+
+    async def latest(self, request):
+        s = self.store
+        with s.cond:
+            latest = s.latest
+            info = {"relay_id": self.relay_id, "master": self.master,
+                    "version": latest.version if latest else None,
+                    "nbytes": latest.nbytes if latest else 0,
+                    "receiving": sorted(s.receiving), "leases": len(s.leases),
+                    "downstream": list(self.forwarder.downstream) if self.forwarder.downstream else None,
+                    "last_push": self.forwarder.stats}
+        return web.json_response(info)
+
+    async def pull(self, request):
+        body = await self._body(request)
+        min_version = int(body.get("min_version", -1))
+        ttl = body.get("ttl_s")
+        leased = self.store.lease_latest(min_version, float(ttl) if ttl is not None else None)
+        if leased is None:
+            return web.json_response({"version": None})
+        lease_id, sv = leased
+        buckets = [encode_handle(b.shm.handle(b.metas)) for b in sv.ordered()]
+        return web.json_response({"version": sv.version, "lease_id": lease_id,
+                                  "serialized_buckets": buckets, "nbytes": sv.nbytes})
+
+    async def release(self, request):
+        body = await self._body(request)
+        return web.json_response({"released": self.store.release(str(body["lease_id"]))})
+
+    async def set_downstream(self, request):
+        body = await self._body(request)
+        if body.get("data_port"):
+            self.forwarder.set_downstream((str(body["data_host"]), int(body["data_port"])))
+        else:
+            self.forwarder.set_downstream(None)
+        return web.json_response({"ok": True})
+
+    async def register(self, request):
+        if not self.master:
+            raise web.HTTPNotFound(text="only the master relay keeps the chain")
+        body = await self._body(request)
+        entry = {k: body[k] for k in ("relay_id", "control_url", "data_host", "data_port")}
+        entry["data_port"] = int(entry["data_port"])
+        with self.chain_lock:
+            self.relays.pop(entry["relay_id"], None)  # a restarted relay rejoins at the end
+            self.relays[entry["relay_id"]] = entry
+        await asyncio.to_thread(self._rebuild)
+        return web.json_response({"ok": True, "position": list(self.relays).index(entry["relay_id"])})
+
+    async def report_failure(self, request):
+        if not self.master:
+            raise web.HTTPNotFound(text="only the master relay keeps the chain")
+        body = await self._body(request)
+        await asyncio.to_thread(self._check_and_remove, str(body["data_addr"]))
+        return web.json_response({"ok": True})
+
+    async def chain(self, request):
+        with self.chain_lock:
+            order = list(self.relays)
+        return web.json_response({"chain": [self.relay_id] + order, "rebuilds": self.chain_rebuilds,
+                                  "publish_port": self.publish_port})
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="laminar_mcore relay")
+    ap.add_argument("--token", default=os.environ.get("LAMINAR_RUN_TOKEN"), help="the run's token")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0, help="control port (0: pick one)")
+    ap.add_argument("--relay-id", default=None)
+    ap.add_argument("--master", action="store_true")
+    ap.add_argument("--master-url", default=None)
+    ap.add_argument("--trainer-stages", type=int, default=1)
+    ap.add_argument("--publish-port", type=int, default=0)
+    ap.add_argument("--chunk-bytes", type=int, default=8 * 2**20)
+    ap.add_argument("--heartbeat-s", type=float, default=0.5)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if not args.token:
+        ap.error("--token (or LAMINAR_RUN_TOKEN) is required")
+    server = RelayServer(token=args.token, host=args.host, relay_id=args.relay_id,
+                         master=args.master, master_url=args.master_url,
+                         trainer_stages=args.trainer_stages, publish_port=args.publish_port,
+                         chunk_bytes=args.chunk_bytes, heartbeat_s=args.heartbeat_s)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    port = sock.getsockname()[1]
+    control_url = f"http://{args.host}:{port}"
+    server.start_background(control_url)
+    print(f"LAMINAR_RELAY_PORT={port}", flush=True)
+    print(f"LAMINAR_RELAY_DATA_PORT={server.data_port}", flush=True)
+
+    async def on_cleanup(app):
+        server.shutdown()
+
+    server.app.on_cleanup.append(on_cleanup)
+    web.run_app(server.app, sock=sock, access_log=None, print=None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Trainer side of weight publication: one publish per version, to the master relay only.
+
+``WeightPublisher.publish(version)`` exports this rank's pipeline stage into host buckets (the
+only part the trainer waits for) and hands them to a sender thread that streams them to the
+master relay over a dedicated ``torch.distributed`` group with its own store -- outside the
+trainer's world -- while training goes on. The trainer's blocked time therefore does not depend
+on how many relays or engines exist. Invariant: a publish first waits for the previous one's
+send to finish, since the host buckets are reused.
+
+Roles: every rank of a stage's tensor-parallel group (data-parallel rank 0) takes part in the
+gathers; the stage lead (TP rank 0) also sends. Group ranks: relay 0, stage s -> s + 1.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .export import BucketPacker, iter_stage_hf_tensors
+
+PUBLISH_GROUP_PREFIX = "laminar-publish"
+
+
+@dataclass
+class PublishStats:
+    version: int
+    blocked_s: float  # what the trainer waited for: export into host buckets
+    nbytes: int
+    buckets: int
+    waited_previous_s: float = 0.0
+
+
+class WeightPublisher:
+    def __init__(self, model, hf_config, *, relay_host: str, publish_port: int,
+                 bucket_bytes: int = 512 * 2**20, chunk_bytes: int = 8 * 2**20,
+                 dtype: Optional[torch.dtype] = None, timeout_s: float = 600.0):
+        from megatron.core import parallel_state as ps
+
+        self.model = model
+        self.hf_config = hf_config
+        self.ps = ps
+        self.chunk_bytes = chunk_bytes
+        self.stage = ps.get_pipeline_model_parallel_rank()
+        self.num_stages = ps.get_pipeline_model_parallel_world_size()
+        self.exports = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+        self.is_lead = self.exports and ps.get_tensor_model_parallel_rank() == 0
+        self.packer = BucketPacker(bucket_bytes, dtype=dtype, pin_memory=torch.cuda.is_available())
+        self.pg = None
+        self.error: Optional[BaseException] = None
+        self._queue: "queue.Queue" = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self.last_send_s = 0.0
+        if self.is_lead:
+            import torch.distributed as dist
+
+            store = dist.TCPStore(relay_host, publish_port, 1 + self.num_stages, is_master=False,
+                                  timeout=datetime.timedelta(seconds=timeout_s))
+            self.pg = dist.ProcessGroupGloo(dist.PrefixStore(PUBLISH_GROUP_PREFIX, store),
+                                            1 + self.stage, 1 + self.num_stages,
+                                            datetime.timedelta(seconds=timeout_s))
+            self._sender = threading.Thread(target=self._send_loop, name="laminar-publisher",
+                                            daemon=True)
+            self._sender.start()
+
+    def wait(self) -> None:
+        """Block until the previous publish has been sent (raises if the send failed)."""
+        self._idle.wait()
+        if self.error is not None:
+            raise RuntimeError(f"weight publication to the master relay failed: {self.error}")
+
+    def publish(self, version: int) -> PublishStats:
+        """Export this stage as ``version``; returns once the host buckets are filled."""
+        t0 = time.perf_counter()
+        self.wait()
+        t1 = time.perf_counter()
+        nbytes = count = 0
+        if self.exports:
+            if self.is_lead:
+                self._idle.clear()
+            held = None  # bucket k is queued when k+1 exists (to know which one is the last)
+            for bucket in self.packer.pack(iter_stage_hf_tensors(self.model, self.hf_config)):
+                if held is not None:
+                    self._enqueue(version, count - 1, held, last=False)
+                held = bucket
+                nbytes += bucket.nbytes
+                count += 1
+            if held is not None:
+                self._enqueue(version, count - 1, held, last=True)
+            if self.is_lead:
+                self._queue.put(None)  # end of this publish
+        t2 = time.perf_counter()
+        return PublishStats(version, t2 - t1, nbytes, count, waited_previous_s=t1 - t0)
+
+    def _enqueue(self, version: int, index: int, bucket, last: bool) -> None:
+        """Hand bucket ``index`` to the sender: it is sent while the next one is gathered."""
+        if not self.is_lead:
+            return
+        header = {"type": "bucket", "version": version, "stage": self.stage,
+                  "num_stages": self.num_stages, "index": index, "last_of_stage": last,
+                  "nbytes": bucket.nbytes, "chunk_bytes": self.chunk_bytes,
+                  "metas": [m.__dict__ for m in bucket.metas]}
+        self._queue.put((header, bucket.buffer))
+
+    def _send_loop(self) -> None:
+        from ..relay.chain import publish_header_tensors
+
+        while True:
+            item = self._queue.get()
+            if item == "close":
+                header = {"type": "close"}
+                length, data = publish_header_tensors(header)
+                try:
+                    self.pg.send([length], 0, 0).wait()
+                    self.pg.send([data], 0, 0).wait()
+                except Exception:  # noqa: BLE001 - the relay may be gone at shutdown
+                    pass
+                return
+            if item is None:
+                self._idle.set()
+                continue
+            header, buffer = item
+            start = time.perf_counter()
+            try:
+                length, data = publish_header_tensors(header)
+                self.pg.send([length], 0, 0).wait()
+                self.pg.send([data], 0, 0).wait()
+                for off in range(0, header["nbytes"], self.chunk_bytes):
+                    end = min(header["nbytes"], off + self.chunk_bytes)
+                    self.pg.send([buffer[off:end]], 0, 0).wait()
+            except Exception as exc:  # noqa: BLE001 - surfaced by the next publish / wait
+                self.error = exc
+                self._idle.set()
+                return
+            self.last_send_s += time.perf_counter() - start
+
+    def close(self) -> None:
+        if self.is_lead and self.error is None:
+            self.wait()
+            self._queue.put("close")
+            self._sender.join(timeout=30)

@@ -1,0 +1,202 @@
+"""Weight publication through real relay processes on loopback: a (TP2, PP2) trainer publishes
+once, a chain of 3 relays spreads it, pullers reconstruct it bit for bit; concurrent pulls never
+see a mix; a relay killed mid-chain is bypassed, and a restarted one catches up."""
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from laminar_mcore.models import get_adapter
+from laminar_mcore.models.hf import initial_hf_state, tiny_hf_config
+from laminar_mcore.relay.client import RelayClient, open_lease
+from laminar_mcore.relay.launch import relay_command
+from laminar_mcore.rollout.launcher import EngineProcess
+from laminar_mcore.testing.dist import run_torchrun
+
+from .conftest import WORKERS
+
+pytestmark = pytest.mark.multiprocess
+TOKEN = "run-token"
+
+
+def _relay(tmp_path, name, **kw):
+    return EngineProcess(relay_command(TOKEN, relay_id=name, heartbeat_s=0.2, **kw),
+                         log_path=str(tmp_path / f"{name}.log"), port_key="LAMINAR_RELAY_PORT").start()
+
+
+def _get(url, path):
+    with urllib.request.urlopen(url + path, timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+def _wait(predicate, timeout=60.0, what="condition"):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _reference(version):
+    cfg = tiny_hf_config("qwen2")
+    adapter = get_adapter(cfg)
+    state = initial_hf_state(type("M", (), {"path": None})(), cfg, version)
+    return adapter.mcore_to_hf(cfg, adapter.hf_to_mcore(cfg, state))
+
+
+async def _lease_and_check(url, references, seen):
+    async with RelayClient(url, TOKEN) as client:
+        lease = await client.lease()
+        if lease is None:
+            return
+        try:
+            with open_lease(lease) as named:
+                ref = references[lease.version]
+                assert set(named) == set(ref), "a pull returned a partial version"
+                mixed = [k for k in ref if not torch.equal(named[k], ref[k])]
+                assert not mixed, f"version {lease.version} mixed: {mixed[:3]}"
+            seen.add(lease.version)
+        finally:
+            await client.release(lease)
+
+
+@pytest.fixture
+def chain(tmp_path):
+    procs = []
+    try:
+        master = _relay(tmp_path, "master", master=True, trainer_stages=2)
+        procs.append(master)
+        for name in ("r1", "r2"):
+            procs.append(_relay(tmp_path, name, master_url=master.url))
+        _wait(lambda: _get(master.url, "/chain")["chain"] == ["master", "r1", "r2"], what="chain")
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_tp2_pp2_publish_reaches_the_end_of_the_chain_bit_exact(chain, tmp_path):
+    master, r1, r2 = chain
+    port = int(master.wait_printed("LAMINAR_RELAY_PUBLISH_PORT"))
+    references = {v: _reference(v) for v in (1, 2, 3)}
+    seen, errors, stop = set(), [], threading.Event()
+
+    def puller():  # pulls from the last relay all through the publishes
+        while not stop.is_set():
+            try:
+                asyncio.run(_lease_and_check(r2.url, references, seen))
+            except AssertionError as exc:
+                errors.append(exc)
+                return
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=puller)
+    thread.start()
+    try:
+        results = run_torchrun(os.path.join(WORKERS, "publish.py"), 4,
+                               ["--publish-port", str(port), "--versions", "3"], timeout=600)
+        _wait(lambda: _get(r2.url, "/latest")["version"] == 3, what="version 3 at the last relay")
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, errors[0]
+    assert 3 in seen  # the last version was pulled and checked bit for bit
+    asyncio.run(_lease_and_check(r2.url, references, seen))
+    leads = [r for r in results if r["lead"]]
+    assert len(leads) == 2  # one sender per pipeline stage
+    for lead in leads:
+        assert [s["version"] for s in lead["stats"]] == [1, 2, 3]
+        assert all(s["buckets"] > 1 for s in lead["stats"])  # bucketed (40 kB buckets)
+    total = sum(lead["stats"][0]["nbytes"] for lead in leads)
+    assert _get(r2.url, "/latest")["nbytes"] == total
+
+
+def _publish_in_process(port, versions):
+    """A one-process trainer (TP1, PP1) publishing versions of seed v."""
+    from laminar_mcore.parallel import destroy_trainer_parallel, init_trainer_parallel
+    from laminar_mcore.trainer.model import build_gpt_model, load_full_state
+    from laminar_mcore.weights.publisher import WeightPublisher
+
+    init_trainer_parallel(tp=1, pp=1, seed=0)
+    try:
+        cfg = tiny_hf_config("qwen2")
+        model = build_gpt_model(cfg)
+        publisher = WeightPublisher(model, cfg, relay_host="127.0.0.1", publish_port=port,
+                                    bucket_bytes=100_000, chunk_bytes=16384)
+        blocked = []
+        for v in versions:
+            state = initial_hf_state(type("M", (), {"path": None})(), cfg, v)
+            load_full_state(model, cfg, get_adapter(cfg).hf_to_mcore(cfg, state))
+            blocked.append(publisher.publish(v).blocked_s)
+            publisher.wait()
+            yield v
+        publisher.close()
+    finally:
+        destroy_trainer_parallel()
+
+
+def test_killed_relay_is_bypassed_and_a_restarted_one_catches_up(tmp_path):
+    procs, publishes = [], None
+    try:
+        master = _relay(tmp_path, "master", master=True, trainer_stages=1)
+        procs.append(master)
+        r1 = _relay(tmp_path, "r1", master_url=master.url)
+        r2 = _relay(tmp_path, "r2", master_url=master.url)
+        procs += [r1, r2]
+        _wait(lambda: _get(master.url, "/chain")["chain"] == ["master", "r1", "r2"], what="chain")
+        port = int(master.wait_printed("LAMINAR_RELAY_PUBLISH_PORT"))
+        publishes = _publish_in_process(port, [1, 2, 3])
+        next(publishes)
+        _wait(lambda: _get(r2.url, "/latest")["version"] == 1, what="v1 at r2")
+
+        os.killpg(r1.proc.pid, signal.SIGKILL)  # a relay dies mid-chain
+        _wait(lambda: _get(master.url, "/chain")["chain"] == ["master", "r2"], timeout=30,
+              what="chain rebuilt without r1")
+        next(publishes)
+        _wait(lambda: _get(r2.url, "/latest")["version"] == 2, what="v2 at r2 around the dead relay")
+
+        r1b = _relay(tmp_path, "r1", master_url=master.url)  # restarted: rejoins at the end
+        procs.append(r1b)
+        _wait(lambda: _get(master.url, "/chain")["chain"] == ["master", "r2", "r1"], what="rejoined")
+        _wait(lambda: _get(r1b.url, "/latest")["version"] == 2, what="restarted relay caught up")
+        next(publishes)
+        _wait(lambda: _get(r1b.url, "/latest")["version"] == 3, what="v3 through the new chain")
+        seen = set()
+        asyncio.run(_lease_and_check(r1b.url, {3: _reference(3)}, seen))
+        assert seen == {3}
+        with pytest.raises(StopIteration):
+            next(publishes)
+    finally:
+        if publishes is not None:
+            publishes.close()
+        for p in procs:
+            p.stop()
+
+
+def test_state_changing_endpoints_need_the_token(tmp_path):
+    master = _relay(tmp_path, "solo", master=True, trainer_stages=1)
+    try:
+        for path, body in (("/pull", {}), ("/release", {"lease_id": "x"}),
+                           ("/register", {}), ("/set_downstream", {})):
+            req = urllib.request.Request(master.url + path, data=json.dumps(body).encode(),
+                                         method="POST")
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(req, timeout=5)
+            assert err.value.code == 401, path
+        req = urllib.request.Request(master.url + "/pull", data=b"[1,2]", method="POST",
+                                     headers={"Authorization": f"Bearer {TOKEN}"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=5)
+        assert err.value.code == 400
+        assert _get(master.url, "/latest")["version"] is None  # still serving
+    finally:
+        master.stop()

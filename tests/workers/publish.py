@@ -1,0 +1,50 @@
+"""Worker (under torchrun): a TP x PP trainer publishes its weights to the master relay."""
+
+import argparse
+import os
+
+import torch
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--relay-host", default="127.0.0.1")
+    ap.add_argument("--publish-port", type=int, required=True)
+    ap.add_argument("--versions", type=int, default=2)
+    ap.add_argument("--bucket-bytes", type=int, default=40_000)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    from laminar_mcore.models import get_adapter
+    from laminar_mcore.models.hf import initial_hf_state, tiny_hf_config
+    from laminar_mcore.parallel import init_trainer_parallel
+    from laminar_mcore.testing.dist import write_rank_result
+    from laminar_mcore.trainer.model import build_gpt_model, load_full_state
+    from laminar_mcore.weights.publisher import WeightPublisher
+
+    torch.set_num_threads(1)
+    init_trainer_parallel(tp=args.tp, pp=args.pp, seed=0)
+    cfg = tiny_hf_config("qwen2")
+    model = build_gpt_model(cfg)
+    publisher = WeightPublisher(model, cfg, relay_host=args.relay_host,
+                                publish_port=args.publish_port, bucket_bytes=args.bucket_bytes,
+                                chunk_bytes=8192)
+    stats = []
+    for version in range(1, args.versions + 1):
+        # Version v carries the weights of HF init seed v, so each is checkable on its own.
+        state = initial_hf_state(type("M", (), {"path": None})(), cfg, version)
+        load_full_state(model, cfg, get_adapter(cfg).hf_to_mcore(cfg, state))
+        s = publisher.publish(version)
+        stats.append({"version": version, "blocked_s": s.blocked_s, "nbytes": s.nbytes,
+                      "buckets": s.buckets})
+        publisher.wait()
+    publisher.close()
+    write_rank_result(args.out, {"rank": int(os.environ["RANK"]), "lead": publisher.is_lead,
+                                 "stats": stats})
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
