@@ -17,3 +17,16 @@ def test_engine_benchmark_writes_its_keys(tmp_path):
     assert {"engine_tokens_per_s", "hf_tokens_per_s", "ratio"} <= set(figures)
     assert figures["ratio"] == pytest.approx(figures["engine_tokens_per_s"] / figures["hf_tokens_per_s"])
     assert figures["length_p99"] > 6 * figures["length_p50"]  # long-tailed
+
+
+@pytest.mark.multiprocess
+def test_weight_sync_benchmark_writes_its_keys(tmp_path):
+    from laminar_mcore.bench.weight_sync import main
+
+    out = tmp_path / "sync.json"
+    main(["--hidden", "128", "--layers", "2", "--vocab", "512", "--relays", "2", "--json", str(out)])
+    figures = json.loads(out.read_text())
+    keys = {"trainer_blocked_s", "host_copy_s", "chain_gbps", "pull_gbps", "gloo_broadcast_gbps",
+            "memcpy_gbps", "bit_exact"}
+    assert keys <= set(figures) and figures["bit_exact"] is True
+    assert all(figures[k] > 0 for k in keys - {"bit_exact"})

@@ -1,0 +1,201 @@
+"""Weight publication and relay chain throughput, against this machine's raw memcpy and gloo.
+
+    python -m laminar_mcore.bench.weight_sync [--hidden 768 --layers 6 --relays 3] [--json PATH]
+
+In one run: a one-process trainer publishes a Megatron-Core model to a chain of relays
+(real processes on loopback); we measure the trainer's blocked seconds per publish, the
+end-to-end GB/s until the last relay holds the version, the GB/s of an engine pulling it from
+its relay (the CPU engine, ``update_weights_from_tensor``), and, for calibration, one host copy
+of the same bytes (memcpy) and a raw gloo broadcast of them to as many processes as relays.
+The third publish is the one measured: the first two allocate every host and shared-memory
+buffer (a relay keeps the newest version and the one arriving), later ones reuse them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import urllib.request
+
+import torch
+
+
+def _gloo_receiver(port: int, rank: int, world: int, nbytes: int) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
+                          timeout=datetime.timedelta(seconds=120))
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("bench", store), rank, world)
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    for _ in range(2):  # warm-up, then measured
+        pg.broadcast(buf, 0).wait()
+        pg.barrier().wait()
+
+
+def gloo_broadcast_seconds(nbytes: int, receivers: int) -> float:
+    import torch.distributed as dist
+
+    from ..testing.dist import free_port
+
+    port, world = free_port(), receivers + 1
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=True,
+                          timeout=datetime.timedelta(seconds=120), wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_gloo_receiver, args=(port, r, world, nbytes)) for r in range(1, world)]
+    for p in procs:
+        p.start()
+    try:
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("bench", store), 0, world)
+        buf = torch.ones(nbytes, dtype=torch.uint8)
+        pg.broadcast(buf, 0).wait()
+        pg.barrier().wait()
+        start = time.perf_counter()
+        pg.broadcast(buf, 0).wait()
+        pg.barrier().wait()
+        return time.perf_counter() - start
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+
+
+def _latest(url: str) -> dict:
+    with urllib.request.urlopen(url + "/latest", timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--relays", type=int, default=3, help="relays in the chain, master included")
+    ap.add_argument("--bucket-mb", type=int, default=512)
+    ap.add_argument("--chunk-mb", type=int, default=0, help="0: from Laminar's T(p, k) model")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    from ..models import get_adapter
+    from ..models.hf import save_hf_checkpoint, tiny_hf_config
+    from ..parallel import destroy_trainer_parallel, init_trainer_parallel
+    from ..relay.chain import optimal_chunks
+    from ..relay.client import RelayClient, open_lease, pull_latest_into_engine
+    from ..relay.launch import relay_command
+    from ..rollout.client import SGLangClient
+    from ..rollout.launcher import EngineProcess, cpu_engine_command
+    from ..trainer.model import build_gpt_model, stage_full_tensors
+    from ..weights.publisher import WeightPublisher
+    from .common import report
+
+    torch.set_num_threads(1)
+    cfg = tiny_hf_config("qwen2", hidden_size=args.hidden, intermediate_size=args.hidden * 3,
+                         num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+                         num_key_value_heads=max(args.hidden // 256, 1), vocab_size=args.vocab)
+    token = "bench-token"
+    init_trainer_parallel(tp=1, pp=1, seed=0)
+    procs = []
+    with tempfile.TemporaryDirectory(prefix="laminar-bench-sync-") as tmp:
+        try:
+            model = build_gpt_model(cfg)
+            adapter = get_adapter(cfg)
+            reference = adapter.mcore_to_hf(cfg, stage_full_tensors(model, cfg))
+            nbytes = sum(t.numel() * t.element_size() for t in reference.values())
+            chunk = args.chunk_mb * 2**20 or max(2**20, nbytes // optimal_chunks(args.relays, nbytes))
+            master = EngineProcess(relay_command(token, master=True, trainer_stages=1,
+                                                 chunk_bytes=chunk, relay_id="master"),
+                                   log_path=os.path.join(tmp, "master.log"),
+                                   port_key="LAMINAR_RELAY_PORT").start()
+            procs.append(master)
+            for i in range(1, args.relays):
+                procs.append(EngineProcess(
+                    relay_command(token, master_url=master.url, chunk_bytes=chunk, relay_id=f"r{i}"),
+                    log_path=os.path.join(tmp, f"r{i}.log"), port_key="LAMINAR_RELAY_PORT").start())
+            last = procs[-1]
+            deadline = time.time() + 60
+            while len(json.loads(urllib.request.urlopen(master.url + "/chain").read())["chain"]) < args.relays:
+                if time.time() > deadline:
+                    raise RuntimeError("relays did not form a chain")
+                time.sleep(0.05)
+            port = int(master.wait_printed("LAMINAR_RELAY_PUBLISH_PORT"))
+            publisher = WeightPublisher(model, cfg, relay_host="127.0.0.1", publish_port=port,
+                                        bucket_bytes=args.bucket_mb * 2**20, chunk_bytes=chunk)
+            stats = None
+            for version in (1, 2, 3):  # the first two allocate every buffer; the third is measured
+                start = time.perf_counter()
+                stats = publisher.publish(version)
+                while _latest(last.url)["version"] != version:
+                    time.sleep(0.002)
+                chain_s = time.perf_counter() - start
+                publisher.wait()
+            publisher.close()
+
+            src = torch.ones(nbytes, dtype=torch.uint8)
+            dst = torch.empty_like(src)
+            dst.copy_(src)
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            host_copy_s = time.perf_counter() - t0
+            del src, dst
+
+            async def pulled():
+                async with RelayClient(last.url, token) as relay:
+                    lease = await relay.lease()
+                    with open_lease(lease) as named:
+                        exact = set(named) == set(reference) and all(
+                            torch.equal(named[k], reference[k]) for k in reference)
+                    await relay.release(lease)
+                    return exact
+
+            bit_exact = asyncio.run(pulled())
+            model_dir = os.path.join(tmp, "model")
+            save_hf_checkpoint(model_dir, cfg, {k: torch.zeros_like(v) for k, v in reference.items()})
+            engine = EngineProcess(cpu_engine_command(model_dir, kv_capacity_tokens=256),
+                                   log_path=os.path.join(tmp, "engine.log")).start()
+            procs.append(engine)
+
+            async def pull_into_engine():
+                async with RelayClient(last.url, token) as relay, SGLangClient(engine.url) as eng:
+                    t = time.perf_counter()
+                    version = await pull_latest_into_engine(relay, eng, current_version=0)
+                    return version, time.perf_counter() - t
+
+            pulled_version, pull_s = asyncio.run(pull_into_engine())
+            assert pulled_version == 3
+            gloo_s = gloo_broadcast_seconds(nbytes, args.relays)
+        finally:
+            for p in procs:
+                p.stop()
+            destroy_trainer_parallel()
+
+    gb = nbytes / 1e9
+    figures = {
+        "bytes": nbytes, "relays": args.relays, "chunk_bytes": chunk,
+        "trainer_blocked_s": stats.blocked_s, "host_copy_s": host_copy_s,
+        "blocked_vs_host_copy": stats.blocked_s / host_copy_s,
+        "chain_s": chain_s, "chain_gbps": gb / chain_s, "pull_s": pull_s, "pull_gbps": gb / pull_s,
+        "gloo_broadcast_gbps": gb / gloo_s, "memcpy_gbps": gb / host_copy_s,
+        "chain_vs_gloo": (gb / chain_s) / (gb / gloo_s), "bit_exact": bool(bit_exact),
+    }
+    report(figures, args.json, {
+        "trainer_blocked_s": f"{stats.blocked_s:.3f} s ({figures['blocked_vs_host_copy']:.2f}x one host copy of {gb:.2f} GB)",
+        "host_copy_s": f"{host_copy_s:.3f} s",
+        "chain_gbps": f"{figures['chain_gbps']:.2f} GB/s to relay {args.relays} of {args.relays} "
+                      f"({figures['chain_vs_gloo']:.2f}x raw gloo broadcast)",
+        "pull_gbps": f"{figures['pull_gbps']:.2f} GB/s into a CPU engine",
+        "gloo_broadcast_gbps": f"{figures['gloo_broadcast_gbps']:.2f} GB/s to {args.relays} processes",
+        "memcpy_gbps": f"{figures['memcpy_gbps']:.2f} GB/s",
+        "bit_exact": str(bit_exact),
+    })
+    return figures
+
+
+if __name__ == "__main__":
+    main()
