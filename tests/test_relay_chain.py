@@ -200,3 +200,32 @@ def test_state_changing_endpoints_need_the_token(tmp_path):
         assert _get(master.url, "/latest")["version"] is None  # still serving
     finally:
         master.stop()
+
+
+def test_cuda_ipc_pull_is_refused_clearly_without_a_gpu(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    master = _relay(tmp_path, "solo2", master=True, trainer_stages=1)
+    publishes = None
+    try:
+        port = int(master.wait_printed("LAMINAR_RELAY_PUBLISH_PORT"))
+        publishes = _publish_in_process(port, [1])
+        next(publishes)
+        _wait(lambda: _get(master.url, "/latest")["version"] == 1, what="v1")
+
+        async def go():
+            async with RelayClient(master.url, TOKEN) as client:
+                from laminar_mcore.relay.client import RelayError
+
+                with pytest.raises(RelayError, match="cannot serve CUDA IPC handles"):
+                    await client.lease(fmt="sglang_cuda_ipc", device="cuda:0")
+                with pytest.raises(RelayError, match="not shm or sglang_cuda_ipc"):
+                    await client.lease(fmt="pickle")
+                return await client.latest()
+
+        latest = asyncio.run(go())
+        assert latest["leases"] == 0  # refused pulls hold nothing
+    finally:
+        if publishes is not None:
+            publishes.close()
+        master.stop()

@@ -102,3 +102,14 @@ def test_a_failed_version_is_dropped_and_min_version_is_respected():
         assert store.try_complete(_fill(store, 2, 2.0))  # a retry of the same version works
     finally:
         store.close()
+
+
+def test_laminar_chunk_model():
+    from laminar_mcore.relay.chain import chain_time, optimal_chunks
+
+    M, t_byte, t_start = 2**30, 1 / 2e9, 2e-4
+    k = optimal_chunks(4, M, t_byte, t_start)
+    best = min(range(1, 400), key=lambda kk: chain_time(4, M, kk, t_byte, t_start))
+    assert abs(k - best) <= 1
+    assert optimal_chunks(1, M) == 1  # a single hop gains nothing from chunking
+    assert chain_time(4, M, k, t_byte, t_start) < chain_time(4, M, 1, t_byte, t_start) / 2

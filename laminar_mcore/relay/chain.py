@@ -197,10 +197,12 @@ class Forwarder:
     """Keeps the downstream relay up to date: pushes every newer version (complete, or while it
     is still arriving) and reports a dead downstream so that the chain can be rebuilt."""
 
-    def __init__(self, store: VersionStore, chunk_bytes: int,
-                 on_failure: Callable[[str], None]):
+    def __init__(self, store: VersionStore, chunk_bytes: Optional[int],
+                 on_failure: Callable[[str], None], chain_chunks: Optional[int] = None):
         self.store = store
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes = chunk_bytes  # None: from Laminar's T(p, k) model
+        self.chain_chunks = chain_chunks  # a fixed k instead of k*
+        self.relays_after_source = 1  # set by the master with the chain
         self.on_failure = on_failure
         self.downstream: Optional[Tuple[str, int]] = None
         self.pushed: Dict[Tuple[str, int], int] = {}
@@ -217,6 +219,15 @@ class Forwarder:
         with self.store.cond:
             self.store.cond.notify_all()
         self._thread.join(timeout=10)
+
+    def chunk_for(self, sv: StoredVersion) -> int:
+        """Chunk size for pushing ``sv``: configured, or M / k with k = chain_chunks or k*."""
+        if self.chunk_bytes:
+            return self.chunk_bytes
+        latest = self.store.latest
+        nbytes = latest.nbytes if latest is not None and latest.nbytes else sv.nbytes
+        k = self.chain_chunks or optimal_chunks(self.relays_after_source, nbytes)
+        return max(2**20, -(-nbytes // max(k, 1)))
 
     def set_downstream(self, addr: Optional[Tuple[str, int]]) -> None:
         with self.store.cond:
@@ -249,7 +260,7 @@ class Forwarder:
                 start = time.perf_counter()
                 with socket.create_connection(target, timeout=30) as sock:
                     sock.settimeout(60)
-                    complete = push_version(sock, self.store, sv, self.chunk_bytes, abort)
+                    complete = push_version(sock, self.store, sv, self.chunk_for(sv), abort)
                 if complete:
                     self.stats = {"version": sv.version, "seconds": time.perf_counter() - start,
                                   "bytes": sv.nbytes}

@@ -65,8 +65,13 @@ class RelayClient:
     async def latest(self) -> dict:
         return await self._call("GET", "/latest")
 
-    async def lease(self, min_version: int = -1, ttl_s: Optional[float] = None) -> Optional[Lease]:
-        body = {"min_version": min_version}
+    async def lease(self, min_version: int = -1, ttl_s: Optional[float] = None,
+                    fmt: str = "shm", device: Optional[str] = None) -> Optional[Lease]:
+        """Lease the newest version at or above ``min_version``: shared-memory handles (CPU
+        engines) or, with ``fmt="sglang_cuda_ipc"``, SGLang's CUDA IPC payloads for ``device``."""
+        body = {"min_version": min_version, "format": fmt}
+        if device is not None:
+            body["device"] = device
         if ttl_s is not None:
             body["ttl_s"] = ttl_s
         out = await self._call("POST", "/pull", body)
@@ -88,10 +93,12 @@ def open_lease(lease: Lease) -> Iterator[Dict[str, torch.Tensor]]:
         yield named
 
 
-async def pull_latest_into_engine(relay: RelayClient, engine, current_version: int) -> Optional[int]:
+async def pull_latest_into_engine(relay: RelayClient, engine, current_version: int, *,
+                                  fmt: str = "shm", device: Optional[str] = None) -> Optional[int]:
     """Apply the relay's newest version to ``engine`` (an ``SGLangClient``) if it is newer than
-    ``current_version``; returns the new version, or None when there is nothing newer."""
-    lease = await relay.lease(min_version=current_version + 1)
+    ``current_version``; returns the new version, or None when there is nothing newer.
+    ``fmt="sglang_cuda_ipc"`` (with the engine's ``device``) for SGLang engines on GPUs."""
+    lease = await relay.lease(min_version=current_version + 1, fmt=fmt, device=device)
     if lease is None:
         return None
     try:

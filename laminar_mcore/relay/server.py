@@ -55,8 +55,9 @@ def _http(method: str, url: str, body: Optional[dict] = None, token: Optional[st
 class RelayServer:
     def __init__(self, *, token: str, host: str = "127.0.0.1", relay_id: Optional[str] = None,
                  master: bool = False, master_url: Optional[str] = None,
-                 trainer_stages: int = 1, publish_port: int = 0, chunk_bytes: int = 8 * 2**20,
-                 heartbeat_s: float = 0.5, lease_ttl_s: float = 600.0):
+                 trainer_stages: int = 1, publish_port: int = 0, chunk_bytes: int = 0,
+                 chain_chunks: Optional[int] = None, heartbeat_s: float = 0.5,
+                 lease_ttl_s: float = 600.0):
         if not token:
             raise ValueError("a relay needs the run's token (--token)")
         if master == bool(master_url):
@@ -70,7 +71,8 @@ class RelayServer:
         self.publish_port = publish_port
         self.heartbeat_s = heartbeat_s
         self.store = VersionStore(lease_ttl_s=lease_ttl_s)
-        self.forwarder = Forwarder(self.store, chunk_bytes, self._downstream_failed)
+        self.forwarder = Forwarder(self.store, chunk_bytes or None, self._downstream_failed,
+                                   chain_chunks=chain_chunks)
         self.stop_event = threading.Event()
         self.control_url: Optional[str] = None
         self.data_sock = socket.socket()
@@ -82,6 +84,7 @@ class RelayServer:
         self.chain_lock = threading.Lock()
         self.chain_rebuilds = 0
         self.publish_threads: List[threading.Thread] = []
+        self.cuda_ipc = None  # a CudaIpcExporter once a GPU engine asks for CUDA IPC handles
         self.app = web.Application(middlewares=[self._middleware])
         r = self.app.router
         r.add_get("/health", self.health)
@@ -196,10 +199,12 @@ class RelayServer:
             order = list(self.relays.values())
             self.chain_rebuilds += 1
         first = order[0] if order else None
+        self.forwarder.relays_after_source = max(len(order) + 1, 1)
         self.forwarder.set_downstream((first["data_host"], first["data_port"]) if first else None)
         for i, relay in enumerate(order):
             nxt = order[i + 1] if i + 1 < len(order) else None
             body = {"data_host": nxt["data_host"], "data_port": nxt["data_port"]} if nxt else {}
+            body["relays_after_source"] = len(order) + 1
             try:
                 _http("POST", relay["control_url"] + "/set_downstream", body, self.token)
             except (urllib.error.URLError, OSError) as exc:
@@ -273,16 +278,44 @@ class RelayServer:
         if leased is None:
             return web.json_response({"version": None})
         lease_id, sv = leased
-        buckets = [encode_handle(b.shm.handle(b.metas)) for b in sv.ordered()]
-        return web.json_response({"version": sv.version, "lease_id": lease_id,
+        fmt = body.get("format", "shm")
+        if fmt == "shm":
+            buckets = [encode_handle(b.shm.handle(b.metas)) for b in sv.ordered()]
+        elif fmt == "sglang_cuda_ipc":
+            try:
+                buckets = await asyncio.to_thread(self._cuda_payloads, lease_id, sv,
+                                                  str(body.get("device", "cuda:0")))
+            except Exception as exc:  # noqa: BLE001 - e.g. no GPU on this machine
+                self.store.release(lease_id)
+                return web.json_response({"error": f"cannot serve CUDA IPC handles: {exc}"},
+                                         status=400)
+        else:
+            self.store.release(lease_id)
+            return web.json_response({"error": f"format {fmt!r} is not shm or sglang_cuda_ipc"},
+                                     status=400)
+        return web.json_response({"version": sv.version, "lease_id": lease_id, "format": fmt,
                                   "serialized_buckets": buckets, "nbytes": sv.nbytes})
+
+    def _cuda_payloads(self, lease_id, sv, device):
+        from ..weights.bucket import read_bucket
+        from .cuda_ipc import CudaIpcExporter
+
+        if self.cuda_ipc is None:
+            self.cuda_ipc = CudaIpcExporter(device)
+        return self.cuda_ipc.payloads(
+            lease_id, [read_bucket(b.shm.buffer, b.metas) for b in sv.ordered()])
 
     async def release(self, request):
         body = await self._body(request)
-        return web.json_response({"released": self.store.release(str(body["lease_id"]))})
+        lease_id = str(body["lease_id"])
+        if self.cuda_ipc is not None:
+            self.cuda_ipc.release(lease_id)  # GPU copies first: the lease pins the host buffers
+        return web.json_response({"released": self.store.release(lease_id)})
 
     async def set_downstream(self, request):
         body = await self._body(request)
+        if body.get("relays_after_source"):
+            self.forwarder.relays_after_source = int(body["relays_after_source"])
         if body.get("data_port"):
             self.forwarder.set_downstream((str(body["data_host"]), int(body["data_port"])))
         else:
@@ -325,7 +358,9 @@ def main(argv=None) -> None:
     ap.add_argument("--master-url", default=None)
     ap.add_argument("--trainer-stages", type=int, default=1)
     ap.add_argument("--publish-port", type=int, default=0)
-    ap.add_argument("--chunk-bytes", type=int, default=8 * 2**20)
+    ap.add_argument("--chunk-bytes", type=int, default=0,
+                    help="chunk size of chain pushes; 0: from Laminar's T(p, k) model")
+    ap.add_argument("--chain-chunks", type=int, default=None, help="a fixed chunk count k")
     ap.add_argument("--heartbeat-s", type=float, default=0.5)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -334,7 +369,8 @@ def main(argv=None) -> None:
     server = RelayServer(token=args.token, host=args.host, relay_id=args.relay_id,
                          master=args.master, master_url=args.master_url,
                          trainer_stages=args.trainer_stages, publish_port=args.publish_port,
-                         chunk_bytes=args.chunk_bytes, heartbeat_s=args.heartbeat_s)
+                         chunk_bytes=args.chunk_bytes, chain_chunks=args.chain_chunks,
+                         heartbeat_s=args.heartbeat_s)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))

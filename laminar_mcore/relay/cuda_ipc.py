@@ -1,0 +1,52 @@
+"""GPU twin of the shared-memory pull: SGLang's CUDA-IPC flattened-bucket payload.
+
+On a GPU rollout machine, a relay serves a leased version to local SGLang engines as CUDA IPC
+handles: each host bucket is copied once to the engine's GPU, wrapped in SGLang's own
+``FlattenedTensorBucket`` and serialized with SGLang's ``MultiprocessingSerializer`` -- the
+exact payload of ``/update_weights_from_tensor`` with ``load_format="flattened_bucket"`` -- so
+the format is SGLang's by construction. The GPU copies live as long as the lease (an engine
+must not read freed memory through a handle). CPU machines use ``weights.bucket`` handles.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+
+def _sglang_bucket_classes():
+    try:
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+    except ImportError:  # older SGLang releases keep it in the model runner
+        from sglang.srt.model_executor.model_runner import FlattenedTensorBucket
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    return FlattenedTensorBucket, MultiprocessingSerializer
+
+
+class CudaIpcExporter:
+    """Builds SGLang payloads for leased versions and keeps their GPU copies alive."""
+
+    def __init__(self, device: str = "cuda:0"):
+        if not torch.cuda.is_available():
+            raise RuntimeError("CUDA IPC serving needs a GPU; CPU machines pull shared-memory handles")
+        self.device = torch.device(device)
+        self._alive: Dict[str, List[torch.Tensor]] = {}
+
+    def payloads(self, lease_id: str, named_buckets: List[Dict[str, torch.Tensor]]) -> List[str]:
+        bucket_cls, serializer = _sglang_bucket_classes()
+        out, keep = [], []
+        for named in named_buckets:
+            gpu = [(name, t.to(self.device, non_blocking=True)) for name, t in named.items()]
+            bucket = bucket_cls(named_tensors=gpu)
+            flat = bucket.get_flattened_tensor()
+            keep.append(flat)
+            out.append(serializer.serialize({"flattened_tensor": flat,
+                                             "metadata": bucket.get_metadata()}, output_str=True))
+        torch.cuda.synchronize(self.device)
+        self._alive[lease_id] = keep
+        return out
+
+    def release(self, lease_id: str) -> None:
+        self._alive.pop(lease_id, None)
