@@ -82,7 +82,10 @@ def decoupled_ppo_token_terms(
             capped = over.float()
             weight = torch.clamp(weight, max=behav_imp_weight_cap)
 
-    terms = torch.where(mask > 0, pg * weight, torch.zeros_like(pg))
+    from ..kernels.ppo import ppo_terms
+
+    # The differentiable part: the Triton kernel on GPUs, the same formula in torch on CPU.
+    terms = ppo_terms(lp, prox, weight, adv, mask, eps_clip, eps_high, dual_clip)
     stats = {
         "n_tokens": mask.sum(),
         "clip_frac": (clip_hit * mask).sum(),

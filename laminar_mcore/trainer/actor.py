@@ -27,7 +27,7 @@ from ..algos import decoupled_ppo_token_terms, finalize_stats, get_advantage_fn
 from ..config.schema import AlgoConfig, TrainerConfig
 from ..data.trajectory import Trajectory
 from ..parallel import apply_cpu_compat
-from .logprobs import DEFAULT_CHUNK, megatron_vocab_parallel_logprobs
+from .logprobs import megatron_vocab_parallel_logprobs
 from .model import build_gpt_model, load_full_state, te_available
 from .packing import PackedMicroBatch, pack_trajectories, pad_multiple, padded_length, plan_microbatches
 

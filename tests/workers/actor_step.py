@@ -30,9 +30,21 @@ def vocab_parallel_check(ps):
     ls = torch.log_softmax(ref, -1)
     rlp, rent = ls.gather(-1, targets[:, None])[:, 0], -(ls.exp() * ls).sum(-1)
     (rlp * w1 + rent * w2).sum().backward()
-    return {"lp": (lp.double() - rlp).abs().max().item(),
-            "entropy": (ent.double() - rent).abs().max().item(),
-            "grad": (part.grad.double() - ref.grad.chunk(tp, dim=-1)[rank]).abs().max().item()}
+    out = {"lp": (lp.double() - rlp).abs().max().item(),
+           "entropy": (ent.double() - rent).abs().max().item(),
+           "grad": (part.grad.double() - ref.grad.chunk(tp, dim=-1)[rank]).abs().max().item()}
+    if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
+        # The Triton kernels, with the TP exchange between their passes.
+        from laminar_mcore.kernels.logprobs import logprobs_entropy_triton
+
+        tpart = full.chunk(tp, dim=-1)[rank].clone().requires_grad_()
+        tlp, tent = logprobs_entropy_triton(tpart, targets, rank * tpart.shape[-1],
+                                            ps.get_tensor_model_parallel_group())
+        (tlp * w1 + tent * w2).sum().backward()
+        out["triton_lp"] = (tlp.double() - rlp).abs().max().item()
+        out["triton_entropy"] = (tent.double() - rent).abs().max().item()
+        out["triton_grad"] = (tpart.grad.double() - ref.grad.chunk(tp, dim=-1)[rank]).abs().max().item()
+    return out
 
 
 def main():

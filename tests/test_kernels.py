@@ -1,0 +1,99 @@
+"""Triton kernels (run by Triton's interpreter on CPU) against their torch references, forward
+and backward, with non-power-of-two vocabularies, masked tokens and tensor-parallel slices."""
+
+import os
+
+import pytest
+import torch
+
+from laminar_mcore.kernels import logprobs as klp
+from laminar_mcore.kernels import packing as kpack
+from laminar_mcore.kernels import ppo as kppo
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
+
+
+@pytest.mark.parametrize("tokens,vocab", [(7, 50), (13, 1000), (5, 4099)])
+def test_logprobs_entropy_kernel_matches_the_reference(tokens, vocab):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(tokens, vocab, generator=g) * 3
+    targets = torch.randint(0, vocab, (tokens,), generator=g)
+    w1, w2 = torch.randn(tokens, generator=g), torch.randn(tokens, generator=g)
+    results = []
+    for fn in (klp.logprobs_entropy_triton, klp.logprobs_entropy_torch):
+        x = logits.clone().requires_grad_()
+        lp, ent = fn(x, targets, 0, None, 3)
+        (lp * w1 + ent * w2).sum().backward()
+        results.append((lp.detach(), ent.detach(), x.grad))
+    (lp_t, ent_t, g_t), (lp_r, ent_r, g_r) = results
+    torch.testing.assert_close(lp_t, lp_r, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent_t, ent_r, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(g_t, g_r, atol=1e-6, rtol=1e-5)
+    full = torch.log_softmax(logits.double(), -1)
+    torch.testing.assert_close(lp_t.double(), full.gather(-1, targets[:, None])[:, 0], atol=1e-5, rtol=0)
+
+
+def test_vocab_slices_combine_like_tensor_parallel_ranks():
+    """Two vocab slices, combined the way the TP exchange between kernel passes combines them."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(9, 301, generator=g) * 2
+    targets = torch.randint(0, 301, (9,), generator=g)
+    parts = [(logits[:, :150], 0), (logits[:, 150:], 150)]
+    stats = []
+    for part, start in parts:
+        n, v = part.shape
+        m, s, t, tgt = (torch.empty(n) for _ in range(4))
+        klp._stats_kernel[(n,)](part.contiguous(), v, targets, start, v, m, s, t, tgt,
+                                BLOCK_V=klp._block_v(v))
+        stats.append((m, s, t, tgt))
+    m = torch.maximum(stats[0][0], stats[1][0])
+    s = sum(st[1] * torch.exp(st[0] - m) for st in stats)
+    target = stats[0][3] + stats[1][3]
+    ref = torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
+    torch.testing.assert_close(target - (m + torch.log(s)), ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_ppo_terms_kernel_matches_the_reference(dual_clip):
+    g = torch.Generator().manual_seed(1)
+    n = 1500
+    prox = -torch.rand(n, generator=g) * 3
+    lp = prox + torch.randn(n, generator=g) * 0.4
+    weights = torch.rand(n, generator=g) * 2
+    adv = torch.randn(n, generator=g)
+    mask = (torch.rand(n, generator=g) > 0.3).float()
+    out = []
+    for fn in (kppo.ppo_terms_triton, kppo.ppo_terms_torch):
+        x = lp.clone().requires_grad_()
+        terms = fn(x, prox, weights, adv, mask, 0.2, 0.28, dual_clip)
+        terms.sum().backward()
+        out.append((terms.detach(), x.grad))
+    torch.testing.assert_close(out[0][0], out[1][0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out[0][1], out[1][1], atol=1e-6, rtol=1e-5)
+    assert out[0][0][mask == 0].abs().sum() == 0
+
+
+@pytest.mark.parametrize("multiple,feat", [(1, ()), (2, (3,)), (4, (2, 5))])
+def test_pack_and_unpack_kernels_match_the_reference(multiple, feat):
+    g = torch.Generator().manual_seed(multiple)
+    lengths = torch.tensor([5, 1, 9, 3])
+    padded = torch.randn((4, 10) + feat, generator=g)
+    results = []
+    for use_triton in (True, False):
+        x = padded.clone().requires_grad_()
+        packed = kpack.pack(x, lengths, multiple, use_triton=use_triton)
+        weight = torch.randn(packed.shape, generator=torch.Generator().manual_seed(7))
+        (packed * weight).sum().backward()
+        back = kpack.unpack(packed.detach(), lengths, 10, multiple, use_triton=use_triton)
+        results.append((packed.detach(), x.grad, back))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    packed, grad, back = results[0]
+    _, cu_pad = kpack.cu_seqlens(lengths, multiple)
+    assert packed.shape[0] == int(cu_pad[-1]) and int(cu_pad[-1]) % multiple == 0
+    assert torch.equal(packed[int(cu_pad[2]):int(cu_pad[2]) + 9], padded[2, :9])
+    mask = (torch.arange(10)[None, :] < lengths[:, None]).view((4, 10) + (1,) * len(feat))
+    assert torch.equal(back, padded * mask)  # round trip keeps real tokens, zeros the rest
+    assert torch.equal(grad == 0, ~mask.expand_as(grad))  # padding gets no gradient
