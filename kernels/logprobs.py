@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover
     triton = None
 
 DEFAULT_CHUNK = None  # None: as many tokens as fit CHUNK_BYTES of fp32 logits
-CHUNK_BYTES = 64 * 2**20
+CHUNK_BYTES = 32 * 2**20
 
 
 def auto_chunk(v_local: int, chunk_size: Optional[int]) -> int:
@@ -69,10 +69,10 @@ class _TorchLogProbs(torch.autograd.Function):
         for s in range(0, n, chunk):
             z = logits[s:s + chunk].float()
             m = z.max(dim=-1).values
-            e = torch.exp(z - m.unsqueeze(-1))
+            e = (z - m.unsqueeze(-1)).exp_()  # the one [chunk, vocab] temporary
             m_loc[s:s + chunk] = m
             s_loc[s:s + chunk] = e.sum(-1)
-            t_loc[s:s + chunk] = (e * z).sum(-1)
+            t_loc[s:s + chunk] = torch.bmm(e.unsqueeze(1), z.unsqueeze(-1)).view(-1)
             picked = z.gather(-1, safe_t[s:s + chunk].unsqueeze(-1)).squeeze(-1)
             target[s:s + chunk] = torch.where(owned[s:s + chunk], picked, torch.zeros_like(picked))
         log_z, mean_z, target = _global_stats(m_loc, s_loc, t_loc, target, group)
@@ -89,9 +89,11 @@ class _TorchLogProbs(torch.autograd.Function):
         for s in range(0, logits.shape[0], ctx.chunk):
             e = slice(s, s + ctx.chunk)
             z = logits[e].float()
-            p = torch.exp(z - log_z[e].unsqueeze(-1))
-            # d logp/dz = onehot - p ;  d H/dz = -p (z - E_p[z])
-            g = -p * (g_lp[e].unsqueeze(-1) + g_h[e].unsqueeze(-1) * (z - mean_z[e].unsqueeze(-1)))
+            p = (z - log_z[e].unsqueeze(-1)).exp_()
+            # d logp/dz = onehot - p ;  d H/dz = -p (z - E_p[z]); in place: two temporaries
+            g = (z - mean_z[e].unsqueeze(-1)).mul_(g_h[e].unsqueeze(-1))
+            g.add_(g_lp[e].unsqueeze(-1)).mul_(p).neg_()
+            del p
             rows = torch.nonzero(owned[e]).squeeze(-1)
             g[rows, safe_t[e][rows]] += g_lp[e][rows]
             grad[e] = g.to(logits.dtype)

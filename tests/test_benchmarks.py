@@ -30,3 +30,13 @@ def test_weight_sync_benchmark_writes_its_keys(tmp_path):
             "memcpy_gbps", "bit_exact"}
     assert keys <= set(figures) and figures["bit_exact"] is True
     assert all(figures[k] > 0 for k in keys - {"bit_exact"})
+
+
+def test_loss_benchmark_writes_its_keys(tmp_path):
+    from laminar_mcore.bench.loss import main
+
+    out = tmp_path / "loss.json"
+    main(["--tokens", "256", "--vocab", "50000", "--json", str(out)])
+    figures = json.loads(out.read_text())
+    assert {"peak_bytes", "naive_peak_bytes", "ratio"} <= set(figures)
+    assert figures["naive_peak_bytes"] > figures["peak_bytes"]  # log_softmax costs 50 MB here

@@ -30,7 +30,7 @@ def test_logprobs_entropy_kernel_matches_the_reference(tokens, vocab):
     (lp_t, ent_t, g_t), (lp_r, ent_r, g_r) = results
     torch.testing.assert_close(lp_t, lp_r, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ent_t, ent_r, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(g_t, g_r, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(g_t, g_r, atol=1e-5, rtol=1e-4)
     full = torch.log_softmax(logits.double(), -1)
     torch.testing.assert_close(lp_t.double(), full.gather(-1, targets[:, None])[:, 0], atol=1e-5, rtol=0)
 

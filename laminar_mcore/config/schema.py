@@ -141,7 +141,7 @@ class TrainerConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
-    # Tokens per chunk of the vocab-parallel log-prob pass on CPU; 0: fit 64 MiB of logits.
+    # Tokens per chunk of the vocab-parallel log-prob pass on CPU; 0: fit 32 MiB of logits.
     logprob_chunk_size: int = 0
     train_batch_prompts: int = 32
     max_tokens_per_microbatch: int = 4096
