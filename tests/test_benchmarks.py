@@ -36,7 +36,7 @@ def test_loss_benchmark_writes_its_keys(tmp_path):
     from laminar_mcore.bench.loss import main
 
     out = tmp_path / "loss.json"
-    main(["--tokens", "256", "--vocab", "50000", "--json", str(out)])
+    main(["--tokens", "1024", "--vocab", "50000", "--json", str(out)])
     figures = json.loads(out.read_text())
     assert {"peak_bytes", "naive_peak_bytes", "ratio"} <= set(figures)
-    assert figures["naive_peak_bytes"] > figures["peak_bytes"]  # log_softmax costs 50 MB here
+    assert figures["naive_peak_bytes"] > 2 * figures["peak_bytes"]  # a 200 MB log_softmax
