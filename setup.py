@@ -28,6 +28,10 @@ setup(
         "numpy>=2",
         "einops>=0.8",
         "aiohttp>=3.14",
+        "tensorboard>=2.21",
+        "matplotlib>=3.11",
+        "tqdm>=4.70",
+        "math-verify>=0.9",
         # On Python 3.11 install it with: pip install --no-deps --ignore-requires-python
         # megatron-core==0.19.2 (the Makefile does).
         "megatron-core==0.19.2; python_version >= '3.12'",

@@ -1,0 +1,91 @@
+"""Supervised warm-up that builds the demo's starting checkpoint (cached on disk).
+
+A short next-token training run of a freshly initialised tiny model on noisy demonstrations of
+the task; the result is saved as a Hugging Face checkpoint that the trainer and the engines
+load. Plain torch on one process: it is a data-preparation step, not the RL trainer.
+
+Measured on 2 CPU cores (hidden 128, 3 layers, batch 64, AdamW 2e-3, answer-only loss): plain
+3-digit addition stays near 0% exact match for 2000 steps (91 s); with the sum's digits
+reversed it reaches ~10-15% at 1750-2000 steps after a long plateau, and 2-digit reaches ~11%
+at 1200 steps. The end-to-end demo needs a task/model pair that reaches ~50% in about a minute.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import time
+from typing import Dict, List
+
+import torch
+
+
+def warmup_checkpoint(out_dir: str, *, problems: List[Dict[str, str]], steps: int = 300,
+                      batch_size: int = 64, lr: float = 3e-3, wrong_fraction: float = 0.4,
+                      hidden: int = 128, layers: int = 3, seed: int = 0, log=print) -> str:
+    """Train (or reuse) the warm-up checkpoint; returns its directory."""
+    from transformers import AutoModelForCausalLM
+
+    from ..data.tasks import PAD, noisy_demonstrations, tiny_demo_config
+    from ..models.hf import save_hf_checkpoint
+
+    recipe = {"steps": steps, "batch_size": batch_size, "lr": lr, "wrong": wrong_fraction,
+              "hidden": hidden, "layers": layers, "seed": seed, "n": len(problems),
+              "first": problems[0] if problems else None, "version": 2}
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+    path = os.path.join(out_dir, f"warmup-{key}")
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        log(f"[warm-up] reusing cached checkpoint {path}")
+        return path
+    torch.manual_seed(seed)
+    cfg = tiny_demo_config(hidden, layers)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    data = noisy_demonstrations(problems, wrong_fraction, seed)
+    prompt_len = len(problems[0]["prompt"])
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    rng = random.Random(seed)
+    start = time.perf_counter()
+    for step in range(steps):
+        rows = [data[rng.randrange(len(data))] for _ in range(batch_size)]
+        width = max(len(r) for r in rows)
+        ids = torch.full((batch_size, width), PAD)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = torch.tensor(r)
+        labels = ids.clone()
+        labels[labels == PAD] = -100
+        labels[:, :prompt_len] = -100  # learn the answer, not the random operands
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 50 == 0 or step == steps - 1:
+            log(f"[warm-up] step {step + 1}/{steps} loss {loss.item():.3f} "
+                f"({time.perf_counter() - start:.0f}s)")
+    tmp = path + ".tmp"
+    save_hf_checkpoint(tmp, cfg, model.state_dict())
+    os.replace(tmp, path)  # never leave a half-written cache entry
+    return path
+
+
+@torch.no_grad()
+def greedy_accuracy(model_dir: str, problems: List[Dict[str, str]], max_new_tokens: int = 6) -> float:
+    """Exact-match accuracy of greedy decoding (the CPU engine's model, in process)."""
+    from ..data.tasks import addition_reward, decode, encode
+    from ..rollout.model import load_decoder
+
+    model = load_decoder(model_dir)
+    kv = model.new_kv_cache(len(problems) * (16 + max_new_tokens))
+    prompts = [encode(p["prompt"]) for p in problems]
+    starts = [i * (16 + max_new_tokens) for i in range(len(prompts))]
+    outs = [[] for _ in prompts]
+    logits = model.forward(prompts, starts, [0] * len(prompts), kv)
+    cached = [len(p) for p in prompts]
+    for _ in range(max_new_tokens):
+        tokens = logits.argmax(-1).tolist()
+        for o, t in zip(outs, tokens):
+            o.append(t)
+        logits = model.forward([[t] for t in tokens], starts, cached, kv)
+        cached = [c + 1 for c in cached]
+    return sum(addition_reward(decode(o), p["answer"]) for o, p in zip(outs, problems)) / len(problems)
