@@ -241,47 +241,73 @@ class ModelAdapter:
             yield _Q_NORM, "self_attn.q_norm.weight"
             yield _K_NORM, "self_attn.k_norm.weight"
 
+    def hf_unit_names(self, hf_config, unit: str) -> List[str]:
+        """The Hugging Face tensors one conversion unit reads (``lm_head`` only when untied)."""
+        if unit == "embedding":
+            return ["model.embed_tokens.weight"]
+        if unit == "final_norm":
+            return ["model.norm.weight"]
+        if unit == "output":
+            return ["lm_head.weight"]
+        s = self.shape(hf_config)
+        hf = self.HF_LAYER.format(i=int(unit.split(".")[1]))
+        names = [hf + h for _, h in self._layer_pairs(s)]
+        names += [hf + f"self_attn.{p}_proj.weight" for p in "qkv"]
+        if self.qkv_bias:
+            names += [hf + f"self_attn.{p}_proj.bias" for p in "qkv"]
+        return names + [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"]
+
+    def convert_unit_from_hf(self, hf_config, unit: str,
+                             tensors: Mapping[str, Tensor]) -> Dict[str, Tensor]:
+        """Full Megatron tensors of one unit from its Hugging Face tensors."""
+        s = self.shape(hf_config)
+
+        def take(name: str) -> Tensor:
+            if name not in tensors:
+                raise AdapterError(f"{self.name}: tensor {name!r} is missing from the checkpoint")
+            return tensors[name]
+
+        if unit == "embedding":
+            return {"embedding.word_embeddings.weight": take("model.embed_tokens.weight")}
+        if unit == "final_norm":
+            return {"decoder.final_layernorm.weight": take("model.norm.weight")}
+        if unit == "output":
+            return {"output_layer.weight": take("lm_head.weight")}
+        i = int(unit.split(".")[1])
+        hf, mc = self.HF_LAYER.format(i=i), f"decoder.layers.{i}."
+        out = {mc + m: take(hf + h) for m, h in self._layer_pairs(s)}
+        out[mc + _QKV_W] = self.merge_qkv(s, *(take(hf + f"self_attn.{p}_proj.weight") for p in "qkv"))
+        if self.qkv_bias:
+            out[mc + _QKV_B] = self.merge_qkv(s, *(take(hf + f"self_attn.{p}_proj.bias") for p in "qkv"))
+        out[mc + _FC1_W] = torch.cat([take(hf + "mlp.gate_proj.weight"),
+                                      take(hf + "mlp.up_proj.weight")], dim=0)
+        return out
+
+    def check_hf_names(self, hf_config, names) -> None:
+        """Every checkpoint tensor must be one the adapter maps (a converter never drops one)."""
+        expected = {n for unit, _ in self.export_units(hf_config)
+                    for n in self.hf_unit_names(hf_config, unit)}
+        if self.tied_embeddings(hf_config):
+            expected.add("lm_head.weight")  # allowed (must equal the embedding), not required
+        extra = sorted(n for n in names if n not in expected and not n.endswith("rotary_emb.inv_freq"))
+        if extra:
+            raise AdapterError(f"{self.name}: checkpoint tensors with no Megatron counterpart: "
+                               f"{extra[:8]}{' ...' if len(extra) > 8 else ''}")
+
     def hf_to_mcore(self, hf_config, hf_state: Mapping[str, Tensor]) -> Dict[str, Tensor]:
         """Full Megatron tensors (global layer numbers) from a Hugging Face state dict.
 
         Every HF tensor must be consumed and every Megatron tensor produced; anything else is an
         error naming the tensor, never a silent drop.
         """
-        s = self.shape(hf_config)
-        used = set()
-
-        def take(name: str) -> Tensor:
-            if name not in hf_state:
-                raise AdapterError(f"{self.name}: tensor {name!r} is missing from the checkpoint")
-            used.add(name)
-            return hf_state[name]
-
-        out: Dict[str, Tensor] = {"embedding.word_embeddings.weight": take("model.embed_tokens.weight")}
-        for i in range(s.layers):
-            hf = self.HF_LAYER.format(i=i)
-            mc = f"decoder.layers.{i}."
-            for m_suffix, h_suffix in self._layer_pairs(s):
-                out[mc + m_suffix] = take(hf + h_suffix)
-            q, k, v = (take(hf + f"self_attn.{p}_proj.weight") for p in "qkv")
-            out[mc + _QKV_W] = self.merge_qkv(s, q, k, v)
-            if self.qkv_bias:
-                qb, kb, vb = (take(hf + f"self_attn.{p}_proj.bias") for p in "qkv")
-                out[mc + _QKV_B] = self.merge_qkv(s, qb, kb, vb)
-            out[mc + _FC1_W] = torch.cat([take(hf + "mlp.gate_proj.weight"),
-                                          take(hf + "mlp.up_proj.weight")], dim=0)
-        out["decoder.final_layernorm.weight"] = take("model.norm.weight")
-        if self.tied_embeddings(hf_config):
-            if "lm_head.weight" in hf_state:
-                used.add("lm_head.weight")
-                if not torch.equal(hf_state["lm_head.weight"], out["embedding.word_embeddings.weight"]):
-                    raise AdapterError(f"{self.name}: tie_word_embeddings=true but lm_head.weight "
-                                       "differs from model.embed_tokens.weight")
-        else:
-            out["output_layer.weight"] = take("lm_head.weight")
-        extra = sorted(n for n in hf_state if n not in used and not n.endswith("rotary_emb.inv_freq"))
-        if extra:
-            raise AdapterError(f"{self.name}: checkpoint tensors with no Megatron counterpart: "
-                               f"{extra[:8]}{' ...' if len(extra) > 8 else ''}")
+        self.check_hf_names(hf_config, hf_state.keys())
+        out: Dict[str, Tensor] = {}
+        for unit, _ in self.export_units(hf_config):
+            out.update(self.convert_unit_from_hf(hf_config, unit, hf_state))
+        if self.tied_embeddings(hf_config) and "lm_head.weight" in hf_state:
+            if not torch.equal(hf_state["lm_head.weight"], out["embedding.word_embeddings.weight"]):
+                raise AdapterError(f"{self.name}: tie_word_embeddings=true but lm_head.weight "
+                                   "differs from model.embed_tokens.weight")
         return out
 
     def export_units(self, hf_config) -> List[Tuple[str, List[str]]]:

@@ -146,3 +146,58 @@ def initial_hf_state(model_cfg, hf_config, seed: int) -> Dict[str, torch.Tensor]
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+class SafetensorsReader:
+    """Reads one tensor at a time from a safetensors checkpoint (single file or sharded), so a
+    converter holds at most what it is converting, never the whole model."""
+
+    def __init__(self, path: str | os.PathLike):
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        index = self.path / SAFETENSORS_INDEX
+        if index.is_file():
+            try:
+                self.weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as exc:
+                raise AdapterError(f"{index}: not a safetensors index ({exc})") from None
+        elif (self.path / "model.safetensors").is_file():
+            self.weight_map = None
+        else:
+            raise AdapterError(f"{str(self.path)!r} has neither model.safetensors nor {SAFETENSORS_INDEX}")
+        files = sorted(set(self.weight_map.values())) if self.weight_map else ["model.safetensors"]
+        self._handles = {}
+        for name in files:
+            file = self.path / name
+            if not file.is_file():
+                raise AdapterError(f"shard {str(file)!r} named by the index is missing")
+            try:
+                self._handles[name] = safe_open(str(file), framework="pt")
+            except Exception as exc:  # safetensors' own error types
+                raise AdapterError(f"cannot read {str(file)!r} (truncated or corrupt?): {exc}") from None
+        self._where = {}
+        for fname, handle in self._handles.items():
+            for key in handle.keys():
+                self._where[key] = fname
+        if self.weight_map:
+            missing = sorted(set(self.weight_map) - set(self._where))
+            if missing:
+                raise AdapterError(f"tensors listed in the index but absent from the shards: {missing[:8]}")
+
+    def names(self):
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise AdapterError(f"tensor {name!r} is missing from {self.path}")
+        try:
+            return self._handles[self._where[name]].get_tensor(name)
+        except Exception as exc:
+            raise AdapterError(f"cannot read {name!r} from {self.path} (truncated?): {exc}") from None
+
+    def nbytes(self) -> int:
+        return sum((self.path / f).stat().st_size for f in self._handles)

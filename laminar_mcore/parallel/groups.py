@@ -28,15 +28,16 @@ def init_trainer_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 123
 
     apply_cpu_compat()
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            # A single process outside torchrun: a world of one on a private loopback store.
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend=backend(),
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "RANK" in os.environ:  # under torchrun
+            dist.init_process_group(backend=backend(), timeout=timeout)
+        else:
+            # A single process outside torchrun: a world of one on a private loopback store
+            # (os.environ is left alone, so child processes do not think they are rank 0).
+            dist.init_process_group(backend=backend(), timeout=timeout, rank=0, world_size=1,
+                                    init_method=f"tcp://127.0.0.1:{_free_port()}")
     world = dist.get_world_size()
     if world % (tp * pp * cp):
         raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}; "

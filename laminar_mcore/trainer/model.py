@@ -167,3 +167,37 @@ def stage_full_tensors(model, hf_config, *, grads: bool = False) -> Dict[str, to
             tensor = adapter.unshard(full_name, shards)
         out[full_name] = tensor.cpu().clone()
     return out
+
+
+@torch.no_grad()
+def load_hf_checkpoint(model, hf_config, reader) -> int:
+    """Load this rank's shards straight from a Hugging Face checkpoint, unit by unit (at most one
+    layer's tensors in memory). ``reader``: a ``SafetensorsReader``. Returns bytes read."""
+    from megatron.core import parallel_state
+
+    adapter = get_adapter(hf_config)
+    adapter.check_hf_names(hf_config, reader.names())
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    params = dict(model.named_parameters())
+    wanted = {}  # full name -> local param names (the tied embedding can have two)
+    for local, full in local_full_names(model, hf_config).items():
+        wanted.setdefault(full, []).append(local)
+    loaded, nbytes = set(), 0
+    for unit, names in adapter.export_units(hf_config):
+        if not any(n in wanted for n in names):
+            continue
+        hf = {n: reader.get(n) for n in adapter.hf_unit_names(hf_config, unit)}
+        nbytes += sum(t.numel() * t.element_size() for t in hf.values())
+        for full, tensor in adapter.convert_unit_from_hf(hf_config, unit, hf).items():
+            for local in wanted.get(full, []):
+                shard = adapter.shard(full, tensor, tp_rank, tp_size)
+                if tuple(shard.shape) != tuple(params[local].shape):
+                    raise AdapterError(f"{local}: checkpoint shard {tuple(shard.shape)} does not "
+                                       f"match the model's {tuple(params[local].shape)}")
+                params[local].copy_(shard.to(params[local].dtype))
+                loaded.add(local)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise AdapterError(f"parameters not found in the checkpoint: {missing[:8]}")
+    return nbytes

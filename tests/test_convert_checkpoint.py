@@ -1,0 +1,129 @@
+"""tools/convert_checkpoint.py as users run it: HF -> Megatron torch_dist at TP x PP -> HF is
+bit-identical; the Megatron model of a converted checkpoint gives transformers' logits; bad
+input fails with the name of what is wrong, before any process starts."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from laminar_mcore.models.hf import (initial_hf_state, load_hf_state_dict, save_hf_checkpoint,
+                                     tiny_hf_config)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(ROOT, "tools", "convert_checkpoint.py")
+
+CASES = {
+    "qwen2": (dict(family="qwen2"), 2, 2),
+    "llama_tied": (dict(family="llama", tie_word_embeddings=True), 2, 2),
+    "llama_untied": (dict(family="llama"), 1, 2),
+    "qwen3": (dict(family="qwen3"), 2, 1),
+}
+
+
+def _tool(*args, timeout=600):
+    return subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+
+
+def _hf(tmp_path, case, name="hf", seed=3, shard=60_000):
+    kwargs = dict(CASES[case][0])
+    cfg = tiny_hf_config(kwargs.pop("family"), **kwargs)
+    (tmp_path / name).mkdir(exist_ok=True)
+    (tmp_path / name / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 512}))
+    save_hf_checkpoint(tmp_path / name, cfg, initial_hf_state(type("M", (), {"path": None})(), cfg, seed),
+                       max_shard_bytes=shard)
+    return cfg, str(tmp_path / name)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_round_trip_is_bit_identical(tmp_path, case):
+    _, tp, pp = CASES[case]
+    cfg, hf = _hf(tmp_path, case)
+    out = _tool("hf-to-mcore", "--hf", hf, "--out", str(tmp_path / "mcore"), "--tp", str(tp),
+                "--pp", str(pp))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "GB/s" in out.stdout
+    back = _tool("mcore-to-hf", "--ckpt", str(tmp_path / "mcore"), "--out", str(tmp_path / "back"),
+                 "--origin-hf", hf)
+    assert back.returncode == 0, back.stderr[-3000:]
+    original, restored = load_hf_state_dict(hf), load_hf_state_dict(tmp_path / "back")
+    assert set(original) == set(restored)
+    for name in original:
+        assert torch.equal(original[name], restored[name]), name
+    assert (tmp_path / "back" / "tokenizer_config.json").exists()
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == cfg.model_type
+
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    from laminar_mcore.parallel import destroy_trainer_parallel, init_trainer_parallel
+
+    init_trainer_parallel(tp=1, pp=1, seed=0)
+    yield
+    destroy_trainer_parallel()
+
+
+@pytest.mark.multiprocess
+def test_converted_checkpoint_gives_transformers_logits(tmp_path, megatron_world):
+    from megatron.core import dist_checkpointing
+    from transformers import AutoModelForCausalLM
+
+    from laminar_mcore.trainer.model import build_gpt_model
+
+    cfg, hf = _hf(tmp_path, "qwen2")
+    out = _tool("hf-to-mcore", "--hf", hf, "--out", str(tmp_path / "mcore"), "--tp", "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    model = build_gpt_model(cfg)
+    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(),
+                                                  str(tmp_path / "mcore" / "model")))
+    reference = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(tokens, torch.arange(30).unsqueeze(0).expand(2, -1), None)
+        theirs = reference(tokens).logits
+    assert (ours - theirs).abs().max().item() <= 1e-5
+
+
+def test_bad_inputs_fail_with_clear_errors(tmp_path):
+    cfg, hf = _hf(tmp_path, "qwen2")
+    out = _tool("hf-to-mcore", "--hf", hf, "--out", str(tmp_path / "o"), "--tp", "3")
+    assert out.returncode == 2 and "num_attention_heads=4 is not divisible by --tp 3" in out.stderr
+    out = _tool("hf-to-mcore", "--hf", hf, "--out", str(tmp_path / "o"), "--pp", "3")
+    assert out.returncode == 2 and "num_hidden_layers=4 is not divisible by --pp 3" in out.stderr
+
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[1]
+    data = (tmp_path / "hf" / shard).read_bytes()
+    (tmp_path / "hf" / shard).write_bytes(data[: len(data) // 2])
+    out = _tool("hf-to-mcore", "--hf", hf, "--out", str(tmp_path / "o"))
+    assert out.returncode == 2 and shard in out.stderr and "truncated" in out.stderr
+    (tmp_path / "hf" / shard).unlink()
+    out = _tool("hf-to-mcore", "--hf", hf, "--out", str(tmp_path / "o"))
+    assert out.returncode == 2 and f"shard" in out.stderr and "missing" in out.stderr
+
+    _, hf2 = _hf(tmp_path, "qwen3", name="other")
+    config = json.loads((tmp_path / "other" / "config.json").read_text())
+    config["model_type"] = "gpt_neox"
+    (tmp_path / "other" / "config.json").write_text(json.dumps(config))
+    out = _tool("hf-to-mcore", "--hf", hf2, "--out", str(tmp_path / "o"))
+    assert out.returncode == 2 and "no adapter for model_type 'gpt_neox'" in out.stderr
+
+
+def test_extra_tensors_and_foreign_checkpoints_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    cfg, hf = _hf(tmp_path, "qwen3", shard=10**9)
+    state = load_file(os.path.join(hf, "model.safetensors"))
+    state["model.layers.0.mlp.experts.0.up_proj.weight"] = torch.zeros(2, 2)
+    save_file(state, os.path.join(hf, "model.safetensors"))
+    out = _tool("hf-to-mcore", "--hf", hf, "--out", str(tmp_path / "o"))
+    assert out.returncode == 2 and "experts.0.up_proj.weight" in out.stderr
+
+    out = _tool("mcore-to-hf", "--ckpt", str(tmp_path), "--out", str(tmp_path / "x"))
+    assert out.returncode == 2 and "laminar_checkpoint.json" in out.stderr

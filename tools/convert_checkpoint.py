@@ -1,0 +1,221 @@
+#!/usr/bin/env python
+"""Convert checkpoints between Hugging Face safetensors and Megatron-Core dist_checkpointing.
+
+    python tools/convert_checkpoint.py hf-to-mcore --hf DIR --out DIR --tp N --pp M
+    python tools/convert_checkpoint.py mcore-to-hf --ckpt DIR --out DIR [--origin-hf DIR]
+
+hf-to-mcore starts its own N*M processes (torchrun, gloo on CPU) when N*M > 1; each rank reads
+only the tensors of its own units, one layer at a time, and the model is saved with
+dist_checkpointing (torch_dist), so it loads at any other TP/PP. mcore-to-hf loads whatever
+layout the checkpoint was saved in and writes safetensors shards with an index, config.json and
+the tokenizer files. Both use the model family adapters (the mapping the weight publisher
+uses): a tensor that would be lost or renamed is an error naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+META_FILE = "laminar_checkpoint.json"
+HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+            "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja")
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_layout(hf_config, tp: int, pp: int) -> None:
+    from laminar_mcore.models import get_adapter
+
+    s = get_adapter(hf_config).shape(hf_config)
+    problems = []
+    if tp < 1 or pp < 1:
+        problems.append("--tp and --pp must be >= 1")
+    for name, value in (("num_attention_heads", s.heads), ("num_key_value_heads", s.groups),
+                        ("vocab_size", s.vocab)):
+        if tp >= 1 and value % tp:
+            problems.append(f"{name}={value} is not divisible by --tp {tp}")
+    if pp >= 1 and s.layers % pp:
+        problems.append(f"num_hidden_layers={s.layers} is not divisible by --pp {pp}")
+    if problems:
+        fail("; ".join(problems))
+
+
+def hf_to_mcore(args) -> None:
+    from laminar_mcore.models import AdapterError, get_adapter
+    from laminar_mcore.models.hf import SafetensorsReader, load_hf_config
+
+    try:
+        hf_config = load_hf_config(args.hf)
+        get_adapter(hf_config)
+        reader = SafetensorsReader(args.hf)
+        get_adapter(hf_config).check_hf_names(hf_config, reader.names())
+    except AdapterError as exc:
+        fail(str(exc))
+    check_layout(hf_config, args.tp, args.pp)
+    world = args.tp * args.pp
+    if world > 1 and "RANK" not in os.environ:
+        from laminar_mcore.testing.dist import free_port
+
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
+               "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--local-addr=127.0.0.1",
+               os.path.abspath(__file__), *sys.argv[1:]]
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        sys.exit(subprocess.call(cmd, env=env))
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from laminar_mcore.parallel import destroy_trainer_parallel, init_trainer_parallel
+    from laminar_mcore.trainer.model import build_gpt_model, load_hf_checkpoint
+
+    start = time.perf_counter()
+    init_trainer_parallel(tp=args.tp, pp=args.pp, seed=0)
+    rank = dist.get_rank()
+    model = build_gpt_model(hf_config, dtype=torch.float32 if args.dtype == "fp32" else torch.bfloat16)
+    try:
+        nbytes = load_hf_checkpoint(model, hf_config, reader)
+    except AdapterError as exc:
+        fail(str(exc))
+    model_dir = os.path.join(args.out, "model")
+    if rank == 0:
+        os.makedirs(model_dir, exist_ok=True)  # dist_checkpointing needs the directory
+    dist.barrier()
+    dist_checkpointing.save(model.sharded_state_dict(), model_dir)
+    total = torch.tensor([float(nbytes)])
+    dist.all_reduce(total)
+    if rank == 0:
+        meta_dir = os.path.join(args.out, "hf_meta")
+        os.makedirs(meta_dir, exist_ok=True)
+        hf_config.save_pretrained(meta_dir)
+        for name in HF_FILES:
+            if os.path.isfile(os.path.join(args.hf, name)):
+                shutil.copy(os.path.join(args.hf, name), meta_dir)
+        with open(os.path.join(args.out, META_FILE), "w") as f:
+            json.dump({"format": "laminar-mcore/torch_dist", "model_type": hf_config.model_type,
+                       "tp": args.tp, "pp": args.pp, "dtype": args.dtype,
+                       "source": os.path.abspath(args.hf)}, f, indent=2)
+        seconds = time.perf_counter() - start
+        print(f"converted {args.hf} -> {args.out} (tp={args.tp}, pp={args.pp}): "
+              f"{total.item() / 1e9:.4g} GB read in {seconds:.1f}s "
+              f"({total.item() / 1e9 / seconds:.3g} GB/s)", flush=True)
+    destroy_trainer_parallel()
+
+
+def _same_architecture(a, b) -> bool:
+    from laminar_mcore.models import get_adapter
+
+    return a.model_type == b.model_type and get_adapter(a).shape(a) == get_adapter(b).shape(b) \
+        and bool(getattr(a, "tie_word_embeddings", False)) == bool(getattr(b, "tie_word_embeddings", False))
+
+
+def mcore_to_hf(args) -> None:
+    from laminar_mcore.models import AdapterError
+    from laminar_mcore.models.hf import load_hf_config
+
+    meta_path = os.path.join(args.ckpt, META_FILE)
+    if not os.path.isfile(meta_path):
+        fail(f"{args.ckpt} has no {META_FILE}: not a checkpoint written by hf-to-mcore or the trainer")
+    meta = json.load(open(meta_path))
+    try:
+        hf_config = load_hf_config(os.path.join(args.ckpt, "hf_meta"))
+        if args.origin_hf:
+            origin = load_hf_config(args.origin_hf)
+            if not _same_architecture(origin, hf_config):
+                fail(f"--origin-hf {args.origin_hf} is a different model than the checkpoint "
+                     f"({origin.model_type} vs {hf_config.model_type} or different sizes)")
+    except AdapterError as exc:
+        fail(str(exc))
+
+    import torch
+    from megatron.core import dist_checkpointing
+    from safetensors.torch import save_file
+
+    from laminar_mcore.parallel import destroy_trainer_parallel, init_trainer_parallel
+    from laminar_mcore.trainer.model import build_gpt_model
+    from laminar_mcore.weights.export import iter_stage_hf_tensors
+
+    start = time.perf_counter()
+    init_trainer_parallel(tp=1, pp=1, seed=0)
+    dtype = torch.float32 if meta.get("dtype", "fp32") == "fp32" else torch.bfloat16
+    model = build_gpt_model(hf_config, dtype=dtype)
+    try:
+        state = dist_checkpointing.load(model.sharded_state_dict(), os.path.join(args.ckpt, "model"))
+        model.load_state_dict(state)
+    except Exception as exc:  # noqa: BLE001 - dist_checkpointing raises many kinds
+        fail(f"cannot load {args.ckpt} into a {hf_config.model_type} model of its config "
+             f"(truncated, or a checkpoint of another model?): {exc}")
+    os.makedirs(args.out, exist_ok=True)
+    max_bytes = int(args.max_shard_gb * 1e9)
+    shards, current, size, total, index = [], {}, 0, 0, {}
+
+    def flush():
+        nonlocal current, size
+        if current:
+            name = f"model-{len(shards) + 1:05d}.safetensors"
+            save_file(current, os.path.join(args.out, name), metadata={"format": "pt"})
+            shards.append(name)
+            index.update({k: name for k in current})
+            current, size = {}, 0
+
+    for name, tensor in iter_stage_hf_tensors(model, hf_config):
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > max_bytes:
+            flush()
+        current[name] = tensor.detach().contiguous().clone()
+        size += nbytes
+        total += nbytes
+    flush()
+    # Rename shards to the standard -of- pattern now that the count is known.
+    final = {}
+    for i, name in enumerate(shards):
+        new = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        os.replace(os.path.join(args.out, name), os.path.join(args.out, new))
+        final[name] = new
+    weight_map = {k: final[v] for k, v in index.items()}
+    with open(os.path.join(args.out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    hf_config.save_pretrained(args.out)
+    source = args.origin_hf or os.path.join(args.ckpt, "hf_meta")
+    for name in HF_FILES:
+        if os.path.isfile(os.path.join(source, name)):
+            shutil.copy(os.path.join(source, name), args.out)
+    seconds = time.perf_counter() - start
+    print(f"converted {args.ckpt} (saved at tp={meta.get('tp')}, pp={meta.get('pp')}) -> {args.out}: "
+          f"{len(weight_map)} tensors, {total / 1e9:.4g} GB in {seconds:.1f}s "
+          f"({total / 1e9 / seconds:.3g} GB/s)", flush=True)
+    destroy_trainer_parallel()
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("hf-to-mcore", help="Hugging Face safetensors -> Megatron torch_dist")
+    a.add_argument("--hf", required=True)
+    a.add_argument("--out", required=True)
+    a.add_argument("--tp", type=int, default=1)
+    a.add_argument("--pp", type=int, default=1)
+    a.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    b = sub.add_parser("mcore-to-hf", help="Megatron torch_dist -> Hugging Face safetensors")
+    b.add_argument("--ckpt", required=True)
+    b.add_argument("--out", required=True)
+    b.add_argument("--origin-hf", default=None, help="take tokenizer files from this HF directory")
+    b.add_argument("--max-shard-gb", type=float, default=5.0)
+    args = ap.parse_args(argv)
+    if args.command == "hf-to-mcore":
+        hf_to_mcore(args)
+    else:
+        mcore_to_hf(args)
+
+
+if __name__ == "__main__":
+    main()
