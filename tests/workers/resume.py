@@ -1,0 +1,60 @@
+"""Worker (under torchrun): train, checkpoint, and resume a Megatron actor exactly."""
+
+import argparse
+import os
+
+import torch
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--save-at", type=int, default=0)
+    ap.add_argument("--resume", default="none")
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    from laminar_mcore.config.schema import AlgoConfig, TrainerConfig
+    from laminar_mcore.models import get_adapter
+    from laminar_mcore.models.hf import initial_hf_state, tiny_hf_config
+    from laminar_mcore.parallel import init_trainer_parallel
+    from laminar_mcore.testing.dist import write_rank_result
+    from laminar_mcore.testing.synthetic import random_trajectories
+    from laminar_mcore.trainer.actor import MegatronActor
+    from laminar_mcore.trainer.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+    from laminar_mcore.trainer.model import stage_full_tensors
+
+    torch.set_num_threads(1)
+    init_trainer_parallel(tp=args.tp, pp=1, seed=1)
+    cfg = tiny_hf_config("qwen2")
+    full = get_adapter(cfg).hf_to_mcore(cfg, initial_hf_state(type("M", (), {"path": None})(), cfg, 3))
+    actor = MegatronActor(cfg, AlgoConfig(eps_clip_high=0.28),
+                          TrainerConfig(lr=1e-3, lr_warmup_steps=2, lr_decay_style="cosine",
+                                        total_steps=args.steps, max_tokens_per_microbatch=80),
+                          full_state=full)
+    start, extra = 0, None
+    path = resolve_resume(args.resume, args.ckpt)
+    if path:
+        start, extra = load_checkpoint(path, actor)
+    losses = {}
+    for step in range(start + 1, args.steps + 1):
+        batch = random_trajectories(3, 4, cfg.vocab_size, seed=100 + step, version=step - 1)
+        stats = actor.train_step(batch)
+        losses[step] = {"loss": stats["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"]}
+        if step == args.save_at:
+            save_checkpoint(args.ckpt, step, actor, extra_state={"prompt_pool_position": step * 3})
+    weights = stage_full_tensors(actor.model.module, cfg)
+    if torch.distributed.get_rank() == 0:
+        from safetensors.torch import save_file
+
+        save_file(weights, os.path.join(args.out, "final.safetensors"))
+    write_rank_result(args.out, {"rank": int(os.environ["RANK"]), "resumed_from": path,
+                                 "start": start, "extra": extra, "losses": losses,
+                                 "version": actor.version})
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
