@@ -1,0 +1,5 @@
+"""Rewards: pluggable functions (by dotted path) scored in a process pool."""
+
+from .service import RewardService, load_reward_fn
+
+__all__ = ["RewardService", "load_reward_fn"]

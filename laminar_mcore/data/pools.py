@@ -1,0 +1,211 @@
+"""The controller's data module: prompt pool, partial response pool, experience buffer.
+
+* ``PromptPool`` hands out prompts as GRPO groups (n samples per prompt), epoch by epoch in a
+  seeded shuffled order; its position is part of a training checkpoint.
+* ``PartialResponsePool`` holds every in-flight trajectory's tokens so far (streamed from its
+  engine), so that a trajectory whose engine dies resumes elsewhere from what it already has.
+* ``ExperienceBuffer`` collects finished, rewarded trajectories by group and hands complete
+  groups to the trainer FIFO (sampler and eviction pluggable); everything it drops is counted
+  with a reason, so generated = consumed + buffered + discarded holds at every moment.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Callable, Deque, Dict, List, Optional
+
+from .trajectory import Trajectory
+
+
+def load_prompts(paths: List[str], prompt_key: str = "prompt") -> List[dict]:
+    """Rows of JSONL (``.jsonl``/``.json``) or Parquet (``.parquet``, needs pyarrow) files."""
+    rows: List[dict] = []
+    for path in paths:
+        if path.endswith(".parquet"):
+            try:
+                import pyarrow.parquet as pq
+            except ImportError:
+                raise ValueError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
+            rows.extend(pq.read_table(path).to_pylist())
+            continue
+        with open(path) as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{line_no}: not JSON ({exc})") from None
+    for i, row in enumerate(rows):
+        if prompt_key not in row:
+            raise ValueError(f"row {i} has no {prompt_key!r} field; set data.prompt_key")
+    if not rows:
+        raise ValueError(f"no prompts in {paths}")
+    return rows
+
+
+@dataclass
+class PromptGroup:
+    group_id: str
+    index: int  # row index in the dataset
+    row: dict
+    n: int
+
+
+class PromptPool:
+    def __init__(self, rows: List[dict], n_samples: int, seed: int = 0):
+        if n_samples < 1:
+            raise ValueError("n_samples must be >= 1")
+        self.rows, self.n_samples, self.seed = rows, n_samples, seed
+        self.epoch, self.position, self.issued = 0, 0, 0
+        self._order = self._shuffled(0)
+
+    def _shuffled(self, epoch: int) -> List[int]:
+        order = list(range(len(self.rows)))
+        random.Random(self.seed * 1000003 + epoch).shuffle(order)
+        return order
+
+    def next_group(self) -> PromptGroup:
+        if self.position >= len(self._order):
+            self.epoch += 1
+            self.position = 0
+            self._order = self._shuffled(self.epoch)
+        index = self._order[self.position]
+        self.position += 1
+        group = PromptGroup(f"e{self.epoch}-p{index}-{self.issued}", index, self.rows[index],
+                            self.n_samples)
+        self.issued += 1
+        return group
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "issued": self.issued}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position, self.issued = state["epoch"], state["position"], state["issued"]
+        self._order = self._shuffled(self.epoch)
+
+
+@dataclass
+class PartialResponse:
+    rid: str
+    group_id: str
+    prompt_ids: List[int]
+    engine: Optional[str]
+    weight_version: int
+    output_ids: List[int] = field(default_factory=list)
+    output_logprobs: List[float] = field(default_factory=list)
+    max_new_tokens: int = 0
+    row_index: int = -1
+
+
+class PartialResponsePool:
+    def __init__(self):
+        self._items: Dict[str, PartialResponse] = {}
+        self._lock = threading.Lock()
+
+    def start(self, item: PartialResponse) -> None:
+        with self._lock:
+            if item.rid in self._items:
+                raise ValueError(f"trajectory {item.rid} is already in flight")
+            self._items[item.rid] = item
+
+    def update(self, rid: str, output_ids: List[int], output_logprobs: List[float]) -> None:
+        with self._lock:
+            item = self._items[rid]
+            if len(output_ids) < len(item.output_ids):
+                raise ValueError(f"{rid}: an update may not lose tokens")
+            item.output_ids, item.output_logprobs = list(output_ids), list(output_logprobs)
+
+    def finish(self, rid: str) -> PartialResponse:
+        with self._lock:
+            return self._items.pop(rid)
+
+    def on_engine(self, engine: str) -> List[PartialResponse]:
+        with self._lock:
+            return [i for i in self._items.values() if i.engine == engine]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def state_dict(self) -> List[dict]:
+        with self._lock:
+            return [dict(i.__dict__) for i in self._items.values()]
+
+
+class ExperienceBuffer:
+    """Finished, rewarded trajectories, handed to the trainer as complete groups."""
+
+    def __init__(self, group_size: int, max_groups: Optional[int] = None,
+                 sampler: Optional[Callable[[Deque[List[Trajectory]], int], List[List[Trajectory]]]] = None):
+        self.group_size = group_size
+        self.max_groups = max_groups
+        self.sampler = sampler or _fifo
+        self._open: "OrderedDict[str, List[Trajectory]]" = OrderedDict()
+        self._ready: Deque[List[Trajectory]] = deque()
+        self.discarded: Dict[str, int] = {}
+        self.consumed = 0
+        self.cond = threading.Condition()
+
+    def add(self, traj: Trajectory) -> None:
+        with self.cond:
+            members = self._open.setdefault(traj.group_id, [])
+            members.append(traj)
+            if len(members) == self.group_size:
+                self._ready.append(self._open.pop(traj.group_id))
+                while self.max_groups and len(self._ready) > self.max_groups:
+                    dropped = self._ready.popleft()  # the stalest group goes first
+                    self.discard(len(dropped), "evicted")
+                self.cond.notify_all()
+
+    def discard(self, count: int, reason: str) -> None:
+        with self.cond:
+            self.discarded[reason] = self.discarded.get(reason, 0) + count
+
+    def drop_group(self, group_id: str, reason: str) -> int:
+        """Drop a group that can never complete (e.g. a member failed for good)."""
+        with self.cond:
+            members = self._open.pop(group_id, [])
+            if members:
+                self.discard(len(members), reason)
+            return len(members)
+
+    def take(self, groups: int, timeout: Optional[float] = None) -> Optional[List[Trajectory]]:
+        """``groups`` complete groups (flattened), or None on timeout."""
+        with self.cond:
+            if not self.cond.wait_for(lambda: len(self._ready) >= groups, timeout=timeout):
+                return None
+            chosen = self.sampler(self._ready, groups)
+            batch = [t for g in chosen for t in g]
+            self.consumed += len(batch)
+            return batch
+
+    @property
+    def buffered(self) -> int:
+        with self.cond:
+            return sum(len(g) for g in self._ready) + sum(len(g) for g in self._open.values())
+
+    @property
+    def ready_groups(self) -> int:
+        return len(self._ready)
+
+    def state_dict(self) -> dict:
+        with self.cond:
+            return {"ready": [[t.to_dict() for t in g] for g in self._ready],
+                    "open": {k: [t.to_dict() for t in v] for k, v in self._open.items()},
+                    "discarded": dict(self.discarded), "consumed": self.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        with self.cond:
+            self._ready = deque([[Trajectory.from_dict(t) for t in g] for g in state["ready"]])
+            self._open = OrderedDict((k, [Trajectory.from_dict(t) for t in v])
+                                     for k, v in state["open"].items())
+            self.discarded = dict(state["discarded"])
+            self.consumed = state["consumed"]
+
+
+def _fifo(ready: Deque[List[Trajectory]], groups: int) -> List[List[Trajectory]]:
+    return [ready.popleft() for _ in range(groups)]

@@ -1,0 +1,113 @@
+"""The controller's data module and the reward service."""
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from laminar_mcore.data import Trajectory
+from laminar_mcore.data.pools import (ExperienceBuffer, PartialResponse, PartialResponsePool,
+                                      PromptPool, load_prompts)
+from laminar_mcore.reward import RewardService, load_reward_fn
+
+
+def _traj(group, k, reward=1.0):
+    return Trajectory(prompt_ids=[1], response_ids=[2], behav_logprobs=[-0.1], weight_version=0,
+                      group_id=group, reward=reward, uid=f"{group}-{k}")
+
+
+def test_prompt_pool_groups_epochs_and_exact_resume(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) for i in range(5)))
+    rows = load_prompts([str(path)])
+    pool = PromptPool(rows, n_samples=4, seed=7)
+    first_epoch = [pool.next_group() for _ in range(5)]
+    assert sorted(g.index for g in first_epoch) == list(range(5)) and all(g.n == 4 for g in first_epoch)
+    state = pool.state_dict()
+    after = [pool.next_group().index for _ in range(7)]
+    assert pool.epoch == 2
+    resumed = PromptPool(rows, n_samples=4, seed=7)
+    resumed.load_state_dict(state)
+    assert [resumed.next_group().index for _ in range(7)] == after
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "x"}\n')
+    with pytest.raises(ValueError, match="no 'prompt' field"):
+        load_prompts([str(bad)])
+    bad.write_text("{oops\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1: not JSON"):
+        load_prompts([str(bad)])
+
+
+def test_experience_buffer_hands_out_complete_groups_fifo_and_counts_everything():
+    buf = ExperienceBuffer(group_size=2, max_groups=2)
+    for g in ("a", "b", "c"):
+        buf.add(_traj(g, 0))
+    assert buf.ready_groups == 0 and buf.buffered == 3
+    for g in ("a", "b", "c"):
+        buf.add(_traj(g, 1))
+    assert buf.discarded == {"evicted": 2}  # "a" was the stalest beyond max_groups
+    batch = buf.take(1, timeout=0.1)
+    assert [t.group_id for t in batch] == ["b", "b"]
+    assert buf.take(2, timeout=0.05) is None
+    buf.add(_traj("d", 0))
+    assert buf.drop_group("d", "member_failed") == 1
+    generated = 8 - 1  # seven trajectories were added in all
+    assert buf.consumed + buf.buffered + sum(buf.discarded.values()) == generated
+    state = buf.state_dict()
+    other = ExperienceBuffer(group_size=2)
+    other.load_state_dict(state)
+    assert [t.uid for t in other.take(1, timeout=0.1)] == ["c-0", "c-1"]
+
+
+def test_experience_buffer_take_blocks_until_a_group_completes():
+    buf = ExperienceBuffer(group_size=2)
+    got = []
+    t = threading.Thread(target=lambda: got.append(buf.take(1, timeout=5)))
+    t.start()
+    buf.add(_traj("x", 0))
+    buf.add(_traj("x", 1))
+    t.join()
+    assert [tr.uid for tr in got[0]] == ["x-0", "x-1"]
+
+
+def test_partial_pool_tracks_tokens_per_engine():
+    pool = PartialResponsePool()
+    pool.start(PartialResponse("r1", "g", [1, 2], "e0", 3))
+    pool.start(PartialResponse("r2", "g", [1, 2], "e1", 3))
+    pool.update("r1", [5, 6], [-0.1, -0.2])
+    with pytest.raises(ValueError, match="lose tokens"):
+        pool.update("r1", [5], [-0.1])
+    assert [p.rid for p in pool.on_engine("e0")] == ["r1"]
+    assert pool.finish("r1").output_ids == [5, 6] and len(pool) == 1
+    with pytest.raises(ValueError, match="already in flight"):
+        pool.start(PartialResponse("r2", "g", [1], "e0", 3))
+
+
+def test_reward_service_scores_in_a_process_pool_and_reports_failures():
+    assert load_reward_fn("laminar_mcore.reward.builtin:exact_match")("42", "42") == 1.0
+    with pytest.raises(ValueError, match="cannot load reward function"):
+        load_reward_fn("laminar_mcore.reward.builtin:nope")
+
+    async def go():
+        service = RewardService("laminar_mcore.reward.builtin:math_verify_reward", workers=1)
+        try:
+            return await asyncio.gather(
+                service.score("The answer is $\\frac{1}{2}$", "0.5"),
+                service.score("so we get 7", "8"),
+                service.score("\\boxed{12}", "12"))
+        finally:
+            service.close()
+
+    results = asyncio.run(go())
+    assert [r for r, _ in results] == [1.0, 0.0, 1.0]
+
+    async def failing():
+        service = RewardService("laminar_mcore.data.tasks:decode", workers=1)  # wrong signature
+        try:
+            return await service.score("1", "1")
+        finally:
+            service.close()
+
+    reward, error = asyncio.run(failing())
+    assert reward is None and "TypeError" in error
