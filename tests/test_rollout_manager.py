@@ -1,0 +1,128 @@
+"""The RolloutManager against real engines and a real relay: every trajectory comes from one
+version, engines pull a new version between trajectories, an engine that dies has its
+trajectories resumed elsewhere, and no trajectory is lost or counted twice."""
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from laminar_mcore.data.pools import ExperienceBuffer, PartialResponsePool, PromptPool
+from laminar_mcore.models import get_adapter
+from laminar_mcore.models.hf import initial_hf_state, save_hf_checkpoint, tiny_hf_config
+from laminar_mcore.relay.client import RelayClient
+from laminar_mcore.relay.launch import relay_command
+from laminar_mcore.rollout.client import SGLangClient
+from laminar_mcore.rollout.launcher import EngineProcess, cpu_engine_command
+from laminar_mcore.rollout.manager import EngineHandle, RolloutManager
+from laminar_mcore.rollout.model import DecoderLM
+
+pytestmark = pytest.mark.multiprocess
+TOKEN = "t"
+
+
+def _state(cfg, seed):
+    return initial_hf_state(type("M", (), {"path": None})(), cfg, seed)
+
+
+async def _score(text, answer, row):
+    return float(len(text.split()) % 2), None  # a toy verifiable reward: parity of the length
+
+
+def _reference_logprobs(cfg, state, prompt, response):
+    model = DecoderLM(cfg, state)
+    kv = model.new_kv_cache(256)
+    seq, out = list(prompt), []
+    logits = model.forward([seq], [0], [0], kv)
+    for i, tok in enumerate(response):
+        out.append(float(torch.log_softmax(logits[0], -1)[tok]))
+        logits = model.forward([[tok]], [0], [len(prompt) + i], kv)
+    return torch.tensor(out)
+
+
+def test_manager_pulls_between_trajectories_and_survives_an_engine(tmp_path):
+    from laminar_mcore.parallel import destroy_trainer_parallel, init_trainer_parallel
+    from laminar_mcore.trainer.model import build_gpt_model, load_full_state
+    from laminar_mcore.weights.publisher import WeightPublisher
+
+    cfg = tiny_hf_config("qwen2")
+    save_hf_checkpoint(tmp_path / "m", cfg, _state(cfg, 0))
+    procs = []
+    init_trainer_parallel(tp=1, pp=1, seed=0)
+    try:
+        relay = EngineProcess(relay_command(TOKEN, master=True, trainer_stages=1, relay_id="m"),
+                              log_path=str(tmp_path / "relay.log"), port_key="LAMINAR_RELAY_PORT").start()
+        procs.append(relay)
+        engines = [EngineProcess(cpu_engine_command(str(tmp_path / "m"), seed=i, kv_capacity_tokens=4096),
+                                 log_path=str(tmp_path / f"e{i}.log")).start() for i in range(2)]
+        procs += engines
+        model = build_gpt_model(cfg)
+        publisher = WeightPublisher(model, cfg, relay_host="127.0.0.1",
+                                    publish_port=int(relay.wait_printed("LAMINAR_RELAY_PUBLISH_PORT")))
+        rows = [{"prompt_ids": [i % 100 + 1, 7, 3], "answer": ""} for i in range(500)]
+        buffer = ExperienceBuffer(group_size=4)
+        seen = []
+
+        async def scenario():
+            handles = [EngineHandle(f"e{i}", SGLangClient(p.url, retries=0, timeout_s=5),
+                                    RelayClient(relay.url, TOKEN), capacity=8)
+                       for i, p in enumerate(engines)]
+            manager = RolloutManager(
+                handles, PromptPool(rows, n_samples=4, seed=0), PartialResponsePool(), buffer,
+                score=_score, encode_prompt=lambda row: row["prompt_ids"],
+                decode=lambda ids: " ".join(map(str, ids)),
+                sampling={"max_new_tokens": 24, "temperature": 1.0},
+                trainer_version=lambda: 0, batch_trajectories=16,
+                on_trajectory=seen.append)
+            runner = asyncio.create_task(manager.run())
+            while manager.stats.generated < 16:
+                await asyncio.sleep(0.05)
+            state = _state(cfg, 5)
+            load_full_state(model, cfg, get_adapter(cfg).hf_to_mcore(cfg, state))
+            await asyncio.to_thread(publisher.publish, 1)
+            await asyncio.to_thread(publisher.wait)
+            deadline = time.time() + 60
+            while not all(h.version == 1 for h in handles):
+                assert time.time() < deadline, "engines never pulled version 1"
+                await asyncio.sleep(0.05)
+            while sum(t.weight_version == 1 for t in seen) < 8:
+                await asyncio.sleep(0.05)
+            # An engine dies with trajectories in flight.
+            while not handles[1].in_flight:
+                await asyncio.sleep(0.01)
+            os.killpg(engines[1].proc.pid, signal.SIGKILL)
+            while not manager.stats.resumed:
+                assert time.time() < deadline + 60, "nothing was resumed"
+                await asyncio.sleep(0.05)
+            generated_at_kill = manager.stats.generated
+            while manager.stats.generated < generated_at_kill + 8:
+                await asyncio.sleep(0.05)
+            manager.stop()
+            await runner
+            for h in handles:
+                await h.client.close()
+                await h.relay.close()
+            return manager, handles, state
+
+        manager, handles, new_state = asyncio.run(scenario())
+    finally:
+        for p in procs:
+            p.stop()
+        destroy_trainer_parallel()
+
+    assert handles[0].healthy and not handles[1].healthy
+    assert manager.stats.pulls >= 2 and manager.stats.resumed >= 1
+    for traj in seen:  # exactly one version per trajectory
+        assert traj.metadata["engine_versions"] == [str(traj.weight_version)], traj.uid
+    v1 = [t for t in seen if t.weight_version == 1]
+    assert v1, "no trajectory of version 1"
+    ref = _reference_logprobs(cfg, new_state, v1[0].prompt_ids, v1[0].response_ids)
+    assert (torch.tensor(v1[0].behav_logprobs) - ref).abs().max().item() <= 1e-4
+    discarded = sum(buffer.discarded.values())
+    kept = len(seen)
+    assert manager.stats.generated == buffer.consumed + buffer.buffered + discarded
+    assert kept == manager.stats.generated - sum(v for k, v in buffer.discarded.items()
+                                                 if not k.endswith("_group"))
