@@ -123,11 +123,24 @@ class ClusterConfig:
 
 @dataclass
 class DataConfig:
+    """Prompts from JSONL/Parquet files, or (with no train_files) a built-in synthetic task."""
+
     train_files: List[str] = field(default_factory=list)
     eval_files: List[str] = field(default_factory=list)
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     max_prompt_len: int = 64
+    # Dotted path of the reward function: fn(response_text, answer, **row) -> float.
+    reward_fn: str = "laminar_mcore.reward.builtin:exact_match"
+    reward_workers: int = 1
+    # The built-in task (character tokenizer) used when train_files is empty.
+    task: str = "reverse"  # reverse | addition
+    digits: int = 5
+    num_train: int = 4000
+    num_eval: int = 128
+    # Supervised warm-up that builds the starting checkpoint when model.path is null.
+    warmup_steps: int = 200
+    warmup_wrong_fraction: float = 0.5
 
 
 @dataclass

@@ -1,8 +1,11 @@
-"""The demo's synthetic verifiable task: multi-digit addition with a character vocabulary.
+"""The demo's synthetic verifiable tasks, with a character vocabulary.
 
-``123+456=`` -> ``579`` then end-of-sequence. Small enough for a tiny model on 2 CPU cores, hard
-enough that exact-match reward has room to improve on an imperfect warm-up. The tokenizer is a
-fixed character map (no files, nothing downloaded).
+* ``reverse`` (the demo default): ``48213=`` -> ``31284``. A tiny model imitates it within
+  seconds; imitating *noisy* demonstrations leaves it right only about half the time when it
+  samples, which is what RL against the exact-match verifier then fixes.
+* ``addition``: ``123+456=`` -> ``579`` -- much harder for a tiny model (see trainer/warmup.py).
+
+The tokenizer is a fixed character map (no files, nothing downloaded).
 """
 
 from __future__ import annotations
@@ -29,16 +32,25 @@ def decode(ids: Iterable[int]) -> str:
     return "".join(out)
 
 
-def make_problem(rng: random.Random, digits: int) -> Dict[str, str]:
+def make_problem(rng: random.Random, digits: int, task: str = "addition") -> Dict[str, str]:
+    if task == "reverse":
+        x = "".join(str(rng.randrange(10)) for _ in range(digits))
+        return {"prompt": f"{x}=", "answer": x[::-1]}
+    if task != "addition":
+        raise ValueError(f"unknown task {task!r}: reverse or addition")
     a, b = rng.randrange(10 ** digits), rng.randrange(10 ** digits)
     return {"prompt": f"{a:0{digits}d}+{b:0{digits}d}=", "answer": str(a + b)}
 
 
-def write_dataset(path: str, n: int, digits: int = 3, seed: int = 0) -> None:
+def make_dataset(n: int, digits: int, task: str, seed: int) -> List[Dict[str, str]]:
     rng = random.Random(seed)
+    return [make_problem(rng, digits, task) for _ in range(n)]
+
+
+def write_dataset(path: str, rows: List[Dict[str, str]]) -> None:
     with open(path, "w") as f:
-        for _ in range(n):
-            f.write(json.dumps(make_problem(rng, digits)) + "\n")
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
 
 
 def addition_reward(response_text: str, answer: str, **_) -> float:

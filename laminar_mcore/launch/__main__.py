@@ -30,9 +30,9 @@ def main(cfg: DictConfig) -> None:
 
         run_smoke(cfg)
     else:
-        print(f"error: job={cfg.job!r} needs the end-to-end training loop, which is not built "
-              "yet; use job=smoke", file=sys.stderr)
-        sys.exit(2)
+        from .train import run_train
+
+        run_train(cfg)
 
 
 def cli() -> None:

@@ -43,8 +43,10 @@ class MegatronActor:
     trainer rank constructs it and calls ``train_step`` together."""
 
     def __init__(self, hf_config, algo: AlgoConfig, trainer: TrainerConfig, *, full_state=None,
-                 dtype: torch.dtype = torch.float32, use_distributed_optimizer: bool = True,
-                 use_te: Optional[bool] = None):
+                 init_weights=None, dtype: torch.dtype = torch.float32,
+                 use_distributed_optimizer: bool = True, use_te: Optional[bool] = None):
+        """``full_state`` (full Megatron tensors) or ``init_weights(model)`` set the starting
+        weights before the optimizer takes its (fp32 master) copies of them."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import (DistributedDataParallel,
                                                DistributedDataParallelConfig, finalize_model_grads)
@@ -65,6 +67,8 @@ class MegatronActor:
         model = build_gpt_model(hf_config, dtype=dtype, use_te=self.use_te)
         if full_state is not None:
             load_full_state(model, hf_config, full_state)
+        if init_weights is not None:
+            init_weights(model)
         self.model = DistributedDataParallel(
             model.config,
             DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,

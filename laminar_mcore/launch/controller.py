@@ -1,0 +1,190 @@
+"""The controller: data module, rollout manager, reward service and the trainer's REST API.
+
+Runs an asyncio loop (in its own thread of the launcher, or as its own process on a cluster):
+the RolloutManager keeps engines busy and fills the experience buffer; trainer rank 0 takes
+batches with ``GET /batch`` and reports each step with ``POST /trained``. The controller records
+per trajectory its version and staleness at consumption, and keeps the books:
+generated = consumed + buffered + discarded (with reasons).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+from aiohttp import web
+
+from ..data.pools import ExperienceBuffer, PartialResponsePool, PromptPool
+from ..data.trajectory import Trajectory
+from ..relay.client import RelayClient
+from ..reward import RewardService
+from ..rollout.client import SGLangClient
+from ..rollout.manager import EngineHandle, RolloutManager
+
+logger = logging.getLogger(__name__)
+
+MODES = {  # mode -> (global barrier, admission bound eta)
+    "laminar": (False, None),
+    "one_step": (True, 1),
+    "sync": (True, 0),
+}
+
+
+@dataclass
+class TaskCodec:
+    encode_prompt: Callable[[dict], List[int]]
+    decode: Callable[[List[int]], str]
+
+
+class Controller:
+    def __init__(self, *, mode: str, engine_urls: List[str], relay_url: str, token: str,
+                 rows: List[dict], codec: TaskCodec, reward_fn: str, reward_workers: int,
+                 n_samples: int, batch_prompts: int, sampling: dict, capacity: int,
+                 max_staleness: Optional[int], metrics, seed: int = 0, host: str = "127.0.0.1"):
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is not one of {', '.join(MODES)}")
+        barrier, eta = MODES[mode]
+        self.mode = mode
+        self.token = token
+        self.metrics = metrics
+        self.batch_prompts = batch_prompts
+        self.n_samples = n_samples
+        self.host = host
+        self.trainer_version = 0
+        self.consumed: List[dict] = []
+        self.max_staleness_observed = 0
+        self.last_step_time = time.time()
+        self.buffer = ExperienceBuffer(group_size=n_samples)
+        self.partial = PartialResponsePool()
+        self.prompts = PromptPool(rows, n_samples=n_samples, seed=seed)
+        self.reward = RewardService(reward_fn, workers=reward_workers)
+        self._engine_urls, self._relay_url = engine_urls, relay_url
+        self._codec, self._sampling, self._capacity = codec, sampling, capacity
+        self._eta = eta if mode != "laminar" else max_staleness
+        self._barrier = barrier
+        self.manager: Optional[RolloutManager] = None
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self.url: Optional[str] = None
+        self._ready = threading.Event()
+        self._stopped = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.error: Optional[BaseException] = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> str:
+        self._thread = threading.Thread(target=self._run, name="laminar-controller", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(60):
+            raise RuntimeError(f"controller did not start: {self.error}")
+        if self.error:
+            raise RuntimeError(f"controller did not start: {self.error}")
+        return self.url
+
+    def stop(self) -> None:
+        if self.loop is not None and not self._stopped.is_set():
+            self.loop.call_soon_threadsafe(self._shutdown_event.set)
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        self.reward.close()
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as exc:  # noqa: BLE001 - reported to the launcher
+            self.error = exc
+            logger.exception("controller failed")
+            self._ready.set()
+        finally:
+            self._stopped.set()
+
+    async def _main(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._shutdown_event = asyncio.Event()
+        handles = [EngineHandle(f"engine{i}", SGLangClient(url, retries=0, timeout_s=10),
+                                RelayClient(self._relay_url, self.token), capacity=self._capacity)
+                   for i, url in enumerate(self._engine_urls)]
+        self.manager = RolloutManager(
+            handles, self.prompts, self.partial, self.buffer, score=self.reward.score,
+            encode_prompt=self._codec.encode_prompt, decode=self._codec.decode,
+            sampling=self._sampling, trainer_version=lambda: self.trainer_version,
+            batch_trajectories=self.batch_prompts * self.n_samples,
+            max_staleness=self._eta, barrier=self._barrier)
+        app = web.Application()
+        app.router.add_get("/batch", self._batch)
+        app.router.add_post("/trained", self._trained)
+        app.router.add_get("/health", lambda r: web.json_response({"ok": True}))
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        self.url = f"http://{self.host}:{port}"
+        manager_task = asyncio.create_task(self.manager.run())
+        self._ready.set()
+        await self._shutdown_event.wait()
+        self.manager.stop()
+        await manager_task
+        for h in handles:
+            await h.client.close()
+            await h.relay.close()
+        await runner.cleanup()
+
+    # ------------------------------------------------------------------ trainer API
+    def _authorized(self, request) -> bool:
+        return request.headers.get("Authorization") == f"Bearer {self.token}"
+
+    async def _batch(self, request: web.Request):
+        if not self._authorized(request):
+            return web.json_response({"error": "missing or wrong run token"}, status=401)
+        timeout = float(request.query.get("timeout", "30"))
+        batch = await asyncio.to_thread(self.buffer.take, self.batch_prompts, timeout)
+        if batch is None:
+            return web.Response(status=204)
+        now = time.time()
+        staleness = [self.trainer_version - t.weight_version for t in batch]
+        for t in batch:
+            t.timings["consumed"] = now
+            self.consumed.append({"uid": t.uid, "version": t.weight_version,
+                                  "staleness": self.trainer_version - t.weight_version,
+                                  "reward": t.reward, "tokens": len(t.response_ids)})
+        self.max_staleness_observed = max([self.max_staleness_observed] + staleness)
+        return web.json_response({"trajectories": [t.to_dict() for t in batch],
+                                  "staleness": staleness})
+
+    async def _trained(self, request: web.Request):
+        if not self._authorized(request):
+            return web.json_response({"error": "missing or wrong run token"}, status=401)
+        body = await request.json()
+        step, version = int(body["step"]), int(body["version"])
+        self.trainer_version = version
+        now = time.time()
+        elapsed, self.last_step_time = now - self.last_step_time, now
+        batch = self.consumed[-self.batch_prompts * self.n_samples:]
+        tokens = sum(c["tokens"] for c in batch)
+        stats = {k: v for k, v in dict(body.get("stats", {})).items()
+                 if isinstance(v, (int, float)) and k not in ("version", "step")}
+        self.metrics.log(
+            "train", step=step, version=version, reward_mean=sum(c["reward"] for c in batch) / max(len(batch), 1),
+            staleness_mean=sum(c["staleness"] for c in batch) / max(len(batch), 1),
+            staleness_max=max((c["staleness"] for c in batch), default=0),
+            tokens_per_s=tokens / max(elapsed, 1e-9), step_seconds=elapsed,
+            buffered=self.buffer.buffered, generated=self.manager.stats.generated,
+            engine_pulls=self.manager.stats.pulls, publish_blocked_s=body.get("publish_blocked_s", 0.0),
+            **stats)
+        return web.json_response({"ok": True})
+
+    def books(self) -> dict:
+        s = self.manager.stats if self.manager else None
+        return {"trajectories_generated": s.generated if s else 0,
+                "trajectories_consumed": self.buffer.consumed,
+                "trajectories_buffered": self.buffer.buffered,
+                "trajectories_discarded": sum(self.buffer.discarded.values()),
+                "discarded_reasons": dict(self.buffer.discarded),
+                "max_staleness_observed": self.max_staleness_observed,
+                "engine_pulls": s.pulls if s else 0, "resumed": s.resumed if s else 0,
+                "unhealthy_engines": list(s.unhealthy) if s else []}
