@@ -130,7 +130,9 @@ class RolloutManager:
                 continue
             self._tasks = [t for t in self._tasks if not t.done()]
             room = engine.capacity - len(engine.in_flight)
-            if not engine.draining and room >= self.prompts.n_samples and \
+            # Baselines with a global barrier generate only with the trainer's current weights.
+            synced = not self.barrier or engine.version >= self.trainer_version()
+            if not engine.draining and synced and room >= self.prompts.n_samples and \
                     self.can_admit(self.prompts.n_samples):
                 self._start_group(engine)
                 continue
