@@ -40,3 +40,21 @@ def test_loss_benchmark_writes_its_keys(tmp_path):
     figures = json.loads(out.read_text())
     assert {"peak_bytes", "naive_peak_bytes", "ratio"} <= set(figures)
     assert figures["naive_peak_bytes"] > 2 * figures["peak_bytes"]  # a 200 MB log_softmax
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_modes_benchmark_writes_its_keys(tmp_path):
+    from laminar_mcore.bench.modes import main
+
+    out = tmp_path / "modes.json"
+    main(["--steps", "2", "--batch-prompts", "2", "--samples", "2", "--long", "40",
+          "--json", str(out)])
+    figures = json.loads(out.read_text())
+    assert {"laminar_vs_sync", "laminar_vs_one_step"} <= set(figures)
+    for mode in ("sync", "one_step", "laminar"):
+        assert figures[f"{mode}_tokens_per_s"] > 0
+        assert 0 <= figures[f"{mode}_engine_idle_fraction"] <= 1
+        assert 0 <= figures[f"{mode}_trainer_idle_fraction"] <= 1
+    assert figures["sync_max_staleness"] == 0
+    assert figures["length_p99"] > 10 * figures["length_p50"] or figures["length_p99"] == 40

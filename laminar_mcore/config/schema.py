@@ -94,6 +94,12 @@ class RolloutConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     extra_args: List[str] = field(default_factory=list)  # passed to sglang.launch_server
     repack_interval_s: float = 5.0
+    # Replay a long-tailed response-length distribution (benchmarks): 0 disables. Each
+    # trajectory then generates exactly this many tokens (EOS ignored): ``forced_long_length``
+    # with probability ``forced_long_fraction``, else about ``forced_short_length``.
+    forced_short_length: int = 0
+    forced_long_length: int = 0
+    forced_long_fraction: float = 0.0
 
 
 @dataclass

@@ -45,7 +45,8 @@ class Controller:
     def __init__(self, *, mode: str, engine_urls: List[str], relay_url: str, token: str,
                  rows: List[dict], codec: TaskCodec, reward_fn: str, reward_workers: int,
                  n_samples: int, batch_prompts: int, sampling: dict, capacity: int,
-                 max_staleness: Optional[int], metrics, seed: int = 0, host: str = "127.0.0.1"):
+                 max_staleness: Optional[int], metrics, seed: int = 0, host: str = "127.0.0.1",
+                 length_fn=None):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not one of {', '.join(MODES)}")
         barrier, eta = MODES[mode]
@@ -56,6 +57,8 @@ class Controller:
         self.n_samples = n_samples
         self.host = host
         self.trainer_version = 0
+        self.trainer_wait_s = 0.0  # time trainer rank 0 spent waiting for batches
+        self.first_request: Optional[float] = None
         self.consumed: List[dict] = []
         self.max_staleness_observed = 0
         self.last_step_time = time.time()
@@ -67,6 +70,7 @@ class Controller:
         self._codec, self._sampling, self._capacity = codec, sampling, capacity
         self._eta = eta if mode != "laminar" else max_staleness
         self._barrier = barrier
+        self._length_fn = length_fn
         self.manager: Optional[RolloutManager] = None
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self.url: Optional[str] = None
@@ -113,7 +117,7 @@ class Controller:
             encode_prompt=self._codec.encode_prompt, decode=self._codec.decode,
             sampling=self._sampling, trainer_version=lambda: self.trainer_version,
             batch_trajectories=self.batch_prompts * self.n_samples,
-            max_staleness=self._eta, barrier=self._barrier)
+            max_staleness=self._eta, barrier=self._barrier, length_fn=self._length_fn)
         app = web.Application()
         app.router.add_get("/batch", self._batch)
         app.router.add_post("/trained", self._trained)
@@ -142,6 +146,8 @@ class Controller:
         if not self._authorized(request):
             return web.json_response({"error": "missing or wrong run token"}, status=401)
         timeout = float(request.query.get("timeout", "30"))
+        if self.first_request is None:
+            self.first_request = time.time()
         batch = await asyncio.to_thread(self.buffer.take, self.batch_prompts, timeout)
         if batch is None:
             return web.Response(status=204)
@@ -162,6 +168,7 @@ class Controller:
         body = await request.json()
         step, version = int(body["step"]), int(body["version"])
         self.trainer_version = version
+        self.trainer_wait_s += float(body.get("wait_s", 0.0))
         now = time.time()
         elapsed, self.last_step_time = now - self.last_step_time, now
         batch = self.consumed[-self.batch_prompts * self.n_samples:]
@@ -177,6 +184,15 @@ class Controller:
             engine_pulls=self.manager.stats.pulls, publish_blocked_s=body.get("publish_blocked_s", 0.0),
             **stats)
         return web.json_response({"ok": True})
+
+    def utilisation(self) -> dict:
+        """Trainer-consumed tokens/s and idle fractions since the trainer's first request."""
+        span = max(time.time() - (self.first_request or time.time()), 1e-9)
+        tokens = sum(c["tokens"] for c in self.consumed)
+        return {"trainer_tokens_per_s": tokens / span,
+                "trainer_idle_fraction": min(self.trainer_wait_s / span, 1.0),
+                "engine_idle_fraction": self.manager.engine_idle_fraction() if self.manager else 0.0,
+                "consumed_tokens": tokens, "span_s": span}
 
     def books(self) -> dict:
         s = self.manager.stats if self.manager else None

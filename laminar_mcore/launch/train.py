@@ -76,6 +76,24 @@ async def evaluate(url: str, rows: List[dict], codec, sampling: dict, reward_fn:
     return sum(scores) / max(len(scores), 1)
 
 
+def length_fn_from_config(rollout_cfg):
+    """Deterministic per-trajectory lengths for ``rollout.forced_*`` (same in every mode)."""
+    if not rollout_cfg.forced_short_length:
+        return None
+    import zlib
+
+    short, long_ = rollout_cfg.forced_short_length, rollout_cfg.forced_long_length
+    fraction = rollout_cfg.forced_long_fraction
+
+    def length(group_id: str, k: int) -> int:
+        u = zlib.crc32(f"{group_id}/{k}".encode()) / 2**32
+        if long_ and u < fraction:
+            return long_
+        return max(1, int(short * (0.5 + (u - fraction) / max(1 - fraction, 1e-9))))
+
+    return length
+
+
 def run_train(cfg) -> dict:
     from ..relay.launch import relay_command
     from ..relay.client import RelayClient, pull_latest_into_engine
@@ -124,7 +142,7 @@ def run_train(cfg) -> dict:
             reward_workers=cfg.data.reward_workers, n_samples=cfg.algo.n_samples_per_prompt,
             batch_prompts=cfg.trainer.train_batch_prompts, sampling=sampling,
             capacity=cfg.rollout.max_running_requests, max_staleness=cfg.algo.max_staleness,
-            metrics=metrics, seed=cfg.seed)
+            metrics=metrics, seed=cfg.seed, length_fn=length_fn_from_config(cfg.rollout))
         controller_url = controller.start()
         progress = _progress(cfg.trainer.total_steps, metrics)
         try:
@@ -146,6 +164,7 @@ def run_train(cfg) -> dict:
                     await asyncio.sleep(0.05)
                 return current
 
+        utilisation = controller.utilisation()
         controller.stop()
         engine_version = asyncio.run(final_pull())
         final = asyncio.run(evaluate(engines[0].url, evals, codec, eval_sampling, cfg.data.reward_fn))
@@ -153,7 +172,7 @@ def run_train(cfg) -> dict:
         books = controller.books()
         summary = {"mode": cfg.mode, "initial_accuracy": initial, "final_accuracy": final,
                    "steps": results[0]["steps"], "final_version": version, **books,
-                   "trajectories_in_flight_at_stop": len(controller.partial),
+                   "trajectories_in_flight_at_stop": len(controller.partial), **utilisation,
                    "wall_seconds": time.time() - t_start, "model_path": model_path}
         balanced = books["trajectories_generated"] == (books["trajectories_consumed"]
                                                        + books["trajectories_buffered"]

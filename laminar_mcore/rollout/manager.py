@@ -41,7 +41,7 @@ class EngineHandle:
     healthy: bool = True
     draining: bool = False
     pulls: int = 0
-    busy_seconds: float = 0.0
+    idle_seconds: float = 0.0  # time with no trajectory in flight
     idle_since: Optional[float] = None
 
 
@@ -63,7 +63,10 @@ class RolloutManager:
                  decode: Callable[[List[int]], str], sampling: dict,
                  trainer_version: Callable[[], int], batch_trajectories: int,
                  max_staleness: Optional[int] = None, barrier: bool = False,
-                 poll_s: float = 0.05, on_trajectory: Optional[Callable[[Trajectory], None]] = None):
+                 poll_s: float = 0.05, on_trajectory: Optional[Callable[[Trajectory], None]] = None,
+                 length_fn: Optional[Callable[[str, int], Optional[int]]] = None):
+        """``length_fn(group_id, k)`` may force a trajectory's response length (benchmarks
+        replaying a length distribution; EOS is then ignored)."""
         self.engines = engines
         self.prompts, self.partial, self.buffer = prompts, partial, buffer
         self.score, self.encode_prompt, self.decode = score, encode_prompt, decode
@@ -74,7 +77,9 @@ class RolloutManager:
         self.barrier = barrier
         self.poll_s = poll_s
         self.on_trajectory = on_trajectory
+        self.length_fn = length_fn
         self.stats = ManagerStats()
+        self.started = time.time()
         self.accepted = 0  # trajectories admitted so far (AReaL's N_r)
         self._latest_relay_version = 0
         self._stop = asyncio.Event()
@@ -118,10 +123,27 @@ class RolloutManager:
             await asyncio.sleep(self.poll_s)
 
     # ------------------------------------------------------------------ per engine
+    def engine_idle_fraction(self) -> float:
+        """Share of engine time with nothing to generate (averaged over healthy engines)."""
+        now = time.time()
+        total = 0.0
+        for e in self.engines:
+            idle = e.idle_seconds
+            if e.idle_since is not None:
+                idle += now - e.idle_since
+            total += idle / max(now - self.started, 1e-9)
+        return total / max(len(self.engines), 1)
+
     async def _engine_loop(self, engine: EngineHandle) -> None:
         while not self._stop.is_set():
             if not engine.healthy:
                 return
+            now = time.time()
+            if not engine.in_flight and engine.idle_since is None:
+                engine.idle_since = now
+            elif engine.in_flight and engine.idle_since is not None:
+                engine.idle_seconds += now - engine.idle_since
+                engine.idle_since = None
             newer = self._latest_relay_version > engine.version
             if newer:
                 engine.draining = True
@@ -162,11 +184,14 @@ class RolloutManager:
         prompt_ids = self.encode_prompt(group.row)
         self.accepted += group.n
         for k in range(group.n):
+            forced = self.length_fn(group.group_id, k) if self.length_fn else None
             item = PartialResponse(rid=f"{group.group_id}-{k}-{uuid.uuid4().hex[:6]}",
                                    group_id=group.group_id, prompt_ids=prompt_ids,
                                    engine=engine.name, weight_version=engine.version,
-                                   max_new_tokens=int(self.sampling.get("max_new_tokens", 64)),
+                                   max_new_tokens=int(forced or self.sampling.get("max_new_tokens", 64)),
                                    row_index=group.index)
+            if forced:
+                item.__dict__["ignore_eos"] = True
             self.partial.start(item)
             engine.in_flight[item.rid] = item
             self._tasks.append(asyncio.create_task(self._generate(engine, item, group.row)))
@@ -175,6 +200,8 @@ class RolloutManager:
         start = time.time()
         params = dict(self.sampling)
         params["max_new_tokens"] = item.max_new_tokens - len(item.output_ids)
+        if item.__dict__.get("ignore_eos"):
+            params["ignore_eos"] = True
         prefix = item.prompt_ids + item.output_ids
         # A resumed trajectory continues from what the partial pool holds.
         base_ids, base_lps = list(item.output_ids), list(item.output_logprobs)
@@ -200,7 +227,6 @@ class RolloutManager:
             engine.in_flight.pop(item.rid, None)
             raise
         engine.in_flight.pop(item.rid, None)
-        engine.busy_seconds += time.time() - start
         done = self.partial.finish(item.rid)
         if final["finish_reason"]["type"] == "abort":
             self._discard(item.group_id, 1, "aborted")

@@ -78,7 +78,9 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
         rank = dist.get_rank()
         steps_done = start
         for step in range(start + 1, trainer.total_steps + 1):
+            waited = time.perf_counter()
             batch = fetch_batch(controller_url, token, deadline_s=600) if rank == 0 else None
+            waited = time.perf_counter() - waited
             flag = torch.tensor([1 if (rank != 0 or batch is not None) else 0])
             dist.broadcast(flag, src=0)
             if flag.item() == 0:
@@ -88,7 +90,7 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
             if rank == 0:
                 _http("POST", f"{controller_url}/trained", token,
                       {"step": step, "version": actor.version, "stats": stats,
-                       "publish_blocked_s": published.blocked_s})
+                       "publish_blocked_s": published.blocked_s, "wait_s": waited})
             if trainer.save_interval and step % trainer.save_interval == 0:
                 save_checkpoint(ckpt_dir, step, actor)
             steps_done = step
