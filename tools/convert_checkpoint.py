@@ -63,7 +63,7 @@ def hf_to_mcore(args) -> None:
     check_layout(hf_config, args.tp, args.pp)
     world = args.tp * args.pp
     if world > 1 and "RANK" not in os.environ:
-        from laminar_mcore.testing.dist import free_port
+        from laminar_mcore.netutil import free_port
 
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
                "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--local-addr=127.0.0.1",

@@ -42,7 +42,7 @@ def _gloo_receiver(port: int, rank: int, world: int, nbytes: int) -> None:
 def gloo_broadcast_seconds(nbytes: int, receivers: int) -> float:
     import torch.distributed as dist
 
-    from ..testing.dist import free_port
+    from ..netutil import free_port
 
     port, world = free_port(), receivers + 1
     store = dist.TCPStore("127.0.0.1", port, world, is_master=True,

@@ -7,15 +7,10 @@ its share of the CPU threads. An error in any process stops all of them.
 
 from __future__ import annotations
 
-import socket
 import uuid
 from typing import Any, Callable, Dict, List
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ..netutil import free_port
 
 
 def launch_trainer_world(entrypoint: Callable, args: tuple, nproc: int,

@@ -14,6 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..netutil import free_port
 from .cpu_compat import apply_cpu_compat
 
 
@@ -37,7 +38,7 @@ def init_trainer_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 123
             # A single process outside torchrun: a world of one on a private loopback store
             # (os.environ is left alone, so child processes do not think they are rank 0).
             dist.init_process_group(backend=backend(), timeout=timeout, rank=0, world_size=1,
-                                    init_method=f"tcp://127.0.0.1:{_free_port()}")
+                                    init_method=f"tcp://127.0.0.1:{free_port()}")
     world = dist.get_world_size()
     if world % (tp * pp * cp):
         raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}; "
@@ -58,11 +59,3 @@ def destroy_trainer_parallel() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

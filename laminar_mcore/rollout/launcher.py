@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,15 +18,11 @@ import urllib.error
 import urllib.request
 from typing import Dict, List, Optional, Sequence
 
+from ..netutil import free_port  # noqa: F401  (re-exported)
+
 
 class EngineStartError(RuntimeError):
     """An engine exited or stayed unhealthy while starting; the message has its log's tail."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def sglang_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp: int = 1,

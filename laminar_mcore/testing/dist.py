@@ -11,22 +11,17 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from ..netutil import free_port  # noqa: F401  (re-exported for tests)
+
 
 class TorchrunError(RuntimeError):
     """A torchrun group failed or timed out; the message carries the tail of its output."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def rank_output_path(out_dir: str | os.PathLike, rank: Optional[int] = None) -> Path:
