@@ -26,11 +26,13 @@ def test_default_config_composes_and_is_valid():
     cfg = _compose()
     assert cfg.run_name == "cpu_demo" and cfg.mode == "laminar"
     assert cfg.model.arch.family == "qwen2" and cfg.rollout.backend == "cpu"
-    assert cfg.algo.eps_clip_high == 0.28 and cfg.algo.max_staleness is None
+    assert cfg.algo.eps_clip_high == 0.28 and cfg.job == "train"
+    assert cfg.algo.max_staleness == 2  # the CPU demo bounds it; the algo default does not
+    assert _compose("experiment=cpu_smoke").algo.max_staleness is None
     validate_config(cfg)
 
 
-@pytest.mark.parametrize("experiment", ["cpu_demo", "cpu_tp2_pp2"])
+@pytest.mark.parametrize("experiment", ["cpu_demo", "cpu_smoke", "cpu_tp2_pp2"])
 def test_cpu_experiments_are_valid(experiment):
     validate_config(_compose(f"experiment={experiment}"))
 
