@@ -100,6 +100,7 @@ def run_train(cfg) -> dict:
     from ..rollout.client import SGLangClient
     from ..rollout.launcher import EngineProcess, engine_command_from_config, free_port
     from ..metrics import MetricsWriter
+    from ..trainer.checkpoint import resolve_resume
     from .controller import Controller
     from .local import launch_trainer_world, trainer_nproc
 
@@ -136,13 +137,22 @@ def run_train(cfg) -> dict:
         initial = asyncio.run(evaluate(engines[0].url, evals, codec, eval_sampling, cfg.data.reward_fn))
         metrics.log("eval", step=0, accuracy=initial)
         log(f"[train] initial accuracy {initial:.3f} on {len(evals)} eval prompts")
+        initial_state = None
+        resume_from = resolve_resume(cfg.trainer.resume, os.path.join(out_dir, "checkpoints"))
+        if resume_from:
+            extra = os.path.join(resume_from, "extra_state.json")
+            if os.path.isfile(extra):
+                with open(extra) as f:
+                    initial_state = json.load(f)
+            log(f"[train] resuming from {resume_from}")
         controller = Controller(
             mode=cfg.mode, engine_urls=[e.url for e in engines], relay_url=relay.url, token=token,
             rows=rows, codec=codec, reward_fn=cfg.data.reward_fn,
             reward_workers=cfg.data.reward_workers, n_samples=cfg.algo.n_samples_per_prompt,
             batch_prompts=cfg.trainer.train_batch_prompts, sampling=sampling,
             capacity=cfg.rollout.max_running_requests, max_staleness=cfg.algo.max_staleness,
-            metrics=metrics, seed=cfg.seed, length_fn=length_fn_from_config(cfg.rollout))
+            metrics=metrics, seed=cfg.seed, length_fn=length_fn_from_config(cfg.rollout),
+            initial_state=initial_state)
         controller_url = controller.start()
         progress = _progress(cfg.trainer.total_steps, metrics)
         try:

@@ -92,7 +92,10 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
                       {"step": step, "version": actor.version, "stats": stats,
                        "publish_blocked_s": published.blocked_s, "wait_s": waited})
             if trainer.save_interval and step % trainer.save_interval == 0:
-                save_checkpoint(ckpt_dir, step, actor)
+                # The controller's data module (prompt pool position, buffer, in-flight
+                # trajectories) is saved with the trainer's state, from rank 0.
+                extra = _http("GET", f"{controller_url}/state", token)[1] if rank == 0 else None
+                save_checkpoint(ckpt_dir, step, actor, extra_state=extra)
             steps_done = step
         publisher.wait()
         publisher.close()
