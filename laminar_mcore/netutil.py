@@ -2,11 +2,36 @@
 
 from __future__ import annotations
 
+import random
 import socket
 
 
+def _ephemeral_range() -> tuple:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (servers that can bind port 0 should do that instead)."""
-    with socket.socket() as s:
+    """A port that is free now, for a server that is told its port and binds it a moment later.
+
+    It is taken *below* the kernel's ephemeral range: a port handed out by a port-0 bind could
+    meanwhile become the local port of some outgoing connection, and the later bind would fail
+    with EADDRINUSE. (Servers that can bind port 0 themselves should do that instead.)
+    """
+    low, _ = _ephemeral_range()
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(20000, max(low, 20001))
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # fall back to the kernel's choice
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -111,3 +111,13 @@ def test_reward_service_scores_in_a_process_pool_and_reports_failures():
 
     reward, error = asyncio.run(failing())
     assert reward is None and "TypeError" in error
+
+
+def test_partial_pool_state_is_json_ready():
+    pool = PartialResponsePool()
+    item = PartialResponse("r1", "g", [1, 2], "e0", 3, ignore_eos=True)
+    item.versions_seen.append("3")
+    pool.start(item)
+    pool.update("r1", [4], [-0.5])
+    state = json.loads(json.dumps(pool.state_dict()))
+    assert state[0]["output_ids"] == [4] and state[0]["versions_seen"] == ["3"]

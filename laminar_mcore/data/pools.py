@@ -100,6 +100,8 @@ class PartialResponse:
     output_logprobs: List[float] = field(default_factory=list)
     max_new_tokens: int = 0
     row_index: int = -1
+    ignore_eos: bool = False  # a forced length (benchmarks replaying a length distribution)
+    versions_seen: List[str] = field(default_factory=list)  # engine weight versions it saw
 
 
 class PartialResponsePool:
@@ -132,8 +134,11 @@ class PartialResponsePool:
         return len(self._items)
 
     def state_dict(self) -> List[dict]:
+        """JSON-ready copies of every in-flight trajectory (declared fields only)."""
+        from dataclasses import asdict
+
         with self._lock:
-            return [dict(i.__dict__) for i in self._items.values()]
+            return [asdict(i) for i in self._items.values()]
 
 
 class ExperienceBuffer:

@@ -189,9 +189,7 @@ class RolloutManager:
                                    group_id=group.group_id, prompt_ids=prompt_ids,
                                    engine=engine.name, weight_version=engine.version,
                                    max_new_tokens=int(forced or self.sampling.get("max_new_tokens", 64)),
-                                   row_index=group.index)
-            if forced:
-                item.__dict__["ignore_eos"] = True
+                                   row_index=group.index, ignore_eos=bool(forced))
             self.partial.start(item)
             engine.in_flight[item.rid] = item
             self._tasks.append(asyncio.create_task(self._generate(engine, item, group.row)))
@@ -200,7 +198,7 @@ class RolloutManager:
         start = time.time()
         params = dict(self.sampling)
         params["max_new_tokens"] = item.max_new_tokens - len(item.output_ids)
-        if item.__dict__.get("ignore_eos"):
+        if item.ignore_eos:
             params["ignore_eos"] = True
         prefix = item.prompt_ids + item.output_ids
         # A resumed trajectory continues from what the partial pool holds.
@@ -212,7 +210,9 @@ class RolloutManager:
                 lps = [lp for lp, _, _ in meta["output_token_logprobs"]]
                 self.partial.update(item.rid, base_ids + snap["output_ids"], base_lps + lps)
                 final = meta
-                item.__dict__.setdefault("versions_seen", set()).update(meta.get("weight_versions", []))
+                for v in meta.get("weight_versions", []):
+                    if v not in item.versions_seen:
+                        item.versions_seen.append(v)
             if final is None or final.get("finish_reason") is None:
                 raise EngineError("/generate", None, "stream ended without a finish reason")
         except EngineError as exc:
@@ -245,7 +245,7 @@ class RolloutManager:
                           group_id=done.group_id, reward=reward, finish_reason=reason, uid=done.rid,
                           timings={"submitted": start, "finished": time.time()},
                           metadata={"row_index": done.row_index, "engine": done.engine,
-                                    "engine_versions": sorted(done.__dict__.get("versions_seen", []))})
+                                    "engine_versions": sorted(done.versions_seen)})
         self.stats.generated += 1
         self.buffer.add(traj)
         if self.on_trajectory is not None:
