@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import random
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List
 
 CHARS = "0123456789+="
 PAD, EOS = 12, 13
@@ -84,22 +84,3 @@ def tiny_demo_config(hidden: int = 128, layers: int = 3):
                            max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0,
                            tie_word_embeddings=False, hidden_act="silu",
                            eos_token_id=EOS, pad_token_id=PAD, bos_token_id=None)
-
-
-def load_jsonl(path: str, prompt_key: str = "prompt", answer_key: str = "answer",
-               limit: Optional[int] = None) -> List[Dict[str, str]]:
-    rows = []
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{line_no}: not JSON: {exc}") from None
-            if prompt_key not in row:
-                raise ValueError(f"{path}:{line_no}: no {prompt_key!r} field (data.prompt_key)")
-            rows.append(row)
-            if limit and len(rows) >= limit:
-                break
-    return rows

@@ -30,31 +30,8 @@ def load_hf_config(path: str | os.PathLike):
 
 def load_hf_state_dict(path: str | os.PathLike) -> Dict[str, torch.Tensor]:
     """Every tensor of a safetensors checkpoint (single file or sharded with an index)."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    index = path / SAFETENSORS_INDEX
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-    elif (path / "model.safetensors").is_file():
-        files, weight_map = ["model.safetensors"], None
-    else:
-        raise AdapterError(f"{str(path)!r} has neither model.safetensors nor {SAFETENSORS_INDEX}")
-    state: Dict[str, torch.Tensor] = {}
-    for name in files:
-        file = path / name
-        if not file.is_file():
-            raise AdapterError(f"shard {str(file)!r} named by the index is missing")
-        try:
-            state.update(load_file(str(file)))
-        except Exception as exc:  # safetensors raises its own error types for truncated files
-            raise AdapterError(f"cannot read {str(file)!r} (truncated or corrupt?): {exc}") from exc
-    if weight_map is not None:
-        missing = sorted(set(weight_map) - set(state))
-        if missing:
-            raise AdapterError(f"tensors listed in the index but absent from the shards: {missing[:8]}")
-    return state
+    reader = SafetensorsReader(path)
+    return {name: reader.get(name) for name in reader.names()}
 
 
 def save_hf_checkpoint(path: str | os.PathLike, hf_config, state: Mapping[str, torch.Tensor],

@@ -67,25 +67,3 @@ def warmup_checkpoint(out_dir: str, *, problems: List[Dict[str, str]], steps: in
     save_hf_checkpoint(tmp, cfg, model.state_dict())
     os.replace(tmp, path)  # never leave a half-written cache entry
     return path
-
-
-@torch.no_grad()
-def greedy_accuracy(model_dir: str, problems: List[Dict[str, str]], max_new_tokens: int = 6) -> float:
-    """Exact-match accuracy of greedy decoding (the CPU engine's model, in process)."""
-    from ..data.tasks import addition_reward, decode, encode
-    from ..rollout.model import load_decoder
-
-    model = load_decoder(model_dir)
-    kv = model.new_kv_cache(len(problems) * (16 + max_new_tokens))
-    prompts = [encode(p["prompt"]) for p in problems]
-    starts = [i * (16 + max_new_tokens) for i in range(len(prompts))]
-    outs = [[] for _ in prompts]
-    logits = model.forward(prompts, starts, [0] * len(prompts), kv)
-    cached = [len(p) for p in prompts]
-    for _ in range(max_new_tokens):
-        tokens = logits.argmax(-1).tolist()
-        for o, t in zip(outs, tokens):
-            o.append(t)
-        logits = model.forward([[t] for t in tokens], starts, cached, kv)
-        cached = [c + 1 for c in cached]
-    return sum(addition_reward(decode(o), p["answer"]) for o, p in zip(outs, problems)) / len(problems)
