@@ -127,3 +127,40 @@ def test_extra_tensors_and_foreign_checkpoints_are_refused(tmp_path):
 
     out = _tool("mcore-to-hf", "--ckpt", str(tmp_path), "--out", str(tmp_path / "x"))
     assert out.returncode == 2 and "laminar_checkpoint.json" in out.stderr
+
+
+@pytest.mark.multiprocess
+def test_mcore_to_hf_holds_one_unit_and_one_shard_not_the_model(tmp_path):
+    cfg = tiny_hf_config("qwen2", hidden_size=384, intermediate_size=1536, num_hidden_layers=16,
+                         num_attention_heads=6, num_key_value_heads=2, vocab_size=1024)
+    state = initial_hf_state(type("M", (), {"path": None})(), cfg, 0)
+    model_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    save_hf_checkpoint(tmp_path / "hf", cfg, state, max_shard_bytes=10**9)
+    out = _tool("hf-to-mcore", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "mcore"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    back = _tool("mcore-to-hf", "--ckpt", str(tmp_path / "mcore"), "--out", str(tmp_path / "back"),
+                 "--max-shard-gb", "0.01")
+    assert back.returncode == 0, back.stderr[-3000:]
+    held_gb = float(back.stdout.split("peak memory ")[1].split(" GB")[0])
+    assert held_gb * 1e9 < 0.4 * model_bytes, (held_gb, model_bytes)  # a 0.14 GB model, 9 MB layers
+    index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 5
+    restored = load_hf_state_dict(tmp_path / "back")
+    assert set(restored) == set(state)
+    assert all(torch.equal(state[k], restored[k]) for k in state)
+
+
+def test_mcore_to_hf_refuses_a_checkpoint_of_another_model(tmp_path):
+    cfg, hf = _hf(tmp_path, "qwen2")
+    out = _tool("hf-to-mcore", "--hf", hf, "--out", str(tmp_path / "mcore"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    meta = tmp_path / "mcore" / "hf_meta" / "config.json"
+    original = json.loads(meta.read_text())
+    fewer = {k: v for k, v in original.items() if k != "layer_types"}
+    meta.write_text(json.dumps(dict(fewer, num_hidden_layers=2)))
+    out = _tool("mcore-to-hf", "--ckpt", str(tmp_path / "mcore"), "--out", str(tmp_path / "x"))
+    assert out.returncode == 2 and "holds 4 layers, the config says 2" in out.stderr
+    meta.write_text(json.dumps(dict(original, intermediate_size=original["intermediate_size"] * 2)))
+    out = _tool("mcore-to-hf", "--ckpt", str(tmp_path / "mcore"), "--out", str(tmp_path / "x"))
+    assert out.returncode == 2 and "a checkpoint of another model" in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "x" / "model.safetensors.index.json").exists()

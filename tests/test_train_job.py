@@ -3,12 +3,15 @@ processes; a few steps in laminar and sync modes; books balance; outputs are wri
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("mode", ["laminar", "sync"])
@@ -57,3 +60,46 @@ def test_train_job_resumes_with_its_data_module(tmp_path):
     assert second["steps"] == 4 and second["final_version"] == 4
     assert second["trajectories_consumed"] == 4 * 4 * 8  # two steps before the restart, two after
     assert second["books_balance"]
+
+
+def test_sync_run_resumed_at_step_k_matches_the_uninterrupted_run(tmp_path):
+    """mode=sync, fixed seed: losses of the steps after a resume equal the uninterrupted run's."""
+    metrics = tmp_path / "out" / "exact" / "metrics.jsonl"
+
+    def run(*extra):
+        out = subprocess.run(
+            [sys.executable, "-m", "laminar_mcore.launch", "mode=sync", "output_dir=out",
+             "run_name=exact", "trainer.train_batch_prompts=4", "data.num_eval=8",
+             "trainer.save_interval=2", "trainer.total_steps=4", *extra],
+            cwd=tmp_path, capture_output=True, text=True, timeout=600,
+            env=dict(os.environ, PYTHONWARNINGS="ignore"))
+        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+        return out
+
+    def train_records(lines):
+        return {r["step"]: r for r in map(json.loads, lines) if r["kind"] == "train"}
+
+    run()
+    first_lines = metrics.read_text().splitlines()
+    uninterrupted = train_records(first_lines)
+    ckpts = tmp_path / "out" / "exact" / "checkpoints"
+    shutil.rmtree(ckpts / "step_00000004")  # as if the run had died after step 3
+    out = run("trainer.resume=auto")
+    assert "step_00000002" in out.stdout
+    resumed = train_records(metrics.read_text().splitlines()[len(first_lines):])
+    assert sorted(resumed) == [3, 4]
+    for step in (3, 4):
+        assert resumed[step]["reward_mean"] == uninterrupted[step]["reward_mean"]
+        assert resumed[step]["n_tokens"] == uninterrupted[step]["n_tokens"]  # the same samples
+        for key in ("loss", "grad_norm", "entropy"):
+            assert abs(resumed[step][key] - uninterrupted[step][key]) <= 1e-5, (
+                step, key, resumed[step][key], uninterrupted[step][key])
+    assert all(uninterrupted[s]["grad_norm"] > 0 for s in (3, 4))  # a learning signal to compare
+
+    # A training checkpoint converts to Hugging Face as it is (the layout it was saved at).
+    back = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"),
+                           "mcore-to-hf", "--ckpt", str(ckpts / "step_00000004"),
+                           "--out", str(tmp_path / "hf")], capture_output=True, text=True,
+                          timeout=300)
+    assert back.returncode == 0, back.stderr[-3000:]
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()

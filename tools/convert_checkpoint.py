@@ -22,9 +22,34 @@ import subprocess
 import sys
 import time
 
-META_FILE = "laminar_checkpoint.json"
+META_FILE = "laminar_checkpoint.json"  # laminar_mcore.trainer.checkpoint.MODEL_META
 HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
             "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja")
+
+
+def _status_bytes(field: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _reset_peak_rss() -> int:
+    """Reset the resident high-water mark (Linux) and return the current resident set."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return _status_bytes("VmRSS")
+
+
+def _peak_rss() -> int:
+    return _status_bytes("VmHWM")
 
 
 def fail(message: str) -> None:
@@ -76,6 +101,7 @@ def hf_to_mcore(args) -> None:
     from megatron.core import dist_checkpointing
 
     from laminar_mcore.parallel import destroy_trainer_parallel, init_trainer_parallel
+    from laminar_mcore.trainer.checkpoint import write_model_meta
     from laminar_mcore.trainer.model import build_gpt_model, load_hf_checkpoint
 
     start = time.perf_counter()
@@ -94,16 +120,8 @@ def hf_to_mcore(args) -> None:
     total = torch.tensor([float(nbytes)])
     dist.all_reduce(total)
     if rank == 0:
-        meta_dir = os.path.join(args.out, "hf_meta")
-        os.makedirs(meta_dir, exist_ok=True)
-        hf_config.save_pretrained(meta_dir)
-        for name in HF_FILES:
-            if os.path.isfile(os.path.join(args.hf, name)):
-                shutil.copy(os.path.join(args.hf, name), meta_dir)
-        with open(os.path.join(args.out, META_FILE), "w") as f:
-            json.dump({"format": "laminar-mcore/torch_dist", "model_type": hf_config.model_type,
-                       "tp": args.tp, "pp": args.pp, "dtype": args.dtype,
-                       "source": os.path.abspath(args.hf)}, f, indent=2)
+        write_model_meta(args.out, hf_config, tp=args.tp, pp=args.pp, dtype=args.dtype,
+                         source=os.path.abspath(args.hf), hf_files_from=args.hf)
         seconds = time.perf_counter() - start
         print(f"converted {args.hf} -> {args.out} (tp={args.tp}, pp={args.pp}): "
               f"{total.item() / 1e9:.4g} GB read in {seconds:.1f}s "
@@ -135,25 +153,16 @@ def mcore_to_hf(args) -> None:
                      f"({origin.model_type} vs {hf_config.model_type} or different sizes)")
     except AdapterError as exc:
         fail(str(exc))
+    except (ValueError, OSError) as exc:  # transformers' own config validation
+        fail(f"cannot read the model config of {args.ckpt} (hf_meta/config.json): {exc}")
 
-    import torch
-    from megatron.core import dist_checkpointing
     from safetensors.torch import save_file
 
-    from laminar_mcore.parallel import destroy_trainer_parallel, init_trainer_parallel
-    from laminar_mcore.trainer.model import build_gpt_model
-    from laminar_mcore.weights.export import iter_stage_hf_tensors
+    from laminar_mcore.trainer.checkpoint import CheckpointMismatch, iter_checkpoint_hf_tensors
 
     start = time.perf_counter()
-    init_trainer_parallel(tp=1, pp=1, seed=0)
-    dtype = torch.float32 if meta.get("dtype", "fp32") == "fp32" else torch.bfloat16
-    model = build_gpt_model(hf_config, dtype=dtype)
-    try:
-        state = dist_checkpointing.load(model.sharded_state_dict(), os.path.join(args.ckpt, "model"))
-        model.load_state_dict(state)
-    except Exception as exc:  # noqa: BLE001 - dist_checkpointing raises many kinds
-        fail(f"cannot load {args.ckpt} into a {hf_config.model_type} model of its config "
-             f"(truncated, or a checkpoint of another model?): {exc}")
+    expected = _expected_hf_shapes(hf_config)
+    base_rss = _reset_peak_rss()
     os.makedirs(args.out, exist_ok=True)
     max_bytes = int(args.max_shard_gb * 1e9)
     shards, current, size, total, index = [], {}, 0, 0, {}
@@ -167,14 +176,30 @@ def mcore_to_hf(args) -> None:
             index.update({k: name for k in current})
             current, size = {}, 0
 
-    for name, tensor in iter_stage_hf_tensors(model, hf_config):
-        nbytes = tensor.numel() * tensor.element_size()
-        if current and size + nbytes > max_bytes:
-            flush()
-        current[name] = tensor.detach().contiguous().clone()
-        size += nbytes
-        total += nbytes
+    try:
+        for name, tensor in iter_checkpoint_hf_tensors(os.path.join(args.ckpt, "model"), hf_config):
+            want = expected.pop(name, None)
+            if want is None:
+                fail(f"the checkpoint produces {name!r}, which a {hf_config.model_type} model of its "
+                     "config does not have (or produces it twice)")
+            if tuple(tensor.shape) != want:
+                fail(f"{name}: the checkpoint holds shape {tuple(tensor.shape)}, the config predicts "
+                     f"{want}; a checkpoint of another model?")
+            nbytes = tensor.numel() * tensor.element_size()
+            if current and size + nbytes > max_bytes:
+                flush()
+            current[name] = tensor.detach().contiguous().clone()
+            size += nbytes
+            total += nbytes
+    except CheckpointMismatch as exc:
+        fail(f"cannot convert {args.ckpt}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - dist_checkpointing raises many kinds
+        fail(f"cannot read {args.ckpt} as a {hf_config.model_type} checkpoint of its config "
+             f"(truncated, or a checkpoint of another model?): {exc}")
     flush()
+    if expected:
+        fail(f"the checkpoint lacks {sorted(expected)[:5]} ({len(expected)} tensors): it would be "
+             "an incomplete model")
     # Rename shards to the standard -of- pattern now that the count is known.
     final = {}
     for i, name in enumerate(shards):
@@ -190,10 +215,22 @@ def mcore_to_hf(args) -> None:
         if os.path.isfile(os.path.join(source, name)):
             shutil.copy(os.path.join(source, name), args.out)
     seconds = time.perf_counter() - start
+    held = max(_peak_rss() - base_rss, 0)
     print(f"converted {args.ckpt} (saved at tp={meta.get('tp')}, pp={meta.get('pp')}) -> {args.out}: "
           f"{len(weight_map)} tensors, {total / 1e9:.4g} GB in {seconds:.1f}s "
-          f"({total / 1e9 / seconds:.3g} GB/s)", flush=True)
-    destroy_trainer_parallel()
+          f"({total / 1e9 / seconds:.3g} GB/s); peak memory {held / 1e9:.3g} GB above the start "
+          f"(one unit and one shard of at most {args.max_shard_gb:g} GB, never the model)", flush=True)
+
+
+def _expected_hf_shapes(hf_config) -> dict:
+    """Name -> shape of every tensor a Hugging Face checkpoint of ``hf_config`` stores (tied
+    weights once), from a model built on the meta device (no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
 def main(argv=None) -> None:

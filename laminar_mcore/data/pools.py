@@ -102,6 +102,7 @@ class PartialResponse:
     row_index: int = -1
     ignore_eos: bool = False  # a forced length (benchmarks replaying a length distribution)
     versions_seen: List[str] = field(default_factory=list)  # engine weight versions it saw
+    sampling_seed: Optional[int] = None  # per-trajectory sampling seed (None: the engine's)
 
 
 class PartialResponsePool:

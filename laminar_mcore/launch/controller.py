@@ -71,6 +71,7 @@ class Controller:
         self._eta = eta if mode != "laminar" else max_staleness
         self._barrier = barrier
         self._length_fn = length_fn
+        self._seed = seed
         self._initial_state = initial_state
         self.manager: Optional[RolloutManager] = None
         self.loop: Optional[asyncio.AbstractEventLoop] = None
@@ -118,7 +119,8 @@ class Controller:
             encode_prompt=self._codec.encode_prompt, decode=self._codec.decode,
             sampling=self._sampling, trainer_version=lambda: self.trainer_version,
             batch_trajectories=self.batch_prompts * self.n_samples,
-            max_staleness=self._eta, barrier=self._barrier, length_fn=self._length_fn)
+            max_staleness=self._eta, barrier=self._barrier, length_fn=self._length_fn,
+            seed=self._seed)
         if self._initial_state:
             self.load_state_dict(self._initial_state)
         app = web.Application()

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import time
 import uuid
+import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
@@ -64,9 +65,13 @@ class RolloutManager:
                  trainer_version: Callable[[], int], batch_trajectories: int,
                  max_staleness: Optional[int] = None, barrier: bool = False,
                  poll_s: float = 0.05, on_trajectory: Optional[Callable[[Trajectory], None]] = None,
-                 length_fn: Optional[Callable[[str, int], Optional[int]]] = None):
+                 length_fn: Optional[Callable[[str, int], Optional[int]]] = None,
+                 seed: Optional[int] = None):
         """``length_fn(group_id, k)`` may force a trajectory's response length (benchmarks
-        replaying a length distribution; EOS is then ignored)."""
+        replaying a length distribution; EOS is then ignored). With ``seed``, trajectory k of a
+        group samples with its own ``sampling_seed`` derived from (seed, group id, k), so what
+        a trajectory generates does not depend on which engine ran it or what ran beside it
+        (a resumed run regenerates the same samples)."""
         self.engines = engines
         self.prompts, self.partial, self.buffer = prompts, partial, buffer
         self.score, self.encode_prompt, self.decode = score, encode_prompt, decode
@@ -78,6 +83,7 @@ class RolloutManager:
         self.poll_s = poll_s
         self.on_trajectory = on_trajectory
         self.length_fn = length_fn
+        self.seed = seed
         self.stats = ManagerStats()
         self.started = time.time()
         self.accepted = 0  # trajectories admitted so far (AReaL's N_r)
@@ -189,14 +195,23 @@ class RolloutManager:
                                    group_id=group.group_id, prompt_ids=prompt_ids,
                                    engine=engine.name, weight_version=engine.version,
                                    max_new_tokens=int(forced or self.sampling.get("max_new_tokens", 64)),
-                                   row_index=group.index, ignore_eos=bool(forced))
+                                   row_index=group.index, ignore_eos=bool(forced),
+                                   sampling_seed=self._sampling_seed(group.group_id, k))
             self.partial.start(item)
             engine.in_flight[item.rid] = item
             self._tasks.append(asyncio.create_task(self._generate(engine, item, group.row)))
 
+    def _sampling_seed(self, group_id: str, k: int) -> Optional[int]:
+        if self.seed is None:
+            return None
+        return zlib.crc32(f"{self.seed}/{group_id}/{k}".encode()) & 0x7FFFFFFF
+
     async def _generate(self, engine: EngineHandle, item: PartialResponse, row: dict) -> None:
         start = time.time()
         params = dict(self.sampling)
+        if item.sampling_seed is not None:
+            # a resumed trajectory continues with a fresh stream (offset by what it holds)
+            params["sampling_seed"] = (item.sampling_seed + len(item.output_ids)) & 0x7FFFFFFF
         params["max_new_tokens"] = item.max_new_tokens - len(item.output_ids)
         if item.ignore_eos:
             params["ignore_eos"] = True

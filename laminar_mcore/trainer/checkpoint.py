@@ -98,6 +98,11 @@ def save_checkpoint(root: str, step: int, actor, extra_state: Optional[dict] = N
     if rank == 0 and extra_state is not None:
         with open(os.path.join(partial, "extra_state.json"), "w") as f:
             json.dump(extra_state, f)
+    if rank == 0:  # so that tools/convert_checkpoint.py mcore-to-hf takes it as it is
+        layout = _layout()
+        dtype = next(model.parameters()).dtype
+        write_model_meta(partial, actor.hf_config, tp=layout["tp"], pp=layout["pp"],
+                         dtype="fp32" if dtype == torch.float32 else "bf16", source="trainer")
     dist.barrier()
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -142,3 +147,124 @@ def load_checkpoint(path: str, actor) -> Tuple[int, Optional[dict]]:
         with open(extra_path) as f:
             extra = json.load(f)
     return int(marker["step"]), extra
+
+
+# ---------------------------------------------------------------------- streaming export
+MODEL_META = "laminar_checkpoint.json"
+
+
+def write_model_meta(ckpt_dir: str, hf_config, *, tp: int, pp: int, dtype: str, source: str,
+                     hf_files_from: Optional[str] = None) -> None:
+    """What ``tools/convert_checkpoint.py mcore-to-hf`` needs beside ``model/``: the Hugging Face
+    config (and tokenizer files when ``hf_files_from`` has them) under ``hf_meta/`` and a
+    ``laminar_checkpoint.json`` that names the format and the layout it was saved at."""
+    meta_dir = os.path.join(ckpt_dir, "hf_meta")
+    os.makedirs(meta_dir, exist_ok=True)
+    hf_config.save_pretrained(meta_dir)
+    if hf_files_from and os.path.isdir(hf_files_from):
+        for name in HF_SIDE_FILES:
+            if os.path.isfile(os.path.join(hf_files_from, name)):
+                shutil.copy(os.path.join(hf_files_from, name), meta_dir)
+    with open(os.path.join(ckpt_dir, MODEL_META), "w") as f:
+        json.dump({"format": "laminar-mcore/torch_dist", "model_type": hf_config.model_type,
+                   "tp": tp, "pp": pp, "dtype": dtype, "source": source}, f, indent=2)
+
+
+HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                 "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja")
+
+
+class CheckpointMismatch(ValueError):
+    """A dist_checkpointing directory that does not hold the model its config describes."""
+
+
+def _slice_planner(chunks: dict):
+    """A DCP load planner that reads, for each key, only the region ``chunks[key]`` of the saved
+    tensor into a buffer of that region's shape (DCP resharding, applied to a slice)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    class SlicePlanner(DefaultLoadPlanner):
+        def __init__(self):
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+        def create_local_plan(self) -> LoadPlan:
+            items = []
+            for key in self.state_dict:
+                items += create_read_items_for_chunk_list(
+                    key, self.metadata.state_dict_metadata[key], [chunks[key]])
+            return LoadPlan(items)
+
+        def lookup_tensor(self, index):  # offsets are relative to the requested region
+            return self.state_dict[index.fqn]
+
+    return SlicePlanner()
+
+
+def iter_checkpoint_hf_tensors(model_dir: str, hf_config):
+    """(Hugging Face name, tensor) of a torch_dist model checkpoint, one conversion unit at a time.
+
+    Whatever TP/PP it was saved at, each unit (the embedding, one layer, the final norm, the
+    output layer) is read on its own -- a layer is one slice of Megatron's layer-stacked tensors
+    -- so memory holds one unit, never the model. Runs in one process without a process group.
+    A missing tensor or a shape the config does not predict raises CheckpointMismatch naming it.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    from ..models import get_adapter
+
+    adapter = get_adapter(hf_config)
+    layers = adapter.shape(hf_config).layers
+    reader = dcp.FileSystemReader(model_dir)
+    try:
+        stored = reader.read_metadata().state_dict_metadata
+    except Exception as exc:  # noqa: BLE001 - missing/truncated metadata
+        raise CheckpointMismatch(f"{model_dir} is not a readable torch_dist checkpoint "
+                                 f"(missing or truncated .metadata): {exc}") from exc
+    for unit, names in adapter.export_units(hf_config):
+        buffers, chunks, keys = {}, {}, {}
+        for name in names:
+            index, suffix = _split_layer(name)
+            key = name
+            if index is not None:  # Megatron saves the norms under their fused (TE) names
+                key = f"decoder.layers.{_CKPT_KEYS.get(suffix, suffix)}"
+                if key not in stored:
+                    key = f"decoder.layers.{suffix}"
+            meta = stored.get(key)
+            if meta is None or not hasattr(meta, "size"):
+                raise CheckpointMismatch(f"{model_dir} has no tensor {key!r} (needed for {name}); "
+                                         "a checkpoint of another model or architecture?")
+            size = tuple(meta.size)
+            if index is not None:
+                if not size or size[0] != layers:
+                    raise CheckpointMismatch(f"{key} holds {size[0] if size else 0} layers, the "
+                                             f"config says {layers}: a checkpoint of another model")
+                offsets, sizes = (index,) + (0,) * (len(size) - 1), (1,) + size[1:]
+            else:
+                offsets, sizes = (0,) * len(size), size
+            buffers[key] = torch.empty(sizes, dtype=meta.properties.dtype)
+            chunks[key] = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+            keys[name] = key
+        dcp.load(buffers, storage_reader=reader, planner=_slice_planner(chunks), no_dist=True)
+        full = {name: buffers[key][0] if _split_layer(name)[0] is not None else buffers[key]
+                for name, key in keys.items()}
+        try:
+            pairs = adapter.convert_unit_to_hf(hf_config, unit, full)
+        except (RuntimeError, ValueError) as exc:
+            raise CheckpointMismatch(f"{unit}: the checkpoint's tensors do not fit the config "
+                                     f"({exc}); a checkpoint of another model?") from exc
+        for hf_name, tensor in pairs:
+            yield hf_name, tensor
+        del buffers, full, pairs
+
+
+def _split_layer(name: str):
+    from ..models.base import split_layer_name
+
+    return split_layer_name(name)
+
+
+_CKPT_KEYS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+              "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
