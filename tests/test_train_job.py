@@ -103,3 +103,58 @@ def test_sync_run_resumed_at_step_k_matches_the_uninterrupted_run(tmp_path):
                           timeout=300)
     assert back.returncode == 0, back.stderr[-3000:]
     assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+
+
+def _shm_names():
+    return {n for n in os.listdir("/dev/shm") if n.startswith("laminar")} if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.mark.parametrize("how", ["ctrl_c", "trainer_dies"])
+def test_an_interrupt_or_a_dead_role_stops_every_process(tmp_path, how):
+    """Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it) or a trainer
+    process killed mid-run: the launcher exits non-zero and leaves no process and no shared
+    memory behind."""
+    import signal
+    import time
+
+    import psutil
+
+    shm_before = _shm_names()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "laminar_mcore.launch", "output_dir=out", "run_name=stop",
+         "trainer.total_steps=1000", "trainer.train_batch_prompts=2", "data.num_eval=4",
+         "data.warmup_steps=20", "rollout.num_engines=2"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    metrics = tmp_path / "out" / "stop" / "metrics.jsonl"
+    seen = set()
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            seen |= {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+            if metrics.exists() and '"train"' in metrics.read_text():
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        children = psutil.Process(proc.pid).children(recursive=True)
+        seen |= {p.pid for p in children}
+        assert len(seen) >= 4  # relay, two engines, a trainer process (and more)
+        if how == "ctrl_c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            # the trainer: the launcher's biggest spawned child (reward workers are small)
+            spawned = [p for p in psutil.Process(proc.pid).children()
+                       if "spawn_main" in " ".join(p.cmdline())]
+            assert spawned, [p.cmdline() for p in children]
+            max(spawned, key=lambda p: p.memory_info().rss).kill()
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0, output[-3000:]
+    time.sleep(1.0)
+    alive = [pid for pid in seen if psutil.pid_exists(pid)
+             and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, (alive, output[-3000:])
+    assert _shm_names() <= shm_before, _shm_names() - shm_before
