@@ -1,13 +1,15 @@
 """The three modes side by side: trainer-consumed tokens/s and idle fractions, one run.
 
-    python -m laminar_mcore.bench.modes [--steps 6] [--json PATH]
+    python -m laminar_mcore.bench.modes [--steps 20] [--json PATH]
 
 Same model (the demo's warm-up checkpoint), same prompts, same machine, and the same
 long-tailed response lengths in every mode (replayed deterministically per trajectory: most
 are short, a few are 20x longer, p99 > 10x p50 as in Laminar's traces). ``sync`` generates a
 batch, trains, then syncs every engine; ``one_step`` overlaps one batch of generation with
 training behind a global barrier; ``laminar`` lets each engine pull new weights between
-trajectories and the trainer consume groups as soon as they are complete.
+trajectories and the trainer consume groups as soon as they are complete. Throughput and idle
+fractions are the steady state's: from the end of the first training step (process start-up and
+the first model build excluded, in every mode) to the end of the last.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import tempfile
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch-prompts", type=int, default=4)
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--short", type=int, default=8)

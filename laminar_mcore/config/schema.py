@@ -122,7 +122,9 @@ class ClusterConfig:
     trainer: NodeGroupConfig = field(default_factory=NodeGroupConfig)
     rollout_nodes: int = 1
     controller_addr: str = MISSING  # local_cpu sets 127.0.0.1; multi-node runs must set it
-    controller_port: int = 0
+    controller_port: int = 0  # job=controller listens here; 0: pick one (single machine only)
+    join_timeout_s: float = 600.0  # how long roles wait for each other to start
+    shutdown_grace_s: float = 60.0  # a rollout node stops this long after its controller went
     # CPU threads per process on a shared machine; 0: leave torch's default.
     threads_per_process: int = 1
 

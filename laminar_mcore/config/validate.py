@@ -19,7 +19,7 @@ class ConfigError(ValueError):
 
 _CHOICES = {
     "mode": ("laminar", "one_step", "sync"),
-    "job": ("smoke", "train"),
+    "job": ("smoke", "train", "controller", "rollout", "trainer"),
     "model.dtype": ("auto", "fp32", "bf16", "fp16"),
     "rollout.backend": ("cpu", "sglang"),
     "algo.cap_mode": ("mask", "clamp"),

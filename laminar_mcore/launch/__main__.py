@@ -29,10 +29,20 @@ def main(cfg: DictConfig) -> None:
         from .smoke import run_smoke
 
         run_smoke(cfg)
-    else:
+    elif cfg.job == "train":
         from .train import run_train
 
         run_train(cfg)
+    else:  # the multi-node roles, each its own process
+        from . import cluster
+
+        role = {"controller": cluster.run_controller, "rollout": cluster.run_rollout,
+                "trainer": cluster.run_trainer}[cfg.job]
+        try:
+            role(cfg)
+        except cluster.ClusterError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(2)
 
 
 def cli() -> None:

@@ -46,7 +46,11 @@ class Controller:
                  rows: List[dict], codec: TaskCodec, reward_fn: str, reward_workers: int,
                  n_samples: int, batch_prompts: int, sampling: dict, capacity: int,
                  max_staleness: Optional[int], metrics, seed: int = 0, host: str = "127.0.0.1",
-                 length_fn=None, initial_state: Optional[dict] = None):
+                 port: int = 0, length_fn=None, initial_state: Optional[dict] = None,
+                 info: Optional[dict] = None):
+        """``engine_urls`` may be empty and ``relay_url`` None: on a cluster, rollout nodes
+        register their relay and engines with ``POST /register`` (see launch/cluster.py);
+        ``info`` (model path, trainer stages) is what ``GET /cluster`` tells the other roles."""
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not one of {', '.join(MODES)}")
         barrier, eta = MODES[mode]
@@ -55,13 +59,24 @@ class Controller:
         self.metrics = metrics
         self.batch_prompts = batch_prompts
         self.n_samples = n_samples
-        self.host = host
+        self.host, self.port = host, port
+        # cluster bookkeeping (multi-node roles find each other here)
+        self.info = dict(info or {})
+        self.ready = False  # set by the launcher when training may start
+        self.finished = False  # set by the launcher when the run's summary is written
+        self.master_relay: Optional[dict] = None
+        self.rollout_nodes: List[dict] = []
+        self._master_claimed = False
+        self.trainer_done: Optional[dict] = None
+        self.trainer_done_event = threading.Event()
         self.trainer_version = 0
         self.trainer_wait_s = 0.0  # time trainer rank 0 spent waiting for batches
         self.first_request: Optional[float] = None
         self.consumed: List[dict] = []
         self.max_staleness_observed = 0
         self.last_step_time = time.time()
+        self.step_marks: List[tuple] = []  # (time of /trained, tokens of the step, trainer wait s)
+        self._idle_mark: Optional[tuple] = None  # (time, engine idle seconds) at the first step
         self.buffer = ExperienceBuffer(group_size=n_samples)
         self.partial = PartialResponsePool()
         self.prompts = PromptPool(rows, n_samples=n_samples, seed=seed)
@@ -98,6 +113,18 @@ class Controller:
             self._thread.join(timeout=60)
         self.reward.close()
 
+    def stop_generation(self, timeout_s: float = 60.0) -> None:
+        """Stop dispatching and generating (in-flight requests are cancelled) but keep serving
+        the API, so that rollout nodes still learn when the run is done."""
+        if self.loop is None or self._stopped.is_set():
+            return
+
+        async def stop_manager():
+            self.manager.stop()
+            await self._manager_task
+
+        asyncio.run_coroutine_threadsafe(stop_manager(), self.loop).result(timeout_s)
+
     def _run(self) -> None:
         try:
             asyncio.run(self._main())
@@ -111,8 +138,7 @@ class Controller:
     async def _main(self) -> None:
         self.loop = asyncio.get_running_loop()
         self._shutdown_event = asyncio.Event()
-        handles = [EngineHandle(f"engine{i}", SGLangClient(url, retries=0, timeout_s=10),
-                                RelayClient(self._relay_url, self.token), capacity=self._capacity)
+        handles = [self._handle(f"engine{i}", url, self._relay_url)
                    for i, url in enumerate(self._engine_urls)]
         self.manager = RolloutManager(
             handles, self.prompts, self.partial, self.buffer, score=self.reward.score,
@@ -127,22 +153,101 @@ class Controller:
         app.router.add_get("/batch", self._batch)
         app.router.add_post("/trained", self._trained)
         app.router.add_get("/state", self._state)
-        app.router.add_get("/health", lambda r: web.json_response({"ok": True}))
+        app.router.add_get("/health", lambda r: web.json_response({"ok": True,
+                                                                   "done": self.finished}))
+        app.router.add_post("/relay_role", self._relay_role)
+        app.router.add_post("/register", self._register)
+        app.router.add_get("/cluster", self._cluster)
+        app.router.add_post("/done", self._done)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, self.host, 0)
+        site = web.TCPSite(runner, self.host, self.port)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
         self.url = f"http://{self.host}:{port}"
-        manager_task = asyncio.create_task(self.manager.run())
+        self._manager_task = asyncio.create_task(self.manager.run())
         self._ready.set()
         await self._shutdown_event.wait()
         self.manager.stop()
-        await manager_task
-        for h in handles:
+        await self._manager_task
+        for h in self.manager.engines:
             await h.client.close()
             await h.relay.close()
         await runner.cleanup()
+
+    def _handle(self, name: str, url: str, relay_url: str) -> EngineHandle:
+        return EngineHandle(name, SGLangClient(url, retries=0, timeout_s=10),
+                            RelayClient(relay_url, self.token), capacity=self._capacity)
+
+    # ------------------------------------------------------------------ cluster API
+    async def _json_body(self, request: web.Request) -> Optional[dict]:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None
+        return body if isinstance(body, dict) else None
+
+    async def _relay_role(self, request: web.Request):
+        """The first rollout node to ask hosts the master relay (trainers publish to it);
+        the others chain from it once it has registered."""
+        if not self._authorized(request):
+            return web.json_response({"error": "missing or wrong run token"}, status=401)
+        if not self._master_claimed:
+            self._master_claimed = True
+            return web.json_response({"master": True, **self.info})
+        deadline = time.time() + float(request.query.get("timeout", "600"))
+        while self.master_relay is None and time.time() < deadline:
+            await asyncio.sleep(0.2)
+        if self.master_relay is None:
+            return web.json_response({"error": "the master relay has not registered"}, status=503)
+        return web.json_response({"master": False, "master_url": self.master_relay["url"],
+                                  **self.info})
+
+    async def _register(self, request: web.Request):
+        if not self._authorized(request):
+            return web.json_response({"error": "missing or wrong run token"}, status=401)
+        body = await self._json_body(request)
+        if (body is None or not isinstance(body.get("relay_url"), str)
+                or not isinstance(body.get("engines"), list)
+                or not all(isinstance(u, str) for u in body["engines"])):
+            return web.json_response({"error": "expected {relay_url: str, engines: [str], "
+                                               "publish?: {host, port}}"}, status=400)
+        publish = body.get("publish")
+        if publish is not None:
+            if self.master_relay is not None:
+                return web.json_response({"error": "a master relay is already registered"},
+                                         status=409)
+            self.master_relay = {"url": body["relay_url"], "publish_host": str(publish["host"]),
+                                 "publish_port": int(publish["port"])}
+        node = len(self.rollout_nodes)
+        names = []
+        for i, url in enumerate(body["engines"]):
+            handle = self._handle(f"node{node}-engine{i}", url, body["relay_url"])
+            self.manager.add_engine(handle)
+            names.append(handle.name)
+        self.rollout_nodes.append({"relay_url": body["relay_url"], "engines": body["engines"]})
+        logger.info("rollout node %d registered: relay %s, engines %s", node, body["relay_url"],
+                    body["engines"])
+        return web.json_response({"ok": True, "node": node, "engines": names})
+
+    async def _cluster(self, request: web.Request):
+        if not self._authorized(request):
+            return web.json_response({"error": "missing or wrong run token"}, status=401)
+        ready = self.ready and self.master_relay is not None
+        return web.json_response({"ready": ready, "master_relay": self.master_relay,
+                                  "rollout_nodes": len(self.rollout_nodes), "done": self.finished,
+                                  **self.info})
+
+    async def _done(self, request: web.Request):
+        """Trainer rank 0: training finished (``{"steps", "version"}``)."""
+        if not self._authorized(request):
+            return web.json_response({"error": "missing or wrong run token"}, status=401)
+        body = await self._json_body(request)
+        if body is None or "version" not in body:
+            return web.json_response({"error": "expected {steps, version}"}, status=400)
+        self.trainer_done = body
+        self.trainer_done_event.set()
+        return web.json_response({"ok": True})
 
     # ------------------------------------------------------------------ trainer API
     def _authorized(self, request) -> bool:
@@ -179,6 +284,9 @@ class Controller:
         elapsed, self.last_step_time = now - self.last_step_time, now
         batch = self.consumed[-self.batch_prompts * self.n_samples:]
         tokens = sum(c["tokens"] for c in batch)
+        self.step_marks.append((now, tokens, float(body.get("wait_s", 0.0))))
+        if len(self.step_marks) == 1:
+            self._idle_mark = (now, self.manager.engine_idle_seconds())
         stats = {k: v for k, v in dict(body.get("stats", {})).items()
                  if isinstance(v, (int, float)) and k not in ("version", "step")}
         self.metrics.log(
@@ -220,13 +328,22 @@ class Controller:
             self.buffer.drop_group(item["group_id"], "restart_group")
 
     def utilisation(self) -> dict:
-        """Trainer-consumed tokens/s and idle fractions since the trainer's first request."""
-        span = max(time.time() - (self.first_request or time.time()), 1e-9)
-        tokens = sum(c["tokens"] for c in self.consumed)
+        """Trainer-consumed tokens/s and idle fractions in the steady state: from the end of the
+        first step (start-up, model build and the first batch excluded in every mode) to the
+        end of the last; over the whole run when there is a single step."""
+        if len(self.step_marks) >= 2:
+            span = max(self.step_marks[-1][0] - self.step_marks[0][0], 1e-9)
+            tokens = sum(t for _, t, _ in self.step_marks[1:])
+            wait = sum(w for _, _, w in self.step_marks[1:])
+        else:
+            span = max(time.time() - (self.first_request or time.time()), 1e-9)
+            tokens = sum(c["tokens"] for c in self.consumed)
+            wait = self.trainer_wait_s
         return {"trainer_tokens_per_s": tokens / span,
-                "trainer_idle_fraction": min(self.trainer_wait_s / span, 1.0),
-                "engine_idle_fraction": self.manager.engine_idle_fraction() if self.manager else 0.0,
-                "consumed_tokens": tokens, "span_s": span}
+                "trainer_idle_fraction": min(wait / span, 1.0),
+                "engine_idle_fraction": (self.manager.engine_idle_fraction(self._idle_mark)
+                                         if self.manager else 0.0),
+                "consumed_tokens": sum(c["tokens"] for c in self.consumed), "span_s": span}
 
     def books(self) -> dict:
         s = self.manager.stats if self.manager else None
@@ -237,4 +354,6 @@ class Controller:
                 "discarded_reasons": dict(self.buffer.discarded),
                 "max_staleness_observed": self.max_staleness_observed,
                 "engine_pulls": s.pulls if s else 0, "resumed": s.resumed if s else 0,
+                "engine_versions": ({e.name: e.version for e in self.manager.engines}
+                                    if self.manager else {}),
                 "unhealthy_engines": list(s.unhealthy) if s else []}

@@ -94,14 +94,66 @@ def length_fn_from_config(rollout_cfg):
     return length
 
 
-def run_train(cfg) -> dict:
+def start_rollout_node(cfg, model_path: str, token: str, logs: str, procs: list, *,
+                       master_url: Optional[str] = None, relay_id: str = "master"):
+    """This machine's rollout tier: a relay (the master, which trainers publish to, unless
+    ``master_url`` names one to chain from) and ``rollout.num_engines`` engines, bound to
+    ``rollout.host``. Started processes are appended to ``procs`` as they start (the caller
+    stops them). Returns (relay, engines, publish port or None)."""
     from ..relay.launch import relay_command
-    from ..relay.client import RelayClient, pull_latest_into_engine
-    from ..rollout.client import SGLangClient
     from ..rollout.launcher import EngineProcess, engine_command_from_config, free_port
-    from ..metrics import MetricsWriter
+
+    host = cfg.rollout.host
+    relay = EngineProcess(relay_command(token, master=master_url is None, master_url=master_url,
+                                        trainer_stages=cfg.parallel.pp, relay_id=relay_id,
+                                        host=host, chain_chunks=cfg.weight_sync.chain_chunks),
+                          log_path=os.path.join(logs, f"relay-{relay_id}.log"), host=host,
+                          port_key="LAMINAR_RELAY_PORT")
+    procs.append(relay.start())
+    publish_port = int(relay.wait_printed("LAMINAR_RELAY_PUBLISH_PORT")) if master_url is None else None
+    engines = []
+    for i in range(cfg.rollout.num_engines):
+        port = 0 if cfg.rollout.backend == "cpu" else free_port()
+        engine = EngineProcess(engine_command_from_config(cfg.rollout, model_path, port=port, index=i),
+                               log_path=os.path.join(logs, f"engine-{relay_id}-{i}.log"), host=host,
+                               port=port or None)
+        procs.append(engine.start())
+        engines.append(engine)
+    return relay, engines, publish_port
+
+
+def resume_state(cfg, out_dir: str, log) -> Optional[dict]:
+    """The controller's saved state when ``trainer.resume`` picks a checkpoint, else None."""
     from ..trainer.checkpoint import resolve_resume
+
+    resume_from = resolve_resume(cfg.trainer.resume, os.path.join(out_dir, "checkpoints"))
+    if not resume_from:
+        return None
+    log(f"[train] resuming from {resume_from}")
+    extra = os.path.join(resume_from, "extra_state.json")
+    if os.path.isfile(extra):
+        with open(extra) as f:
+            return json.load(f)
+    return None
+
+
+def make_controller(cfg, *, engine_urls, relay_url, token, rows, codec, metrics, initial_state,
+                    host: str = "127.0.0.1", port: int = 0, info: Optional[dict] = None):
     from .controller import Controller
+
+    sampling = OmegaConf.to_container(cfg.rollout.sampling)
+    return Controller(
+        mode=cfg.mode, engine_urls=engine_urls, relay_url=relay_url, token=token,
+        rows=rows, codec=codec, reward_fn=cfg.data.reward_fn,
+        reward_workers=cfg.data.reward_workers, n_samples=cfg.algo.n_samples_per_prompt,
+        batch_prompts=cfg.trainer.train_batch_prompts, sampling=sampling,
+        capacity=cfg.rollout.max_running_requests, max_staleness=cfg.algo.max_staleness,
+        metrics=metrics, seed=cfg.seed, host=host, port=port,
+        length_fn=length_fn_from_config(cfg.rollout), initial_state=initial_state, info=info)
+
+
+def run_train(cfg) -> dict:
+    from ..metrics import MetricsWriter
     from .local import launch_trainer_world, trainer_nproc
 
     t_start = time.time()
@@ -115,97 +167,86 @@ def run_train(cfg) -> dict:
     nproc = trainer_nproc(cfg)
     codec, rows, evals, model_path = _codec_and_rows(cfg, out_dir, log)
     token = secrets.token_hex(16)
-    sampling = {k: v for k, v in OmegaConf.to_container(cfg.rollout.sampling).items()}
-    procs: List[EngineProcess] = []
-    controller: Optional[Controller] = None
+    eval_sampling = OmegaConf.to_container(cfg.rollout.sampling)
+    procs: list = []
+    controller = None
     metrics = MetricsWriter(out_dir)
     try:
-        relay = EngineProcess(relay_command(token, master=True, trainer_stages=cfg.parallel.pp,
-                                            relay_id="master", chain_chunks=cfg.weight_sync.chain_chunks),
-                              log_path=os.path.join(logs, "relay.log"), port_key="LAMINAR_RELAY_PORT")
-        procs.append(relay.start())
-        publish_port = int(relay.wait_printed("LAMINAR_RELAY_PUBLISH_PORT"))
-        for i in range(cfg.rollout.num_engines):
-            port = 0 if cfg.rollout.backend == "cpu" else free_port()
-            engine = EngineProcess(engine_command_from_config(cfg.rollout, model_path, port=port, index=i),
-                                   log_path=os.path.join(logs, f"engine{i}.log"), port=port or None)
-            procs.append(engine.start())
-        engines = procs[1:]
+        relay, engines, publish_port = start_rollout_node(cfg, model_path, token, logs, procs)
         log(f"[train] mode={cfg.mode}: relay {relay.url}, {len(engines)} {cfg.rollout.backend} "
             f"engines, {nproc} trainer processes (tp={cfg.parallel.tp} pp={cfg.parallel.pp})")
-        eval_sampling = dict(sampling)
         initial = asyncio.run(evaluate(engines[0].url, evals, codec, eval_sampling, cfg.data.reward_fn))
         metrics.log("eval", step=0, accuracy=initial)
         log(f"[train] initial accuracy {initial:.3f} on {len(evals)} eval prompts")
-        initial_state = None
-        resume_from = resolve_resume(cfg.trainer.resume, os.path.join(out_dir, "checkpoints"))
-        if resume_from:
-            extra = os.path.join(resume_from, "extra_state.json")
-            if os.path.isfile(extra):
-                with open(extra) as f:
-                    initial_state = json.load(f)
-            log(f"[train] resuming from {resume_from}")
-        controller = Controller(
-            mode=cfg.mode, engine_urls=[e.url for e in engines], relay_url=relay.url, token=token,
-            rows=rows, codec=codec, reward_fn=cfg.data.reward_fn,
-            reward_workers=cfg.data.reward_workers, n_samples=cfg.algo.n_samples_per_prompt,
-            batch_prompts=cfg.trainer.train_batch_prompts, sampling=sampling,
-            capacity=cfg.rollout.max_running_requests, max_staleness=cfg.algo.max_staleness,
-            metrics=metrics, seed=cfg.seed, length_fn=length_fn_from_config(cfg.rollout),
-            initial_state=initial_state)
+        controller = make_controller(cfg, engine_urls=[e.url for e in engines], relay_url=relay.url,
+                                     token=token, rows=rows, codec=codec, metrics=metrics,
+                                     initial_state=resume_state(cfg, out_dir, log))
         controller_url = controller.start()
         progress = _progress(cfg.trainer.total_steps, metrics)
         try:
             results = launch_trainer_world(
                 _trainer_entry, (OmegaConf.to_container(cfg, resolve=True), model_path, controller_url,
-                                 token, "127.0.0.1", publish_port, os.path.join(out_dir, "checkpoints")),
+                                 token, relay.host, publish_port, os.path.join(out_dir, "checkpoints")),
                 nproc)
         finally:
             progress.close()
-        version = results[0]["version"]
-
-        async def final_pull():
-            async with RelayClient(relay.url, token) as rc, SGLangClient(engines[0].url) as ec:
-                deadline = time.time() + 120
-                current = int(await ec.get_weight_version() or 0)
-                while current < version and time.time() < deadline:
-                    pulled = await pull_latest_into_engine(rc, ec, current)
-                    current = pulled if pulled is not None else current
-                    await asyncio.sleep(0.05)
-                return current
-
-        utilisation = controller.utilisation()
-        controller.stop()
-        engine_version = asyncio.run(final_pull())
-        final = asyncio.run(evaluate(engines[0].url, evals, codec, eval_sampling, cfg.data.reward_fn))
-        metrics.log("eval", step=results[0]["steps"], accuracy=final, version=engine_version)
-        books = controller.books()
-        summary = {"mode": cfg.mode, "initial_accuracy": initial, "final_accuracy": final,
-                   "steps": results[0]["steps"], "final_version": version, **books,
-                   "trajectories_in_flight_at_stop": len(controller.partial), **utilisation,
-                   "wall_seconds": time.time() - t_start, "model_path": model_path}
-        balanced = books["trajectories_generated"] == (books["trajectories_consumed"]
-                                                       + books["trajectories_buffered"]
-                                                       + books["trajectories_discarded"])
-        summary["books_balance"] = balanced
-        with open(os.path.join(out_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        plot = metrics.plot()
-        log(f"[train] accuracy {initial:.3f} -> {final:.3f}; trajectories generated "
-            f"{books['trajectories_generated']}, consumed {books['trajectories_consumed']}, buffered "
-            f"{books['trajectories_buffered']}, discarded {books['trajectories_discarded']} "
-            f"({'balanced' if balanced else 'NOT BALANCED'}); max staleness "
-            f"{books['max_staleness_observed']}; {summary['wall_seconds']:.0f}s. "
-            f"Wrote {out_dir}/summary.json, metrics.jsonl, {os.path.basename(plot or '')}")
-        if not balanced:
-            raise RuntimeError("trajectory accounting does not balance; see summary.json")
-        return summary
+        return finish_run(cfg, controller, relay.url, engines[0].url, token, evals, codec,
+                          eval_sampling, metrics, results[0], initial, t_start, model_path,
+                          out_dir, log)
     finally:
         if controller is not None:
             controller.stop()
         for p in reversed(procs):
             p.stop()
         metrics.close()
+
+
+def finish_run(cfg, controller, relay_url: str, engine_url: str, token: str, evals, codec,
+               eval_sampling: dict, metrics, result: dict, initial: float, t_start: float,
+               model_path: str, out_dir: str, log) -> dict:
+    """After training: bring one engine to the final version, evaluate, keep the books and
+    write ``summary.json`` and the plot. Raises if the books do not balance."""
+    from ..relay.client import RelayClient, pull_latest_into_engine
+    from ..rollout.client import SGLangClient
+
+    version = result["version"]
+
+    async def final_pull():
+        async with RelayClient(relay_url, token) as rc, SGLangClient(engine_url) as ec:
+            deadline = time.time() + 120
+            current = int(await ec.get_weight_version() or 0)
+            while current < version and time.time() < deadline:
+                pulled = await pull_latest_into_engine(rc, ec, current)
+                current = pulled if pulled is not None else current
+                await asyncio.sleep(0.05)
+            return current
+
+    utilisation = controller.utilisation()
+    controller.stop_generation()
+    engine_version = asyncio.run(final_pull())
+    final = asyncio.run(evaluate(engine_url, evals, codec, eval_sampling, cfg.data.reward_fn))
+    metrics.log("eval", step=result["steps"], accuracy=final, version=engine_version)
+    books = controller.books()
+    summary = {"mode": cfg.mode, "initial_accuracy": initial, "final_accuracy": final,
+               "steps": result["steps"], "final_version": version, **books,
+               "trajectories_in_flight_at_stop": len(controller.partial), **utilisation,
+               "wall_seconds": time.time() - t_start, "model_path": model_path}
+    balanced = books["trajectories_generated"] == (books["trajectories_consumed"]
+                                                   + books["trajectories_buffered"]
+                                                   + books["trajectories_discarded"])
+    summary["books_balance"] = balanced
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    plot = metrics.plot()
+    log(f"[train] accuracy {initial:.3f} -> {final:.3f}; trajectories generated "
+        f"{books['trajectories_generated']}, consumed {books['trajectories_consumed']}, buffered "
+        f"{books['trajectories_buffered']}, discarded {books['trajectories_discarded']} "
+        f"({'balanced' if balanced else 'NOT BALANCED'}); max staleness "
+        f"{books['max_staleness_observed']}; {summary['wall_seconds']:.0f}s. "
+        f"Wrote {out_dir}/summary.json, metrics.jsonl, {os.path.basename(plot or '')}")
+    if not balanced:
+        raise RuntimeError("trajectory accounting does not balance; see summary.json")
+    return summary
 
 
 def _trainer_entry(*args):

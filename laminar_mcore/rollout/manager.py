@@ -104,6 +104,7 @@ class RolloutManager:
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> None:
+        self._running = True
         self._tasks = [asyncio.create_task(self._watch_relay())]
         self._tasks += [asyncio.create_task(self._engine_loop(e)) for e in self.engines]
         await self._stop.wait()
@@ -113,6 +114,16 @@ class RolloutManager:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def add_engine(self, engine: EngineHandle) -> None:
+        """Take an engine that joined while running (a rollout node registering); call on the
+        manager's event loop. It starts from its own weights and pulls the newest version from
+        its relay when it is between trajectories, like every engine."""
+        if any(e.name == engine.name for e in self.engines):
+            raise ValueError(f"an engine named {engine.name!r} is already registered")
+        self.engines.append(engine)
+        if getattr(self, "_running", False) and not self._stop.is_set():
+            self._tasks.append(asyncio.create_task(self._engine_loop(engine)))
 
     async def _watch_relay(self) -> None:
         while not self._stop.is_set():
@@ -129,16 +140,19 @@ class RolloutManager:
             await asyncio.sleep(self.poll_s)
 
     # ------------------------------------------------------------------ per engine
-    def engine_idle_fraction(self) -> float:
-        """Share of engine time with nothing to generate (averaged over healthy engines)."""
+    def engine_idle_seconds(self) -> float:
+        """Seconds so far with nothing to generate, averaged over engines."""
         now = time.time()
         total = 0.0
         for e in self.engines:
-            idle = e.idle_seconds
-            if e.idle_since is not None:
-                idle += now - e.idle_since
-            total += idle / max(now - self.started, 1e-9)
+            total += e.idle_seconds + (now - e.idle_since if e.idle_since is not None else 0.0)
         return total / max(len(self.engines), 1)
+
+    def engine_idle_fraction(self, since: Optional[tuple] = None) -> float:
+        """Share of engine time with nothing to generate (averaged over engines), since the
+        start or since ``since`` = (time, engine_idle_seconds() then)."""
+        t0, idle0 = since if since is not None else (self.started, 0.0)
+        return (self.engine_idle_seconds() - idle0) / max(time.time() - t0, 1e-9)
 
     async def _engine_loop(self, engine: EngineHandle) -> None:
         while not self._stop.is_set():
