@@ -34,7 +34,7 @@ async def _score(text, answer, row):
 
 def _reference_logprobs(cfg, state, prompt, response):
     model = DecoderLM(cfg, state)
-    kv = model.new_kv_cache(256)
+    kv = model.new_kv_cache(max(256, len(prompt) + len(response) + 8))
     seq, out = list(prompt), []
     logits = model.forward([seq], [0], [0], kv)
     for i, tok in enumerate(response):
@@ -126,3 +126,89 @@ def test_manager_pulls_between_trajectories_and_survives_an_engine(tmp_path):
     assert manager.stats.generated == buffer.consumed + buffer.buffered + discarded
     assert kept == manager.stats.generated - sum(v for k, v in buffer.discarded.items()
                                                  if not k.endswith("_group"))
+
+
+def test_repack_moves_long_tail_trajectories_so_freed_engines_pull(tmp_path):
+    """Two engines each wait on one long trajectory when version 1 arrives: the repack moves
+    one engine's trajectory to the other (same version), the freed engine pulls version 1 and
+    starts fresh work while the long ones finish on version 0 -- each still from one version,
+    with the tokens generated before the move kept."""
+    from laminar_mcore.parallel import destroy_trainer_parallel, init_trainer_parallel
+    from laminar_mcore.trainer.model import build_gpt_model, load_full_state
+    from laminar_mcore.weights.publisher import WeightPublisher
+
+    cfg = tiny_hf_config("qwen2", max_position_embeddings=4096)
+    state0 = _state(cfg, 0)
+    save_hf_checkpoint(tmp_path / "m", cfg, state0)
+    long_len = 1500
+    procs = []
+    init_trainer_parallel(tp=1, pp=1, seed=0)
+    try:
+        relay = EngineProcess(relay_command(TOKEN, master=True, trainer_stages=1, relay_id="m"),
+                              log_path=str(tmp_path / "relay.log"), port_key="LAMINAR_RELAY_PORT").start()
+        procs.append(relay)
+        engines = [EngineProcess(cpu_engine_command(str(tmp_path / "m"), seed=i, kv_capacity_tokens=8192),
+                                 log_path=str(tmp_path / f"e{i}.log")).start() for i in range(2)]
+        procs += engines
+        model = build_gpt_model(cfg)
+        publisher = WeightPublisher(model, cfg, relay_host="127.0.0.1",
+                                    publish_port=int(relay.wait_printed("LAMINAR_RELAY_PUBLISH_PORT")))
+        rows = [{"prompt_ids": [i % 100 + 1, 7, 3], "answer": ""} for i in range(500)]
+        buffer = ExperienceBuffer(group_size=4)
+        seen = []
+
+        def length(group_id, k):  # the first two groups carry one long trajectory each
+            issued = int(group_id.rsplit("-", 1)[1])
+            return long_len if issued < 2 and k == 0 else 4
+
+        async def scenario():
+            handles = [EngineHandle(f"e{i}", SGLangClient(p.url, retries=0, timeout_s=30),
+                                    RelayClient(relay.url, TOKEN), capacity=4)
+                       for i, p in enumerate(engines)]
+            manager = RolloutManager(
+                handles, PromptPool(rows, n_samples=4, seed=0), PartialResponsePool(), buffer,
+                score=_score, encode_prompt=lambda row: row["prompt_ids"],
+                decode=lambda ids: " ".join(map(str, ids)),
+                sampling={"max_new_tokens": long_len, "temperature": 1.0},
+                trainer_version=lambda: 0, batch_trajectories=8, length_fn=length, seed=1,
+                on_trajectory=seen.append, repack=True, repack_interval_s=60.0)
+            runner = asyncio.create_task(manager.run())
+            deadline = time.time() + 60
+            # each engine holds its group's long trajectory, the short ones are done
+            while not (len(seen) == 6 and all(len(h.in_flight) == 1 for h in handles)):
+                assert time.time() < deadline, (len(seen), [len(h.in_flight) for h in handles])
+                await asyncio.sleep(0.01)
+            await asyncio.to_thread(publisher.publish, 1)  # version 1 (same weights: the move is
+            await asyncio.to_thread(publisher.wait)        # checked token by token below)
+            while not (manager.stats.repacked == 1 and any(t.weight_version == 1 for t in seen)):
+                assert time.time() < deadline + 60, (manager.stats, [h.version for h in handles])
+                await asyncio.sleep(0.01)
+            longs_done_when_v1_seen = sum(len(t.response_ids) == long_len for t in seen)
+            while sum(len(t.response_ids) == long_len for t in seen) < 2:
+                assert time.time() < deadline + 120, "the long trajectories never finished"
+                await asyncio.sleep(0.05)
+            manager.stop()
+            await runner
+            for h in handles:
+                await h.client.close()
+                await h.relay.close()
+            return manager, handles, longs_done_when_v1_seen
+
+        manager, handles, longs_done_early = asyncio.run(scenario())
+    finally:
+        for p in procs:
+            p.stop()
+        destroy_trainer_parallel()
+
+    assert manager.stats.repacked == 1 and manager.stats.repack_rounds == 1
+    assert longs_done_early < 2  # fresh version-1 work ran while a long trajectory was going
+    longs = [t for t in seen if len(t.response_ids) == long_len]
+    assert len(longs) == 2 and all(t.weight_version == 0 for t in longs)
+    assert {t.metadata["engine"] for t in longs} == {longs[0].metadata["engine"]}  # one engine now
+    for traj in seen:  # exactly one version per trajectory
+        assert traj.metadata["engine_versions"] == [str(traj.weight_version)], traj.uid
+    for traj in longs:  # nothing lost or duplicated across the move: logprobs of the sequence
+        ref = _reference_logprobs(cfg, state0, traj.prompt_ids, traj.response_ids)
+        assert (torch.tensor(traj.behav_logprobs) - ref).abs().max().item() <= 1e-4
+    assert manager.stats.generated == buffer.consumed + buffer.buffered + sum(buffer.discarded.values())
+    assert not buffer.discarded

@@ -93,7 +93,12 @@ class RolloutConfig:
     host: str = "127.0.0.1"
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     extra_args: List[str] = field(default_factory=list)  # passed to sglang.launch_server
+    # Laminar's long-tail repack (mode=laminar): checked every repack_interval_s and after each
+    # new weight version; an engine waiting on at most repack_max_requests trajectories
+    # (0: a quarter of max_running_requests) hands them to the densest engine of its version.
+    repack: bool = True
     repack_interval_s: float = 5.0
+    repack_max_requests: int = 0
     # Replay a long-tailed response-length distribution (benchmarks): 0 disables. Each
     # trajectory then generates exactly this many tokens (EOS ignored): ``forced_long_length``
     # with probability ``forced_long_fraction``, else about ``forced_short_length``.

@@ -103,6 +103,7 @@ class PartialResponse:
     ignore_eos: bool = False  # a forced length (benchmarks replaying a length distribution)
     versions_seen: List[str] = field(default_factory=list)  # engine weight versions it saw
     sampling_seed: Optional[int] = None  # per-trajectory sampling seed (None: the engine's)
+    migrate_to: Optional[str] = None  # repack: the engine it continues on once aborted here
 
 
 class PartialResponsePool:

@@ -47,7 +47,7 @@ class Controller:
                  n_samples: int, batch_prompts: int, sampling: dict, capacity: int,
                  max_staleness: Optional[int], metrics, seed: int = 0, host: str = "127.0.0.1",
                  port: int = 0, length_fn=None, initial_state: Optional[dict] = None,
-                 info: Optional[dict] = None):
+                 info: Optional[dict] = None, repack: Optional[dict] = None):
         """``engine_urls`` may be empty and ``relay_url`` None: on a cluster, rollout nodes
         register their relay and engines with ``POST /register`` (see launch/cluster.py);
         ``info`` (model path, trainer stages) is what ``GET /cluster`` tells the other roles."""
@@ -87,6 +87,7 @@ class Controller:
         self._barrier = barrier
         self._length_fn = length_fn
         self._seed = seed
+        self._repack = dict(repack or {})
         self._initial_state = initial_state
         self.manager: Optional[RolloutManager] = None
         self.loop: Optional[asyncio.AbstractEventLoop] = None
@@ -146,7 +147,7 @@ class Controller:
             sampling=self._sampling, trainer_version=lambda: self.trainer_version,
             batch_trajectories=self.batch_prompts * self.n_samples,
             max_staleness=self._eta, barrier=self._barrier, length_fn=self._length_fn,
-            seed=self._seed)
+            seed=self._seed, **self._repack)
         if self._initial_state:
             self.load_state_dict(self._initial_state)
         app = web.Application()
@@ -295,7 +296,7 @@ class Controller:
             staleness_max=max((c["staleness"] for c in batch), default=0),
             tokens_per_s=tokens / max(elapsed, 1e-9), step_seconds=elapsed,
             buffered=self.buffer.buffered, generated=self.manager.stats.generated,
-            engine_pulls=self.manager.stats.pulls, publish_blocked_s=body.get("publish_blocked_s", 0.0),
+            engine_pulls=self.manager.stats.pulls, repacked=self.manager.stats.repacked, publish_blocked_s=body.get("publish_blocked_s", 0.0),
             **stats)
         return web.json_response({"ok": True})
 
@@ -354,6 +355,7 @@ class Controller:
                 "discarded_reasons": dict(self.buffer.discarded),
                 "max_staleness_observed": self.max_staleness_observed,
                 "engine_pulls": s.pulls if s else 0, "resumed": s.resumed if s else 0,
+                "repacked": s.repacked if s else 0, "repack_rounds": s.repack_rounds if s else 0,
                 "engine_versions": ({e.name: e.version for e in self.manager.engines}
                                     if self.manager else {}),
                 "unhealthy_engines": list(s.unhealthy) if s else []}

@@ -149,7 +149,9 @@ def make_controller(cfg, *, engine_urls, relay_url, token, rows, codec, metrics,
         batch_prompts=cfg.trainer.train_batch_prompts, sampling=sampling,
         capacity=cfg.rollout.max_running_requests, max_staleness=cfg.algo.max_staleness,
         metrics=metrics, seed=cfg.seed, host=host, port=port,
-        length_fn=length_fn_from_config(cfg.rollout), initial_state=initial_state, info=info)
+        length_fn=length_fn_from_config(cfg.rollout), initial_state=initial_state, info=info,
+        repack={"repack": cfg.rollout.repack, "repack_interval_s": cfg.rollout.repack_interval_s,
+                "repack_max_requests": cfg.rollout.repack_max_requests})
 
 
 def run_train(cfg) -> dict:
