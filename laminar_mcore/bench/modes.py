@@ -31,9 +31,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--long-fraction", type=float, default=0.05)
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--modes", default="sync,one_step,laminar")
-    ap.add_argument("--max-staleness", default="1",
-                    help="laminar's admission bound eta (null: unbounded). On one CPU machine the "
-                         "engines share cores with the trainer, so unbounded generation starves it")
+    ap.add_argument("--max-staleness", default="null",
+                    help="laminar's admission bound eta (null: unbounded, Laminar's default)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -72,6 +71,7 @@ def main(argv=None) -> dict:
         figures[f"{mode}_engine_idle_fraction"] = summary["engine_idle_fraction"]
         figures[f"{mode}_trainer_idle_fraction"] = summary["trainer_idle_fraction"]
         figures[f"{mode}_max_staleness"] = summary["max_staleness_observed"]
+        figures[f"{mode}_repacked"] = summary.get("repacked", 0)
     lines = {}
     base = figures.get("laminar_tokens_per_s")
     for other in ("sync", "one_step"):

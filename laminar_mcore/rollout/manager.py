@@ -185,6 +185,8 @@ class RolloutManager:
             newer = self._latest_relay_version > engine.version
             if newer:
                 engine.draining = True
+                if self.repack and 0 < len(engine.in_flight) <= self._repack_limit(engine):
+                    self._repack_now.set()  # a long-tail engine: look for a destination now
             if engine.draining and not engine.in_flight and self._barrier_ready():
                 await self._pull(engine)
                 continue
@@ -295,6 +297,9 @@ class RolloutManager:
         return next((e for e in self.engines if e.name == name), None) if name else None
 
     # ------------------------------------------------------------------ repack
+    def _repack_limit(self, engine: EngineHandle) -> int:
+        return self.repack_max_requests or max(1, engine.capacity // 4)
+
     def plan_repack(self) -> List[tuple]:
         """[(source, destination, [rids])]: per weight version, the engines that wait on a few
         long trajectories (draining, 0 < in flight <= the threshold) give them to the most
@@ -302,8 +307,7 @@ class RolloutManager:
         moves = []
         by_version: Dict[int, List[EngineHandle]] = {}
         for e in self.engines:
-            limit = self.repack_max_requests or max(1, e.capacity // 4)
-            if e.healthy and e.draining and 0 < len(e.in_flight) <= limit:
+            if e.healthy and e.draining and 0 < len(e.in_flight) <= self._repack_limit(e):
                 by_version.setdefault(e.version, []).append(e)
         for version, tails in by_version.items():
             if len(tails) < 2:
@@ -348,14 +352,20 @@ class RolloutManager:
         return moved
 
     async def _repack_loop(self) -> None:
+        """Checks every ``repack_interval_s``, on each new version and whenever a draining
+        engine is down to a long tail; a situation already looked at is not planned again."""
+        last = None
         while not self._stop.is_set():
             try:
                 await asyncio.wait_for(self._repack_now.wait(), self.repack_interval_s)
             except asyncio.TimeoutError:
-                pass
+                last = None
             self._repack_now.clear()
             await asyncio.sleep(self.poll_s)  # let engines see the new version first
-            await self._repack_once()
+            seen = tuple((e.name, e.version, e.draining, len(e.in_flight)) for e in self.engines)
+            if seen != last:
+                last = seen
+                await self._repack_once()
 
     async def _finish(self, done: PartialResponse, row: dict, reason: str, start: float) -> None:
         text = self.decode(done.output_ids)
