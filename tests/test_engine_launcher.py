@@ -9,8 +9,10 @@ from hydra import compose, initialize_config_dir
 
 from laminar_mcore.config import register_configs
 from laminar_mcore.config.paths import conf_dir
+from laminar_mcore.relay.client import PullSpec
 from laminar_mcore.rollout.launcher import (EngineProcess, EngineStartError, cpu_engine_command,
-                                            engine_command_from_config, sglang_command)
+                                            engine_command_from_config, engine_pull_spec,
+                                            sglang_command)
 
 register_configs()
 
@@ -32,6 +34,21 @@ def test_sglang_command_from_the_rollout_config():
         assert part in joined, part
     assert cmd[-2:] == ["--attention-backend", "fa3"]
     assert "--weight-version" in sglang_command("/m", port=1, weight_version="7")
+
+
+def test_sglang_engines_of_a_node_get_disjoint_gpus_and_pull_onto_them():
+    """Engine i of a node takes GPUs [i*tp, (i+1)*tp) and pulls CUDA IPC payloads for exactly
+    those GPUs, one per TP rank in rank order (SGLang's rank r reads entry r)."""
+    cfg = _cfg("rollout=sglang", "rollout.engine_tp=2", "rollout.num_engines=4")
+    gpus = []
+    for i in range(4):
+        cmd = engine_command_from_config(cfg.rollout, "/m", port=31000 + i, index=i)
+        base = int(cmd[cmd.index("--base-gpu-id") + 1])
+        spec = engine_pull_spec(cfg.rollout, i)
+        assert spec == PullSpec("sglang_cuda_ipc", (f"cuda:{base}", f"cuda:{base + 1}"))
+        gpus += [base, base + 1]
+    assert gpus == list(range(8))
+    assert engine_pull_spec(_cfg().rollout, 3) == PullSpec("shm")
 
 
 def test_cpu_engine_command_from_the_rollout_config():

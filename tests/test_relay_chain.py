@@ -218,7 +218,9 @@ def test_cuda_ipc_pull_is_refused_clearly_without_a_gpu(tmp_path):
                 from laminar_mcore.relay.client import RelayError
 
                 with pytest.raises(RelayError, match="cannot serve CUDA IPC handles"):
-                    await client.lease(fmt="sglang_cuda_ipc", device="cuda:0")
+                    await client.lease(fmt="sglang_cuda_ipc", devices=["cuda:0", "cuda:1"])
+                with pytest.raises(RelayError, match="HTTP 400.*one per engine TP rank"):
+                    await client.lease(fmt="sglang_cuda_ipc", devices=[])
                 with pytest.raises(RelayError, match="not shm or sglang_cuda_ipc"):
                     await client.lease(fmt="pickle")
                 return await client.latest()

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from ..data.pools import ExperienceBuffer, PartialResponsePool, PromptPool
 from ..data.trajectory import Trajectory
-from ..relay.client import RelayClient
+from ..relay.client import PullSpec, RelayClient
 from ..reward import RewardService
 from ..rollout.client import SGLangClient
 from ..rollout.manager import EngineHandle, RolloutManager
@@ -47,10 +47,13 @@ class Controller:
                  n_samples: int, batch_prompts: int, sampling: dict, capacity: int,
                  max_staleness: Optional[int], metrics, seed: int = 0, host: str = "127.0.0.1",
                  port: int = 0, length_fn=None, initial_state: Optional[dict] = None,
-                 info: Optional[dict] = None, repack: Optional[dict] = None):
+                 info: Optional[dict] = None, repack: Optional[dict] = None,
+                 pull_spec: Optional[Callable[[int], PullSpec]] = None):
         """``engine_urls`` may be empty and ``relay_url`` None: on a cluster, rollout nodes
         register their relay and engines with ``POST /register`` (see launch/cluster.py);
-        ``info`` (model path, trainer stages) is what ``GET /cluster`` tells the other roles."""
+        ``info`` (model path, trainer stages) is what ``GET /cluster`` tells the other roles.
+        ``pull_spec(i)`` says how the i-th engine of a node takes weights from its relay
+        (shared memory for CPU engines, CUDA IPC on its GPUs for SGLang)."""
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not one of {', '.join(MODES)}")
         barrier, eta = MODES[mode]
@@ -88,6 +91,7 @@ class Controller:
         self._length_fn = length_fn
         self._seed = seed
         self._repack = dict(repack or {})
+        self._pull_spec = pull_spec or (lambda index: PullSpec())
         self._initial_state = initial_state
         self.manager: Optional[RolloutManager] = None
         self.loop: Optional[asyncio.AbstractEventLoop] = None
@@ -139,7 +143,7 @@ class Controller:
     async def _main(self) -> None:
         self.loop = asyncio.get_running_loop()
         self._shutdown_event = asyncio.Event()
-        handles = [self._handle(f"engine{i}", url, self._relay_url)
+        handles = [self._handle(f"engine{i}", url, self._relay_url, i)
                    for i, url in enumerate(self._engine_urls)]
         self.manager = RolloutManager(
             handles, self.prompts, self.partial, self.buffer, score=self.reward.score,
@@ -176,9 +180,11 @@ class Controller:
             await h.relay.close()
         await runner.cleanup()
 
-    def _handle(self, name: str, url: str, relay_url: str) -> EngineHandle:
+    def _handle(self, name: str, url: str, relay_url: str, index: int) -> EngineHandle:
+        """``index``: the engine's position on its node (which GPUs it has)."""
         return EngineHandle(name, SGLangClient(url, retries=0, timeout_s=10),
-                            RelayClient(relay_url, self.token), capacity=self._capacity)
+                            RelayClient(relay_url, self.token), capacity=self._capacity,
+                            pull=self._pull_spec(index))
 
     # ------------------------------------------------------------------ cluster API
     async def _json_body(self, request: web.Request) -> Optional[dict]:
@@ -223,7 +229,7 @@ class Controller:
         node = len(self.rollout_nodes)
         names = []
         for i, url in enumerate(body["engines"]):
-            handle = self._handle(f"node{node}-engine{i}", url, body["relay_url"])
+            handle = self._handle(f"node{node}-engine{i}", url, body["relay_url"], i)
             self.manager.add_engine(handle)
             names.append(handle.name)
         self.rollout_nodes.append({"relay_url": body["relay_url"], "engines": body["engines"]})

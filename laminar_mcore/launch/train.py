@@ -139,6 +139,7 @@ def resume_state(cfg, out_dir: str, log) -> Optional[dict]:
 
 def make_controller(cfg, *, engine_urls, relay_url, token, rows, codec, metrics, initial_state,
                     host: str = "127.0.0.1", port: int = 0, info: Optional[dict] = None):
+    from ..rollout.launcher import engine_pull_spec
     from .controller import Controller
 
     sampling = OmegaConf.to_container(cfg.rollout.sampling)
@@ -151,7 +152,8 @@ def make_controller(cfg, *, engine_urls, relay_url, token, rows, codec, metrics,
         metrics=metrics, seed=cfg.seed, host=host, port=port,
         length_fn=length_fn_from_config(cfg.rollout), initial_state=initial_state, info=info,
         repack={"repack": cfg.rollout.repack, "repack_interval_s": cfg.rollout.repack_interval_s,
-                "repack_max_requests": cfg.rollout.repack_max_requests})
+                "repack_max_requests": cfg.rollout.repack_max_requests},
+        pull_spec=lambda index: engine_pull_spec(cfg.rollout, index))
 
 
 def run_train(cfg) -> dict:
@@ -210,6 +212,7 @@ def finish_run(cfg, controller, relay_url: str, engine_url: str, token: str, eva
     write ``summary.json`` and the plot. Raises if the books do not balance."""
     from ..relay.client import RelayClient, pull_latest_into_engine
     from ..rollout.client import SGLangClient
+    from ..rollout.launcher import engine_pull_spec
 
     version = result["version"]
 
@@ -218,7 +221,8 @@ def finish_run(cfg, controller, relay_url: str, engine_url: str, token: str, eva
             deadline = time.time() + 120
             current = int(await ec.get_weight_version() or 0)
             while current < version and time.time() < deadline:
-                pulled = await pull_latest_into_engine(rc, ec, current)
+                pulled = await pull_latest_into_engine(rc, ec, current,
+                                                       spec=engine_pull_spec(cfg.rollout, 0))
                 current = pulled if pulled is not None else current
                 await asyncio.sleep(0.05)
             return current

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import aiohttp
 import torch
@@ -26,8 +26,19 @@ class RelayError(RuntimeError):
 class Lease:
     version: int
     lease_id: str
-    serialized_buckets: List[str]
+    # Per bucket: a shared-memory handle (format "shm"), or for "sglang_cuda_ipc" a list with
+    # one SGLang payload per engine TP rank.
+    serialized_buckets: List[Union[str, List[str]]]
     nbytes: int
+
+
+@dataclass(frozen=True)
+class PullSpec:
+    """How an engine takes weights from its relay: ``fmt="shm"`` (the CPU engine) or
+    ``fmt="sglang_cuda_ipc"`` with the engine's GPUs, one per TP rank, in rank order."""
+
+    fmt: str = "shm"
+    devices: Tuple[str, ...] = ()
 
 
 class RelayClient:
@@ -66,12 +77,16 @@ class RelayClient:
         return await self._call("GET", "/latest")
 
     async def lease(self, min_version: int = -1, ttl_s: Optional[float] = None,
-                    fmt: str = "shm", device: Optional[str] = None) -> Optional[Lease]:
+                    fmt: str = "shm", device: Optional[str] = None,
+                    devices: Optional[Sequence[str]] = None) -> Optional[Lease]:
         """Lease the newest version at or above ``min_version``: shared-memory handles (CPU
-        engines) or, with ``fmt="sglang_cuda_ipc"``, SGLang's CUDA IPC payloads for ``device``."""
+        engines) or, with ``fmt="sglang_cuda_ipc"``, SGLang's CUDA IPC payloads for the
+        engine's ``devices`` (one per TP rank; ``device`` is the one-GPU shorthand)."""
         body = {"min_version": min_version, "format": fmt}
-        if device is not None:
-            body["device"] = device
+        if devices is not None:
+            body["devices"] = list(devices)
+        elif device is not None:
+            body["devices"] = [device]
         if ttl_s is not None:
             body["ttl_s"] = ttl_s
         out = await self._call("POST", "/pull", body)
@@ -94,18 +109,21 @@ def open_lease(lease: Lease) -> Iterator[Dict[str, torch.Tensor]]:
 
 
 async def pull_latest_into_engine(relay: RelayClient, engine, current_version: int, *,
-                                  fmt: str = "shm", device: Optional[str] = None) -> Optional[int]:
+                                  spec: PullSpec = PullSpec()) -> Optional[int]:
     """Apply the relay's newest version to ``engine`` (an ``SGLangClient``) if it is newer than
     ``current_version``; returns the new version, or None when there is nothing newer.
-    ``fmt="sglang_cuda_ipc"`` (with the engine's ``device``) for SGLang engines on GPUs."""
-    lease = await relay.lease(min_version=current_version + 1, fmt=fmt, device=device)
+    ``spec`` says how: shared memory for the CPU engine, CUDA IPC to the engine's GPUs for
+    SGLang (``rollout.launcher.engine_pull_spec`` builds it from the rollout config)."""
+    lease = await relay.lease(min_version=current_version + 1, fmt=spec.fmt,
+                              devices=spec.devices or None)
     if lease is None:
         return None
     try:
         last = len(lease.serialized_buckets) - 1
         for i, data in enumerate(lease.serialized_buckets):
+            per_rank = data if isinstance(data, list) else [data]
             await engine.update_weights_from_tensor(
-                [data], load_format="flattened_bucket", abort_all_requests=False,
+                per_rank, load_format="flattened_bucket", abort_all_requests=False,
                 weight_version=str(lease.version) if i == last else None)
     finally:
         await relay.release(lease)

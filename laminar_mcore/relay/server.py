@@ -282,9 +282,15 @@ class RelayServer:
         if fmt == "shm":
             buckets = [encode_handle(b.shm.handle(b.metas)) for b in sv.ordered()]
         elif fmt == "sglang_cuda_ipc":
+            devices = body.get("devices", [body["device"]] if "device" in body else ["cuda:0"])
+            if not isinstance(devices, list) or not devices or \
+                    not all(isinstance(d, str) for d in devices):
+                self.store.release(lease_id)
+                return web.json_response({"error": "devices must be a non-empty list of GPU names, "
+                                                   "one per engine TP rank (e.g. [\"cuda:0\"])"},
+                                         status=400)
             try:
-                buckets = await asyncio.to_thread(self._cuda_payloads, lease_id, sv,
-                                                  str(body.get("device", "cuda:0")))
+                buckets = await asyncio.to_thread(self._cuda_payloads, lease_id, sv, devices)
             except Exception as exc:  # noqa: BLE001 - e.g. no GPU on this machine
                 self.store.release(lease_id)
                 return web.json_response({"error": f"cannot serve CUDA IPC handles: {exc}"},
@@ -296,14 +302,14 @@ class RelayServer:
         return web.json_response({"version": sv.version, "lease_id": lease_id, "format": fmt,
                                   "serialized_buckets": buckets, "nbytes": sv.nbytes})
 
-    def _cuda_payloads(self, lease_id, sv, device):
+    def _cuda_payloads(self, lease_id, sv, devices):
         from ..weights.bucket import read_bucket
         from .cuda_ipc import CudaIpcExporter
 
         if self.cuda_ipc is None:
-            self.cuda_ipc = CudaIpcExporter(device)
+            self.cuda_ipc = CudaIpcExporter()
         return self.cuda_ipc.payloads(
-            lease_id, [read_bucket(b.shm.buffer, b.metas) for b in sv.ordered()])
+            lease_id, [read_bucket(b.shm.buffer, b.metas) for b in sv.ordered()], devices)
 
     async def release(self, request):
         body = await self._body(request)

@@ -19,6 +19,7 @@ import urllib.request
 from typing import Dict, List, Optional, Sequence
 
 from ..netutil import free_port  # noqa: F401  (re-exported)
+from ..relay.client import PullSpec
 
 
 class EngineStartError(RuntimeError):
@@ -26,12 +27,14 @@ class EngineStartError(RuntimeError):
 
 
 def sglang_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp: int = 1,
+                   base_gpu_id: int = 0,
                    mem_fraction_static: float = 0.8, api_key: Optional[str] = None,
                    max_running_requests: Optional[int] = None, weight_version: Optional[str] = None,
                    extra_args: Sequence[str] = (), python: str = sys.executable) -> List[str]:
     """The ``sglang.launch_server`` command line for one rollout engine."""
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
-           "--port", str(port), "--tp-size", str(tp), "--mem-fraction-static",
+           "--port", str(port), "--tp-size", str(tp), "--base-gpu-id", str(base_gpu_id),
+           "--mem-fraction-static",
            str(mem_fraction_static), "--skip-server-warmup"]
     if max_running_requests:
         cmd += ["--max-running-requests", str(max_running_requests)]
@@ -62,6 +65,7 @@ def engine_command_from_config(rollout_cfg, model_path: str, *, port: int,
     """The command for engine ``index`` of ``cfg.rollout`` (backend cpu or sglang)."""
     if rollout_cfg.backend == "sglang":
         return sglang_command(model_path, port=port, host=rollout_cfg.host, tp=rollout_cfg.engine_tp,
+                              base_gpu_id=engine_gpu_ids(rollout_cfg, index)[0],
                               mem_fraction_static=rollout_cfg.mem_fraction_static, api_key=api_key,
                               max_running_requests=rollout_cfg.max_running_requests,
                               extra_args=list(rollout_cfg.extra_args))
@@ -71,6 +75,22 @@ def engine_command_from_config(rollout_cfg, model_path: str, *, port: int,
                                   max_running_requests=rollout_cfg.max_running_requests,
                                   seed=index)
     raise ValueError(f"rollout.backend={rollout_cfg.backend!r} is not one of cpu, sglang")
+
+
+def engine_gpu_ids(rollout_cfg, index: int) -> List[int]:
+    """The GPUs of SGLang engine ``index`` on its node: engines take ``rollout.engine_tp``
+    consecutive GPUs each (engine i starts at GPU i * engine_tp), TP rank r on the r-th."""
+    tp = int(rollout_cfg.engine_tp)
+    return list(range(index * tp, (index + 1) * tp))
+
+
+def engine_pull_spec(rollout_cfg, index: int) -> PullSpec:
+    """How engine ``index`` of a rollout node takes weights from the node's relay: CUDA IPC
+    payloads on its GPUs (one per TP rank) for SGLang, shared-memory handles for the CPU engine."""
+    if rollout_cfg.backend == "sglang":
+        return PullSpec("sglang_cuda_ipc",
+                        tuple(f"cuda:{g}" for g in engine_gpu_ids(rollout_cfg, index)))
+    return PullSpec("shm")
 
 
 class EngineProcess:

@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional
 
 from ..data.pools import ExperienceBuffer, PartialResponse, PartialResponsePool, PromptPool
 from ..data.trajectory import Trajectory
-from ..relay.client import RelayClient, RelayError, pull_latest_into_engine
+from ..relay.client import PullSpec, RelayClient, RelayError, pull_latest_into_engine
 from .client import EngineError, SGLangClient
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,7 @@ class EngineHandle:
     client: SGLangClient
     relay: RelayClient
     version: int = 0
+    pull: PullSpec = PullSpec()  # shared memory (CPU engine) or CUDA IPC to its GPUs (SGLang)
     capacity: int = 16
     in_flight: Dict[str, PartialResponse] = field(default_factory=dict)
     healthy: bool = True
@@ -208,7 +209,8 @@ class RolloutManager:
 
     async def _pull(self, engine: EngineHandle) -> None:
         try:
-            version = await pull_latest_into_engine(engine.relay, engine.client, engine.version)
+            version = await pull_latest_into_engine(engine.relay, engine.client, engine.version,
+                                                    spec=engine.pull)
         except (RelayError, EngineError) as exc:
             logger.warning("engine %s could not pull: %s", engine.name, exc)
             await self._mark_unhealthy(engine)
