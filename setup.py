@@ -43,7 +43,11 @@ setup(
             "transformer-engine[pytorch]==2.20.2",
             "nvidia-nccl-cu12==2.32.3",
         ],
-        "dev": ["pytest==9.2.0", "pytest-timeout==2.4.0"],
+        # Cross-node relay pulls through Mooncake's transfer engine (RDMA); on CPU machines
+        # use mooncake-transfer-engine-non-cuda (TCP). Both need the system's libibverbs1.
+        "rdma": ["mooncake-transfer-engine==0.3.13.post1"],
+        "dev": ["pytest==9.2.0", "pytest-timeout==2.4.0",
+                "mooncake-transfer-engine-non-cuda==0.3.13.post1"],
     },
     entry_points={"console_scripts": ["laminar-launch=laminar_mcore.launch.__main__:cli"]},
 )

@@ -146,3 +146,6 @@ def test_algorithm_and_trainer_values_are_typed_and_checked():
         validate_config(_compose("algo.behav_imp_weight_cap=0.9"))
     with pytest.raises(ConfigError, match="lr_decay_style='exp'"):
         validate_config(_compose("trainer.lr_decay_style=exp"))
+    with pytest.raises(ConfigError, match="weight_sync.mooncake_protocol='udp' must be null, tcp"):
+        validate_config(_compose("weight_sync.mooncake_protocol=udp"))
+    validate_config(_compose("weight_sync.mooncake_protocol=rdma", "weight_sync.mooncake_device=mlx5_0"))

@@ -221,7 +221,7 @@ def test_cuda_ipc_pull_is_refused_clearly_without_a_gpu(tmp_path):
                     await client.lease(fmt="sglang_cuda_ipc", devices=["cuda:0", "cuda:1"])
                 with pytest.raises(RelayError, match="HTTP 400.*one per engine TP rank"):
                     await client.lease(fmt="sglang_cuda_ipc", devices=[])
-                with pytest.raises(RelayError, match="not shm or sglang_cuda_ipc"):
+                with pytest.raises(RelayError, match="not shm, sglang_cuda_ipc or mooncake"):
                     await client.lease(fmt="pickle")
                 return await client.latest()
 

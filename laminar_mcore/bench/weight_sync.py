@@ -67,6 +67,49 @@ def gloo_broadcast_seconds(nbytes: int, receivers: int) -> float:
                 p.kill()
 
 
+def _mooncake_pull(relay_url: str, token: str, model_dir: str, tmp: str, reference, procs) -> dict:
+    """A puller on "another machine": read the leased buckets through Mooncake (timed alone,
+    checked bit for bit), then a full pull into a second CPU engine."""
+    from ..relay.client import RelayClient
+    from ..relay.mooncake import MooncakeReader, pull_remote_into_engine
+    from ..rollout.client import SGLangClient
+    from ..rollout.launcher import EngineProcess, cpu_engine_command
+    from ..weights.bucket import read_bucket
+
+    reader = MooncakeReader("127.0.0.1", "tcp")
+    engine = EngineProcess(cpu_engine_command(model_dir, kv_capacity_tokens=256),
+                           log_path=os.path.join(tmp, "engine-mooncake.log")).start()
+    procs.append(engine)
+
+    async def run():
+        async with RelayClient(relay_url, token) as relay, SGLangClient(engine.url) as eng:
+            lease = await relay.lease(fmt="mooncake")
+            for shm, _ in [reader.read(data) for data in lease.serialized_buckets]:
+                reader.give_back(shm)  # warm-up: opens the relay's segment, allocates buffers
+            t = time.perf_counter()
+            local = [reader.read(data) for data in lease.serialized_buckets]
+            read_s = time.perf_counter() - t
+            await relay.release(lease)
+            named = {}
+            for shm, metas in local:
+                named.update(read_bucket(shm.buffer, metas))
+            exact = set(named) == set(reference) and all(
+                torch.equal(named[k], reference[k]) for k in reference)
+            del named
+            for shm, _ in local:
+                reader.give_back(shm)
+            t = time.perf_counter()
+            version = await pull_remote_into_engine(relay, eng, 0, reader)
+            pull_s = time.perf_counter() - t
+            assert version == 3
+            return {"read_s": read_s, "pull_s": pull_s, "bit_exact": bool(exact)}
+
+    try:
+        return asyncio.run(run())
+    finally:
+        reader.close()
+
+
 def _latest(url: str) -> dict:
     with urllib.request.urlopen(url + "/latest", timeout=5) as resp:
         return json.loads(resp.read())
@@ -80,6 +123,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--relays", type=int, default=3, help="relays in the chain, master included")
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--chunk-mb", type=int, default=0, help="0: from Laminar's T(p, k) model")
+    ap.add_argument("--mooncake", choices=["auto", "on", "off"], default="auto",
+                    help="also measure a cross-node pull through Mooncake's transfer engine (TCP) "
+                         "from the last relay; auto: when Mooncake is installed")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -88,6 +134,7 @@ def main(argv=None) -> dict:
     from ..parallel import destroy_trainer_parallel, init_trainer_parallel
     from ..relay.chain import optimal_chunks
     from ..relay.client import RelayClient, open_lease, pull_latest_into_engine
+    from ..relay import mooncake
     from ..relay.launch import relay_command
     from ..rollout.client import SGLangClient
     from ..rollout.launcher import EngineProcess, cpu_engine_command
@@ -100,6 +147,11 @@ def main(argv=None) -> dict:
                          num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
                          num_key_value_heads=max(args.hidden // 256, 1), vocab_size=args.vocab)
     token = "bench-token"
+    use_mooncake = args.mooncake == "on" or (args.mooncake == "auto" and mooncake.available())
+    if use_mooncake:
+        mooncake.transfer_engine_class()  # a clear error now if it was asked for and is missing
+    mc_proto = "tcp" if use_mooncake else None
+    mc = {}
     init_trainer_parallel(tp=1, pp=1, seed=0)
     procs = []
     with tempfile.TemporaryDirectory(prefix="laminar-bench-sync-") as tmp:
@@ -110,13 +162,15 @@ def main(argv=None) -> dict:
             nbytes = sum(t.numel() * t.element_size() for t in reference.values())
             chunk = args.chunk_mb * 2**20 or max(2**20, nbytes // optimal_chunks(args.relays, nbytes))
             master = EngineProcess(relay_command(token, master=True, trainer_stages=1,
-                                                 chunk_bytes=chunk, relay_id="master"),
+                                                 chunk_bytes=chunk, relay_id="master",
+                                                 mooncake_protocol=mc_proto),
                                    log_path=os.path.join(tmp, "master.log"),
                                    port_key="LAMINAR_RELAY_PORT").start()
             procs.append(master)
             for i in range(1, args.relays):
                 procs.append(EngineProcess(
-                    relay_command(token, master_url=master.url, chunk_bytes=chunk, relay_id=f"r{i}"),
+                    relay_command(token, master_url=master.url, chunk_bytes=chunk, relay_id=f"r{i}",
+                                  mooncake_protocol=mc_proto),
                     log_path=os.path.join(tmp, f"r{i}.log"), port_key="LAMINAR_RELAY_PORT").start())
             last = procs[-1]
             deadline = time.time() + 60
@@ -169,6 +223,8 @@ def main(argv=None) -> dict:
 
             pulled_version, pull_s = asyncio.run(pull_into_engine())
             assert pulled_version == 3
+            if use_mooncake:
+                mc = _mooncake_pull(last.url, token, model_dir, tmp, reference, procs)
             gloo_s = gloo_broadcast_seconds(nbytes, args.relays)
         finally:
             for p in procs:
@@ -183,6 +239,10 @@ def main(argv=None) -> dict:
         "chain_s": chain_s, "chain_gbps": gb / chain_s, "pull_s": pull_s, "pull_gbps": gb / pull_s,
         "gloo_broadcast_gbps": gb / gloo_s, "memcpy_gbps": gb / host_copy_s,
         "chain_vs_gloo": (gb / chain_s) / (gb / gloo_s), "bit_exact": bool(bit_exact),
+        "mooncake_read_gbps": gb / mc["read_s"] if mc else None,
+        "mooncake_pull_gbps": gb / mc["pull_s"] if mc else None,
+        "mooncake_pull_vs_shm_pull": pull_s / mc["pull_s"] if mc else None,
+        "mooncake_bit_exact": mc.get("bit_exact"),
     }
     report(figures, args.json, {
         "trainer_blocked_s": f"{stats.blocked_s:.3f} s ({figures['blocked_vs_host_copy']:.2f}x one host copy of {gb:.2f} GB)",
@@ -194,6 +254,14 @@ def main(argv=None) -> dict:
         "memcpy_gbps": f"{figures['memcpy_gbps']:.2f} GB/s",
         "bit_exact": str(bit_exact),
     })
+    if mc:
+        report({}, None, {
+            "mooncake_read_gbps": f"{figures['mooncake_read_gbps']:.2f} GB/s read out of the last "
+                                  f"relay's memory (Mooncake TCP on loopback), bit_exact "
+                                  f"{mc['bit_exact']}",
+            "mooncake_pull_gbps": f"{figures['mooncake_pull_gbps']:.2f} GB/s into a CPU engine "
+                                  f"across \"nodes\" ({figures['mooncake_pull_vs_shm_pull']:.2f}x the "
+                                  "local shared-memory pull)"})
     return figures
 
 

@@ -111,6 +111,10 @@ class RolloutConfig:
 class WeightSyncConfig:
     bucket_mb: int = 512
     chain_chunks: Optional[int] = None  # null: from Laminar's T(p, k) model
+    # Relays also serve cross-node pulls through Mooncake's transfer engine: null (off), tcp or
+    # rdma; mooncake_device names the RDMA NIC(s), e.g. mlx5_0 (empty: auto-discover).
+    mooncake_protocol: Optional[str] = None
+    mooncake_device: str = ""
 
 
 @dataclass

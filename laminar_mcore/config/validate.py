@@ -105,6 +105,9 @@ def validate_config(cfg: DictConfig) -> None:
         problems.append("rollout.num_engines must be >= 1")
     if cfg.weight_sync.bucket_mb < 1:
         problems.append("weight_sync.bucket_mb must be >= 1")
+    if cfg.weight_sync.mooncake_protocol not in (None, "tcp", "rdma"):
+        problems.append(f"weight_sync.mooncake_protocol={cfg.weight_sync.mooncake_protocol!r} "
+                        "must be null, tcp or rdma")
     tr = cfg.trainer
     if tr.max_tokens_per_microbatch < 1:
         problems.append("trainer.max_tokens_per_microbatch must be >= 1")

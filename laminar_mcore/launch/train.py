@@ -106,7 +106,9 @@ def start_rollout_node(cfg, model_path: str, token: str, logs: str, procs: list,
     host = cfg.rollout.host
     relay = EngineProcess(relay_command(token, master=master_url is None, master_url=master_url,
                                         trainer_stages=cfg.parallel.pp, relay_id=relay_id,
-                                        host=host, chain_chunks=cfg.weight_sync.chain_chunks),
+                                        host=host, chain_chunks=cfg.weight_sync.chain_chunks,
+                                        mooncake_protocol=cfg.weight_sync.mooncake_protocol,
+                                        mooncake_device=cfg.weight_sync.mooncake_device),
                           log_path=os.path.join(logs, f"relay-{relay_id}.log"), host=host,
                           port_key="LAMINAR_RELAY_PORT")
     procs.append(relay.start())

@@ -10,6 +10,7 @@ def relay_command(token: str, *, master: bool = False, master_url: Optional[str]
                   trainer_stages: int = 1, host: str = "127.0.0.1", port: int = 0,
                   relay_id: Optional[str] = None, chunk_bytes: int = 0,
                   chain_chunks: Optional[int] = None, heartbeat_s: float = 0.5,
+                  mooncake_protocol: Optional[str] = None, mooncake_device: str = "",
                   python: str = sys.executable) -> List[str]:
     """``chunk_bytes=0`` lets the relay size chunks from Laminar's T(p, k) model (or from
     ``chain_chunks``, the ``weight_sync.chain_chunks`` config)."""
@@ -23,4 +24,8 @@ def relay_command(token: str, *, master: bool = False, master_url: Optional[str]
         cmd += ["--master-url", str(master_url)]
     if relay_id:
         cmd += ["--relay-id", relay_id]
+    if mooncake_protocol:
+        cmd += ["--mooncake-protocol", mooncake_protocol]
+        if mooncake_device:
+            cmd += ["--mooncake-device", mooncake_device]
     return cmd

@@ -5,7 +5,9 @@
 
 Owns a ``VersionStore`` in shared host memory, a TCP data port that receives pushed versions,
 a ``Forwarder`` that pushes every newer version to its downstream relay, and an HTTP control
-API: ``/pull`` (lease the newest complete version as flattened-bucket handles), ``/release``,
+API: ``/pull`` (lease the newest complete version as flattened-bucket handles: shared memory
+for local CPU engines, CUDA IPC for local SGLang engines, Mooncake transfer-engine buffers for
+pullers on other machines when started with ``--mooncake-protocol``), ``/release``,
 ``/latest``, ``/health``; on the master also ``/register``, ``/report_failure`` and ``/chain``.
 The master hosts the trainer's publish group (its own TCPStore, outside the trainer's world),
 orders the chain, watches every relay's heartbeat and rebuilds the chain around a dead one; a
@@ -57,7 +59,8 @@ class RelayServer:
                  master: bool = False, master_url: Optional[str] = None,
                  trainer_stages: int = 1, publish_port: int = 0, chunk_bytes: int = 0,
                  chain_chunks: Optional[int] = None, heartbeat_s: float = 0.5,
-                 lease_ttl_s: float = 600.0):
+                 lease_ttl_s: float = 600.0, mooncake_protocol: Optional[str] = None,
+                 mooncake_device: str = ""):
         if not token:
             raise ValueError("a relay needs the run's token (--token)")
         if master == bool(master_url):
@@ -85,6 +88,11 @@ class RelayServer:
         self.chain_rebuilds = 0
         self.publish_threads: List[threading.Thread] = []
         self.cuda_ipc = None  # a CudaIpcExporter once a GPU engine asks for CUDA IPC handles
+        self.mooncake = None  # a MooncakeExporter: cross-node pulls (--mooncake-protocol)
+        if mooncake_protocol:
+            from .mooncake import MooncakeExporter
+
+            self.mooncake = MooncakeExporter(host, mooncake_protocol, mooncake_device)
         self.app = web.Application(middlewares=[self._middleware])
         r = self.app.router
         r.add_get("/health", self.health)
@@ -117,6 +125,8 @@ class RelayServer:
             self.data_sock.close()
         except OSError:
             pass
+        if self.mooncake is not None:
+            self.mooncake.close()
         self.store.close()
 
     def _accept_loop(self) -> None:
@@ -267,6 +277,7 @@ class RelayServer:
                     "nbytes": latest.nbytes if latest else 0,
                     "receiving": sorted(s.receiving), "leases": len(s.leases),
                     "downstream": list(self.forwarder.downstream) if self.forwarder.downstream else None,
+                    "mooncake_session": self.mooncake.session if self.mooncake else None,
                     "last_push": self.forwarder.stats}
         return web.json_response(info)
 
@@ -295,10 +306,18 @@ class RelayServer:
                 self.store.release(lease_id)
                 return web.json_response({"error": f"cannot serve CUDA IPC handles: {exc}"},
                                          status=400)
+        elif fmt == "mooncake":
+            if self.mooncake is None:
+                self.store.release(lease_id)
+                return web.json_response({"error": "this relay does not serve Mooncake pulls: "
+                                                   "start it with --mooncake-protocol tcp|rdma "
+                                                   "(weight_sync.mooncake_protocol)"}, status=400)
+            buckets = await asyncio.to_thread(
+                self.mooncake.handles, [(b.shm, b.metas) for b in sv.ordered()])
         else:
             self.store.release(lease_id)
-            return web.json_response({"error": f"format {fmt!r} is not shm or sglang_cuda_ipc"},
-                                     status=400)
+            return web.json_response(
+                {"error": f"format {fmt!r} is not shm, sglang_cuda_ipc or mooncake"}, status=400)
         return web.json_response({"version": sv.version, "lease_id": lease_id, "format": fmt,
                                   "serialized_buckets": buckets, "nbytes": sv.nbytes})
 
@@ -354,6 +373,15 @@ class RelayServer:
                                   "publish_port": self.publish_port})
 
 
+def _server_from_args(args) -> RelayServer:
+    return RelayServer(token=args.token, host=args.host, relay_id=args.relay_id,
+                       master=args.master, master_url=args.master_url,
+                       trainer_stages=args.trainer_stages, publish_port=args.publish_port,
+                       chunk_bytes=args.chunk_bytes, chain_chunks=args.chain_chunks,
+                       heartbeat_s=args.heartbeat_s, mooncake_protocol=args.mooncake_protocol,
+                       mooncake_device=args.mooncake_device)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="laminar_mcore relay")
     ap.add_argument("--token", default=os.environ.get("LAMINAR_RUN_TOKEN"), help="the run's token")
@@ -368,15 +396,20 @@ def main(argv=None) -> None:
                     help="chunk size of chain pushes; 0: from Laminar's T(p, k) model")
     ap.add_argument("--chain-chunks", type=int, default=None, help="a fixed chunk count k")
     ap.add_argument("--heartbeat-s", type=float, default=0.5)
+    ap.add_argument("--mooncake-protocol", choices=["tcp", "rdma"], default=None,
+                    help="also serve cross-node pulls through Mooncake's transfer engine")
+    ap.add_argument("--mooncake-device", default="",
+                    help="RDMA NIC(s) for Mooncake, e.g. mlx5_0 (empty: auto-discover)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if not args.token:
         ap.error("--token (or LAMINAR_RUN_TOKEN) is required")
-    server = RelayServer(token=args.token, host=args.host, relay_id=args.relay_id,
-                         master=args.master, master_url=args.master_url,
-                         trainer_stages=args.trainer_stages, publish_port=args.publish_port,
-                         chunk_bytes=args.chunk_bytes, chain_chunks=args.chain_chunks,
-                         heartbeat_s=args.heartbeat_s)
+    from .mooncake import MooncakeUnavailable
+
+    try:
+        server = _server_from_args(args)
+    except (MooncakeUnavailable, ValueError) as exc:
+        ap.exit(2, f"relay: {exc}\n")
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))

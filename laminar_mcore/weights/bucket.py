@@ -101,14 +101,17 @@ def encode_handle(handle: dict) -> str:
     return base64.b64encode(json.dumps(handle).encode()).decode()
 
 
-def decode_handle(data: str) -> dict:
+def decode_handle(data: str, kind: str = "shm") -> dict:
+    """A handle from ``encode_handle``; ``kind`` is the one expected ("shm", or "mooncake" for
+    buffers read across machines)."""
     try:
         handle = json.loads(base64.b64decode(data, validate=True))
     except Exception as exc:  # noqa: BLE001 - any decoding failure is the caller's input error
         raise ValueError(f"not a laminar bucket handle (base64 JSON): {exc}") from None
-    if not isinstance(handle, dict) or handle.get("kind") != "shm":
-        raise ValueError("unsupported bucket handle: expected kind 'shm' (CUDA IPC handles are "
-                         "served to SGLang engines, not to the CPU engine)")
+    if not isinstance(handle, dict) or handle.get("kind") != kind:
+        hint = (" (CUDA IPC handles are served to SGLang engines, not to the CPU engine)"
+                if kind == "shm" else f" (pull with format={kind!r})")
+        raise ValueError(f"unsupported bucket handle: expected kind {kind!r}{hint}")
     return handle
 
 
