@@ -1,6 +1,7 @@
 """The controller's data module and the reward service."""
 
 import asyncio
+import time
 import json
 import threading
 
@@ -111,6 +112,40 @@ def test_reward_service_scores_in_a_process_pool_and_reports_failures():
 
     reward, error = asyncio.run(failing())
     assert reward is None and "TypeError" in error
+
+
+def test_a_dead_or_stuck_reward_worker_costs_only_its_own_trajectory():
+    """A verifier that kills its worker, or hangs, fails only the response it was scoring: the
+    pool is rebuilt, calls that shared the dead pool are retried and scored, later calls work,
+    and closing the service leaves no worker behind."""
+    import psutil
+
+    async def go():
+        service = RewardService("tests.workers.rewards:flaky", workers=2, timeout_s=4.0)
+        try:
+            first = await asyncio.gather(
+                service.score("slow", "slow"), service.score("die", "x"),
+                service.score("slow", "other"), service.score("hang", "x"),
+                service.score("ok", "ok"))
+            later = await asyncio.gather(*(service.score(str(i), str(i % 2)) for i in range(4)))
+            unpicklable = await service.score("1", "1", {"f": lambda: 0})
+            return first, later, service.restarts, unpicklable
+        finally:
+            service.close()
+
+    children_before = {p.pid for p in psutil.Process().children(recursive=True)}
+    first, later, restarts, unpicklable = asyncio.run(go())
+    rewards = [r for r, _ in first]
+    assert rewards[0] == 1.0 and rewards[2] == 0.0 and rewards[4] == 1.0, first
+    assert rewards[1] is None and "died 2 times" in first[1][1]
+    assert rewards[3] is None and "TimeoutError" in first[3][1] and "reward_timeout_s" in first[3][1]
+    assert [r for r, _ in later] == [1.0, 1.0, 0.0, 0.0]  # the service still works
+    assert restarts == 3  # two deaths of the crashing call, one stuck call
+    assert unpicklable[0] is None and "pickle" in unpicklable[1].lower()
+    time.sleep(0.5)
+    left = {p.pid for p in psutil.Process().children(recursive=True)} - children_before
+    assert not [p for p in left if psutil.pid_exists(p) and
+                psutil.Process(p).status() != psutil.STATUS_ZOMBIE], "reward workers left behind"
 
 
 def test_partial_pool_state_is_json_ready():

@@ -150,6 +150,9 @@ class DataConfig:
     # Dotted path of the reward function: fn(response_text, answer, **row) -> float.
     reward_fn: str = "laminar_mcore.reward.builtin:exact_match"
     reward_workers: int = 1
+    # A reward call running longer than this is abandoned (its worker killed, the trajectory
+    # discarded with reason reward_error); a worker that dies is replaced and its calls retried.
+    reward_timeout_s: float = 60.0
     # The built-in task (character tokenizer) used when train_files is empty.
     task: str = "reverse"  # reverse | addition
     digits: int = 5

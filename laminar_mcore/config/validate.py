@@ -101,6 +101,9 @@ def validate_config(cfg: DictConfig) -> None:
         problems.append("algo.n_samples_per_prompt must be >= 1")
     if cfg.algo.max_staleness is not None and cfg.algo.max_staleness < 0:
         problems.append("algo.max_staleness must be >= 0, or null for unbounded staleness")
+    if cfg.data.reward_workers < 1 or cfg.data.reward_timeout_s <= 0:
+        problems.append(f"data.reward_workers={cfg.data.reward_workers} must be >= 1 and "
+                        f"data.reward_timeout_s={cfg.data.reward_timeout_s} > 0")
     if cfg.rollout.num_engines < 1:
         problems.append("rollout.num_engines must be >= 1")
     if cfg.weight_sync.bucket_mb < 1:

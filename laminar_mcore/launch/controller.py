@@ -48,7 +48,8 @@ class Controller:
                  max_staleness: Optional[int], metrics, seed: int = 0, host: str = "127.0.0.1",
                  port: int = 0, length_fn=None, initial_state: Optional[dict] = None,
                  info: Optional[dict] = None, repack: Optional[dict] = None,
-                 pull_spec: Optional[Callable[[int], PullSpec]] = None):
+                 pull_spec: Optional[Callable[[int], PullSpec]] = None,
+                 reward_timeout_s: float = 60.0):
         """``engine_urls`` may be empty and ``relay_url`` None: on a cluster, rollout nodes
         register their relay and engines with ``POST /register`` (see launch/cluster.py);
         ``info`` (model path, trainer stages) is what ``GET /cluster`` tells the other roles.
@@ -83,7 +84,7 @@ class Controller:
         self.buffer = ExperienceBuffer(group_size=n_samples)
         self.partial = PartialResponsePool()
         self.prompts = PromptPool(rows, n_samples=n_samples, seed=seed)
-        self.reward = RewardService(reward_fn, workers=reward_workers)
+        self.reward = RewardService(reward_fn, workers=reward_workers, timeout_s=reward_timeout_s)
         self._engine_urls, self._relay_url = engine_urls, relay_url
         self._codec, self._sampling, self._capacity = codec, sampling, capacity
         self._eta = eta if mode != "laminar" else max_staleness
@@ -362,6 +363,7 @@ class Controller:
                 "max_staleness_observed": self.max_staleness_observed,
                 "engine_pulls": s.pulls if s else 0, "resumed": s.resumed if s else 0,
                 "repacked": s.repacked if s else 0, "repack_rounds": s.repack_rounds if s else 0,
+                "reward_worker_restarts": self.reward.restarts,
                 "engine_versions": ({e.name: e.version for e in self.manager.engines}
                                     if self.manager else {}),
                 "unhealthy_engines": list(s.unhealthy) if s else []}
