@@ -212,3 +212,35 @@ def test_repack_moves_long_tail_trajectories_so_freed_engines_pull(tmp_path):
         assert (torch.tensor(traj.behav_logprobs) - ref).abs().max().item() <= 1e-4
     assert manager.stats.generated == buffer.consumed + buffer.buffered + sum(buffer.discarded.values())
     assert not buffer.discarded
+
+
+def test_repack_plan_is_best_fit_within_a_version_and_respects_kv_room():
+    """Sources are draining engines down to a long tail; each goes whole to the densest engine
+    of its own version with request slots and, when engines report it, KV-cache room."""
+    from laminar_mcore.data.pools import PartialResponse
+
+    def engine(name, version, n, tokens_each, capacity=8, draining=True):
+        e = EngineHandle(name, None, None, version=version, capacity=capacity, draining=draining)
+        for k in range(n):
+            e.in_flight[f"{name}-{k}"] = PartialResponse(
+                f"{name}-{k}", "g", [1] * 10, name, version, output_ids=[2] * (tokens_each - 10))
+        return e
+
+    a, b, c = engine("a", 0, 1, 500), engine("b", 0, 2, 400), engine("c", 0, 2, 100)
+    other = engine("v1", 1, 1, 100)  # another version: never mixed in
+    busy = engine("busy", 0, 6, 100, draining=False)  # still taking work: not a tail
+    manager = RolloutManager([a, b, c, other, busy], PromptPool([{"prompt": "x"}], n_samples=1),
+                             PartialResponsePool(), ExperienceBuffer(group_size=1), score=_score,
+                             encode_prompt=lambda r: [1], decode=str, sampling={},
+                             trainer_version=lambda: 0, batch_trajectories=1, repack=True)
+    # by request slots alone: a (1 in flight) goes to b (densest, first), then c joins b too
+    plan = manager.plan_repack()
+    assert [(s.name, d.name, rids) for s, d, rids in plan] == [
+        ("a", "b", ["a-0"]), ("c", "b", ["c-0", "c-1"])]
+    # with KV room reported: c (300 free) cannot take a's 500 tokens, b (1000 free) can; then
+    # b has 500 left, enough for c's 200
+    plan = manager.plan_repack({"a": 0, "b": 1000, "c": 300})
+    assert [(s.name, d.name) for s, d, _ in plan] == [("a", "b"), ("c", "b")]
+    plan = manager.plan_repack({"a": 0, "b": 600, "c": 300})  # b full after a: c stays
+    assert [(s.name, d.name) for s, d, _ in plan] == [("a", "b")]
+    assert manager.plan_repack({"a": 0, "b": 100, "c": 100}) == []  # no room anywhere

@@ -237,8 +237,12 @@ class SGLangClient:
         if isinstance(raw, list):
             raw = raw[0] if raw else {}
         cap = int(raw.get("kv_capacity_tokens", raw.get("max_total_num_tokens", 0)) or 0)
-        used = int(raw.get("kv_used_tokens", raw.get("num_used_tokens", 0)) or 0)
-        util = float(raw.get("kv_utilization", raw.get("token_usage", used / cap if cap else 0.0)))
+        used = raw.get("kv_used_tokens", raw.get("num_used_tokens"))
+        util = raw.get("kv_utilization", raw.get("token_usage"))
+        if used is None:  # only a utilisation fraction reported
+            used = round(float(util or 0.0) * cap)
+        used = int(used)
+        util = float(util) if util is not None else (used / cap if cap else 0.0)
         return EngineLoad(num_running=int(raw.get("num_running_reqs", raw.get("num_reqs", 0))),
                           num_waiting=int(raw.get("num_waiting_reqs", 0)), kv_utilization=util,
                           kv_used_tokens=used, kv_capacity_tokens=cap,

@@ -302,19 +302,29 @@ class RolloutManager:
     def _repack_limit(self, engine: EngineHandle) -> int:
         return self.repack_max_requests or max(1, engine.capacity // 4)
 
-    def plan_repack(self) -> List[tuple]:
+    def _tail_engines(self) -> List[EngineHandle]:
+        return [e for e in self.engines
+                if e.healthy and e.draining and 0 < len(e.in_flight) <= self._repack_limit(e)]
+
+    def plan_repack(self, kv_free: Optional[Dict[str, int]] = None) -> List[tuple]:
         """[(source, destination, [rids])]: per weight version, the engines that wait on a few
         long trajectories (draining, 0 < in flight <= the threshold) give them to the most
-        densely packed engine of that version that has room for all of them (best fit)."""
+        densely packed engine of that version that has room for all of them (best fit).
+        ``kv_free`` (engine name -> free KV-cache tokens, as the engines report them) also
+        requires the destination's KV cache to hold the moved trajectories' tokens, so a move
+        never makes an engine retract or queue requests; engines missing from it are judged by
+        request slots alone."""
         moves = []
         by_version: Dict[int, List[EngineHandle]] = {}
-        for e in self.engines:
-            if e.healthy and e.draining and 0 < len(e.in_flight) <= self._repack_limit(e):
-                by_version.setdefault(e.version, []).append(e)
+        for e in self._tail_engines():
+            by_version.setdefault(e.version, []).append(e)
+        free = dict(kv_free or {})
         for version, tails in by_version.items():
             if len(tails) < 2:
                 continue
             load = {e.name: len(e.in_flight) for e in tails}
+            tokens = {e.name: sum(len(i.prompt_ids) + len(i.output_ids)
+                                  for i in e.in_flight.values()) for e in tails}
             emptied = set()
             # sources: the least loaded first; destinations: the densest first (best fit)
             for src in sorted(tails, key=lambda e: load[e.name]):
@@ -322,18 +332,32 @@ class RolloutManager:
                 if n == 0 or src.name in emptied:
                     continue
                 fits = [d for d in tails if d is not src and d.name not in emptied
-                        and load[d.name] >= n and d.capacity - load[d.name] >= n]
+                        and load[d.name] >= n and d.capacity - load[d.name] >= n
+                        and free.get(d.name, tokens[src.name]) >= tokens[src.name]]
                 if not fits:
                     continue
                 dest = min(fits, key=lambda d: d.capacity - load[d.name] - n)
                 moves.append((src, dest, list(src.in_flight)))
                 load[dest.name] += n
                 load[src.name] = 0
+                if dest.name in free:
+                    free[dest.name] -= tokens[src.name]
+                tokens[dest.name] += tokens[src.name]
                 emptied.add(src.name)
         return moves
 
+    async def _kv_free(self) -> Dict[str, int]:
+        """Free KV-cache tokens of the engines that could take part in a repack."""
+        tails = self._tail_engines()
+        if len(tails) < 2:
+            return {}
+        loads = await asyncio.gather(*(e.client.get_load() for e in tails), return_exceptions=True)
+        return {e.name: load.kv_capacity_tokens - load.kv_used_tokens
+                for e, load in zip(tails, loads)
+                if not isinstance(load, BaseException) and load.kv_capacity_tokens > 0}
+
     async def _repack_once(self) -> int:
-        moves = self.plan_repack()
+        moves = self.plan_repack(await self._kv_free())
         moved = 0
         for src, dest, rids in moves:
             for rid in rids:
