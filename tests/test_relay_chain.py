@@ -231,3 +231,16 @@ def test_cuda_ipc_pull_is_refused_clearly_without_a_gpu(tmp_path):
         if publishes is not None:
             publishes.close()
         master.stop()
+
+
+def test_nccl_publish_without_a_gpu_is_refused_before_serving():
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    out = subprocess.run([sys.executable, "-m", "laminar_mcore.relay", "--token", TOKEN, "--master",
+                          "--publish-backend", "nccl"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "needs a GPU" in out.stderr and "--publish-backend gloo" in out.stderr
+    assert "LAMINAR_RELAY_PORT" not in out.stdout

@@ -111,6 +111,9 @@ class RolloutConfig:
 class WeightSyncConfig:
     bucket_mb: int = 512
     chain_chunks: Optional[int] = None  # null: from Laminar's T(p, k) model
+    # Trainer -> master relay transport: auto (NCCL when the relay's machine has a GPU, else
+    # gloo), nccl or gloo. The relay announces it; trainers follow.
+    publish_backend: str = "auto"
     # Relays also serve cross-node pulls through Mooncake's transfer engine: null (off), tcp or
     # rdma; mooncake_device names the RDMA NIC(s), e.g. mlx5_0 (empty: auto-discover).
     mooncake_protocol: Optional[str] = None

@@ -108,6 +108,9 @@ def validate_config(cfg: DictConfig) -> None:
         problems.append("rollout.num_engines must be >= 1")
     if cfg.weight_sync.bucket_mb < 1:
         problems.append("weight_sync.bucket_mb must be >= 1")
+    if cfg.weight_sync.publish_backend not in ("auto", "gloo", "nccl"):
+        problems.append(f"weight_sync.publish_backend={cfg.weight_sync.publish_backend!r} must be "
+                        "auto, gloo or nccl")
     if cfg.weight_sync.mooncake_protocol not in (None, "tcp", "rdma"):
         problems.append(f"weight_sync.mooncake_protocol={cfg.weight_sync.mooncake_protocol!r} "
                         "must be null, tcp or rdma")

@@ -279,20 +279,12 @@ class Forwarder:
 
 
 # ---------------------------------------------------------------------- trainer -> master relay
-def publish_header_tensors(header: dict) -> Tuple[torch.Tensor, torch.Tensor]:
-    data = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
-    return torch.tensor([data.numel()], dtype=torch.int64), data
-
-
-def receive_publishes(pg, src: int, store: VersionStore, stop: threading.Event,
+def receive_publishes(channel, store: VersionStore, stop: threading.Event,
                       on_version: Callable[[int], None]) -> None:
-    """Master relay: receive buckets from trainer stage lead ``src`` until ``stop``."""
+    """Master relay: receive buckets from one trainer stage lead over its publish ``channel``
+    (a ``weights.transport.Channel``) until the trainer closes it or ``stop``."""
     while not stop.is_set():
-        length = torch.zeros(1, dtype=torch.int64)
-        pg.recv([length], src, 0).wait()
-        raw = torch.empty(int(length.item()), dtype=torch.uint8)
-        pg.recv([raw], src, 0).wait()
-        header = json.loads(bytes(raw.numpy()))
+        header = channel.recv_header()
         if header.get("type") == "close":
             return
         version, stage = int(header["version"]), int(header["stage"])
@@ -304,13 +296,13 @@ def receive_publishes(pg, src: int, store: VersionStore, stop: threading.Event,
         if sv is None:
             sink = torch.empty(min(nbytes, chunk), dtype=torch.uint8)
             for start in range(0, nbytes, chunk):
-                pg.recv([sink[:min(chunk, nbytes - start)]], src, 0).wait()
+                channel.recv_into(sink[:min(chunk, nbytes - start)])
             continue
         bucket = store.add_bucket(sv, (stage, int(header["index"])), nbytes,
                                   _metas(header["metas"]), bool(header["last_of_stage"]))
         for start in range(0, nbytes, chunk):
             end = min(nbytes, start + chunk)
-            pg.recv([bucket.shm.buffer[start:end]], src, 0).wait()
+            channel.recv_into(bucket.shm.buffer[start:end])
             store.progress(sv, bucket, end)
         if store.try_complete(sv):
             on_version(version)

@@ -11,7 +11,7 @@ def relay_command(token: str, *, master: bool = False, master_url: Optional[str]
                   relay_id: Optional[str] = None, chunk_bytes: int = 0,
                   chain_chunks: Optional[int] = None, heartbeat_s: float = 0.5,
                   mooncake_protocol: Optional[str] = None, mooncake_device: str = "",
-                  python: str = sys.executable) -> List[str]:
+                  publish_backend: str = "auto", python: str = sys.executable) -> List[str]:
     """``chunk_bytes=0`` lets the relay size chunks from Laminar's T(p, k) model (or from
     ``chain_chunks``, the ``weight_sync.chain_chunks`` config)."""
     cmd = [python, "-m", "laminar_mcore.relay", "--token", token, "--host", host, "--port",
@@ -19,7 +19,8 @@ def relay_command(token: str, *, master: bool = False, master_url: Optional[str]
     if chain_chunks:
         cmd += ["--chain-chunks", str(chain_chunks)]
     if master:
-        cmd += ["--master", "--trainer-stages", str(trainer_stages)]
+        cmd += ["--master", "--trainer-stages", str(trainer_stages),
+                "--publish-backend", publish_backend]
     else:
         cmd += ["--master-url", str(master_url)]
     if relay_id:

@@ -32,14 +32,15 @@ import uuid
 from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple
 
+import torch
 from aiohttp import web
 
 from ..weights.bucket import encode_handle
+from ..weights.transport import Channel, announce_backend, resolve_backend, stage_group
 from .chain import Forwarder, receive_publishes, serve_push
 from .store import VersionStore
 
 logger = logging.getLogger("laminar_mcore.relay")
-PUBLISH_GROUP_PREFIX = "laminar-publish"
 
 
 def _http(method: str, url: str, body: Optional[dict] = None, token: Optional[str] = None,
@@ -60,7 +61,8 @@ class RelayServer:
                  trainer_stages: int = 1, publish_port: int = 0, chunk_bytes: int = 0,
                  chain_chunks: Optional[int] = None, heartbeat_s: float = 0.5,
                  lease_ttl_s: float = 600.0, mooncake_protocol: Optional[str] = None,
-                 mooncake_device: str = ""):
+                 mooncake_device: str = "", publish_backend: str = "auto",
+                 publish_device: str = "cuda:0"):
         if not token:
             raise ValueError("a relay needs the run's token (--token)")
         if master == bool(master_url):
@@ -72,6 +74,9 @@ class RelayServer:
         self.master_url = master_url
         self.trainer_stages = trainer_stages
         self.publish_port = publish_port
+        # the trainer -> master relay backend: NCCL where this relay has a GPU (auto), else gloo
+        self.publish_backend = resolve_backend(publish_backend) if master else None
+        self.publish_device = publish_device
         self.heartbeat_s = heartbeat_s
         self.store = VersionStore(lease_ttl_s=lease_ttl_s)
         self.forwarder = Forwarder(self.store, chunk_bytes or None, self._downstream_failed,
@@ -151,23 +156,28 @@ class RelayServer:
         world = 1 + self.trainer_stages
         store = dist.TCPStore(self.host, self.publish_port, world, is_master=True,
                               timeout=datetime.timedelta(days=30), wait_for_workers=False)
+        announce_backend(store, self.publish_backend)
         self.publish_port = store.port
         print(f"LAMINAR_RELAY_PUBLISH_PORT={self.publish_port}", flush=True)
-        pg = dist.ProcessGroupGloo(dist.PrefixStore(PUBLISH_GROUP_PREFIX, store), 0, world,
-                                   datetime.timedelta(days=30))
-        logger.info("trainer publish group formed (%d stages)", self.trainer_stages)
-        for src in range(1, world):
-            t = threading.Thread(target=self._receive_stage, args=(pg, src), daemon=True)
+        for stage in range(self.trainer_stages):
+            t = threading.Thread(target=self._receive_stage, args=(store, stage), daemon=True)
             t.start()
             self.publish_threads.append(t)
 
-    def _receive_stage(self, pg, src: int) -> None:
+    def _receive_stage(self, store, stage: int) -> None:
+        """One trainer stage's publish stream, over that stage's own two-rank group."""
         try:
-            receive_publishes(pg, src, self.store, self.stop_event,
+            pg = stage_group(store, stage, 0, self.publish_backend, datetime.timedelta(days=30))
+            logger.info("publish group of trainer stage %d formed (%s)", stage,
+                        self.publish_backend)
+            channel = Channel(pg, 1, self.publish_backend, 8 * 2**20,
+                              device=torch.device(self.publish_device)
+                              if self.publish_backend == "nccl" else None)
+            receive_publishes(channel, self.store, self.stop_event,
                               lambda v: logger.info("version %d complete", v))
         except Exception as exc:  # noqa: BLE001 - the trainer went away
             if not self.stop_event.is_set():
-                logger.warning("publish stream from stage %d ended: %s", src - 1, exc)
+                logger.warning("publish stream from stage %d ended: %s", stage, exc)
 
     # ------------------------------------------------------------------ chain management
     def _downstream_failed(self, data_addr: str) -> None:
@@ -379,7 +389,8 @@ def _server_from_args(args) -> RelayServer:
                        trainer_stages=args.trainer_stages, publish_port=args.publish_port,
                        chunk_bytes=args.chunk_bytes, chain_chunks=args.chain_chunks,
                        heartbeat_s=args.heartbeat_s, mooncake_protocol=args.mooncake_protocol,
-                       mooncake_device=args.mooncake_device)
+                       mooncake_device=args.mooncake_device,
+                       publish_backend=args.publish_backend, publish_device=args.publish_device)
 
 
 def main(argv=None) -> None:
@@ -396,6 +407,10 @@ def main(argv=None) -> None:
                     help="chunk size of chain pushes; 0: from Laminar's T(p, k) model")
     ap.add_argument("--chain-chunks", type=int, default=None, help="a fixed chunk count k")
     ap.add_argument("--heartbeat-s", type=float, default=0.5)
+    ap.add_argument("--publish-backend", choices=["auto", "gloo", "nccl"], default="auto",
+                    help="trainer -> master relay transport: auto = NCCL if this machine has a GPU")
+    ap.add_argument("--publish-device", default="cuda:0",
+                    help="the GPU that stages NCCL publishes on the master relay")
     ap.add_argument("--mooncake-protocol", choices=["tcp", "rdma"], default=None,
                     help="also serve cross-node pulls through Mooncake's transfer engine")
     ap.add_argument("--mooncake-device", default="",

@@ -2,13 +2,14 @@
 
 ``WeightPublisher.publish(version)`` exports this rank's pipeline stage into host buckets (the
 only part the trainer waits for) and hands them to a sender thread that streams them to the
-master relay over a dedicated ``torch.distributed`` group with its own store -- outside the
-trainer's world -- while training goes on. The trainer's blocked time therefore does not depend
+master relay over a dedicated two-rank ``torch.distributed`` group per stage on the relay's
+store -- outside the trainer's world, NCCL or gloo as the relay announces (see
+``weights.transport``) -- while training goes on. The trainer's blocked time therefore does not depend
 on how many relays or engines exist. Invariant: a publish first waits for the previous one's
 send to finish, since the host buckets are reused.
 
 Roles: every rank of a stage's tensor-parallel group (data-parallel rank 0) takes part in the
-gathers; the stage lead (TP rank 0) also sends. Group ranks: relay 0, stage s -> s + 1.
+gathers; the stage lead (TP rank 0) also sends (rank 1 of its stage's group; the relay is 0).
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ from typing import Optional
 import torch
 
 from .export import BucketPacker, iter_stage_hf_tensors
-
-PUBLISH_GROUP_PREFIX = "laminar-publish"
+from .transport import Channel, announced_backend, stage_group
 
 
 @dataclass
@@ -52,6 +52,8 @@ class WeightPublisher:
         self.is_lead = self.exports and ps.get_tensor_model_parallel_rank() == 0
         self.packer = BucketPacker(bucket_bytes, dtype=dtype, pin_memory=torch.cuda.is_available())
         self.pg = None
+        self.channel: Optional[Channel] = None
+        self.backend: Optional[str] = None
         self.error: Optional[BaseException] = None
         self._queue: "queue.Queue" = queue.Queue()
         self._idle = threading.Event()
@@ -60,11 +62,16 @@ class WeightPublisher:
         if self.is_lead:
             import torch.distributed as dist
 
+            timeout = datetime.timedelta(seconds=timeout_s)
             store = dist.TCPStore(relay_host, publish_port, 1 + self.num_stages, is_master=False,
-                                  timeout=datetime.timedelta(seconds=timeout_s))
-            self.pg = dist.ProcessGroupGloo(dist.PrefixStore(PUBLISH_GROUP_PREFIX, store),
-                                            1 + self.stage, 1 + self.num_stages,
-                                            datetime.timedelta(seconds=timeout_s))
+                                  timeout=timeout)
+            self.backend = announced_backend(store)
+            if self.backend == "nccl" and not torch.cuda.is_available():
+                raise RuntimeError("the master relay publishes over NCCL but this trainer has no "
+                                   "GPU: start the relay with --publish-backend gloo "
+                                   "(weight_sync.publish_backend=gloo)")
+            self.pg = stage_group(store, self.stage, 1, self.backend, timeout)
+            self.channel = Channel(self.pg, 0, self.backend, chunk_bytes)
             self._sender = threading.Thread(target=self._send_loop, name="laminar-publisher",
                                             daemon=True)
             self._sender.start()
@@ -109,31 +116,31 @@ class WeightPublisher:
         self._queue.put((header, bucket.buffer))
 
     def _send_loop(self) -> None:
-        from ..relay.chain import publish_header_tensors
-
         while True:
             item = self._queue.get()
             if item == "close":
-                header = {"type": "close"}
-                length, data = publish_header_tensors(header)
                 try:
-                    self.pg.send([length], 0, 0).wait()
-                    self.pg.send([data], 0, 0).wait()
+                    self.channel.send_header({"type": "close"})
+                    self.channel.flush()
                 except Exception:  # noqa: BLE001 - the relay may be gone at shutdown
                     pass
                 return
             if item is None:
+                try:
+                    self.channel.flush()
+                except Exception as exc:  # noqa: BLE001 - surfaced by the next publish / wait
+                    self.error = exc
                 self._idle.set()
+                if self.error is not None:
+                    return
                 continue
             header, buffer = item
             start = time.perf_counter()
             try:
-                length, data = publish_header_tensors(header)
-                self.pg.send([length], 0, 0).wait()
-                self.pg.send([data], 0, 0).wait()
+                self.channel.send_header(header)
                 for off in range(0, header["nbytes"], self.chunk_bytes):
                     end = min(header["nbytes"], off + self.chunk_bytes)
-                    self.pg.send([buffer[off:end]], 0, 0).wait()
+                    self.channel.send(buffer[off:end])
             except Exception as exc:  # noqa: BLE001 - surfaced by the next publish / wait
                 self.error = exc
                 self._idle.set()
