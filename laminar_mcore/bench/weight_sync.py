@@ -7,8 +7,9 @@ In one run: a one-process trainer publishes a Megatron-Core model to a chain of 
 end-to-end GB/s until the last relay holds the version, the GB/s of an engine pulling it from
 its relay (the CPU engine, ``update_weights_from_tensor``), and, for calibration, one host copy
 of the same bytes (memcpy) and a raw gloo broadcast of them to as many processes as relays.
-The third publish is the one measured: the first two allocate every host and shared-memory
-buffer (a relay keeps the newest version and the one arriving), later ones reuse them.
+The first two publishes allocate every host and shared-memory buffer (a relay keeps the newest
+version and the one arriving); the next ``--repeats`` reuse them and are measured, and the
+trainer-blocked, chain and host-copy figures are medians (the machines are noisy).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import datetime
 import json
 import multiprocessing as mp
 import os
+import statistics
 import tempfile
 import time
 import urllib.request
@@ -26,7 +28,7 @@ import urllib.request
 import torch
 
 
-def _gloo_receiver(port: int, rank: int, world: int, nbytes: int) -> None:
+def _gloo_receiver(port: int, rank: int, world: int, nbytes: int, repeats: int) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -34,12 +36,13 @@ def _gloo_receiver(port: int, rank: int, world: int, nbytes: int) -> None:
                           timeout=datetime.timedelta(seconds=120))
     pg = dist.ProcessGroupGloo(dist.PrefixStore("bench", store), rank, world)
     buf = torch.empty(nbytes, dtype=torch.uint8)
-    for _ in range(2):  # warm-up, then measured
+    for _ in range(1 + repeats):  # warm-up, then measured
         pg.broadcast(buf, 0).wait()
         pg.barrier().wait()
 
 
-def gloo_broadcast_seconds(nbytes: int, receivers: int) -> float:
+def gloo_broadcast_seconds(nbytes: int, receivers: int, repeats: int = 1) -> float:
+    """Median seconds of a raw gloo broadcast of ``nbytes`` to ``receivers`` processes."""
     import torch.distributed as dist
 
     from ..netutil import free_port
@@ -48,7 +51,8 @@ def gloo_broadcast_seconds(nbytes: int, receivers: int) -> float:
     store = dist.TCPStore("127.0.0.1", port, world, is_master=True,
                           timeout=datetime.timedelta(seconds=120), wait_for_workers=False)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_gloo_receiver, args=(port, r, world, nbytes)) for r in range(1, world)]
+    procs = [ctx.Process(target=_gloo_receiver, args=(port, r, world, nbytes, repeats))
+             for r in range(1, world)]
     for p in procs:
         p.start()
     try:
@@ -56,10 +60,13 @@ def gloo_broadcast_seconds(nbytes: int, receivers: int) -> float:
         buf = torch.ones(nbytes, dtype=torch.uint8)
         pg.broadcast(buf, 0).wait()
         pg.barrier().wait()
-        start = time.perf_counter()
-        pg.broadcast(buf, 0).wait()
-        pg.barrier().wait()
-        return time.perf_counter() - start
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            pg.broadcast(buf, 0).wait()
+            pg.barrier().wait()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
     finally:
         for p in procs:
             p.join(timeout=60)
@@ -67,7 +74,8 @@ def gloo_broadcast_seconds(nbytes: int, receivers: int) -> float:
                 p.kill()
 
 
-def _mooncake_pull(relay_url: str, token: str, model_dir: str, tmp: str, reference, procs) -> dict:
+def _mooncake_pull(relay_url: str, token: str, model_dir: str, tmp: str, reference, procs,
+                   final_version: int) -> dict:
     """A puller on "another machine": read the leased buckets through Mooncake (timed alone,
     checked bit for bit), then a full pull into a second CPU engine."""
     from ..relay.client import RelayClient
@@ -101,7 +109,7 @@ def _mooncake_pull(relay_url: str, token: str, model_dir: str, tmp: str, referen
             t = time.perf_counter()
             version = await pull_remote_into_engine(relay, eng, 0, reader)
             pull_s = time.perf_counter() - t
-            assert version == 3
+            assert version == final_version
             return {"read_s": read_s, "pull_s": pull_s, "bit_exact": bool(exact)}
 
     try:
@@ -123,6 +131,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--relays", type=int, default=3, help="relays in the chain, master included")
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--chunk-mb", type=int, default=0, help="0: from Laminar's T(p, k) model")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="measured publishes (after two that allocate buffers) and host copies; "
+                         "the figures are their medians")
     ap.add_argument("--mooncake", choices=["auto", "on", "off"], default="auto",
                     help="also measure a cross-node pull through Mooncake's transfer engine (TCP) "
                          "from the last relay; auto: when Mooncake is installed")
@@ -181,22 +192,29 @@ def main(argv=None) -> dict:
             port = int(master.wait_printed("LAMINAR_RELAY_PUBLISH_PORT"))
             publisher = WeightPublisher(model, cfg, relay_host="127.0.0.1", publish_port=port,
                                         bucket_bytes=args.bucket_mb * 2**20, chunk_bytes=chunk)
-            stats = None
-            for version in (1, 2, 3):  # the first two allocate every buffer; the third is measured
+            blocked, chains = [], []
+            final_version = 2 + args.repeats
+            for version in range(1, final_version + 1):  # 1, 2 allocate every buffer
                 start = time.perf_counter()
                 stats = publisher.publish(version)
                 while _latest(last.url)["version"] != version:
                     time.sleep(0.002)
-                chain_s = time.perf_counter() - start
+                if version > 2:
+                    chains.append(time.perf_counter() - start)
+                    blocked.append(stats.blocked_s)
                 publisher.wait()
             publisher.close()
+            blocked_s, chain_s = statistics.median(blocked), statistics.median(chains)
 
             src = torch.ones(nbytes, dtype=torch.uint8)
             dst = torch.empty_like(src)
             dst.copy_(src)
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            host_copy_s = time.perf_counter() - t0
+            copies = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                copies.append(time.perf_counter() - t0)
+            host_copy_s = statistics.median(copies)
             del src, dst
 
             async def pulled():
@@ -222,10 +240,10 @@ def main(argv=None) -> dict:
                     return version, time.perf_counter() - t
 
             pulled_version, pull_s = asyncio.run(pull_into_engine())
-            assert pulled_version == 3
+            assert pulled_version == final_version
             if use_mooncake:
-                mc = _mooncake_pull(last.url, token, model_dir, tmp, reference, procs)
-            gloo_s = gloo_broadcast_seconds(nbytes, args.relays)
+                mc = _mooncake_pull(last.url, token, model_dir, tmp, reference, procs, final_version)
+            gloo_s = gloo_broadcast_seconds(nbytes, args.relays, args.repeats)
         finally:
             for p in procs:
                 p.stop()
@@ -234,8 +252,8 @@ def main(argv=None) -> dict:
     gb = nbytes / 1e9
     figures = {
         "bytes": nbytes, "relays": args.relays, "chunk_bytes": chunk,
-        "trainer_blocked_s": stats.blocked_s, "host_copy_s": host_copy_s,
-        "blocked_vs_host_copy": stats.blocked_s / host_copy_s,
+        "trainer_blocked_s": blocked_s, "host_copy_s": host_copy_s,
+        "blocked_vs_host_copy": blocked_s / host_copy_s,
         "chain_s": chain_s, "chain_gbps": gb / chain_s, "pull_s": pull_s, "pull_gbps": gb / pull_s,
         "gloo_broadcast_gbps": gb / gloo_s, "memcpy_gbps": gb / host_copy_s,
         "chain_vs_gloo": (gb / chain_s) / (gb / gloo_s), "bit_exact": bool(bit_exact),
@@ -245,7 +263,7 @@ def main(argv=None) -> dict:
         "mooncake_bit_exact": mc.get("bit_exact"),
     }
     report(figures, args.json, {
-        "trainer_blocked_s": f"{stats.blocked_s:.3f} s ({figures['blocked_vs_host_copy']:.2f}x one host copy of {gb:.2f} GB)",
+        "trainer_blocked_s": f"{blocked_s:.3f} s ({figures['blocked_vs_host_copy']:.2f}x one host copy of {gb:.2f} GB)",
         "host_copy_s": f"{host_copy_s:.3f} s",
         "chain_gbps": f"{figures['chain_gbps']:.2f} GB/s to relay {args.relays} of {args.relays} "
                       f"({figures['chain_vs_gloo']:.2f}x raw gloo broadcast)",
