@@ -113,3 +113,29 @@ def test_laminar_chunk_model():
     assert abs(k - best) <= 1
     assert optimal_chunks(1, M) == 1  # a single hop gains nothing from chunking
     assert chain_time(4, M, k, t_byte, t_start) < chain_time(4, M, 1, t_byte, t_start) / 2
+
+
+def test_a_version_being_forwarded_keeps_its_buffers_while_newer_ones_complete():
+    """A forwarder pushing version 1 down a slow chain pins it: versions 2..5 complete meanwhile
+    (version 1 retires) and none of them is written into version 1's buffers."""
+    store = VersionStore()
+    try:
+        v1 = _fill(store, 1, 1.0)
+        store.try_complete(v1)
+        store.pin(v1)
+        pinned = {b.shm.path for b in v1.buckets.values()}
+        for version in range(2, 6):
+            sv = _fill(store, version, float(version))
+            assert not pinned & {b.shm.path for b in sv.buckets.values()}
+            assert store.try_complete(sv)
+        data = read_bucket(v1.ordered()[0].shm.buffer, v1.ordered()[0].metas)
+        assert torch.equal(data["s0.w"], torch.full((8, 4), 1.0))  # still version 1's bytes
+        store.unpin(v1)
+        reused = set()
+        for version in range(6, 9):  # once unpinned, its buffers are recycled
+            sv = _fill(store, version, float(version))
+            reused |= pinned & {b.shm.path for b in sv.buckets.values()}
+            store.try_complete(sv)
+        assert reused
+    finally:
+        store.close()

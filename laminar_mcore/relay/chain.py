@@ -256,6 +256,7 @@ class Forwarder:
             if sv is None or target is None:
                 continue
             abort = lambda: self._stop.is_set() or self._generation != generation  # noqa: E731
+            self.store.pin(sv)  # newer versions may complete meanwhile: keep sv's bytes intact
             try:
                 start = time.perf_counter()
                 with socket.create_connection(target, timeout=30) as sock:
@@ -276,6 +277,8 @@ class Forwarder:
                 logger.warning("push of version %d to %s failed: %s", sv.version, target, exc)
                 self.on_failure(f"{target[0]}:{target[1]}")
                 self._stop.wait(0.5)
+            finally:
+                self.store.unpin(sv)
 
 
 # ---------------------------------------------------------------------- trainer -> master relay

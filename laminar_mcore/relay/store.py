@@ -2,8 +2,9 @@
 
 Invariants (each tested):
   * pullers only ever see a *complete* version, and a lease pins exactly one version;
-  * a buffer is never overwritten while a lease holds it: a new version is written into fresh
-    buffers or into buffers of a retired version that no lease holds any more;
+  * a buffer is never overwritten while a lease holds it (or a forwarder pushing it pins it): a
+    new version is written into fresh buffers or into buffers of a retired version that nobody
+    holds any more;
   * versions only increase: a version at or below the latest complete one is refused.
 
 Buckets are keyed by (pipeline stage, index within the stage). Writers report progress in bytes
@@ -178,6 +179,17 @@ class VersionStore:
             self.latest.leases += 1
             self.leases[lease_id] = (self.latest, time.time() + (ttl_s or self.lease_ttl_s))
             return lease_id, self.latest
+
+    def pin(self, sv: StoredVersion) -> None:
+        """Keep ``sv``'s buffers from being recycled (a forwarder pushing it down the chain
+        while newer versions arrive) until ``unpin``."""
+        with self.cond:
+            sv.leases += 1
+
+    def unpin(self, sv: StoredVersion) -> None:
+        with self.cond:
+            sv.leases -= 1
+            self._recycle()
 
     def release(self, lease_id: str) -> bool:
         with self.cond:
