@@ -134,7 +134,7 @@ def test_repack_moves_long_tail_trajectories_so_freed_engines_pull(tmp_path):
     starts fresh work while the long ones finish on version 0 -- each still from one version,
     with the tokens generated before the move kept."""
     from laminar_mcore.parallel import destroy_trainer_parallel, init_trainer_parallel
-    from laminar_mcore.trainer.model import build_gpt_model, load_full_state
+    from laminar_mcore.trainer.model import build_gpt_model
     from laminar_mcore.weights.publisher import WeightPublisher
 
     cfg = tiny_hf_config("qwen2", max_position_embeddings=4096)

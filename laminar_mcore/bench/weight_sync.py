@@ -74,6 +74,11 @@ def gloo_broadcast_seconds(nbytes: int, receivers: int, repeats: int = 1) -> flo
                 p.kill()
 
 
+def _bit_exact(named, reference) -> bool:
+    return set(named) == set(reference) and all(torch.equal(named[k], reference[k])
+                                                for k in reference)
+
+
 def _mooncake_pull(relay_url: str, token: str, model_dir: str, tmp: str, reference, procs,
                    final_version: int) -> dict:
     """A puller on "another machine": read the leased buckets through Mooncake (timed alone,
@@ -101,8 +106,7 @@ def _mooncake_pull(relay_url: str, token: str, model_dir: str, tmp: str, referen
             named = {}
             for shm, metas in local:
                 named.update(read_bucket(shm.buffer, metas))
-            exact = set(named) == set(reference) and all(
-                torch.equal(named[k], reference[k]) for k in reference)
+            exact = _bit_exact(named, reference)
             del named
             for shm, _ in local:
                 reader.give_back(shm)
@@ -221,8 +225,7 @@ def main(argv=None) -> dict:
                 async with RelayClient(last.url, token) as relay:
                     lease = await relay.lease()
                     with open_lease(lease) as named:
-                        exact = set(named) == set(reference) and all(
-                            torch.equal(named[k], reference[k]) for k in reference)
+                        exact = _bit_exact(named, reference)
                     await relay.release(lease)
                     return exact
 

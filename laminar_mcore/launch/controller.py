@@ -20,7 +20,6 @@ from typing import Callable, List, Optional
 from aiohttp import web
 
 from ..data.pools import ExperienceBuffer, PartialResponsePool, PromptPool
-from ..data.trajectory import Trajectory
 from ..relay.client import PullSpec, RelayClient
 from ..reward import RewardService
 from ..rollout.client import SGLangClient

@@ -15,7 +15,6 @@ import asyncio
 import json
 import os
 import secrets
-import shutil
 import time
 from typing import List, Optional
 

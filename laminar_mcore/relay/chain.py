@@ -22,7 +22,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from ..weights.bucket import TensorMeta
+from ..weights.bucket import metas_from_dicts
 from .store import BusyError, StoredBucket, StoredVersion, VersionError, VersionStore
 
 logger = logging.getLogger(__name__)
@@ -81,11 +81,6 @@ def _np_view(bucket: StoredBucket):
     return bucket.shm.buffer.numpy()
 
 
-def _metas(raw) -> list:
-    return [TensorMeta(m["name"], m["dtype"], tuple(m["shape"]), int(m["offset"]), int(m["nbytes"]))
-            for m in raw]
-
-
 def _meta_dicts(metas) -> list:
     return [{"name": m.name, "dtype": m.dtype, "shape": list(m.shape), "offset": m.offset,
              "nbytes": m.nbytes} for m in metas]
@@ -113,7 +108,7 @@ def serve_push(conn: socket.socket, store: VersionStore, owner: str) -> Optional
             kind = frame.get("type")
             if kind == "bucket":
                 key = tuple(frame["key"])
-                buckets[key] = store.add_bucket(sv, key, int(frame["nbytes"]), _metas(frame["metas"]),
+                buckets[key] = store.add_bucket(sv, key, int(frame["nbytes"]), metas_from_dicts(frame["metas"]),
                                                 bool(frame["last_of_stage"]))
             elif kind == "chunk":
                 bucket = buckets[tuple(frame["key"])]
@@ -302,7 +297,7 @@ def receive_publishes(channel, store: VersionStore, stop: threading.Event,
                 channel.recv_into(sink[:min(chunk, nbytes - start)])
             continue
         bucket = store.add_bucket(sv, (stage, int(header["index"])), nbytes,
-                                  _metas(header["metas"]), bool(header["last_of_stage"]))
+                                  metas_from_dicts(header["metas"]), bool(header["last_of_stage"]))
         for start in range(0, nbytes, chunk):
             end = min(nbytes, start + chunk)
             channel.recv_into(bucket.shm.buffer[start:end])

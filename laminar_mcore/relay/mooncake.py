@@ -25,7 +25,8 @@ import os
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..weights.bucket import ShmBucket, TensorMeta, decode_handle, encode_handle
+from ..weights.bucket import (ShmBucket, TensorMeta, checked_metas, decode_handle,
+                              encode_handle)
 
 logger = logging.getLogger("laminar_mcore.relay.mooncake")
 PROTOCOLS = ("tcp", "rdma")
@@ -153,11 +154,7 @@ class MooncakeReader:
     def read(self, data: str) -> Tuple[ShmBucket, List[TensorMeta]]:
         handle = decode_remote_handle(data)
         nbytes = int(handle["nbytes"])
-        metas = [TensorMeta(m["name"], m["dtype"], tuple(m["shape"]), int(m["offset"]),
-                            int(m["nbytes"])) for m in handle["tensors"]]
-        for m in metas:
-            if m.offset < 0 or m.offset + m.nbytes > nbytes:
-                raise ValueError(f"bucket entry {m.name!r} lies outside its {nbytes}-byte bucket")
+        metas = checked_metas(handle["tensors"], nbytes)
         local = self._local(nbytes)
         rc = self.engine.transfer_sync_read(handle["session"], local.buffer.data_ptr(),
                                             int(handle["addr"]), nbytes)

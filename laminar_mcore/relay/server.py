@@ -25,12 +25,11 @@ import logging
 import os
 import socket
 import threading
-import time
 import urllib.error
 import urllib.request
 import uuid
 from collections import OrderedDict
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 from aiohttp import web

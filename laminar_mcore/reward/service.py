@@ -127,15 +127,16 @@ class RewardService:
             self._busy.append(worker)
         return worker
 
-    def _release(self, worker: Optional[_Worker], done: Optional[_Worker] = None) -> None:
+    def _release(self, worker: _Worker, reuse: bool = True) -> None:
+        """Give a slot back; a healthy worker goes back to the idle list (or stops once the
+        service is closed), a killed one (``reuse=False``) is just forgotten."""
         with self._lock:
-            for w in (worker, done):
-                if w in self._busy:
-                    self._busy.remove(w)
-            if worker is not None and not self._closed:
+            if worker in self._busy:
+                self._busy.remove(worker)
+            keep = reuse and not self._closed
+            if keep:
                 self._idle.append(worker)
-                worker = None
-        if worker is not None:
+        if reuse and not keep:
             worker.stop(1.0)
         self._free.release()
 
@@ -144,7 +145,7 @@ class RewardService:
         with self._lock:
             self.restarts += 1
         logger.warning("reward service: %s; worker replaced (%d so far)", why, self.restarts)
-        self._release(None, done=worker)
+        self._release(worker, reuse=False)
 
     def _call(self, msg) -> Tuple[str, object]:
         """Runs in a thread: one call on one worker, retried on fresh workers if it dies."""

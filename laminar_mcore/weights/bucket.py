@@ -115,6 +115,26 @@ def decode_handle(data: str, kind: str = "shm") -> dict:
     return handle
 
 
+def metas_from_dicts(raw) -> List[TensorMeta]:
+    """``TensorMeta`` from their JSON form (handles, chain frames, publish headers)."""
+    return [TensorMeta(m["name"], m["dtype"], tuple(m["shape"]), int(m["offset"]), int(m["nbytes"]))
+            for m in raw]
+
+
+def checked_metas(raw, nbytes: int) -> List[TensorMeta]:
+    """``metas_from_dicts``, refusing an entry that lies outside an ``nbytes`` bucket or whose
+    byte size does not match its shape and dtype (handles come from other processes)."""
+    metas = metas_from_dicts(raw)
+    for m in metas:
+        numel = 1
+        for d in m.shape:
+            numel *= d
+        if m.offset < 0 or m.offset + m.nbytes > nbytes or \
+                numel * torch.empty((), dtype=dtype_from_name(m.dtype)).element_size() != m.nbytes:
+            raise ValueError(f"bucket entry {m.name!r} does not fit its declared shape/bounds")
+    return metas
+
+
 @contextlib.contextmanager
 def open_handle(handle: dict) -> Iterator[Dict[str, torch.Tensor]]:
     """Map a shared-memory bucket and yield views of its tensors (valid inside the block)."""
@@ -126,15 +146,7 @@ def open_handle(handle: dict) -> Iterator[Dict[str, torch.Tensor]]:
     nbytes = int(handle["nbytes"])
     if os.path.getsize(path) < nbytes:
         raise ValueError(f"bucket {path!r} is smaller than its handle says")
-    metas = [TensorMeta(m["name"], m["dtype"], tuple(m["shape"]), int(m["offset"]), int(m["nbytes"]))
-             for m in handle["tensors"]]
-    for m in metas:
-        numel = 1
-        for d in m.shape:
-            numel *= d
-        if m.offset < 0 or m.offset + m.nbytes > nbytes or \
-                numel * torch.empty((), dtype=dtype_from_name(m.dtype)).element_size() != m.nbytes:
-            raise ValueError(f"bucket entry {m.name!r} does not fit its declared shape/bounds")
+    metas = checked_metas(handle["tensors"], nbytes)
     buffer = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
     try:
         yield read_bucket(buffer, metas)
