@@ -93,6 +93,13 @@ class RolloutConfig:
     host: str = "127.0.0.1"
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     extra_args: List[str] = field(default_factory=list)  # passed to sglang.launch_server
+    # Engines stream only new tokens (--incremental-streaming-output), a chunk every
+    # stream_interval tokens: the controller's cost stays O(L) for an L-token response.
+    stream_interval: int = 8
+    # Engines honour per-trajectory sampling seeds (--enable-deterministic-inference; SGLang
+    # ignores sampling_seed without it). Free on the CPU engine; on GPUs SGLang's
+    # batch-invariant kernels cost decode throughput: set false to trade reproducibility for it.
+    deterministic_inference: bool = True
     # Laminar's long-tail repack (mode=laminar): checked every repack_interval_s and after each
     # new weight version; an engine waiting on at most repack_max_requests trajectories
     # (0: a quarter of max_running_requests) hands them to the densest engine of its version.

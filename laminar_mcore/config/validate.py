@@ -106,6 +106,9 @@ def validate_config(cfg: DictConfig) -> None:
                         f"data.reward_timeout_s={cfg.data.reward_timeout_s} > 0")
     if cfg.rollout.num_engines < 1:
         problems.append("rollout.num_engines must be >= 1")
+    if cfg.rollout.stream_interval < 1:
+        problems.append(f"rollout.stream_interval={cfg.rollout.stream_interval} must be >= 1 "
+                        "(tokens per stream chunk)")
     if cfg.weight_sync.bucket_mb < 1:
         problems.append("weight_sync.bucket_mb must be >= 1")
     if cfg.weight_sync.publish_backend not in ("auto", "gloo", "nccl"):

@@ -124,6 +124,15 @@ class PartialResponsePool:
                 raise ValueError(f"{rid}: an update may not lose tokens")
             item.output_ids, item.output_logprobs = list(output_ids), list(output_logprobs)
 
+    def append(self, rid: str, new_ids: List[int], new_logprobs: List[float]) -> None:
+        """Add what a stream chunk generated (O(new tokens), whatever the length so far)."""
+        if len(new_ids) != len(new_logprobs):
+            raise ValueError(f"{rid}: {len(new_ids)} tokens but {len(new_logprobs)} log-probs")
+        with self._lock:
+            item = self._items[rid]
+            item.output_ids.extend(new_ids)
+            item.output_logprobs.extend(new_logprobs)
+
     def finish(self, rid: str) -> PartialResponse:
         with self._lock:
             return self._items.pop(rid)

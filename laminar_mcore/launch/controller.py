@@ -182,7 +182,9 @@ class Controller:
 
     def _handle(self, name: str, url: str, relay_url: str, index: int) -> EngineHandle:
         """``index``: the engine's position on its node (which GPUs it has)."""
-        return EngineHandle(name, SGLangClient(url, retries=0, timeout_s=10),
+        # engines of a run stream incrementally (rollout.launcher.engine_command_from_config)
+        client = SGLangClient(url, retries=0, timeout_s=10, incremental_stream=True)
+        return EngineHandle(name, client,
                             RelayClient(relay_url, self.token), capacity=self._capacity,
                             pull=self._pull_spec(index))
 

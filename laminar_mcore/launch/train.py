@@ -67,7 +67,7 @@ async def evaluate(url: str, rows: List[dict], codec, sampling: dict, reward_fn:
     fn = load_reward_fn(reward_fn)
     async with SGLangClient(url) as client:
         outs = await asyncio.gather(*[
-            client.generate(codec.encode_prompt(row), dict(sampling, seed=seed * 100_003 + i))
+            client.generate(codec.encode_prompt(row), dict(sampling, sampling_seed=seed * 100_003 + i))
             for i, row in enumerate(rows)])
     scores = [fn(codec.decode(o["output_ids"]), row.get("answer"),
                  **{k: v for k, v in row.items() if k not in ("answer", "response_text")})
@@ -116,7 +116,8 @@ def start_rollout_node(cfg, model_path: str, token: str, logs: str, procs: list,
     engines = []
     for i in range(cfg.rollout.num_engines):
         port = 0 if cfg.rollout.backend == "cpu" else free_port()
-        engine = EngineProcess(engine_command_from_config(cfg.rollout, model_path, port=port, index=i),
+        engine = EngineProcess(engine_command_from_config(cfg.rollout, model_path, port=port, index=i,
+                                                          seed=cfg.seed),
                                log_path=os.path.join(logs, f"engine-{relay_id}-{i}.log"), host=host,
                                port=port or None)
         procs.append(engine.start())
@@ -222,7 +223,8 @@ def finish_run(cfg, controller, relay_url: str, engine_url: str, token: str, eva
     async def final_pull():
         async with RelayClient(relay_url, token) as rc, SGLangClient(engine_url) as ec:
             deadline = time.time() + 120
-            current = int(await ec.get_weight_version() or 0)
+            served = await ec.get_weight_version()  # SGLang says "default" before any update
+            current = int(served) if served.isdigit() else 0
             while current < version and time.time() < deadline:
                 pulled = await pull_latest_into_engine(rc, ec, current,
                                                        spec=engine_pull_spec(cfg.rollout, 0))

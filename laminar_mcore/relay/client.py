@@ -1,8 +1,8 @@
 """Clients of a relay: lease the newest version and apply it to a local engine.
 
 ``pull_latest_into_engine`` is how a rollout takes new weights when it is between trajectories:
-lease the newest complete version from the relay on its machine, send its flattened buckets to
-the engine (``update_weights_from_tensor``, never aborting requests), then release the lease.
+lease the newest complete version from the relay on its machine, apply it to the engine in one
+SGLang weight-update session (``apply_version``), then release the lease.
 """
 
 from __future__ import annotations
@@ -20,6 +20,16 @@ from ..weights.bucket import decode_handle, open_handle
 
 class RelayError(RuntimeError):
     pass
+
+
+class WeightApplyError(RuntimeError):
+    """A version could not be applied. ``mixed`` says whether the engine may now hold part of
+    it (it must then not serve: take it out of service or reload it); otherwise the engine
+    still serves its previous version, untouched."""
+
+    def __init__(self, message: str, *, mixed: bool):
+        super().__init__(message)
+        self.mixed = mixed
 
 
 @dataclass
@@ -108,23 +118,63 @@ def open_lease(lease: Lease) -> Iterator[Dict[str, torch.Tensor]]:
         yield named
 
 
+async def apply_version(engine, buckets: Sequence[Sequence[str]], version: int, *,
+                        attempts: int = 2) -> None:
+    """Apply one complete version to ``engine`` (an ``SGLangClient``) as SGLang 0.5.23 requires:
+    ``begin_weight_update``, every bucket through ``update_weights_from_tensor`` (one payload
+    per engine TP rank), the last one setting ``weight_version`` and flushing the cache (so no
+    prompt KV of the old weights survives), ``end_weight_update`` -- also on errors.
+
+    A failure before any tensor was sent leaves the previous version (``mixed=False``); one
+    after is retried from the first bucket (``attempts`` in all), since the engine may hold
+    part of the new version; if it still fails the error has ``mixed=True``. Never aborts
+    requests."""
+    from ..rollout.client import EngineError
+
+    last_error: Optional[BaseException] = None
+    for _ in range(attempts):
+        try:
+            await engine.begin_weight_update()
+        except EngineError as exc:
+            if "already open" not in exc.message:
+                raise WeightApplyError(f"could not open a weight-update session for version "
+                                       f"{version}: {exc}; the engine keeps its previous "
+                                       "version", mixed=last_error is not None) from None
+            await engine.end_weight_update()  # a session left open by an earlier failure
+            await engine.begin_weight_update()
+        try:
+            for i, per_rank in enumerate(buckets):
+                final = i == len(buckets) - 1
+                await engine.update_weights_from_tensor(
+                    list(per_rank), load_format="flattened_bucket", abort_all_requests=False,
+                    flush_cache=final, weight_version=str(version) if final else None)
+            last_error = None
+        except EngineError as exc:
+            last_error = exc
+        finally:
+            with contextlib.suppress(EngineError):
+                await engine.end_weight_update()
+        if last_error is None:
+            return
+    raise WeightApplyError(f"version {version} failed to apply {attempts} times ({last_error}); "
+                           "the engine may hold a mix of two versions and must not serve until "
+                           "it pulls a complete version", mixed=True)
+
+
 async def pull_latest_into_engine(relay: RelayClient, engine, current_version: int, *,
                                   spec: PullSpec = PullSpec()) -> Optional[int]:
     """Apply the relay's newest version to ``engine`` (an ``SGLangClient``) if it is newer than
     ``current_version``; returns the new version, or None when there is nothing newer.
     ``spec`` says how: shared memory for the CPU engine, CUDA IPC to the engine's GPUs for
-    SGLang (``rollout.launcher.engine_pull_spec`` builds it from the rollout config)."""
+    SGLang (``rollout.launcher.engine_pull_spec`` builds it from the rollout config). The
+    lease is held until the version is applied (``apply_version``) and released after."""
     lease = await relay.lease(min_version=current_version + 1, fmt=spec.fmt,
                               devices=spec.devices or None)
     if lease is None:
         return None
     try:
-        last = len(lease.serialized_buckets) - 1
-        for i, data in enumerate(lease.serialized_buckets):
-            per_rank = data if isinstance(data, list) else [data]
-            await engine.update_weights_from_tensor(
-                per_rank, load_format="flattened_bucket", abort_all_requests=False,
-                weight_version=str(lease.version) if i == last else None)
+        await apply_version(engine, [data if isinstance(data, list) else [data]
+                                     for data in lease.serialized_buckets], lease.version)
     finally:
         await relay.release(lease)
     return lease.version

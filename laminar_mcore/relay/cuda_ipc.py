@@ -6,8 +6,11 @@ SGLang's ``serialized_named_tensors`` holds one payload per TP rank, and rank r 
 wrapped in SGLang's own
 ``FlattenedTensorBucket`` and serialized with SGLang's ``MultiprocessingSerializer`` -- the
 exact payload of ``/update_weights_from_tensor`` with ``load_format="flattened_bucket"`` -- so
-the format is SGLang's by construction. The GPU copies live as long as the lease (an engine
-must not read freed memory through a handle). CPU machines use ``weights.bucket`` handles.
+the format is SGLang's by construction. Before serialising, SGLang's own
+``monkey_patch_torch_reductions`` is applied (as SGLang's senders do): CUDA tensors are then
+reduced by device UUID instead of index, so the relay and an engine may see different
+``CUDA_VISIBLE_DEVICES``. The GPU copies live as long as the lease (an engine must not read
+freed memory through a handle). CPU machines use ``weights.bucket`` handles.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ def _sglang_bucket_classes():
     except ImportError:  # older SGLang releases keep it in the model runner
         from sglang.srt.model_executor.model_runner import FlattenedTensorBucket
     from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
+    monkey_patch_torch_reductions()  # idempotent: device UUIDs in IPC handles
     return FlattenedTensorBucket, MultiprocessingSerializer
 
 

@@ -9,7 +9,7 @@ straight out of the relay's memory into a local shared-memory bucket with one-si
 lease keeps the remote buffers from being reused while they are read.
 
 ``pull_remote_into_engine`` is the engine-side path: lease remotely, read, hand the local
-buckets to the engine (``update_weights_from_tensor``, never aborting requests), release.
+buckets to the engine in one weight-update session (``relay.client.apply_version``), release.
 
 Mooncake is optional: ``pip install mooncake-transfer-engine`` on GPU clusters (RDMA), or
 ``mooncake-transfer-engine-non-cuda`` on CPU machines, which also needs the system's
@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..weights.bucket import (ShmBucket, TensorMeta, checked_metas, decode_handle,
                               encode_handle)
+from .client import apply_version
 
 logger = logging.getLogger("laminar_mcore.relay.mooncake")
 PROTOCOLS = ("tcp", "rdma")
@@ -195,11 +196,8 @@ async def pull_remote_into_engine(relay, engine, current_version: int,
                 local.append(await asyncio.to_thread(reader.read, data))
         finally:
             await relay.release(lease)
-        last = len(local) - 1
-        for i, (shm, metas) in enumerate(local):
-            await engine.update_weights_from_tensor(
-                [encode_handle(shm.handle(metas))], load_format="flattened_bucket",
-                abort_all_requests=False, weight_version=str(lease.version) if i == last else None)
+        await apply_version(engine, [[encode_handle(shm.handle(metas))] for shm, metas in local],
+                            lease.version)
     finally:
         for shm, _ in local:
             reader.give_back(shm)

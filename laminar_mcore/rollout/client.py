@@ -1,9 +1,14 @@
 """An asyncio client for SGLang's HTTP protocol (SGLang servers and the built-in CPU engine).
 
-Every call names its endpoint in errors (``EngineError``). Timeouts are explicit per call kind;
+Speaks SGLang 0.5.23 as its own source defines it (``srt/entrypoints/http_server.py``,
+``srt/managers/io_struct.py``): weight updates from tensors or a distributed group run inside
+``begin_weight_update()`` ... ``end_weight_update()`` and flush the cache by default (SGLang's
+default, so no prompt KV of old weights survives an update); the version is read from
+``/model_info`` and the load from ``/v1/loads``; streams are read as the server sends them
+(cumulative, SGLang's default, or ``--incremental-streaming-output``) and an error chunk is an
+``EngineError``. Every call names its endpoint in errors. Timeouts are explicit per call kind;
 retries apply only to idempotent reads (GETs). Weight updates never abort in-flight requests
-unless the caller asks (``abort_all_requests=False`` is sent explicitly: SGLang's own default
-for some endpoints is to abort).
+unless the caller asks.
 """
 
 from __future__ import annotations
@@ -25,6 +30,20 @@ class EngineError(RuntimeError):
 
 
 @dataclass
+class StreamChunk:
+    """What one stream chunk added: new token ids and their log-probs, the chunk's meta_info
+    (``finish_reason`` set on the last)."""
+
+    new_ids: List[int]
+    new_logprobs: List[float]
+    meta: dict
+
+    @property
+    def finished(self) -> bool:
+        return self.meta.get("finish_reason") is not None
+
+
+@dataclass
 class EngineLoad:
     num_running: int
     num_waiting: int
@@ -39,8 +58,11 @@ class SGLangClient:
     def __init__(self, base_url: str, *, api_key: Optional[str] = None,
                  timeout_s: float = 30.0, generate_timeout_s: Optional[float] = None,
                  weight_update_timeout_s: float = 600.0, retries: int = 2,
-                 retry_backoff_s: float = 0.2):
+                 retry_backoff_s: float = 0.2, incremental_stream: bool = False):
+        """``incremental_stream``: the server runs with ``--incremental-streaming-output``
+        (each chunk carries only new tokens); otherwise chunks are cumulative."""
         self.base_url = base_url.rstrip("/")
+        self.incremental_stream = incremental_stream
         self.api_key = api_key
         self.timeout_s = timeout_s
         self.generate_timeout_s = generate_timeout_s
@@ -104,15 +126,15 @@ class SGLangClient:
     async def generate(self, input_ids: Sequence[int], sampling_params: Optional[dict] = None, *,
                        return_logprob: bool = True, rid: Optional[str] = None) -> dict:
         """One completion: ``{"output_ids", "meta_info": {finish_reason, output_token_logprobs,
-        weight_version, ...}}``."""
+        weight_version, weight_versions, ...}}``."""
         body = self._generate_body(input_ids, sampling_params, return_logprob, rid, False)
         return await self._request("POST", "/generate", body, timeout=self.generate_timeout_s)
 
     async def generate_stream(self, input_ids: Sequence[int], sampling_params: Optional[dict] = None,
                               *, return_logprob: bool = True,
                               rid: Optional[str] = None) -> AsyncIterator[dict]:
-        """Snapshots of the completion as it grows (cumulative ``output_ids``); the last one has
-        a ``finish_reason``."""
+        """The chunks as the server sends them (cumulative or incremental); the last has a
+        ``finish_reason``. An error chunk (HTTP 200, ``{"error": ...}``) raises ``EngineError``."""
         body = self._generate_body(input_ids, sampling_params, return_logprob, rid, True)
         try:
             async with self._sess().post(
@@ -121,41 +143,85 @@ class SGLangClient:
                 if resp.status >= 400:
                     raise EngineError("/generate", resp.status, _message(await resp.text()))
                 async for raw in resp.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data:"):
+                    if not raw.startswith(b"data:"):
                         continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                    data = raw[5:].strip()
+                    if data == b"[DONE]":
                         return
-                    yield json.loads(data)
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        err = chunk["error"]
+                        raise EngineError("/generate", err.get("code") if isinstance(err, dict)
+                                          else None, _message(json.dumps(chunk)))
+                    yield chunk
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise EngineError("/generate", None, f"stream broken at {self.base_url}: {exc!r}") from None
 
+    async def stream_tokens(self, input_ids: Sequence[int], sampling_params: Optional[dict] = None,
+                            *, rid: Optional[str] = None) -> AsyncIterator[StreamChunk]:
+        """Only what each chunk adds (tokens and log-probs), in both stream styles; a stream that
+        ends without a finish reason raises ``EngineError``. With an incremental server each
+        chunk is parsed once, so a response of L tokens costs O(L)."""
+        seen = 0
+        finished = False
+        async for chunk in self.generate_stream(input_ids, sampling_params, rid=rid):
+            meta = chunk.get("meta_info") or {}
+            ids = chunk.get("output_ids") or []
+            lps = [e[0] for e in meta.get("output_token_logprobs") or []]
+            if not self.incremental_stream:
+                ids, lps = ids[seen:], lps[seen:]
+            if len(ids) != len(lps):
+                raise EngineError("/generate", None, f"stream chunk has {len(ids)} tokens but "
+                                  f"{len(lps)} log-probs (was it started with "
+                                  f"--incremental-streaming-output={self.incremental_stream}?)")
+            seen += len(ids)
+            finished = meta.get("finish_reason") is not None
+            yield StreamChunk(list(ids), lps, meta)
+        if not finished:
+            raise EngineError("/generate", None, "stream ended without a finish reason")
+
     # ------------------------------------------------------------------ weights
+    async def begin_weight_update(self) -> dict:
+        """Open SGLang's weight-update session (required around tensor/distributed updates)."""
+        return await self._checked("/begin_weight_update", {}, self.weight_update_timeout_s)
+
+    async def end_weight_update(self) -> dict:
+        return await self._checked("/end_weight_update", {}, self.weight_update_timeout_s)
+
+    async def _checked(self, endpoint: str, body: dict, timeout: float) -> dict:
+        out = await self._request("POST", endpoint, body, timeout=timeout)
+        if isinstance(out, dict) and out.get("success") is False:
+            raise EngineError(endpoint, None, str(out.get("message")))
+        return out
+
     async def update_weights_from_tensor(self, serialized_named_tensors: List[str], *,
                                          load_format: str = "flattened_bucket",
-                                         flush_cache: bool = False, abort_all_requests: bool = False,
+                                         flush_cache: bool = True, abort_all_requests: bool = False,
                                          weight_version: Optional[str] = None) -> dict:
         body = {"serialized_named_tensors": list(serialized_named_tensors),
                 "load_format": load_format, "flush_cache": flush_cache,
                 "abort_all_requests": abort_all_requests}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
-        return await self._request("POST", "/update_weights_from_tensor", body,
-                                   timeout=self.weight_update_timeout_s)
+        return await self._checked("/update_weights_from_tensor", body, self.weight_update_timeout_s)
 
     async def init_weights_update_group(self, master_address: str, master_port: int,
-                                        rank_offset: int, world_size: int, group_name: str,
+                                        rank_offset: int, world_size: int,
+                                        group_name: str = "weight_update_group",
                                         backend: str = "nccl") -> dict:
         body = {"master_address": master_address, "master_port": master_port,
                 "rank_offset": rank_offset, "world_size": world_size, "group_name": group_name,
                 "backend": backend}
-        return await self._request("POST", "/init_weights_update_group", body,
-                                   timeout=self.weight_update_timeout_s)
+        return await self._checked("/init_weights_update_group", body, self.weight_update_timeout_s)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return await self._checked("/destroy_weights_update_group", {"group_name": group_name},
+                                   self.timeout_s)
 
     async def update_weights_from_distributed(self, names: List[str], dtypes: List[str],
-                                              shapes: List[List[int]], group_name: str, *,
-                                              flush_cache: bool = False,
+                                              shapes: List[List[int]],
+                                              group_name: str = "weight_update_group", *,
+                                              flush_cache: bool = True,
                                               abort_all_requests: bool = False,
                                               weight_version: Optional[str] = None,
                                               load_format: Optional[str] = None) -> dict:
@@ -165,19 +231,20 @@ class SGLangClient:
             body["weight_version"] = str(weight_version)
         if load_format is not None:
             body["load_format"] = load_format
-        return await self._request("POST", "/update_weights_from_distributed", body,
-                                   timeout=self.weight_update_timeout_s)
+        return await self._checked("/update_weights_from_distributed", body,
+                                   self.weight_update_timeout_s)
 
     async def update_weights_from_disk(self, model_path: str, *, load_format: Optional[str] = None,
-                                       abort_all_requests: bool = False,
+                                       abort_all_requests: bool = False, flush_cache: bool = True,
                                        weight_version: Optional[str] = None) -> dict:
-        body = {"model_path": model_path, "abort_all_requests": abort_all_requests}
+        """No session needed (SGLang 0.5.23 loads from disk outside one)."""
+        body = {"model_path": model_path, "abort_all_requests": abort_all_requests,
+                "flush_cache": flush_cache}
         if load_format is not None:
             body["load_format"] = load_format
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
-        return await self._request("POST", "/update_weights_from_disk", body,
-                                   timeout=self.weight_update_timeout_s)
+        return await self._checked("/update_weights_from_disk", body, self.weight_update_timeout_s)
 
     # ------------------------------------------------------------------ control
     async def pause_generation(self, mode: str = "abort") -> dict:
@@ -201,12 +268,15 @@ class SGLangClient:
                                    expect_json=False)
 
     async def get_weight_version(self) -> str:
-        out = await self._request("GET", "/get_weight_version", timeout=self.timeout_s,
-                                  retries=self.retries)
-        return str(out["weight_version"])
+        """The served version, from ``/model_info`` ("default" until one is set)."""
+        return str((await self.get_model_info())["weight_version"])
 
     async def get_model_info(self) -> dict:
-        return await self._request("GET", "/get_model_info", timeout=self.timeout_s,
+        return await self._request("GET", "/model_info", timeout=self.timeout_s,
+                                   retries=self.retries)
+
+    async def get_server_info(self) -> dict:
+        return await self._request("GET", "/server_info", timeout=self.timeout_s,
                                    retries=self.retries)
 
     async def health(self) -> bool:
@@ -224,30 +294,25 @@ class SGLangClient:
             await asyncio.sleep(poll_s)
 
     async def get_load(self) -> EngineLoad:
-        """Running/waiting requests and KV-cache usage, from /get_load (CPU engine) or
-        /get_server_info's internal state (SGLang)."""
-        try:
-            raw = await self._request("GET", "/get_load", timeout=self.timeout_s, retries=self.retries)
-        except EngineError as exc:
-            if exc.status != 404:
-                raise
-            info = await self._request("GET", "/get_server_info", timeout=self.timeout_s,
-                                       retries=self.retries)
-            raw = (info.get("internal_states") or [{}])[0]
-        if isinstance(raw, list):
-            raw = raw[0] if raw else {}
-        cap = int(raw.get("kv_capacity_tokens", raw.get("max_total_num_tokens", 0)) or 0)
-        used = raw.get("kv_used_tokens", raw.get("num_used_tokens"))
-        util = raw.get("kv_utilization", raw.get("token_usage"))
-        if used is None:  # only a utilisation fraction reported
-            used = round(float(util or 0.0) * cap)
-        used = int(used)
-        util = float(util) if util is not None else (used / cap if cap else 0.0)
-        return EngineLoad(num_running=int(raw.get("num_running_reqs", raw.get("num_reqs", 0))),
-                          num_waiting=int(raw.get("num_waiting_reqs", 0)), kv_utilization=util,
-                          kv_used_tokens=used, kv_capacity_tokens=cap,
-                          weight_version=str(raw.get("weight_version", "")),
-                          paused=raw.get("paused"))
+        """Running/waiting requests and KV-cache usage from SGLang's ``/v1/loads`` (summed over
+        DP ranks); the weight version comes from ``/model_info``."""
+        raw = await self._request("GET", "/v1/loads?include=core,queues", timeout=self.timeout_s,
+                                  retries=self.retries)
+        loads = raw.get("loads") if isinstance(raw, dict) else None
+        if not loads:
+            raise EngineError("/v1/loads", None, f"no per-rank loads in {str(raw)[:200]}")
+        cap = sum(int(x.get("max_total_num_tokens") or 0) for x in loads)
+        used = sum(int(x.get("num_used_tokens") or 0) for x in loads)
+        if not used and any(x.get("token_usage") for x in loads):  # only a fraction reported
+            used = round(sum(float(x.get("token_usage") or 0) * int(x.get("max_total_num_tokens") or 0)
+                             for x in loads))
+        paused = sum(int((x.get("queues") or {}).get("paused") or 0) for x in loads)
+        return EngineLoad(num_running=sum(int(x.get("num_running_reqs") or 0) for x in loads),
+                          num_waiting=sum(int(x.get("num_waiting_reqs") or 0) for x in loads),
+                          kv_utilization=used / cap if cap else 0.0, kv_used_tokens=used,
+                          kv_capacity_tokens=cap,
+                          weight_version=await self.get_weight_version(),
+                          paused="in_place" if paused else None)
 
 
 def _message(text: str) -> str:

@@ -1,12 +1,17 @@
-"""The built-in CPU engine: an HTTP server that speaks SGLang's protocol.
+"""The built-in CPU engine: an HTTP server that speaks SGLang 0.5.23's protocol.
 
     python -m laminar_mcore.rollout.cpu_engine --model DIR --port P [--api-key KEY] [--host H]
 
-Serves /generate (streaming or not, with ``output_token_logprobs``), the weight-update
-endpoints (shared-memory bucket handles, disk, a gloo broadcast group), pause / continue /
-abort, /flush_cache, /get_weight_version, /get_model_info, /get_load, /get_server_info and
-/health. Malformed requests get a 4xx with a message and the server keeps serving. With
-``--api-key`` every endpoint but /health needs ``Authorization: Bearer KEY``. It binds
+It is SGLang's twin in every test, so it serves what SGLang 0.5.23 serves and refuses what it
+refuses (README: "The CPU engine and SGLang"): /generate (token or text prompts, batches,
+cumulative or ``--incremental-streaming-output`` streams every ``--stream-interval`` tokens,
+log-probs of output and prompt, top log-probs, stop strings, weight-version spans); weight
+updates from shared-memory bucket handles or a gloo group only inside
+``/begin_weight_update`` ... ``/end_weight_update``, and from disk; updates wait for running
+requests unless generation is paused; ``flush_cache`` honoured; pause / continue / abort;
+/model_info, /server_info, /v1/loads, /health, /health_generate, /ready, /metrics and the
+OpenAI-compatible /v1/models, /v1/completions, /v1/chat/completions. Malformed requests get a
+4xx with a message and the server keeps serving. ``--api-key`` works as SGLang's. It binds
 127.0.0.1 unless ``--host`` says otherwise. It never imports trainer code.
 """
 
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -27,59 +33,98 @@ from aiohttp import web
 
 from ..weights.bucket import decode_handle, open_handle
 from .engine_core import EngineCore, Request, RequestError, SamplingParams
+from .engine_http import (HTTPError, RWLock, auth_allowed, error_response, generate_result,
+                          unauthorized)
 from .model import DecoderLM, load_decoder
 
 logger = logging.getLogger("laminar_mcore.cpu_engine")
 
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status, self.message = status, message
+SESSION_REQUIRED = ("{op} must run between begin_weight_update() and end_weight_update()")
+FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still "
+                 "running or queued. Retract or finish them, then call /flush_cache.")
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "code": status}, "success": False,
-                              "message": message}, status=status)
+def load_tokenizer(model_path: str):
+    """The checkpoint's tokenizer, or None when it has none (token-id prompts only)."""
+    if not any(os.path.exists(os.path.join(model_path, f))
+               for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
 
 
 class CpuEngineServer:
     def __init__(self, model: DecoderLM, model_path: str, *, api_key: Optional[str] = None,
                  kv_capacity_tokens: int = 16384, max_running_requests: int = 64,
-                 weight_version: str = "0", seed: int = 0):
+                 weight_version: str = "default", seed: int = 0,
+                 context_length: Optional[int] = None, deterministic: bool = False,
+                 incremental_streaming_output: bool = False, stream_interval: int = 1,
+                 served_model_name: Optional[str] = None, tokenizer: Any = None):
         eos = getattr(model.config, "eos_token_id", None)
         eos = [eos] if isinstance(eos, int) else list(eos or [])
+        self.tokenizer = tokenizer
+        self.decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) \
+            if tokenizer is not None else None
         self.core = EngineCore(model, kv_capacity_tokens=kv_capacity_tokens,
                                max_running_requests=max_running_requests, eos_token_ids=eos,
-                               weight_version=weight_version, seed=seed)
+                               weight_version=weight_version, seed=seed,
+                               deterministic=deterministic, decode=self.decode)
         self.model_path = model_path
+        self.served_model_name = served_model_name or model_path
+        self.context_length = int(context_length or model.config.max_position_embeddings)
+        self.incremental = incremental_streaming_output
+        self.stream_interval = max(1, int(stream_interval))
         self.api_key = api_key
+        self.started = time.time()
+        self.server_args = {"model_path": model_path, "api_key": None, "context_length":
+                            self.context_length, "max_total_tokens": kv_capacity_tokens,
+                            "max_running_requests": max_running_requests,
+                            "weight_version": weight_version, "random_seed": seed,
+                            "enable_deterministic_inference": deterministic,
+                            "incremental_streaming_output": incremental_streaming_output,
+                            "stream_interval": self.stream_interval,
+                            "served_model_name": self.served_model_name}
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self.dist_group: Optional[dict] = None
+        self.session: Optional[dict] = None  # an open weight-update session
+        self.paused = False
+        self.model_update_lock: Optional[RWLock] = None
+        self.pause_cond: Optional[asyncio.Condition] = None
+        self.counters = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0,
+                         "weight_updates": 0}
         self.app = web.Application(middlewares=[self._middleware], client_max_size=64 * 2**20)
         r = self.app.router
-        r.add_post("/generate", self.generate)
-        r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
-        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
-        r.add_post("/init_weights_update_group", self.init_weights_update_group)
-        r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
-        r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
-        r.add_post("/pause_generation", self.pause_generation)
-        r.add_post("/continue_generation", self.continue_generation)
-        r.add_post("/abort_request", self.abort_request)
-        r.add_route("*", "/flush_cache", self.flush_cache)
-        r.add_get("/get_weight_version", self.get_weight_version)
-        r.add_get("/get_model_info", self.get_model_info)
-        r.add_get("/get_load", self.get_load)
-        r.add_get("/get_server_info", self.get_server_info)
+        r.add_route("POST", "/generate", self.generate)
+        r.add_route("PUT", "/generate", self.generate)
+        for path in ("begin_weight_update", "end_weight_update", "update_weights_from_tensor",
+                     "update_weights_from_disk", "init_weights_update_group",
+                     "update_weights_from_distributed", "destroy_weights_update_group",
+                     "update_weight_version", "pause_generation", "continue_generation",
+                     "abort_request"):
+            r.add_post("/" + path, getattr(self, path))
+        r.add_route("GET", "/flush_cache", self.flush_cache)
+        r.add_route("POST", "/flush_cache", self.flush_cache)
+        r.add_get("/model_info", self.model_info)
+        r.add_get("/get_model_info", self.model_info)  # deprecated alias, still served by 0.5.23
+        r.add_get("/server_info", self.server_info)
+        r.add_get("/get_server_info", self.server_info)  # deprecated alias
+        r.add_get("/v1/loads", self.loads)
         r.add_get("/health", self.health)
-        r.add_get("/health_generate", self.health)
+        r.add_get("/health_generate", self.health_generate)
+        r.add_get("/ready", self.ready)
+        r.add_get("/metrics", self.metrics)
+        from .openai_api import add_openai_routes
+
+        add_openai_routes(self)
         self.app.on_startup.append(self._on_startup)
         self.app.on_cleanup.append(self._on_cleanup)
 
     # ------------------------------------------------------------------ plumbing
     async def _on_startup(self, app):
         self.loop = asyncio.get_running_loop()
+        self.model_update_lock = RWLock()
+        self.pause_cond = asyncio.Condition()
         self.core.start()
 
     async def _on_cleanup(self, app):
@@ -87,22 +132,24 @@ class CpuEngineServer:
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
-        if self.api_key and request.path != "/health":
-            if request.headers.get("Authorization") != f"Bearer {self.api_key}":
-                return _error(401, "missing or wrong API key (Authorization: Bearer KEY)")
+        if not auth_allowed(request.path, request.method, request.headers.get("Authorization"),
+                            self.api_key):
+            return unauthorized()
         try:
             return await handler(request)
         except HTTPError as exc:
-            return _error(exc.status, exc.message)
+            return error_response(exc.status, exc.message)
         except RequestError as exc:
-            return _error(400, str(exc))
+            return error_response(400, str(exc))
         except web.HTTPException:
             raise
         except Exception as exc:  # noqa: BLE001 - the server must keep serving
             logger.exception("error in %s", request.path)
-            return _error(500, f"{type(exc).__name__}: {exc}")
+            return error_response(500, f"{type(exc).__name__}: {exc}")
 
-    async def _json(self, request: web.Request) -> dict:
+    async def _json(self, request: web.Request, empty_ok: bool = False) -> dict:
+        if empty_ok and not request.can_read_body:
+            return {}
         try:
             body = await request.json()
         except Exception:  # noqa: BLE001 - any parse failure is a client error
@@ -128,99 +175,222 @@ class CpuEngineServer:
         self.core.submit(name, args, done)
         return await future
 
-    # ------------------------------------------------------------------ /generate
-    def _result(self, req: Request) -> dict:
-        meta = {
-            "id": req.rid,
-            "finish_reason": req.finish_reason,
-            "prompt_tokens": len(req.input_ids),
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": 0,
-            "weight_version": req.weight_versions[-1] if req.weight_versions else self.core.weight_version,
-            "weight_versions": sorted(set(req.weight_versions)),
-            "output_token_logprobs": [[lp, tok, None] for lp, tok in
-                                      zip(req.output_logprobs, req.output_ids)],
-            "e2e_latency": time.time() - req.created,
-        }
-        if req.first_token_time is not None:
-            meta["ttft"] = req.first_token_time - req.created
-        return {"text": None, "output_ids": list(req.output_ids), "meta_info": meta}
+    # ------------------------------------------------------------------ generation
+    def encode(self, text: str) -> List[int]:
+        if self.tokenizer is None:
+            raise HTTPError(400, "text prompts need a tokenizer and this checkpoint has none; "
+                                 "send input_ids")
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _parse_generate(self, body: dict) -> List[Request]:
-        if "input_ids" not in body:
-            raise HTTPError(400, "/generate needs input_ids (this engine has no tokenizer for text)")
-        ids = body["input_ids"]
-        batch = isinstance(ids, list) and ids and isinstance(ids[0], list)
-        prompts = ids if batch else [ids]
+    def _per_prompt(self, value, n: int, name: str) -> list:
+        if isinstance(value, list) and (n > 1 or (value and isinstance(value[0], (dict, list)))):
+            if len(value) != n:
+                raise HTTPError(400, f"{name} has {len(value)} entries for {n} prompts")
+            return value
+        return [value] * n
+
+    def parse_generate(self, body: dict) -> List[Request]:
+        """SGLang's GenerateReqInput: ``input_ids`` or ``text`` (one or a batch), rid (a list,
+        or a string that batch entries extend with ``_i``), per-prompt options."""
+        if (body.get("input_ids") is None) == (body.get("text") is None):
+            raise HTTPError(400, "Either text or input_ids should be provided.")
+        if body.get("input_ids") is not None:
+            ids = body["input_ids"]
+            batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+            prompts = ids if batch else [ids]
+        else:
+            text = body["text"]
+            batch = isinstance(text, list)
+            texts = text if batch else [text]
+            if not texts or not all(isinstance(t, str) for t in texts):
+                raise HTTPError(400, "text must be a string or a list of strings")
+            prompts = [self.encode(t) for t in texts]
         if not prompts or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p)
                                   for p in prompts):
             raise HTTPError(400, "input_ids must be a non-empty list of ints (or a list of such lists)")
-        rids = body.get("rid")
-        if rids is None:
+        n = len(prompts)
+        rid = body.get("rid")
+        if rid is None:
             rids = [uuid.uuid4().hex for _ in prompts]
-        elif not batch:
-            rids = [rids]
-        if not isinstance(rids, list) or len(rids) != len(prompts) or not all(isinstance(r, str) for r in rids):
-            raise HTTPError(400, "rid must be a string (a list of strings for a batch)")
-        raw = body.get("sampling_params") or {}
-        raws = raw if isinstance(raw, list) else [raw] * len(prompts)
-        if len(raws) != len(prompts) or not all(isinstance(r, dict) for r in raws):
-            raise HTTPError(400, "sampling_params must be an object (or one per prompt)")
-        return [Request(rid=rid, input_ids=list(p), params=SamplingParams.from_request(sp),
-                        on_event=lambda *_: None)
-                for rid, p, sp in zip(rids, prompts, raws)]
+        elif isinstance(rid, str):
+            rids = [rid] if not batch else [f"{rid}_{i}" for i in range(n)]
+        elif isinstance(rid, list) and len(rid) == n and all(isinstance(r, str) for r in rid):
+            rids = rid
+        else:
+            raise HTTPError(400, "The rid should be a string or a list of strings (one per prompt).")
+        raws = self._per_prompt(body.get("sampling_params") or {}, n, "sampling_params")
+        starts = self._per_prompt(body.get("logprob_start_len"), n, "logprob_start_len")
+        tops = self._per_prompt(body.get("top_logprobs_num"), n, "top_logprobs_num")
+        reqs = []
+        for rid_i, prompt, raw, start, top in zip(rids, prompts, raws, starts, tops):
+            if not isinstance(raw, dict):
+                raise HTTPError(400, "sampling_params must be an object (or one per prompt)")
+            params = SamplingParams.from_request(raw)
+            if params.n != 1:
+                raise HTTPError(400, "sampling_params.n > 1 is not supported by the CPU engine's "
+                                     "/generate; send a batch (the OpenAI routes take n)")
+            self._check_length(len(prompt), params.max_new_tokens)
+            start = -1 if start is None else int(start)
+            if start >= len(prompt):
+                raise HTTPError(400, f"logprob_start_len ({start}) is not inside the prompt "
+                                     f"({len(prompt)} tokens)")
+            reqs.append(Request(rid=rid_i, input_ids=list(prompt), params=params,
+                                on_event=lambda *_: None, logprob_start_len=start,
+                                top_logprobs_num=int(top or 0)))
+        return reqs
+
+    def _check_length(self, prompt_len: int, max_new_tokens: int) -> None:
+        """SGLang's context-length checks (tokenizer_manager._validate_one_request)."""
+        if prompt_len >= self.context_length:
+            raise HTTPError(400, f"The input ({prompt_len} tokens) is longer than the model's "
+                                 f"context length ({self.context_length} tokens).")
+        if prompt_len + max_new_tokens > self.context_length:
+            raise HTTPError(400, "Requested token count exceeds the model's maximum context length "
+                                 f"of {self.context_length} tokens. You requested a total of "
+                                 f"{prompt_len + max_new_tokens} tokens: {prompt_len} tokens from "
+                                 f"the input messages and {max_new_tokens} tokens for the "
+                                 "completion. Please reduce the number of tokens in the input "
+                                 "messages or the completion to fit within the limit.")
+
+    async def run_requests(self, reqs: List[Request]):
+        """Submit ``reqs`` (holding the model-update reader lock, as SGLang) and yield
+        ``(index, request, tokens so far, finished)`` as they progress."""
+        async with self.pause_cond:
+            await self.pause_cond.wait_for(lambda: not self.paused)
+        async with self.model_update_lock.reader():
+            events: asyncio.Queue = asyncio.Queue()
+            for i, req in enumerate(reqs):
+                def on_event(r, finished, i=i):
+                    self.loop.call_soon_threadsafe(events.put_nowait, (i, len(r.output_ids), finished))
+
+                req.on_event = on_event
+            added = []
+            try:
+                for req in reqs:
+                    await self._command("add", req)
+                    added.append(req)
+                    self.counters["requests"] += 1
+                    self.counters["prompt_tokens"] += len(req.input_ids)
+                pending = len(reqs)
+                while pending:
+                    i, n, finished = await events.get()
+                    if finished:
+                        pending -= 1
+                        self.counters["generation_tokens"] += n
+                    yield i, reqs[i], n, finished
+            finally:  # client gone or an error: free the engine's work
+                for req in added:
+                    if req.finish_reason is None:
+                        self.core.submit("abort", (req.rid, False), lambda *_: None)
+
+    def result(self, req: Request, upto: int, since: int, finished: bool, body: dict) -> dict:
+        return generate_result(req, upto=upto, since=since, version=self.core.weight_version,
+                               return_logprob=bool(body.get("return_logprob")),
+                               return_text=bool(body.get("return_text_in_logprobs")),
+                               decode=self.decode, finished=finished)
 
     async def generate(self, request: web.Request):
         body = await self._json(request)
-        reqs = self._parse_generate(body)
-        stream = bool(body.get("stream", False))
-        if stream and len(reqs) > 1:
-            raise HTTPError(400, "stream=true takes a single prompt")
-        queues: List[asyncio.Queue] = []
-        for req in reqs:
-            q: asyncio.Queue = asyncio.Queue()
-            queues.append(q)
+        reqs = self.parse_generate(body)
+        if body.get("stream"):
+            if len(reqs) > 1:
+                raise HTTPError(400, "stream=true takes a single prompt in the CPU engine")
+            return await self._stream(request, reqs[0], body)
+        done: Dict[int, dict] = {}
+        async with contextlib.aclosing(self.run_requests(reqs)) as events:
+            async for i, req, n, finished in events:
+                if finished:
+                    done[i] = self.result(req, n, 0, True, body)
+        batch = isinstance(body.get("input_ids") or body.get("text"), list) and (
+            body.get("text") is not None or isinstance(body["input_ids"][0], list))
+        return web.json_response([done[i] for i in range(len(reqs))] if batch else done[0])
 
-            def on_event(r, finished, q=q):
-                snapshot = self._result(r)
-                self.loop.call_soon_threadsafe(q.put_nowait, (snapshot, finished))
-
-            req.on_event = on_event
-        for req in reqs:
-            await self._command("add", req)
-        if stream:
-            return await self._stream(request, reqs[0], queues[0])
-        results = []
-        try:
-            for q in queues:
-                while True:
-                    snapshot, finished = await q.get()
-                    if finished:
-                        results.append(snapshot)
-                        break
-        except asyncio.CancelledError:  # client went away: free the engine's work
-            for req in reqs:
-                self.core.submit("abort", (req.rid, False), lambda *_: None)
-            raise
-        return web.json_response(results if len(reqs) > 1 or isinstance(body["input_ids"][0], list)
-                                 else results[0])
-
-    async def _stream(self, request: web.Request, req: Request, q: asyncio.Queue):
+    async def _stream(self, request: web.Request, req: Request, body: dict):
+        """SSE: cumulative chunks (SGLang's default) or, with --incremental-streaming-output,
+        only what is new; every stream_interval tokens and at the end; ``[DONE]`` last. An
+        error after the stream started is a ``data: {"error": ...}`` chunk, as in SGLang."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        interval = req.params.stream_interval or self.stream_interval
+        sent = 0
         try:
-            while True:
-                snapshot, finished = await q.get()
-                await response.write(f"data: {json.dumps(snapshot)}\n\n".encode())
-                if finished:
-                    break
-            await response.write(b"data: [DONE]\n\n")
-        except (asyncio.CancelledError, ConnectionResetError):
-            self.core.submit("abort", (req.rid, False), lambda *_: None)
-            raise
+            async with contextlib.aclosing(self.run_requests([req])) as events:
+                async for _, _, n, finished in events:
+                    if not finished and n - sent < interval:
+                        continue
+                    since = sent if self.incremental else 0
+                    chunk = self.result(req, n, since, finished, body)
+                    sent = n
+                    await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        except (RequestError, HTTPError) as exc:
+            error = {"error": {"message": str(exc), "type": "invalid_request_error",
+                               "code": 400, "retryable": False}}
+            await response.write(b"data: " + json.dumps(error).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
         return response
 
     # ------------------------------------------------------------------ weights
+    async def _model_update(self, fn, *, abort_all: bool = False):
+        """Run a weight operation as SGLang does: at once when generation is paused, else
+        under the writer lock, which waits for every running request to end."""
+        if abort_all:
+            await self._command("abort", None, True)
+        async with self.pause_cond:
+            paused = self.paused
+            if paused:
+                return await fn()
+        async with self.model_update_lock.writer():
+            return await fn()
+
+    def _answer(self, success: bool, message: str, **extra) -> web.Response:
+        return web.json_response({"success": success, "message": message, **extra},
+                                 status=200 if success else 400)
+
+    async def begin_weight_update(self, request: web.Request):
+        await self._json(request, empty_ok=True)
+
+        async def begin():
+            if self.session is not None:
+                return False, "a weight-update session is already open; call end_weight_update() first"
+            self.session = {"loaded": False, "opened": time.time()}
+            return True, "Success"
+
+        return self._answer(*await self._model_update(begin))
+
+    async def end_weight_update(self, request: web.Request):
+        await self._json(request, empty_ok=True)
+
+        async def end():
+            if self.session is None:
+                return False, "no weight-update session is open; call begin_weight_update() first"
+            self.session = None
+            return True, "Success"
+
+        return self._answer(*await self._model_update(end))
+
+    async def _apply(self, op: str, body: dict, load) -> web.Response:
+        """The common tail of update_weights_from_{tensor,distributed}: session check, load,
+        record the version, flush the cache if asked (SGLang's default)."""
+        async def update():
+            if self.session is None:
+                return False, SESSION_REQUIRED.format(op=op)
+            try:
+                count = await load()
+            except (ValueError, KeyError, RuntimeError) as exc:
+                return False, f"Failed to update weights: {exc}"
+            self.session["loaded"] = True
+            self.counters["weight_updates"] += 1
+            if body.get("flush_cache", True) and not await self._command("flush_cache"):
+                return False, FLUSH_REFUSED
+            message = f"Succeeded to update {count} tensors."
+            if body.get("weight_version") is not None:
+                await self._command("set_version", str(body["weight_version"]))
+                message += f" Weight version updated to {body['weight_version']}."
+            return True, message
+
+        return self._answer(*await self._model_update(
+            update, abort_all=bool(body.get("abort_all_requests", False))))
+
     async def update_weights_from_tensor(self, request: web.Request):
         body = await self._json(request)
         fmt = body.get("load_format")
@@ -235,24 +405,13 @@ class CpuEngineServer:
             handle = decode_handle(serialized[0])
         except ValueError as exc:
             raise HTTPError(400, str(exc)) from None
-        abort_all = bool(body.get("abort_all_requests", False))
-        version = body.get("weight_version")
 
         def load():
-            if abort_all:
-                self.core._cmd_abort(None, True)
             with open_handle(handle) as named:
-                count = self.core.model.load_weights(named)
-            if version is not None:
-                self.core.weight_version = str(version)
-            return count
+                return self.core.model.load_weights(named)
 
-        try:
-            count = await self._command("call", load)
-        except (ValueError, KeyError) as exc:
-            raise HTTPError(400, f"weight update refused: {exc}") from None
-        return web.json_response({"success": True, "message": f"updated {count} tensors",
-                                  "weight_version": self.core.weight_version})
+        return await self._apply("update_weights_from_tensor", body,
+                                 lambda: self._command("call", load))
 
     async def update_weights_from_disk(self, request: web.Request):
         body = await self._json(request)
@@ -268,124 +427,221 @@ class CpuEngineServer:
             state = await asyncio.to_thread(load_hf_state_dict, path)
         except ValueError as exc:
             raise HTTPError(400, f"cannot load {path}: {exc}") from None
-        try:
-            count = await self._command("update_weights", state, body.get("weight_version"),
-                                        bool(body.get("abort_all_requests", False)))
-        except ValueError as exc:
-            raise HTTPError(400, f"weight update refused: {exc}") from None
-        self.model_path = path
-        return web.json_response({"success": True, "message": f"updated {count} tensors from {path}",
-                                  "weight_version": self.core.weight_version})
+
+        async def update():  # no session needed, as in SGLang 0.5.23
+            try:
+                count = await self._command("update_weights", state, None)
+            except ValueError as exc:
+                return False, f"Failed to update weights: {exc}"
+            self.model_path = path
+            if body.get("flush_cache", True) and not await self._command("flush_cache"):
+                return False, FLUSH_REFUSED
+            if body.get("weight_version") is not None:
+                await self._command("set_version", str(body["weight_version"]))
+            return True, f"Succeeded to update model weights ({count} tensors from {path})."
+
+        success, message = await self._model_update(
+            update, abort_all=bool(body.get("abort_all_requests", False)))
+        return self._answer(success, message, num_paused_requests=0)
 
     async def init_weights_update_group(self, request: web.Request):
+        """Join a sender's group with SGLang's ``init_custom_process_group`` rendezvous: a
+        TCPStore at master_address:master_port, rank ``rank_offset`` (this engine's one TP
+        rank), the group's store keys prefixed with ``group_name``."""
         body = await self._json(request)
-        missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size",
-                               "group_name") if k not in body]
+        missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size")
+                   if k not in body]
         if missing:
             raise HTTPError(400, f"missing fields: {missing}")
+        name = body.get("group_name", "weight_update_group")
         if self.dist_group is not None:
-            raise HTTPError(409, f"weight update group {self.dist_group['name']!r} already exists")
-        backend = body.get("backend", "gloo")
+            return self._answer(False, f"weight update group {self.dist_group['name']!r} already exists")
+        backend = body.get("backend", "nccl")
         if backend != "gloo":
-            raise HTTPError(400, "the CPU engine joins weight update groups with backend 'gloo'")
-        store_args = (str(body["master_address"]), int(body["master_port"]),
-                      int(body["world_size"]), int(body["rank_offset"]))
-
-        def join():
-            import torch.distributed as dist
-
-            host, port, world, rank = store_args
-            store = dist.TCPStore(host, port, world, is_master=False,
-                                  timeout=__import__("datetime").timedelta(seconds=60))
-            pg = dist.ProcessGroupGloo(dist.PrefixStore(body["group_name"], store), rank, world)
-            return {"name": body["group_name"], "pg": pg, "store": store, "rank": rank}
+            raise HTTPError(400, f"backend {backend!r}: the CPU engine joins weight update groups "
+                                 "with backend 'gloo' (SGLang on GPUs uses nccl)")
+        from ..weights.update_group import join_update_group
 
         try:
-            self.dist_group = await asyncio.to_thread(join)
+            pg = await asyncio.to_thread(join_update_group, str(body["master_address"]),
+                                         int(body["master_port"]), int(body["world_size"]),
+                                         int(body["rank_offset"]), name, backend)
         except Exception as exc:  # noqa: BLE001 - a failed rendezvous is reported, not fatal
-            raise HTTPError(400, f"cannot join weight update group: {exc}") from None
-        return web.json_response({"success": True, "message": "joined"})
+            return self._answer(False, f"Failed to init process group: {exc}")
+        self.dist_group = {"name": name, "pg": pg}
+        return self._answer(True, "Succeeded to initialize custom process group.")
 
     async def update_weights_from_distributed(self, request: web.Request):
         body = await self._json(request)
-        if self.dist_group is None or body.get("group_name") != self.dist_group["name"]:
-            raise HTTPError(400, "no such weight update group; call /init_weights_update_group")
         names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
         if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
                 and len(names) == len(dtypes) == len(shapes)):
             raise HTTPError(400, "names, dtypes and shapes must be lists of one length")
+        group = body.get("group_name", "weight_update_group")
+        if self.dist_group is None or group != self.dist_group["name"]:
+            raise HTTPError(400, f"no weight update group {group!r}; call /init_weights_update_group")
+        fmt = body.get("load_format")
+        if fmt not in (None, "flattened_bucket"):
+            raise HTTPError(400, f"load_format {fmt!r} is not supported; use none (one broadcast "
+                                 "per tensor) or 'flattened_bucket' (one per dtype)")
         from ..weights.bucket import dtype_from_name
+        from ..weights.update_group import receive_tensors
 
         try:
-            tensors = [torch.empty(tuple(s), dtype=dtype_from_name(str(d).removeprefix("torch.")))
-                       for d, s in zip(dtypes, shapes)]
+            specs = [(str(n), dtype_from_name(str(d).removeprefix("torch.")), tuple(s))
+                     for n, d, s in zip(names, dtypes, shapes)]
         except (ValueError, TypeError) as exc:
             raise HTTPError(400, str(exc)) from None
         pg = self.dist_group["pg"]
 
-        def receive():
-            for t in tensors:  # the sender (rank 0 of the group) broadcasts in this order
-                pg.broadcast(t, 0).wait()
-            return dict(zip(names, tensors))
+        async def load():
+            named = await asyncio.to_thread(receive_tensors, pg, specs, fmt)
+            return await self._command("update_weights", named, None)
 
-        named = await asyncio.to_thread(receive)
-        try:
-            count = await self._command("update_weights", named, body.get("weight_version"),
-                                        bool(body.get("abort_all_requests", False)))
-        except ValueError as exc:
-            raise HTTPError(400, f"weight update refused: {exc}") from None
-        return web.json_response({"success": True, "message": f"updated {count} tensors",
-                                  "weight_version": self.core.weight_version})
+        return await self._apply("update_weights_from_distributed", body, load)
 
     async def destroy_weights_update_group(self, request: web.Request):
+        body = await self._json(request, empty_ok=True)
+        group = body.get("group_name", "weight_update_group")
+        if self.dist_group is None or self.dist_group["name"] != group:
+            return self._answer(False, f"no weight update group {group!r}")
         self.dist_group = None
-        return web.json_response({"success": True})
+        return self._answer(True, "Succeeded to destroy custom process group.")
+
+    async def update_weight_version(self, request: web.Request):
+        body = await self._json(request)
+        if "new_version" not in body:
+            raise HTTPError(400, "missing field new_version")
+        if body.get("abort_all_requests"):
+            await self._command("abort", None, True)
+        await self._command("set_version", str(body["new_version"]))
+        return web.json_response({"success": True, "message":
+                                  f"Weight version updated to {body['new_version']}",
+                                  "new_version": str(body["new_version"])})
 
     # ------------------------------------------------------------------ control
     async def pause_generation(self, request: web.Request):
-        body = await self._json(request) if request.can_read_body else {}
-        mode = await self._command("pause", body.get("mode", "abort"))
+        body = await self._json(request, empty_ok=True)
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise HTTPError(400, f"mode must be abort, retract or in_place, not {mode!r}")
+        async with self.pause_cond:
+            self.paused = True
+            await self._command("pause", mode)
+            if mode == "abort":  # SGLang waits until no request holds the reader lock
+                while self.model_update_lock.readers:
+                    await self._command("abort", None, True)
+                    await asyncio.sleep(0.01)
         return web.json_response({"success": True, "mode": mode})
 
     async def continue_generation(self, request: web.Request):
-        await self._command("continue")
+        async with self.pause_cond:
+            self.paused = False
+            await self._command("continue")
+            self.pause_cond.notify_all()
         return web.json_response({"success": True})
 
     async def abort_request(self, request: web.Request):
         body = await self._json(request)
         rid, abort_all = body.get("rid"), bool(body.get("abort_all", False))
-        if rid is None and not abort_all:
+        if not rid and not abort_all:
             raise HTTPError(400, "give rid or abort_all=true")
         count = await self._command("abort", rid, abort_all)
         return web.json_response({"success": True, "aborted": count})
 
     async def flush_cache(self, request: web.Request):
-        try:
-            await self._command("flush_cache")
-        except RequestError as exc:
-            return _error(400, str(exc))
-        return web.Response(text="Cache flushed.")
+        if await self._command("flush_cache"):
+            return web.Response(text="Cache flushed.\nPlease check backend logs for more details. "
+                                     "(When there are running or waiting requests, the operation "
+                                     "will not be performed.)\n")
+        return web.Response(text="Flush cache failed.\n", status=400)
 
-    async def get_weight_version(self, request: web.Request):
-        return web.json_response({"weight_version": self.core.weight_version})
+    # ------------------------------------------------------------------ status
+    async def model_info(self, request: web.Request):
+        cfg = self.core.model.config
+        return web.json_response({
+            "model_path": self.model_path, "served_model_name": self.served_model_name,
+            "tokenizer_path": self.model_path if self.tokenizer is not None else None,
+            "is_generation": True, "preferred_sampling_params": None,
+            "weight_version": self.core.weight_version, "load_format": "auto",
+            "model_type": cfg.model_type, "architectures": getattr(cfg, "architectures", None),
+            "has_image_understanding": False, "has_audio_understanding": False})
 
-    async def get_model_info(self, request: web.Request):
-        return web.json_response({"model_path": self.model_path, "tokenizer_path": self.model_path,
-                                  "is_generation": True, "model_type": self.core.model.config.model_type,
-                                  "weight_version": self.core.weight_version,
-                                  "vocab_size": self.core.model.shape.vocab})
+    def load_snapshot(self) -> dict:
+        """One DP rank's entry of SGLang's /v1/loads (LoadSnapshot core fields)."""
+        st = self.core.stats()
+        return {"timestamp": time.time(), "dp_rank": 0,
+                "num_running_reqs": st["num_running_reqs"],
+                "num_waiting_reqs": st["num_waiting_reqs"],
+                "num_used_tokens": st["num_used_tokens"],
+                "num_total_tokens": st["num_used_tokens"],
+                "max_total_num_tokens": st["max_total_num_tokens"],
+                "max_running_requests": st["max_running_requests"],
+                "token_usage": st["token_usage"], "gen_throughput": 0.0,
+                "cache_hit_rate": 0.0,
+                "utilization": st["num_running_reqs"] / max(st["max_running_requests"], 1)}
 
-    async def get_load(self, request: web.Request):
-        return web.json_response(self.core.stats())
+    async def loads(self, request: web.Request):
+        include = request.query.get("include")
+        valid = {"core", "memory", "spec", "lora", "disagg", "queues", "all"}
+        if include and not set(s.strip() for s in include.split(",")) <= valid:
+            raise HTTPError(400, f"Invalid include sections: {include}. Valid options: {sorted(valid)}")
+        load = self.load_snapshot()
+        if not include or "queues" in include or "all" in include:
+            st = self.core.stats()
+            load["queues"] = {"waiting": st["num_waiting_reqs"], "grammar": 0,
+                              "paused": st["num_running_reqs"] if st["paused"] == "in_place" else 0,
+                              "retracted": 0, "prealloc_ready": 0}
+        return web.json_response({"timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                  "version": "0.5.23", "accelerator": None,
+                                  "num_accelerators": 0, "loads": [load]})
 
-    async def get_server_info(self, request: web.Request):
-        info = {"model_path": self.model_path, "engine": "laminar-cpu",
-                "internal_states": [self.core.stats()]}
-        info.update(self.core.stats())
-        return web.json_response(info)
+    async def server_info(self, request: web.Request):
+        st = self.core.stats()
+        return web.json_response({**self.server_args, "startup_time": self.started,
+                                  "internal_states": [{**st, "weight_version": None}],
+                                  "version": "0.5.23", "frontend": "laminar-cpu"})
 
     async def health(self, request: web.Request):
-        return web.Response(text="ok")
+        return web.Response(status=200)
+
+    async def health_generate(self, request: web.Request):
+        """SGLang's check: generate one token (served at once while requests run)."""
+        if self.core.running or self.paused:
+            return web.Response(status=200)
+        req = Request(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0],
+                      params=SamplingParams(max_new_tokens=1, temperature=0.0),
+                      on_event=lambda *_: None)
+        try:
+            async with contextlib.aclosing(self.run_requests([req])) as events:
+                async for *_, finished in events:
+                    if finished:
+                        return web.Response(status=200)
+        except RequestError:
+            pass
+        return web.Response(status=503)
+
+    async def ready(self, request: web.Request):
+        return web.Response(status=503 if self.paused else 200)
+
+    async def metrics(self, request: web.Request):
+        """Prometheus text: SGLang's metric names for what this engine measures."""
+        st = self.core.stats()
+        gauges = {"sglang:num_running_reqs": st["num_running_reqs"],
+                  "sglang:num_queue_reqs": st["num_waiting_reqs"],
+                  "sglang:num_used_tokens": st["num_used_tokens"],
+                  "sglang:token_usage": st["token_usage"],
+                  "sglang:max_total_num_tokens": st["max_total_num_tokens"]}
+        counters = {"sglang:prompt_tokens_total": self.counters["prompt_tokens"],
+                    "sglang:generation_tokens_total": self.counters["generation_tokens"],
+                    "sglang:num_requests_total": self.counters["requests"],
+                    "sglang:num_retractions_total": st["retractions"]}
+        lines = []
+        label = f'{{model_name="{self.served_model_name}"}}'
+        for kind, values in (("gauge", gauges), ("counter", counters)):
+            for name, value in values.items():
+                lines += [f"# TYPE {name} {kind}", f"{name}{label} {value}"]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -397,9 +653,19 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--api-key", default=os.environ.get("LAMINAR_ENGINE_API_KEY"))
     ap.add_argument("--kv-capacity-tokens", type=int, default=16384)
     ap.add_argument("--max-running-requests", type=int, default=64)
-    ap.add_argument("--weight-version", default="0")
+    ap.add_argument("--weight-version", default="default",
+                    help="the version /model_info reports until an update sets one (SGLang's)")
+    ap.add_argument("--context-length", type=int, default=None,
+                    help="prompt + max_new_tokens limit (default: max_position_embeddings)")
+    ap.add_argument("--served-model-name", default=None)
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="stream a chunk every N tokens (SGLang's --stream-interval)")
+    ap.add_argument("--incremental-streaming-output", action="store_true",
+                    help="stream chunks carry only new tokens (SGLang's flag; default cumulative)")
+    ap.add_argument("--enable-deterministic-inference", action="store_true",
+                    help="honour sampling_params.sampling_seed (ignored otherwise, as in SGLang)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", "--random-seed", dest="seed", type=int, default=0)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.threads > 0:
@@ -410,7 +676,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     server = CpuEngineServer(model, args.model, api_key=args.api_key,
                              kv_capacity_tokens=args.kv_capacity_tokens,
                              max_running_requests=args.max_running_requests,
-                             weight_version=args.weight_version, seed=args.seed)
+                             weight_version=args.weight_version, seed=args.seed,
+                             context_length=args.context_length,
+                             deterministic=args.enable_deterministic_inference,
+                             incremental_streaming_output=args.incremental_streaming_output,
+                             stream_interval=args.stream_interval,
+                             served_model_name=args.served_model_name,
+                             tokenizer=load_tokenizer(args.model))
     # Bind first so that --port 0 works: the chosen port is printed for launchers to read.
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

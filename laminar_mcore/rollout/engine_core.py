@@ -1,9 +1,11 @@
-"""The CPU engine's scheduler: continuous batching over a token-capacity KV cache.
+"""The CPU engine's scheduler: continuous batching over a paged KV cache, as SGLang's.
 
 One thread runs the loop. Each iteration it applies queued commands (new requests, aborts,
 pause/continue, weight updates, cache flushes) -- so weights change only *between* steps --
-admits waiting requests whose KV reservation fits, prefills them, decodes one token for every
-running request, and reports progress. Requests join and leave the running batch every step.
+admits waiting requests whose prompt fits beside what running requests will likely still need,
+prefills them, decodes one token for every running request (retracting the newest requests
+when the cache runs out, as SGLang does), and reports progress. A request that does not fit
+the cache now waits; it is never refused for that.
 
 Pause modes (SGLang's): ``abort`` finishes every request with finish_reason abort; ``retract``
 frees the KV of running requests and queues them again (they resume by recomputing their
@@ -31,37 +33,40 @@ class RequestError(ValueError):
     """A request the engine cannot serve as given (answered with 400)."""
 
 
-class SegmentAllocator:
-    """First-fit allocator of contiguous KV slots, merging neighbours on free."""
+class KVPool:
+    """Paged KV-cache slots, one per token (SGLang's token-to-KV pool): a request holds the
+    slots of its cached positions and takes one more per decoded token."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.free: List[Tuple[int, int]] = [(0, capacity)]  # (start, length), sorted
-
-    def allocate(self, length: int) -> Optional[int]:
-        for i, (start, size) in enumerate(self.free):
-            if size >= length:
-                if size == length:
-                    self.free.pop(i)
-                else:
-                    self.free[i] = (start + length, size - length)
-                return start
-        return None
-
-    def release(self, start: int, length: int) -> None:
-        self.free.append((start, length))
-        self.free.sort()
-        merged: List[Tuple[int, int]] = []
-        for s, n in self.free:
-            if merged and merged[-1][0] + merged[-1][1] == s:
-                merged[-1] = (merged[-1][0], merged[-1][1] + n)
-            else:
-                merged.append((s, n))
-        self.free = merged
+        self._free = list(range(capacity - 1, -1, -1))
 
     @property
-    def reserved(self) -> int:
-        return self.capacity - sum(n for _, n in self.free)
+    def available(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> Optional[torch.Tensor]:
+        if n > len(self._free):
+            return None
+        taken = self._free[len(self._free) - n:]
+        del self._free[len(self._free) - n:]
+        return torch.tensor(taken[::-1], dtype=torch.long)
+
+    def release(self, slots: torch.Tensor) -> None:
+        self._free.extend(slots.tolist())
+
+
+# SGLang 0.5.23's SamplingParams (sglang/api/v1/api_types.py): unknown keys are refused there
+# too. Values that change sampling in ways this engine does not implement are refused below.
+SGLANG_SAMPLING_FIELDS = (
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
+    "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
+    "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias",
+    "sampling_seed", "custom_params", "beam_width", "watermark", "choice")
+_UNSUPPORTED_IF_SET = ("stop_regex", "json_schema", "regex", "ebnf", "structural_tag",
+                       "custom_params", "beam_width", "watermark")
+TOP_K_OFF = 1 << 30  # SGLang's "no top-k"
 
 
 @dataclass
@@ -69,46 +74,57 @@ class SamplingParams:
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: int = TOP_K_OFF
+    min_p: float = 0.0
+    min_new_tokens: int = 0
+    stop: List[str] = field(default_factory=list)
     stop_token_ids: List[int] = field(default_factory=list)
     ignore_eos: bool = False
-    seed: Optional[int] = None
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    stream_interval: Optional[int] = None
+    n: int = 1
+    sampling_seed: Optional[int] = None
 
     @classmethod
     def from_request(cls, raw: Optional[dict]) -> "SamplingParams":
         raw = dict(raw or {})
-        if "sampling_seed" in raw and "seed" not in raw:
-            raw["seed"] = raw.pop("sampling_seed")
-        known = {k: raw.pop(k) for k in list(raw) if k in cls.__dataclass_fields__}
-        # Fields SGLang accepts that do not change this engine's sampling are ignored; the rest
-        # are errors so that a typo never silently changes a run.
-        tolerated = {"min_new_tokens", "skip_special_tokens", "spaces_between_special_tokens",
-                     "no_stop_trim", "stop", "n", "frequency_penalty", "presence_penalty",
-                     "repetition_penalty", "min_p"}
-        unknown = set(raw) - tolerated
+        unknown = sorted(set(raw) - set(SGLANG_SAMPLING_FIELDS))
         if unknown:
-            raise RequestError(f"unknown sampling_params: {sorted(unknown)}")
-        for name in ("frequency_penalty", "presence_penalty", "min_p"):
-            if raw.get(name) not in (None, 0, 0.0):
+            raise RequestError(f"sampling_params: unknown field `{unknown[0]}` (SGLang refuses "
+                               f"unknown sampling parameters; a seed is `sampling_seed`)")
+        for name in _UNSUPPORTED_IF_SET:
+            if raw.get(name) is not None:
                 raise RequestError(f"sampling_params.{name} is not supported by the CPU engine")
-        if raw.get("repetition_penalty") not in (None, 1, 1.0):
-            raise RequestError("sampling_params.repetition_penalty is not supported by the CPU engine")
-        if raw.get("n") not in (None, 1):
-            raise RequestError("sampling_params.n > 1 is not supported; send n requests")
+        for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0),
+                              ("repetition_penalty", 1.0)):
+            if raw.get(name) is not None and float(raw[name]) != neutral:
+                raise RequestError(f"sampling_params.{name} is not supported by the CPU engine")
+        if raw.get("logit_bias") or raw.get("choice"):
+            raise RequestError("sampling_params.logit_bias / choice are not supported by the CPU engine")
+        known = {k: raw[k] for k in cls.__dataclass_fields__ if raw.get(k) is not None}
         try:
             p = cls(**known)
             p.max_new_tokens = int(p.max_new_tokens)
-            p.temperature = float(p.temperature)
-            p.top_p = float(p.top_p)
+            p.temperature, p.top_p, p.min_p = float(p.temperature), float(p.top_p), float(p.min_p)
             p.top_k = int(p.top_k)
-            p.stop_token_ids = [int(t) for t in (p.stop_token_ids or [])]
-            p.seed = None if p.seed is None else int(p.seed)
+            p.min_new_tokens, p.n = int(p.min_new_tokens), int(p.n)
+            p.stop = [p.stop] if isinstance(p.stop, str) else [str(x) for x in p.stop]
+            p.stop_token_ids = [int(t) for t in p.stop_token_ids]
+            p.sampling_seed = None if p.sampling_seed is None else int(p.sampling_seed)
+            p.stream_interval = None if p.stream_interval is None else int(p.stream_interval)
         except (TypeError, ValueError) as exc:
             raise RequestError(f"bad sampling_params: {exc}") from None
-        if p.max_new_tokens < 0:
-            raise RequestError("sampling_params.max_new_tokens must be >= 0")
-        if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k == 0 or p.top_k < -1:
-            raise RequestError("need temperature >= 0, 0 < top_p <= 1 and top_k = -1 or >= 1")
+        if p.max_new_tokens < 0 or p.min_new_tokens < 0:
+            raise RequestError("sampling_params.max_new_tokens and min_new_tokens must be >= 0")
+        if p.temperature < 0 or not 0 < p.top_p <= 1 or not 0 <= p.min_p <= 1 \
+                or p.top_k == 0 or p.top_k < -1:
+            raise RequestError("need temperature >= 0, 0 < top_p <= 1, 0 <= min_p <= 1 and "
+                               "top_k = -1 or >= 1")
+        if p.top_k == -1:
+            p.top_k = TOP_K_OFF
+        if p.n < 1:
+            raise RequestError("sampling_params.n must be >= 1")
         return p
 
 
@@ -118,16 +134,22 @@ class Request:
     input_ids: List[int]
     params: SamplingParams
     on_event: Callable[["Request", bool], None]  # (request, finished) from the engine thread
+    logprob_start_len: int = -1  # >= 0: report prompt log-probs from this position
+    top_logprobs_num: int = 0
     output_ids: List[int] = field(default_factory=list)
     output_logprobs: List[float] = field(default_factory=list)
+    output_top_logprobs: List[List[Tuple[float, int]]] = field(default_factory=list)
+    input_logprobs: Optional[List[Optional[float]]] = None
+    input_top_logprobs: Optional[List[Optional[List[Tuple[float, int]]]]] = None
     finish_reason: Optional[dict] = None
-    kv_start: Optional[int] = None
-    kv_reserved: int = 0
+    slots: Optional[torch.Tensor] = None  # KV slots of positions [0, len(slots))
     cached_len: int = 0
     generator: Optional[torch.Generator] = None
     created: float = field(default_factory=time.time)
     first_token_time: Optional[float] = None
-    weight_versions: List[str] = field(default_factory=list)
+    # SGLang's weight-version spans: [version, start, end) over output positions.
+    spans: List[List] = field(default_factory=list)
+    stop_trim: int = 0  # characters of a matched stop string to cut from the text
 
     @property
     def prefix(self) -> List[int]:
@@ -137,6 +159,10 @@ class Request:
     def remaining(self) -> int:
         return self.params.max_new_tokens - len(self.output_ids)
 
+    @property
+    def weight_versions(self) -> List[dict]:
+        return [{"version": v, "start": a, "end": b} for v, a, b in self.spans]
+
 
 class EngineCore:
     """Owns the model, the KV cache and every request; all mutation happens on its thread."""
@@ -144,14 +170,20 @@ class EngineCore:
     def __init__(self, model: DecoderLM, *, kv_capacity_tokens: int = 16384,
                  max_running_requests: int = 64, max_prefill_tokens: int = 4096,
                  eos_token_ids: Optional[List[int]] = None, weight_version: str = "0",
-                 seed: int = 0):
+                 seed: int = 0, deterministic: bool = False,
+                 decode: Optional[Callable[[List[int]], str]] = None):
+        """``deterministic`` (SGLang's ``--enable-deterministic-inference``) makes requests
+        honour ``sampling_seed``; without it the seed is ignored, as in SGLang. ``decode``
+        (the checkpoint's tokenizer) enables stop strings and token texts."""
         self.model = model
         self.kv = model.new_kv_cache(kv_capacity_tokens)
-        self.allocator = SegmentAllocator(kv_capacity_tokens)
+        self.pool = KVPool(kv_capacity_tokens)
         self.max_running = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
         self.eos = set(eos_token_ids or [])
         self.weight_version = str(weight_version)
+        self.deterministic = deterministic
+        self.decode = decode
         self.waiting: Deque[Request] = deque()
         self.running: List[Request] = []
         self.requests: Dict[str, Request] = {}
@@ -160,6 +192,11 @@ class EngineCore:
         self.generator = torch.Generator().manual_seed(seed)
         self.steps = 0
         self.generated_tokens = 0
+        self.retractions = 0
+        self.cache_flushes = 0
+        # SGLang's estimate of how much of max_new_tokens running requests will still use;
+        # admission keeps room for it, a retraction raises it, each decode step lowers it.
+        self.new_token_ratio = 0.4
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="laminar-cpu-engine", daemon=True)
 
@@ -177,16 +214,15 @@ class EngineCore:
         self.commands.put((name, args, done))
 
     def stats(self) -> dict:
-        used = sum(r.cached_len for r in self.running)
-        cap = self.allocator.capacity
+        cap = self.pool.capacity
+        used = cap - self.pool.available
         return {
             "num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
-            "kv_capacity_tokens": cap, "kv_used_tokens": used,
-            "kv_reserved_tokens": self.allocator.reserved,
-            "kv_utilization": used / cap, "token_usage": used / cap,
+            "num_used_tokens": used, "max_total_num_tokens": cap,
+            "token_usage": used / cap, "max_running_requests": self.max_running,
             "paused": self.paused, "weight_version": self.weight_version,
             "steps": self.steps, "generated_tokens": self.generated_tokens,
-            "max_running_requests": self.max_running,
+            "retractions": self.retractions, "cache_flushes": self.cache_flushes,
         }
 
     # ---------------------------------------------------------------- commands (engine thread)
@@ -194,19 +230,16 @@ class EngineCore:
         return None
 
     def _cmd_add(self, req: Request):
-        need = len(req.input_ids) + req.params.max_new_tokens
-        if need > self.allocator.capacity:
-            raise RequestError(f"request needs {need} KV tokens (prompt {len(req.input_ids)} + "
-                               f"max_new_tokens {req.params.max_new_tokens}) but the cache holds "
-                               f"{self.allocator.capacity}; lower max_new_tokens or raise "
-                               "--kv-capacity-tokens")
         if req.rid in self.requests:
             raise RequestError(f"request id {req.rid!r} is already in flight")
         vocab = self.model.shape.vocab
         if any(t < 0 or t >= vocab for t in req.input_ids):
             raise RequestError(f"input_ids must be in [0, {vocab})")
-        if req.params.seed is not None:
-            req.generator = torch.Generator().manual_seed(req.params.seed)
+        if req.params.stop and self.decode is None:
+            raise RequestError("sampling_params.stop (strings) needs a tokenizer and this "
+                               "checkpoint has none; use stop_token_ids")
+        if req.params.sampling_seed is not None and self.deterministic:
+            req.generator = torch.Generator().manual_seed(req.params.sampling_seed)
         self.requests[req.rid] = req
         if req.params.max_new_tokens == 0:
             self._finish(req, {"type": "length", "length": 0})
@@ -217,7 +250,7 @@ class EngineCore:
         targets = list(self.requests.values()) if abort_all else (
             [self.requests[rid]] if rid in self.requests else [])
         for req in targets:
-            self._finish(req, {"type": "abort", "message": "aborted by request"})
+            self._finish(req, {"type": "abort", "message": "Abort by request"})
         return len(targets)
 
     def _cmd_pause(self, mode: str):
@@ -227,9 +260,7 @@ class EngineCore:
             self._cmd_abort(None, True)
         elif mode == "retract":
             for req in reversed(self.running):
-                self._release_kv(req)
-                req.cached_len = 0
-                self.waiting.appendleft(req)
+                self._retract(req)
             self.running = []
         self.paused = mode
         return mode
@@ -237,23 +268,26 @@ class EngineCore:
     def _cmd_continue(self):
         self.paused = None
 
-    def _cmd_update_weights(self, named_tensors: dict, version: Optional[str], abort_all: bool):
-        if abort_all:
-            self._cmd_abort(None, True)
+    def _cmd_update_weights(self, named_tensors: dict, version: Optional[str]):
         count = self.model.load_weights(named_tensors)
         if version is not None:
             self.weight_version = str(version)
         return count
+
+    def _cmd_set_version(self, version: str):
+        self.weight_version = str(version)
 
     def _cmd_call(self, fn: Callable[[], object]):
         """Run ``fn`` on the engine thread between steps (weight loaders use it)."""
         return fn()
 
     def _cmd_flush_cache(self):
+        """Like SGLang: refused while requests are running or queued."""
         if self.requests:
-            raise RequestError(f"cannot flush the cache while {len(self.requests)} requests run")
+            return False
         self.kv[0].zero_()
         self.kv[1].zero_()
+        self.cache_flushes += 1
         return True
 
     # ---------------------------------------------------------------- the loop
@@ -292,6 +326,9 @@ class EngineCore:
             self._decode()
         self.steps += 1
 
+    def _reserve(self, reqs) -> int:
+        return sum(min(r.remaining, max(1, int(r.remaining * self.new_token_ratio))) for r in reqs)
+
     def _admit_and_prefill(self) -> None:
         batch: List[Request] = []
         budget = self.max_prefill_tokens
@@ -300,58 +337,113 @@ class EngineCore:
             prefix = len(req.prefix)
             if batch and prefix > budget:
                 break
-            reserve = prefix + req.remaining
-            start = self.allocator.allocate(reserve)
-            if start is None:
-                break  # wait for memory to free up (FIFO: no overtaking)
+            # Room for the prompt now and for what running requests will likely still need;
+            # a request that does not fit waits (FIFO: no overtaking).
+            if self.pool.available < prefix + 1 + self._reserve(self.running + batch):
+                break
             self.waiting.popleft()
-            req.kv_start, req.kv_reserved, req.cached_len = start, reserve, 0
+            req.slots, req.cached_len = self.pool.allocate(prefix), 0
             batch.append(req)
             budget -= prefix
         if not batch:
             return
-        logits = self.model.forward([r.prefix for r in batch], [r.kv_start for r in batch],
-                                    [0] * len(batch), self.kv)
+        want_all = [r.logprob_start_len >= 0 and r.input_logprobs is None for r in batch]
+        logits = self.model.forward([r.prefix for r in batch], [r.slots for r in batch],
+                                    [0] * len(batch), self.kv, all_logits=any(want_all))
+        if any(want_all):
+            for req, rows, want in zip(batch, logits, want_all):
+                if want:
+                    self._input_logprobs(req, rows)
+            logits = torch.stack([rows[-1] for rows in logits])
         for req in batch:
             req.cached_len = len(req.prefix)
         self.running.extend(batch)
         self._sample_and_emit(batch, logits)
 
+    def _input_logprobs(self, req: Request, rows: torch.Tensor) -> None:
+        """Prompt log-probs from ``logprob_start_len`` (the first position has none)."""
+        t = req.params.temperature or 1.0
+        lps = torch.log_softmax(rows[:-1] / t, -1)
+        ids = torch.tensor(req.input_ids[1:])
+        values = [None] + lps.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+        req.input_logprobs = values[req.logprob_start_len:]
+        if req.top_logprobs_num > 0:
+            top = torch.topk(lps, min(req.top_logprobs_num, lps.shape[-1]), -1)
+            rows_top = [None] + [list(zip(v.tolist(), i.tolist())) for v, i in zip(*top)]
+            req.input_top_logprobs = rows_top[req.logprob_start_len:]
+
     def _decode(self) -> None:
+        # One new slot per running request; out of memory, retract the newest (SGLang).
+        while len(self.running) > self.pool.available:
+            if len(self.running) == 1:
+                self._finish(self.running[0], {"type": "abort", "message":
+                             "the KV cache cannot hold this request; raise --kv-capacity-tokens"})
+                return
+            self._retract(self.running.pop())
+            self.retractions += 1
+            self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
         batch = list(self.running)
-        logits = self.model.forward([[r.prefix[-1]] for r in batch], [r.kv_start for r in batch],
+        for req in batch:
+            req.slots = torch.cat([req.slots, self.pool.allocate(1)])
+        logits = self.model.forward([[r.prefix[-1]] for r in batch], [r.slots for r in batch],
                                     [r.cached_len for r in batch], self.kv)
         for req in batch:
             req.cached_len += 1
+        self.new_token_ratio = max(0.1, self.new_token_ratio - 0.001)
         self._sample_and_emit(batch, logits)
+
+    def _stopped(self, req: Request, token: int) -> Optional[dict]:
+        p = req.params
+        if len(req.output_ids) < p.min_new_tokens:
+            return None
+        if token in p.stop_token_ids or (token in self.eos and not p.ignore_eos):
+            return {"type": "stop", "matched": token}
+        if p.stop:
+            longest = max(len(x) for x in p.stop)
+            tail = self.decode(req.output_ids[-(longest + 8):])
+            for stop in p.stop:
+                at = tail.find(stop)
+                if at >= 0:
+                    req.stop_trim = 0 if p.no_stop_trim else len(tail) - at
+                    return {"type": "stop", "matched": stop}
+        return None
 
     def _sample_and_emit(self, batch: List[Request], logits: torch.Tensor) -> None:
         for req, row in zip(batch, logits):
-            token, logprob = self._sample(req, row)
+            token, logprob, top = self._sample(req, row)
             if req.first_token_time is None:
                 req.first_token_time = time.time()
             req.output_ids.append(token)
             req.output_logprobs.append(logprob)
-            req.weight_versions.append(self.weight_version)
+            if top is not None:
+                req.output_top_logprobs.append(top)
+            n = len(req.output_ids)
+            if req.spans and req.spans[-1][0] == self.weight_version and req.spans[-1][2] == n - 1:
+                req.spans[-1][2] = n
+            else:
+                req.spans.append([self.weight_version, n - 1, n])
             self.generated_tokens += 1
-            stop = token in req.params.stop_token_ids or (
-                token in self.eos and not req.params.ignore_eos)
-            if stop:
-                self._finish(req, {"type": "stop", "matched": token})
+            stop = self._stopped(req, token)
+            if stop is not None:
+                self._finish(req, stop)
             elif req.remaining <= 0:
                 self._finish(req, {"type": "length", "length": req.params.max_new_tokens})
             else:
                 req.on_event(req, False)  # its KV is written by the next decode step
 
-    def _sample(self, req: Request, logits: torch.Tensor) -> Tuple[int, float]:
+    def _sample(self, req: Request, logits: torch.Tensor):
         p = req.params
+        t = p.temperature if p.temperature > 0 else 1.0
+        logprobs = torch.log_softmax(logits / t, -1)
+        top = None
+        if req.top_logprobs_num > 0:
+            values, ids = torch.topk(logprobs, min(req.top_logprobs_num, logprobs.numel()))
+            top = list(zip(values.tolist(), ids.tolist()))
         if p.temperature == 0:
-            logprobs = torch.log_softmax(logits, -1)
             token = int(torch.argmax(logits))
-            return token, float(logprobs[token])
-        logprobs = torch.log_softmax(logits / p.temperature, -1)
+            return token, float(logprobs[token]), top
         probs = logprobs.exp()
-        if p.top_k > 0 and p.top_k < probs.numel():
+        if p.top_k < probs.numel():
             kth = torch.topk(probs, p.top_k).values[-1]
             probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
         if p.top_p < 1.0:
@@ -360,15 +452,23 @@ class EngineCore:
             drop = cum - sorted_probs > p.top_p * cum[-1]
             sorted_probs[drop] = 0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        if p.min_p > 0:
+            probs = torch.where(probs >= p.min_p * probs.max(), probs, torch.zeros_like(probs))
         token = int(torch.multinomial(probs, 1, generator=req.generator or self.generator))
         # The behaviour log-prob of the sampling distribution at this temperature (before top-k
         # / top-p truncation, as SGLang reports it).
-        return token, float(logprobs[token])
+        return token, float(logprobs[token]), top
 
     def _release_kv(self, req: Request) -> None:
-        if req.kv_start is not None:
-            self.allocator.release(req.kv_start, req.kv_reserved)
-            req.kv_start, req.kv_reserved = None, 0
+        if req.slots is not None:
+            self.pool.release(req.slots)
+            req.slots = None
+        req.cached_len = 0
+
+    def _retract(self, req: Request) -> None:
+        """Free a running request's KV; it waits at the head of the queue and recomputes."""
+        self._release_kv(req)
+        self.waiting.appendleft(req)
 
     def _finish(self, req: Request, reason: dict) -> None:
         req.finish_reason = reason

@@ -26,10 +26,31 @@ class EngineStartError(RuntimeError):
     """An engine exited or stayed unhealthy while starting; the message has its log's tail."""
 
 
+def _protocol_args(weight_version, incremental_streaming_output: bool, stream_interval: int,
+                   deterministic: bool) -> List[str]:
+    """Flags SGLang 0.5.23 and the CPU engine share: the start version (``--weight-version``;
+    SGLang reports "default" without it), O(L) streams (``--incremental-streaming-output``,
+    ``--stream-interval``) and, when the run is seeded, ``--enable-deterministic-inference``
+    (without it SGLang ignores ``sampling_seed``; on GPUs it costs throughput: batch-invariant
+    kernels, about 1.3-2x slower decoding in SGLang's own measurements)."""
+    args = []
+    if weight_version is not None:
+        args += ["--weight-version", str(weight_version)]
+    if incremental_streaming_output:
+        args.append("--incremental-streaming-output")
+    if stream_interval:
+        args += ["--stream-interval", str(int(stream_interval))]
+    if deterministic:
+        args.append("--enable-deterministic-inference")
+    return args
+
+
 def sglang_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp: int = 1,
                    base_gpu_id: int = 0,
                    mem_fraction_static: float = 0.8, api_key: Optional[str] = None,
-                   max_running_requests: Optional[int] = None, weight_version: Optional[str] = None,
+                   max_running_requests: Optional[int] = None, weight_version: Optional[str] = "0",
+                   incremental_streaming_output: bool = True, stream_interval: int = 8,
+                   deterministic: bool = False,
                    extra_args: Sequence[str] = (), python: str = sys.executable) -> List[str]:
     """The ``sglang.launch_server`` command line for one rollout engine."""
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
@@ -40,40 +61,52 @@ def sglang_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp: i
         cmd += ["--max-running-requests", str(max_running_requests)]
     if api_key:
         cmd += ["--api-key", api_key]
-    if weight_version is not None:
-        cmd += ["--weight-version", str(weight_version)]
+    cmd += _protocol_args(weight_version, incremental_streaming_output, stream_interval,
+                          deterministic)
     return cmd + list(extra_args)
 
 
 def cpu_engine_command(model_path: str, *, port: int = 0, host: str = "127.0.0.1",
                        api_key: Optional[str] = None, kv_capacity_tokens: int = 16384,
                        max_running_requests: int = 64, threads: int = 1, seed: int = 0,
-                       weight_version: Optional[str] = None, python: str = sys.executable) -> List[str]:
+                       weight_version: Optional[str] = "0",
+                       incremental_streaming_output: bool = False, stream_interval: int = 1,
+                       deterministic: bool = False, python: str = sys.executable) -> List[str]:
+    """The CPU engine's command line; stream style and determinism default to SGLang's
+    defaults (cumulative chunks every token, ``sampling_seed`` ignored)."""
     cmd = [python, "-m", "laminar_mcore.rollout.cpu_engine", "--model", model_path, "--host", host,
            "--port", str(port), "--kv-capacity-tokens", str(kv_capacity_tokens),
            "--max-running-requests", str(max_running_requests), "--threads", str(threads),
            "--seed", str(seed)]
     if api_key:
         cmd += ["--api-key", api_key]
-    if weight_version is not None:
-        cmd += ["--weight-version", str(weight_version)]
-    return cmd
+    return cmd + _protocol_args(weight_version, incremental_streaming_output, stream_interval,
+                                deterministic)
 
 
 def engine_command_from_config(rollout_cfg, model_path: str, *, port: int,
-                               api_key: Optional[str] = None, index: int = 0) -> List[str]:
-    """The command for engine ``index`` of ``cfg.rollout`` (backend cpu or sglang)."""
+                               api_key: Optional[str] = None, index: int = 0,
+                               seed: Optional[int] = None) -> List[str]:
+    """The command for engine ``index`` of ``cfg.rollout`` (backend cpu or sglang). Engines of
+    a run start at version 0, stream incrementally every ``rollout.stream_interval`` tokens
+    (the controller's clients read them so: ``controller_client``) and, with a run ``seed``,
+    honour per-trajectory sampling seeds."""
+    common = dict(incremental_streaming_output=True,
+                  stream_interval=int(getattr(rollout_cfg, "stream_interval", 8)),
+                  deterministic=seed is not None and bool(
+                      getattr(rollout_cfg, "deterministic_inference", True)),
+                  weight_version="0")
     if rollout_cfg.backend == "sglang":
         return sglang_command(model_path, port=port, host=rollout_cfg.host, tp=rollout_cfg.engine_tp,
                               base_gpu_id=engine_gpu_ids(rollout_cfg, index)[0],
                               mem_fraction_static=rollout_cfg.mem_fraction_static, api_key=api_key,
                               max_running_requests=rollout_cfg.max_running_requests,
-                              extra_args=list(rollout_cfg.extra_args))
+                              extra_args=list(rollout_cfg.extra_args), **common)
     if rollout_cfg.backend == "cpu":
         return cpu_engine_command(model_path, port=port, host=rollout_cfg.host, api_key=api_key,
                                   kv_capacity_tokens=rollout_cfg.kv_capacity_tokens,
                                   max_running_requests=rollout_cfg.max_running_requests,
-                                  seed=index)
+                                  seed=index, **common)
     raise ValueError(f"rollout.backend={rollout_cfg.backend!r} is not one of cpu, sglang")
 
 

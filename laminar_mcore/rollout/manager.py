@@ -25,7 +25,8 @@ from typing import Callable, Dict, List, Optional
 
 from ..data.pools import ExperienceBuffer, PartialResponse, PartialResponsePool, PromptPool
 from ..data.trajectory import Trajectory
-from ..relay.client import PullSpec, RelayClient, RelayError, pull_latest_into_engine
+from ..relay.client import (PullSpec, RelayClient, RelayError, WeightApplyError,
+                            pull_latest_into_engine)
 from .client import EngineError, SGLangClient
 
 logger = logging.getLogger(__name__)
@@ -211,6 +212,13 @@ class RolloutManager:
         try:
             version = await pull_latest_into_engine(engine.relay, engine.client, engine.version,
                                                     spec=engine.pull)
+        except WeightApplyError as exc:
+            logger.warning("engine %s could not take new weights: %s", engine.name, exc)
+            if exc.mixed:  # it may hold part of two versions: it must not generate
+                await self._mark_unhealthy(engine)
+            else:
+                await asyncio.sleep(self.poll_s)  # still on its version; try again later
+            return
         except (RelayError, EngineError) as exc:
             logger.warning("engine %s could not pull: %s", engine.name, exc)
             await self._mark_unhealthy(engine)
@@ -251,21 +259,17 @@ class RolloutManager:
         params["max_new_tokens"] = item.max_new_tokens - len(item.output_ids)
         if item.ignore_eos:
             params["ignore_eos"] = True
-        prefix = item.prompt_ids + item.output_ids
-        # A resumed trajectory continues from what the partial pool holds.
-        base_ids, base_lps = list(item.output_ids), list(item.output_logprobs)
+        prefix = item.prompt_ids + item.output_ids  # a resumed trajectory continues from these
         try:
             final = None
-            async for snap in engine.client.generate_stream(prefix, params, rid=item.rid):
-                meta = snap["meta_info"]
-                lps = [lp for lp, _, _ in meta["output_token_logprobs"]]
-                self.partial.update(item.rid, base_ids + snap["output_ids"], base_lps + lps)
-                final = meta
-                for v in meta.get("weight_versions", []):
-                    if v not in item.versions_seen:
-                        item.versions_seen.append(v)
-            if final is None or final.get("finish_reason") is None:
-                raise EngineError("/generate", None, "stream ended without a finish reason")
+            async for chunk in engine.client.stream_tokens(prefix, params, rid=item.rid):
+                # Only what is new is parsed and stored (O(L) for L tokens); the pool holds every
+                # token for a resume, also the partial output of an aborted request.
+                self.partial.append(item.rid, chunk.new_ids, chunk.new_logprobs)
+                final = chunk.meta
+                for span in chunk.meta.get("weight_versions") or ():
+                    if span["version"] not in item.versions_seen:  # SGLang's {version, start, end}
+                        item.versions_seen.append(span["version"])
         except EngineError as exc:
             engine.in_flight.pop(item.rid, None)
             if self._stop.is_set():

@@ -119,12 +119,15 @@ class DecoderLM:
         return torch.zeros(size, dtype=self.dtype), torch.zeros(size, dtype=self.dtype)
 
     @torch.no_grad()
-    def forward(self, new_tokens: Sequence[Sequence[int]], cache_starts: Sequence[int],
-                cached_lens: Sequence[int], kv: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Logits [R, vocab] (fp32) of the last new token of each request.
+    def forward(self, new_tokens: Sequence[Sequence[int]], slot_tables: Sequence[torch.Tensor],
+                cached_lens: Sequence[int], kv: Tuple[torch.Tensor, torch.Tensor],
+                all_logits: bool = False):
+        """Logits (fp32) of the last new token of each request, [R, vocab]; with
+        ``all_logits`` a list of [new tokens, vocab] per request (prompt log-probs).
 
-        Request r owns cache slots ``cache_starts[r] ...``; its first ``cached_lens[r]`` slots
-        hold its past, and its new tokens are written right after them.
+        Request r's KV lives in the cache slots ``slot_tables[r]`` (a paged layout: position i
+        in slot ``slot_tables[r][i]``); its first ``cached_lens[r]`` positions hold its past,
+        and its new tokens are written to the positions right after them.
         """
         s, p = self.shape, self.params
         k_cache, v_cache = kv
@@ -134,14 +137,14 @@ class DecoderLM:
         l_max = max(total)
         tokens = torch.tensor([t for seq in new_tokens for t in seq], dtype=torch.long)
         positions = torch.tensor([c + i for c, n in zip(cached_lens, n_new) for i in range(n)])
-        slots = torch.tensor([st + c + i for st, c, n in zip(cache_starts, cached_lens, n_new)
-                              for i in range(n)])
+        slots = torch.cat([table[c:c + n] for table, c, n in zip(slot_tables, cached_lens, n_new)])
         # Padded views: [R, q_max] index of each new token in the flat batch; [R, l_max] slots.
         row_of = torch.repeat_interleave(torch.arange(R), torch.tensor(n_new))
         col_of = torch.cat([torch.arange(n) for n in n_new])
-        key_slots = torch.stack([st + torch.arange(l_max) for st in cache_starts])
+        key_slots = torch.zeros(R, l_max, dtype=torch.long)
+        for r, (table, t) in enumerate(zip(slot_tables, total)):
+            key_slots[r, :t] = table[:t]
         key_valid = torch.arange(l_max).unsqueeze(0) < torch.tensor(total).unsqueeze(1)
-        key_slots = torch.where(key_valid, key_slots, torch.zeros_like(key_slots))
         q_pos = torch.full((R, q_max), -1, dtype=torch.long)
         q_pos[row_of, col_of] = positions
         allowed = (torch.arange(l_max).view(1, 1, l_max) <= q_pos.unsqueeze(-1)) & key_valid.unsqueeze(1)
@@ -184,9 +187,12 @@ class DecoderLM:
             gate = F.linear(h, p[pre + "mlp.gate_proj.weight"])
             up = F.linear(h, p[pre + "mlp.up_proj.weight"])
             x = x + F.linear(F.silu(gate) * up, p[pre + "mlp.down_proj.weight"])
+        head = p["model.embed_tokens.weight"] if self.tied else p["lm_head.weight"]
+        if all_logits:
+            logits = F.linear(_rms_norm(x, p["model.norm.weight"], self.eps), head).float()
+            return list(torch.split(logits, n_new))
         last = torch.tensor(n_new).cumsum(0) - 1
         h = _rms_norm(x[last], p["model.norm.weight"], self.eps)
-        head = p["model.embed_tokens.weight"] if self.tied else p["lm_head.weight"]
         return F.linear(h, head).float()
 
 
