@@ -41,7 +41,7 @@ def models(tmp_path_factory):
 def engine(models):
     cfg, paths, root = models
     cmd = cpu_engine_command(paths[1], api_key=KEY, kv_capacity_tokens=2048,
-                             max_running_requests=16)
+                             max_running_requests=16, deterministic=True)
     with EngineProcess(cmd, log_path=str(root / "engine.log")) as proc:
         yield proc
 
@@ -83,7 +83,7 @@ def test_logprobs_equal_the_trainers_recomputation(engine, models, megatron_worl
     prompt = [3, 14, 15, 92, 65]
 
     async def go(c):
-        return await c.generate(prompt, {"max_new_tokens": 24, "temperature": 1.0, "seed": 7})
+        return await c.generate(prompt, {"max_new_tokens": 24, "temperature": 1.0, "sampling_seed": 7})
 
     out = run(_with_client(engine.url, go))
     meta = out["meta_info"]
@@ -97,8 +97,8 @@ def test_logprobs_equal_the_trainers_recomputation(engine, models, megatron_worl
 
 def test_seeded_sampling_is_reproducible_and_stop_tokens_stop(engine):
     async def go(c):
-        a = await c.generate([1, 2, 3], {"max_new_tokens": 12, "seed": 11})
-        b = await c.generate([1, 2, 3], {"max_new_tokens": 12, "seed": 11})
+        a = await c.generate([1, 2, 3], {"max_new_tokens": 12, "sampling_seed": 11})
+        b = await c.generate([1, 2, 3], {"max_new_tokens": 12, "sampling_seed": 11})
         greedy = await c.generate([1, 2, 3], {"max_new_tokens": 12, "temperature": 0})
         stop_at = greedy["output_ids"][4]
         stopped = await c.generate([1, 2, 3], {"max_new_tokens": 12, "temperature": 0,
@@ -114,17 +114,17 @@ def test_seeded_sampling_is_reproducible_and_stop_tokens_stop(engine):
 
 def test_continuous_batching_lets_short_requests_leave_early(engine):
     async def go(c):
-        before = (await c._request("GET", "/get_load", timeout=10))["steps"]
+        before = (await c.get_server_info())["internal_states"][0]["steps"]
         lengths = [4, 60, 8, 60, 2, 30]
         finished = []
 
         async def one(i, n):
-            r = await c.generate([7, i + 1], {"max_new_tokens": n, "seed": i})
+            r = await c.generate([7, i + 1], {"max_new_tokens": n, "sampling_seed": i})
             finished.append(i)
             return r
 
         outs = await asyncio.gather(*[one(i, n) for i, n in enumerate(lengths)])
-        after = (await c._request("GET", "/get_load", timeout=10))["steps"]
+        after = (await c.get_server_info())["internal_states"][0]["steps"]
         return lengths, outs, finished, after - before
 
     lengths, outs, finished, steps = run(_with_client(engine.url, go))
@@ -134,7 +134,7 @@ def test_continuous_batching_lets_short_requests_leave_early(engine):
 
 
 async def _start_long(c, rid, n=400):
-    task = asyncio.create_task(c.generate([9, 9, 9], {"max_new_tokens": n, "seed": 1}, rid=rid))
+    task = asyncio.create_task(c.generate([9, 9, 9], {"max_new_tokens": n, "sampling_seed": 1}, rid=rid))
     for _ in range(200):
         load = await c.get_load()
         if load.num_running:
@@ -152,7 +152,7 @@ def test_pause_in_place_and_retract_resume_without_losing_tokens(engine):
             load1 = await c.get_load()
             await asyncio.sleep(0.3)
             load2 = await c.get_load()
-            assert load1.paused == mode and not task.done()
+            assert not task.done()
             if mode == "in_place":
                 assert load1.kv_used_tokens == load2.kv_used_tokens > 0  # nothing moves
             else:
@@ -199,36 +199,67 @@ def test_flush_cache_refuses_while_requests_run(engine):
         return err.value, await c.flush_cache()
 
     err, ok = run(_with_client(engine.url, go))
-    assert err.status == 400 and "while 1 requests run" in err.message and err.endpoint == "/flush_cache"
+    assert err.status == 400 and "Flush cache failed" in err.message and err.endpoint == "/flush_cache"
     assert "flushed" in ok.lower()
 
 
-def test_weight_updates_from_bucket_and_disk_keep_in_flight_requests(engine, models, megatron_world):
+def test_weight_updates_need_a_session_wait_for_running_requests_and_flush(engine, models,
+                                                                           megatron_world):
+    """SGLang 0.5.23: tensor updates only inside begin/end_weight_update; an update waits for
+    running requests unless generation is paused (then it applies between steps and the
+    request's spans show both versions); flush_cache=true is refused while a request is kept."""
     cfg, paths, _ = models
     new_state = _state(cfg, 2)
     bucket, metas = ShmBucket.from_tensors(new_state)
+    payload = [encode_handle(bucket.handle(metas))]
     prompt = [4, 8, 15, 16]
 
     async def go(c):
+        with pytest.raises(EngineError) as outside:
+            await c.update_weights_from_tensor(payload, weight_version="v2")
+        await c.begin_weight_update()
+        with pytest.raises(EngineError) as twice:
+            await c.begin_weight_update()
         task = await _start_long(c, "in-flight", n=150)
-        out = await c.update_weights_from_tensor([encode_handle(bucket.handle(metas))],
-                                                 weight_version="v2")
-        assert out["success"] and await c.get_weight_version() == "v2"
-        in_flight = await task
-        after = await c.generate(prompt, {"max_new_tokens": 10, "seed": 3})
-        back = await c.update_weights_from_disk(paths[1], weight_version="v3")
-        assert back["weight_version"] == "v3"
-        restored = await c.generate(prompt, {"max_new_tokens": 10, "seed": 3})
-        return in_flight, after, restored
+        update = asyncio.create_task(c.update_weights_from_tensor(payload, weight_version="v2"))
+        await asyncio.sleep(0.3)
+        waited = not update.done() and not task.done()  # the update waits for the request
+        unmixed = await task
+        await update
+        await c.end_weight_update()
+        assert await c.get_weight_version() == "v2"
+        after = await c.generate(prompt, {"max_new_tokens": 10, "sampling_seed": 3})
+        # Paused in place: the update applies between steps; flushing is refused (SGLang).
+        task = await _start_long(c, "paused", n=150)
+        await c.pause_generation("in_place")
+        await c.begin_weight_update()
+        with pytest.raises(EngineError) as kept:
+            await c.update_weights_from_disk(paths[1])
+        await c.update_weights_from_tensor(payload, weight_version="v3", flush_cache=False)
+        await c.end_weight_update()
+        await c.continue_generation()
+        mixed = await task
+        back = await c.update_weights_from_disk(paths[1], weight_version="v4")  # no session
+        restored = await c.generate(prompt, {"max_new_tokens": 10, "sampling_seed": 3})
+        return (outside.value, twice.value, waited, unmixed, after, kept.value, mixed, back,
+                restored)
 
     try:
-        in_flight, after, restored = run(_with_client(engine.url, go))
+        outside, twice, waited, unmixed, after, kept, mixed, back, restored = run(
+            _with_client(engine.url, go))
     finally:
         bucket.close()
-    # The in-flight request was not aborted; it saw both versions.
-    assert in_flight["meta_info"]["finish_reason"]["type"] == "length"
-    assert in_flight["meta_info"]["weight_versions"] == ["0", "v2"]
+    assert outside.status == 400 and outside.message == (
+        "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()")
+    assert twice.status == 400 and "already open" in twice.message
+    assert waited
+    assert unmixed["meta_info"]["weight_versions"] == [{"version": "0", "start": 0, "end": 150}]
     assert after["meta_info"]["weight_version"] == "v2"
+    assert kept.status == 400 and "cache was not flushed" in kept.message
+    spans = mixed["meta_info"]["weight_versions"]
+    assert [s["version"] for s in spans] == ["v2", "v3"]
+    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 150
+    assert back["success"] and restored["meta_info"]["weight_version"] == "v4"
     lp = torch.tensor([x[0] for x in after["meta_info"]["output_token_logprobs"]])
     ref = _reference_logprobs(cfg, new_state, prompt, after["output_ids"])
     assert (lp - ref).abs().max().item() <= 1e-4
@@ -244,6 +275,7 @@ def test_bad_weight_updates_are_refused_and_change_nothing(engine, models):
 
     async def go(c):
         before = await c.generate([5, 5], {"max_new_tokens": 6, "temperature": 0})
+        await c.begin_weight_update()
         errors = []
         for call in (
             c.update_weights_from_tensor([encode_handle(bucket.handle(metas))]),
@@ -254,6 +286,7 @@ def test_bad_weight_updates_are_refused_and_change_nothing(engine, models):
             with pytest.raises(EngineError) as err:
                 await call
             errors.append(err.value)
+        await c.end_weight_update()
         after = await c.generate([5, 5], {"max_new_tokens": 6, "temperature": 0})
         return before, errors, after
 
@@ -279,35 +312,41 @@ def test_weights_from_a_gloo_broadcast_group(engine, models):
     port = free_port()
 
     async def go(c):
-        store = dist.TCPStore("127.0.0.1", port, 2, is_master=True,
-                              timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
-        joined = asyncio.create_task(c.init_weights_update_group("127.0.0.1", port, 1, 2, "wsync",
-                                                                 backend="gloo"))
-        pg = await asyncio.to_thread(dist.ProcessGroupGloo, dist.PrefixStore("wsync", store), 0, 2)
-        await joined
-        update = asyncio.create_task(c.update_weights_from_distributed(
-            names, [str(new_state[n].dtype) for n in names],
-            [list(new_state[n].shape) for n in names], "wsync", weight_version="dist"))
+        from laminar_mcore.weights.update_group import init_custom_process_group, send_tensors
 
-        def send():
-            for n in names:
-                pg.broadcast(new_state[n].contiguous(), 0).wait()
-
-        await asyncio.to_thread(send)
-        out = await update
-        greedy = await c.generate([2, 7], {"max_new_tokens": 8, "temperature": 0})
-        await c.update_weights_from_disk(paths[1], weight_version="0")
-        return out, greedy
+        # The sender joins as a trainer joins real SGLang engines (init_custom_process_group).
+        sender = asyncio.create_task(asyncio.to_thread(
+            init_custom_process_group, "gloo", f"tcp://127.0.0.1:{port}", 2, 0, "wsync",
+            datetime.timedelta(seconds=60)))
+        await c.init_weights_update_group("127.0.0.1", port, 1, 2, "wsync", backend="gloo")
+        pg = await sender
+        results = {}
+        for fmt in (None, "flattened_bucket"):
+            await c.begin_weight_update()
+            update = asyncio.create_task(c.update_weights_from_distributed(
+                names, [str(new_state[n].dtype) for n in names],
+                [list(new_state[n].shape) for n in names], "wsync", weight_version=f"dist-{fmt}",
+                load_format=fmt))
+            await asyncio.to_thread(send_tensors, pg, {n: new_state[n] for n in names}, fmt)
+            results[fmt] = await update
+            await c.end_weight_update()
+            results[f"{fmt}-version"] = await c.get_weight_version()
+            results[f"{fmt}-greedy"] = await c.generate([2, 7], {"max_new_tokens": 8, "temperature": 0})
+            await c.update_weights_from_disk(paths[1], weight_version="0")
+        await c.destroy_weights_update_group("wsync")
+        return results, results["flattened_bucket-greedy"]
 
     out, greedy = run(_with_client(engine.url, go))
-    assert out["weight_version"] == "dist"
+    assert out[None]["success"] and out["flattened_bucket"]["success"]
+    assert out["None-version"] == "dist-None" and out["flattened_bucket-version"] == "dist-flattened_bucket"
+    assert out["None-greedy"]["output_ids"] == greedy["output_ids"]
     from laminar_mcore.rollout.model import DecoderLM
 
     ref = DecoderLM(cfg, new_state)
     kv = ref.new_kv_cache(64)
     seq, expected = [2, 7], []
     for _ in range(8):
-        token = int(ref.forward([seq], [0], [0], kv)[0].argmax())
+        token = int(ref.forward([seq], [torch.arange(len(seq))], [0], kv)[0].argmax())
         expected.append(token)
         seq = seq + [token]
     assert greedy["output_ids"] == expected
@@ -329,15 +368,24 @@ def test_auth_and_malformed_requests_get_4xx_and_the_server_keeps_serving(engine
     url = engine.url
     assert _raw(url, "/health", key=None, method="GET")[0] == 200
     assert _raw(url, "/generate", {"input_ids": [1], "sampling_params": {}}, key=None)[0] == 401
-    assert _raw(url, "/get_model_info", key="wrong", method="GET")[0] == 401
+    assert _raw(url, "/get_model_info", key="wrong", method="GET") == (401, '{"error": "Unauthorized"}')
+    assert _raw(url, "/model_info", key=None, method="GET")[0] == 401
+    for probe in ("/health", "/health_generate", "/ready", "/metrics"):  # exempt, as in SGLang
+        assert _raw(url, probe, key=None, method="GET")[0] == 200, probe
+    req = urllib.request.Request(url + "/model_info", headers={"Authorization": f"bEaReR {KEY}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:  # the scheme is case-insensitive
+        assert resp.status == 200
     cases = [
         (b"{not json", "JSON object"),
-        ({"text": "hello"}, "needs input_ids"),
+        ({"text": "hello"}, "need a tokenizer"),
+        ({}, "Either text or input_ids should be provided."),
         ({"input_ids": []}, "non-empty list"),
         ({"input_ids": [1, "a"]}, "non-empty list"),
         ({"input_ids": [1000]}, "input_ids must be in [0, 128)"),
-        ({"input_ids": [1], "sampling_params": {"max_new_tokens": 5000}}, "holds 2048"),
-        ({"input_ids": [1], "sampling_params": {"temprature": 1.0}}, "unknown sampling_params"),
+        ({"input_ids": [1], "sampling_params": {"max_new_tokens": 5000}},
+         "exceeds the model's maximum context length of 512 tokens"),
+        ({"input_ids": [1], "sampling_params": {"temprature": 1.0}}, "unknown field `temprature`"),
+        ({"input_ids": [1], "sampling_params": {"seed": 1}}, "unknown field `seed`"),
         ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p"),
         ({"input_ids": [1], "sampling_params": {"max_new_tokens": "many"}}, "bad sampling_params"),
     ]
@@ -357,7 +405,7 @@ def test_client_errors_name_the_endpoint(engine):
     async def go():
         async with SGLangClient("http://127.0.0.1:9", timeout_s=2, retries=1,
                                 retry_backoff_s=0.01) as dead:
-            with pytest.raises(EngineError, match="/get_weight_version: unreachable"):
+            with pytest.raises(EngineError, match="/model_info: unreachable"):
                 await dead.get_weight_version()
             assert await dead.health() is False
         async with SGLangClient(engine.url, api_key=None) as anonymous:
@@ -366,4 +414,4 @@ def test_client_errors_name_the_endpoint(engine):
         return err.value
 
     err = run(go())
-    assert err.endpoint == "/generate" and err.status == 401 and "API key" in err.message
+    assert err.endpoint == "/generate" and err.status == 401 and "Unauthorized" in err.message

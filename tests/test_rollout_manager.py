@@ -36,10 +36,11 @@ def _reference_logprobs(cfg, state, prompt, response):
     model = DecoderLM(cfg, state)
     kv = model.new_kv_cache(max(256, len(prompt) + len(response) + 8))
     seq, out = list(prompt), []
-    logits = model.forward([seq], [0], [0], kv)
+    slots = torch.arange(kv[0].shape[1])  # one request: position i in slot i
+    logits = model.forward([seq], [slots], [0], kv)
     for i, tok in enumerate(response):
         out.append(float(torch.log_softmax(logits[0], -1)[tok]))
-        logits = model.forward([[tok]], [0], [len(prompt) + i], kv)
+        logits = model.forward([[tok]], [slots], [len(prompt) + i], kv)
     return torch.tensor(out)
 
 
@@ -147,7 +148,10 @@ def test_repack_moves_long_tail_trajectories_so_freed_engines_pull(tmp_path):
         relay = EngineProcess(relay_command(TOKEN, master=True, trainer_stages=1, relay_id="m"),
                               log_path=str(tmp_path / "relay.log"), port_key="LAMINAR_RELAY_PORT").start()
         procs.append(relay)
-        engines = [EngineProcess(cpu_engine_command(str(tmp_path / "m"), seed=i, kv_capacity_tokens=8192),
+        # Engines of a run stream incrementally (the first test reads cumulative streams).
+        engines = [EngineProcess(cpu_engine_command(str(tmp_path / "m"), seed=i, kv_capacity_tokens=8192,
+                                                    incremental_streaming_output=True,
+                                                    stream_interval=4, deterministic=True),
                                  log_path=str(tmp_path / f"e{i}.log")).start() for i in range(2)]
         procs += engines
         model = build_gpt_model(cfg)
@@ -162,7 +166,8 @@ def test_repack_moves_long_tail_trajectories_so_freed_engines_pull(tmp_path):
             return long_len if issued < 2 and k == 0 else 4
 
         async def scenario():
-            handles = [EngineHandle(f"e{i}", SGLangClient(p.url, retries=0, timeout_s=30),
+            handles = [EngineHandle(f"e{i}", SGLangClient(p.url, retries=0, timeout_s=30,
+                                                          incremental_stream=True),
                                     RelayClient(relay.url, TOKEN), capacity=4)
                        for i, p in enumerate(engines)]
             manager = RolloutManager(
