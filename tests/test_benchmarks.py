@@ -12,9 +12,12 @@ def test_engine_benchmark_writes_its_keys(tmp_path):
 
     out = tmp_path / "engine.json"
     main(["--requests", "12", "--short", "4", "--long", "40", "--hidden", "64", "--vocab", "256",
-          "--json", str(out)])
+          "--controller-lengths", "64,512", "--json", str(out)])
     figures = json.loads(out.read_text())
-    assert {"engine_tokens_per_s", "hf_tokens_per_s", "ratio"} <= set(figures)
+    assert {"engine_tokens_per_s", "hf_tokens_per_s", "ratio", "controller_us_per_token_512",
+            "controller_us_per_token_8192", "controller_cost_ratio"} <= set(figures)
+    assert figures["controller_cost_ratio"] == pytest.approx(
+        figures["controller_us_per_token_8192"] / figures["controller_us_per_token_512"])
     assert figures["ratio"] == pytest.approx(figures["engine_tokens_per_s"] / figures["hf_tokens_per_s"])
     assert figures["length_p99"] > 6 * figures["length_p50"]  # long-tailed
 

@@ -1,0 +1,121 @@
+"""SGLang 0.5.23's own source, read as the spec of the protocol our client and CPU engine speak.
+
+    python -m laminar_mcore.testing.sglang_source   # fetch into the cache, print where
+
+SGLang cannot be installed on CPU machines, but its wheel can be downloaded: ``fetch`` runs
+``pip download --no-deps sglang==0.5.23`` once and extracts the few files the conformance tests
+read (route table, request structs, auth, the weight-update session) under ``.venv``. Nothing of
+SGLang is imported except ``sglang/api/v1/api_types.py`` and ``sglang/srt/utils/auth.py``, which
+depend only on msgspec and the standard library.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from typing import Dict, Optional, Set, Tuple
+
+VERSION = "0.5.23"
+FILES = ("sglang/api/v1/api_types.py", "sglang/srt/entrypoints/http_server.py",
+         "sglang/srt/entrypoints/v1_loads.py", "sglang/srt/managers/io_struct.py",
+         "sglang/srt/utils/auth.py", "sglang/srt/managers/scheduler_components/weight_updater.py",
+         "sglang/srt/arg_groups/fields/serving.py", "sglang/srt/arg_groups/fields/exec_.py",
+         "sglang/srt/utils/common.py")
+
+
+def cache_dir() -> str:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return os.environ.get("LAMINAR_SGLANG_SOURCE",
+                          os.path.join(root, ".venv", f"sglang-{VERSION}-source"))
+
+
+def fetch(timeout_s: float = 600) -> str:
+    """The cache directory, downloading and extracting the wheel if it is not there yet.
+    Raises ``RuntimeError`` saying why when it cannot be had."""
+    target = cache_dir()
+    if all(os.path.exists(os.path.join(target, f)) for f in FILES):
+        return target
+    with tempfile.TemporaryDirectory(prefix="laminar-sglang-") as tmp:
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q",
+                               "--disable-pip-version-check", f"sglang=={VERSION}", "-d", tmp],
+                              capture_output=True, text=True, timeout=timeout_s)
+        wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
+        if proc.returncode != 0 or not wheels:
+            raise RuntimeError(f"pip download sglang=={VERSION} failed: "
+                               f"{(proc.stderr or proc.stdout).strip()[-500:]}")
+        with zipfile.ZipFile(os.path.join(tmp, wheels[0])) as wheel:
+            for name in FILES:
+                wheel.extract(name, target)
+    return target
+
+
+def read(relpath: str) -> str:
+    with open(os.path.join(fetch(), relpath)) as f:
+        return f.read()
+
+
+def load_module(relpath: str, name: str):
+    """Import one self-contained SGLang file (api_types, auth) without the package."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(fetch(), relpath))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def routes() -> Set[Tuple[str, str]]:
+    """(METHOD, path) of every literal route of SGLang's HTTP server (and /v1/loads)."""
+    out: Set[Tuple[str, str]] = set()
+    for rel in ("sglang/srt/entrypoints/http_server.py", "sglang/srt/entrypoints/v1_loads.py"):
+        for node in ast.walk(ast.parse(read(rel))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for dec in node.decorator_list:
+                if not (isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute)
+                        and dec.args and isinstance(dec.args[0], ast.Constant)):
+                    continue
+                kind, path = dec.func.attr, dec.args[0].value
+                if kind in ("get", "post", "put", "delete"):
+                    out.add((kind.upper(), path))
+                elif kind == "api_route":
+                    methods = next((kw.value for kw in dec.keywords if kw.arg == "methods"), None)
+                    for m in (ast.literal_eval(methods) if methods is not None else ["GET"]):
+                        out.add((m.upper(), path))
+    # /metrics is a Prometheus app mounted with --enable-metrics (utils/common.py).
+    if 'Mount("/metrics"' in read("sglang/srt/utils/common.py"):
+        out.add(("GET", "/metrics"))
+    return out
+
+
+def struct_fields(class_name: str, relpath: str = "sglang/srt/managers/io_struct.py"
+                  ) -> Dict[str, Optional[object]]:
+    """Field name -> default (``...`` when required) of a msgspec Struct in ``relpath``,
+    with the fields of its base classes in the same file."""
+    tree = ast.parse(read(relpath))
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+
+    def fields(name: str) -> Dict[str, object]:
+        node = classes[name]
+        out: Dict[str, object] = {}
+        for base in node.bases:
+            if isinstance(base, ast.Name) and base.id in classes:
+                out.update(fields(base.id))
+        for stmt in node.body:
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                try:
+                    default = ast.literal_eval(stmt.value) if stmt.value is not None else ...
+                except ValueError:
+                    default = ast.unparse(stmt.value)
+                out[stmt.target.id] = default
+        return out
+
+    return fields(class_name)
+
+
+if __name__ == "__main__":
+    print(fetch())
