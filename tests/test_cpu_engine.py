@@ -3,9 +3,6 @@ protocol, continuous batching, pause modes, aborts, weight updates, auth and bad
 
 import asyncio
 import json
-import os
-import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -301,8 +298,6 @@ def test_bad_weight_updates_are_refused_and_change_nothing(engine, models):
 
 def test_weights_from_a_gloo_broadcast_group(engine, models):
     import datetime
-
-    import torch.distributed as dist
 
     from laminar_mcore.rollout.launcher import free_port
 

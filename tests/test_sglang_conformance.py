@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from laminar_mcore.models.hf import initial_hf_state, save_hf_checkpoint, tiny_hf_config
-from laminar_mcore.rollout.client import EngineError, SGLangClient
+from laminar_mcore.rollout.client import SGLangClient
 from laminar_mcore.rollout.engine_core import SGLANG_SAMPLING_FIELDS
 from laminar_mcore.rollout.engine_http import auth_allowed
 from laminar_mcore.rollout.launcher import EngineProcess, cpu_engine_command
@@ -69,7 +69,7 @@ def test_the_cpu_engine_serves_exactly_the_documented_sglang_routes(sglang, cpu_
 def test_sampling_fields_and_session_messages_are_sglangs(sglang, api_types):
     assert SGLANG_SAMPLING_FIELDS == api_types.SamplingParams.__struct_fields__
     source = sglang.read("sglang/srt/managers/scheduler_components/weight_updater.py")
-    from laminar_mcore.rollout.cpu_engine import FLUSH_REFUSED, SESSION_REQUIRED
+    from laminar_mcore.rollout.engine_weights import FLUSH_REFUSED, SESSION_REQUIRED
 
     for op in ("update_weights_from_tensor", "update_weights_from_distributed"):
         pieces = re.search(rf'message="{op} must run between "\s*"([^"]*)"', source)

@@ -1,0 +1,219 @@
+"""The CPU engine's weight-update routes, with SGLang 0.5.23's semantics
+(``srt/managers/scheduler_components/weight_updater.py``, ``tokenizer_control_mixin.py``):
+
+- ``/update_weights_from_tensor`` and ``/update_weights_from_distributed`` run only inside a
+  session opened by ``/begin_weight_update`` and closed by ``/end_weight_update`` (400,
+  ``success=false`` and SGLang's message otherwise); ``/update_weights_from_disk`` needs none;
+- an update waits for every running request (the model-update writer lock) unless generation
+  is paused, so no request mixes versions unless the caller paused it in place;
+- ``flush_cache`` (default true) flushes after loading and fails the call while requests are
+  kept, as SGLang's does; ``weight_version`` is recorded on success.
+
+Mixed into ``CpuEngineServer``; it never imports trainer code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+from aiohttp import web
+
+from ..weights.bucket import decode_handle, open_handle
+from .engine_http import HTTPError
+
+SESSION_REQUIRED = "{op} must run between begin_weight_update() and end_weight_update()"
+FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still "
+                 "running or queued. Retract or finish them, then call /flush_cache.")
+
+
+class WeightUpdateRoutes:
+    async def _model_update(self, fn, *, abort_all: bool = False):
+        """Run a weight operation as SGLang does: at once when generation is paused, else
+        under the writer lock, which waits for every running request to end."""
+        if abort_all:
+            await self._command("abort", None, True)
+        async with self.pause_cond:
+            paused = self.paused
+            if paused:
+                return await fn()
+        async with self.model_update_lock.writer():
+            return await fn()
+
+    def _answer(self, success: bool, message: str, **extra) -> web.Response:
+        return web.json_response({"success": success, "message": message, **extra},
+                                 status=200 if success else 400)
+
+    async def begin_weight_update(self, request: web.Request):
+        await self._json(request, empty_ok=True)
+
+        async def begin():
+            if self.session is not None:
+                return False, "a weight-update session is already open; call end_weight_update() first"
+            self.session = {"loaded": False, "opened": time.time()}
+            return True, "Success"
+
+        return self._answer(*await self._model_update(begin))
+
+    async def end_weight_update(self, request: web.Request):
+        await self._json(request, empty_ok=True)
+
+        async def end():
+            if self.session is None:
+                return False, "no weight-update session is open; call begin_weight_update() first"
+            self.session = None
+            return True, "Success"
+
+        return self._answer(*await self._model_update(end))
+
+    async def _apply(self, op: str, body: dict, load) -> web.Response:
+        """The common tail of update_weights_from_{tensor,distributed}: session check, load,
+        record the version, flush the cache if asked (SGLang's default)."""
+        async def update():
+            if self.session is None:
+                return False, SESSION_REQUIRED.format(op=op)
+            try:
+                count = await load()
+            except (ValueError, KeyError, RuntimeError) as exc:
+                return False, f"Failed to update weights: {exc}"
+            self.session["loaded"] = True
+            self.counters["weight_updates"] += 1
+            if body.get("flush_cache", True) and not await self._command("flush_cache"):
+                return False, FLUSH_REFUSED
+            message = f"Succeeded to update {count} tensors."
+            if body.get("weight_version") is not None:
+                await self._command("set_version", str(body["weight_version"]))
+                message += f" Weight version updated to {body['weight_version']}."
+            return True, message
+
+        return self._answer(*await self._model_update(
+            update, abort_all=bool(body.get("abort_all_requests", False))))
+
+    async def update_weights_from_tensor(self, request: web.Request):
+        body = await self._json(request)
+        fmt = body.get("load_format")
+        if fmt != "flattened_bucket":
+            raise HTTPError(400, f"load_format {fmt!r} is not supported by the CPU engine; "
+                                 "use 'flattened_bucket'")
+        serialized = body.get("serialized_named_tensors")
+        if not isinstance(serialized, list) or len(serialized) != 1:
+            raise HTTPError(400, "serialized_named_tensors must be a list with one entry per TP "
+                                 "rank (the CPU engine has one)")
+        try:
+            handle = decode_handle(serialized[0])
+        except ValueError as exc:
+            raise HTTPError(400, str(exc)) from None
+
+        def load():
+            with open_handle(handle) as named:
+                return self.core.model.load_weights(named)
+
+        return await self._apply("update_weights_from_tensor", body,
+                                 lambda: self._command("call", load))
+
+    async def update_weights_from_disk(self, request: web.Request):
+        body = await self._json(request)
+        path = body.get("model_path")
+        if not isinstance(path, str) or not os.path.isdir(path):
+            raise HTTPError(400, f"model_path {path!r} is not a directory")
+        from ..models.hf import load_hf_config, load_hf_state_dict
+
+        try:
+            config = load_hf_config(path)
+            if self.core.model.adapter.shape(config) != self.core.model.shape:
+                raise ValueError("the checkpoint's architecture differs from the served model")
+            state = await asyncio.to_thread(load_hf_state_dict, path)
+        except ValueError as exc:
+            raise HTTPError(400, f"cannot load {path}: {exc}") from None
+
+        async def update():  # no session needed, as in SGLang 0.5.23
+            try:
+                count = await self._command("update_weights", state, None)
+            except ValueError as exc:
+                return False, f"Failed to update weights: {exc}"
+            self.model_path = path
+            if body.get("flush_cache", True) and not await self._command("flush_cache"):
+                return False, FLUSH_REFUSED
+            if body.get("weight_version") is not None:
+                await self._command("set_version", str(body["weight_version"]))
+            return True, f"Succeeded to update model weights ({count} tensors from {path})."
+
+        success, message = await self._model_update(
+            update, abort_all=bool(body.get("abort_all_requests", False)))
+        return self._answer(success, message, num_paused_requests=0)
+
+    async def init_weights_update_group(self, request: web.Request):
+        """Join a sender's group with SGLang's ``init_custom_process_group`` rendezvous: a
+        TCPStore at master_address:master_port, rank ``rank_offset`` (this engine's one TP
+        rank), the group's store keys prefixed with ``group_name``."""
+        body = await self._json(request)
+        missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size")
+                   if k not in body]
+        if missing:
+            raise HTTPError(400, f"missing fields: {missing}")
+        name = body.get("group_name", "weight_update_group")
+        if self.dist_group is not None:
+            return self._answer(False, f"weight update group {self.dist_group['name']!r} already exists")
+        backend = body.get("backend", "nccl")
+        if backend != "gloo":
+            raise HTTPError(400, f"backend {backend!r}: the CPU engine joins weight update groups "
+                                 "with backend 'gloo' (SGLang on GPUs uses nccl)")
+        from ..weights.update_group import join_update_group
+
+        try:
+            pg = await asyncio.to_thread(join_update_group, str(body["master_address"]),
+                                         int(body["master_port"]), int(body["world_size"]),
+                                         int(body["rank_offset"]), name, backend)
+        except Exception as exc:  # noqa: BLE001 - a failed rendezvous is reported, not fatal
+            return self._answer(False, f"Failed to init process group: {exc}")
+        self.dist_group = {"name": name, "pg": pg}
+        return self._answer(True, "Succeeded to initialize custom process group.")
+
+    async def update_weights_from_distributed(self, request: web.Request):
+        body = await self._json(request)
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+                and len(names) == len(dtypes) == len(shapes)):
+            raise HTTPError(400, "names, dtypes and shapes must be lists of one length")
+        group = body.get("group_name", "weight_update_group")
+        if self.dist_group is None or group != self.dist_group["name"]:
+            raise HTTPError(400, f"no weight update group {group!r}; call /init_weights_update_group")
+        fmt = body.get("load_format")
+        if fmt not in (None, "flattened_bucket"):
+            raise HTTPError(400, f"load_format {fmt!r} is not supported; use none (one broadcast "
+                                 "per tensor) or 'flattened_bucket' (one per dtype)")
+        from ..weights.bucket import dtype_from_name
+        from ..weights.update_group import receive_tensors
+
+        try:
+            specs = [(str(n), dtype_from_name(str(d).removeprefix("torch.")), tuple(s))
+                     for n, d, s in zip(names, dtypes, shapes)]
+        except (ValueError, TypeError) as exc:
+            raise HTTPError(400, str(exc)) from None
+        pg = self.dist_group["pg"]
+
+        async def load():
+            named = await asyncio.to_thread(receive_tensors, pg, specs, fmt)
+            return await self._command("update_weights", named, None)
+
+        return await self._apply("update_weights_from_distributed", body, load)
+
+    async def destroy_weights_update_group(self, request: web.Request):
+        body = await self._json(request, empty_ok=True)
+        group = body.get("group_name", "weight_update_group")
+        if self.dist_group is None or self.dist_group["name"] != group:
+            return self._answer(False, f"no weight update group {group!r}")
+        self.dist_group = None
+        return self._answer(True, "Succeeded to destroy custom process group.")
+
+    async def update_weight_version(self, request: web.Request):
+        body = await self._json(request)
+        if "new_version" not in body:
+            raise HTTPError(400, "missing field new_version")
+        if body.get("abort_all_requests"):
+            await self._command("abort", None, True)
+        await self._command("set_version", str(body["new_version"]))
+        return web.json_response({"success": True, "message":
+                                  f"Weight version updated to {body['new_version']}",
+                                  "new_version": str(body["new_version"])})
