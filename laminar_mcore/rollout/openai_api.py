@@ -36,11 +36,15 @@ class OpenAIRoutes:
     def __init__(self, server):
         self.server = server
 
-    def _body_tokenizer(self, route: str):
+    async def _open(self, request: web.Request, route: str):
+        """The request body and the tokenizer, or a 400 saying what is missing."""
+        body = await self.server._json(request)
         if self.server.tokenizer is None:
             raise HTTPError(400, f"{route} needs a tokenizer and this checkpoint has none; use "
                                  "/generate with input_ids")
-        return self.server.tokenizer
+        if body.get("stream"):
+            raise HTTPError(400, "stream=true is not served by the CPU engine's OpenAI routes")
+        return body, self.server.tokenizer
 
     async def models(self, request: web.Request):
         s = self.server
@@ -88,10 +92,7 @@ class OpenAIRoutes:
                 "total_tokens": prompt_tokens + completion}
 
     async def completions(self, request: web.Request):
-        body = await self.server._json(request)
-        tok = self._body_tokenizer("/v1/completions")
-        if body.get("stream"):
-            raise HTTPError(400, "stream=true is not served by the CPU engine's OpenAI routes")
+        body, tok = await self._open(request, "/v1/completions")
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             prompts = [prompt]
@@ -126,10 +127,7 @@ class OpenAIRoutes:
                                   "choices": choices, "usage": self._usage(reqs, ids)})
 
     async def chat_completions(self, request: web.Request):
-        body = await self.server._json(request)
-        tok = self._body_tokenizer("/v1/chat/completions")
-        if body.get("stream"):
-            raise HTTPError(400, "stream=true is not served by the CPU engine's OpenAI routes")
+        body, tok = await self._open(request, "/v1/chat/completions")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and "role" in m for m in messages):
