@@ -29,6 +29,9 @@ FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because re
 
 
 class WeightUpdateRoutes:
+    """Weight-update handlers; the server provides ``core``, ``session``, ``paused``,
+    ``pause_cond``, ``model_update_lock``, ``dist_group``, ``_command`` and ``_json``."""
+
     async def _model_update(self, fn, *, abort_all: bool = False):
         """Run a weight operation as SGLang does: at once when generation is paused, else
         under the writer lock, which waits for every running request to end."""
