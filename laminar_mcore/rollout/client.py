@@ -50,8 +50,6 @@ class EngineLoad:
     kv_utilization: float
     kv_used_tokens: int
     kv_capacity_tokens: int
-    weight_version: str
-    paused: Optional[str] = None
 
 
 class SGLangClient:
@@ -295,8 +293,8 @@ class SGLangClient:
 
     async def get_load(self) -> EngineLoad:
         """Running/waiting requests and KV-cache usage from SGLang's ``/v1/loads`` (summed over
-        DP ranks); the weight version comes from ``/model_info``."""
-        raw = await self._request("GET", "/v1/loads?include=core,queues", timeout=self.timeout_s,
+        DP ranks); the weight version is ``get_weight_version``'s."""
+        raw = await self._request("GET", "/v1/loads?include=core", timeout=self.timeout_s,
                                   retries=self.retries)
         loads = raw.get("loads") if isinstance(raw, dict) else None
         if not loads:
@@ -306,13 +304,10 @@ class SGLangClient:
         if not used and any(x.get("token_usage") for x in loads):  # only a fraction reported
             used = round(sum(float(x.get("token_usage") or 0) * int(x.get("max_total_num_tokens") or 0)
                              for x in loads))
-        paused = sum(int((x.get("queues") or {}).get("paused") or 0) for x in loads)
         return EngineLoad(num_running=sum(int(x.get("num_running_reqs") or 0) for x in loads),
                           num_waiting=sum(int(x.get("num_waiting_reqs") or 0) for x in loads),
                           kv_utilization=used / cap if cap else 0.0, kv_used_tokens=used,
-                          kv_capacity_tokens=cap,
-                          weight_version=await self.get_weight_version(),
-                          paused="in_place" if paused else None)
+                          kv_capacity_tokens=cap)
 
 
 def _message(text: str) -> str:

@@ -26,7 +26,7 @@ import os
 import socket
 import time
 import uuid
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from aiohttp import web
@@ -82,12 +82,11 @@ class CpuEngineServer(WeightUpdateRoutes):
                             "served_model_name": self.served_model_name}
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self.dist_group: Optional[dict] = None
-        self.session: Optional[dict] = None  # an open weight-update session
+        self.session_open = False  # a weight-update session (begin ... end)
         self.paused = False
         self.model_update_lock: Optional[RWLock] = None
         self.pause_cond: Optional[asyncio.Condition] = None
-        self.counters = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0,
-                         "weight_updates": 0}
+        self.counters = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0}
         self.app = web.Application(middlewares=[self._middleware], client_max_size=64 * 2**20)
         r = self.app.router
         r.add_route("POST", "/generate", self.generate)
@@ -184,9 +183,10 @@ class CpuEngineServer(WeightUpdateRoutes):
             return value
         return [value] * n
 
-    def parse_generate(self, body: dict) -> List[Request]:
+    def parse_generate(self, body: dict) -> Tuple[List[Request], bool]:
         """SGLang's GenerateReqInput: ``input_ids`` or ``text`` (one or a batch), rid (a list,
-        or a string that batch entries extend with ``_i``), per-prompt options."""
+        or a string that batch entries extend with ``_i``), per-prompt options. Returns the
+        requests and whether the body was a batch (answered with a list)."""
         if (body.get("input_ids") is None) == (body.get("text") is None):
             raise HTTPError(400, "Either text or input_ids should be provided.")
         if body.get("input_ids") is not None:
@@ -232,7 +232,7 @@ class CpuEngineServer(WeightUpdateRoutes):
             reqs.append(Request(rid=rid_i, input_ids=list(prompt), params=params,
                                 on_event=lambda *_: None, logprob_start_len=start,
                                 top_logprobs_num=int(top or 0)))
-        return reqs
+        return reqs, batch
 
     def _check_length(self, prompt_len: int, max_new_tokens: int) -> None:
         """SGLang's context-length checks (tokenizer_manager._validate_one_request)."""
@@ -286,7 +286,7 @@ class CpuEngineServer(WeightUpdateRoutes):
 
     async def generate(self, request: web.Request):
         body = await self._json(request)
-        reqs = self.parse_generate(body)
+        reqs, batch = self.parse_generate(body)
         if body.get("stream"):
             if len(reqs) > 1:
                 raise HTTPError(400, "stream=true takes a single prompt in the CPU engine")
@@ -296,8 +296,6 @@ class CpuEngineServer(WeightUpdateRoutes):
             async for i, req, n, finished in events:
                 if finished:
                     done[i] = self.result(req, n, 0, True, body)
-        batch = isinstance(body.get("input_ids") or body.get("text"), list) and (
-            body.get("text") is not None or isinstance(body["input_ids"][0], list))
         return web.json_response([done[i] for i in range(len(reqs))] if batch else done[0])
 
     async def _stream(self, request: web.Request, req: Request, body: dict):
@@ -404,7 +402,7 @@ class CpuEngineServer(WeightUpdateRoutes):
     async def server_info(self, request: web.Request):
         st = self.core.stats()
         return web.json_response({**self.server_args, "startup_time": self.started,
-                                  "internal_states": [{**st, "weight_version": None}],
+                                  "internal_states": [st],
                                   "version": "0.5.23", "frontend": "laminar-cpu"})
 
     async def health(self, request: web.Request):

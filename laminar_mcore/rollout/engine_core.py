@@ -146,7 +146,6 @@ class Request:
     cached_len: int = 0
     generator: Optional[torch.Generator] = None
     created: float = field(default_factory=time.time)
-    first_token_time: Optional[float] = None
     # SGLang's weight-version spans: [version, start, end) over output positions.
     spans: List[List] = field(default_factory=list)
     stop_trim: int = 0  # characters of a matched stop string to cut from the text
@@ -411,8 +410,6 @@ class EngineCore:
     def _sample_and_emit(self, batch: List[Request], logits: torch.Tensor) -> None:
         for req, row in zip(batch, logits):
             token, logprob, top = self._sample(req, row)
-            if req.first_token_time is None:
-                req.first_token_time = time.time()
             req.output_ids.append(token)
             req.output_logprobs.append(logprob)
             if top is not None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 
 from aiohttp import web
 
@@ -29,7 +28,7 @@ FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because re
 
 
 class WeightUpdateRoutes:
-    """Weight-update handlers; the server provides ``core``, ``session``, ``paused``,
+    """Weight-update handlers; the server provides ``core``, ``session_open``, ``paused``,
     ``pause_cond``, ``model_update_lock``, ``dist_group``, ``_command`` and ``_json``."""
 
     async def _model_update(self, fn, *, abort_all: bool = False):
@@ -52,9 +51,9 @@ class WeightUpdateRoutes:
         await self._json(request, empty_ok=True)
 
         async def begin():
-            if self.session is not None:
+            if self.session_open:
                 return False, "a weight-update session is already open; call end_weight_update() first"
-            self.session = {"loaded": False, "opened": time.time()}
+            self.session_open = True
             return True, "Success"
 
         return self._answer(*await self._model_update(begin))
@@ -63,9 +62,9 @@ class WeightUpdateRoutes:
         await self._json(request, empty_ok=True)
 
         async def end():
-            if self.session is None:
+            if not self.session_open:
                 return False, "no weight-update session is open; call begin_weight_update() first"
-            self.session = None
+            self.session_open = False
             return True, "Success"
 
         return self._answer(*await self._model_update(end))
@@ -74,14 +73,12 @@ class WeightUpdateRoutes:
         """The common tail of update_weights_from_{tensor,distributed}: session check, load,
         record the version, flush the cache if asked (SGLang's default)."""
         async def update():
-            if self.session is None:
+            if not self.session_open:
                 return False, SESSION_REQUIRED.format(op=op)
             try:
                 count = await load()
             except (ValueError, KeyError, RuntimeError) as exc:
                 return False, f"Failed to update weights: {exc}"
-            self.session["loaded"] = True
-            self.counters["weight_updates"] += 1
             if body.get("flush_cache", True) and not await self._command("flush_cache"):
                 return False, FLUSH_REFUSED
             message = f"Succeeded to update {count} tensors."

@@ -89,12 +89,13 @@ def engine_command_from_config(rollout_cfg, model_path: str, *, port: int,
                                seed: Optional[int] = None) -> List[str]:
     """The command for engine ``index`` of ``cfg.rollout`` (backend cpu or sglang). Engines of
     a run start at version 0, stream incrementally every ``rollout.stream_interval`` tokens
-    (the controller's clients read them so: ``controller_client``) and, with a run ``seed``,
-    honour per-trajectory sampling seeds."""
+    (the controller's clients read them so: ``Controller._handle``) and, with a run ``seed``
+    and ``rollout.deterministic_inference``, honour per-trajectory sampling seeds."""
+    if rollout_cfg.backend not in ("cpu", "sglang"):
+        raise ValueError(f"rollout.backend={rollout_cfg.backend!r} is not one of cpu, sglang")
     common = dict(incremental_streaming_output=True,
-                  stream_interval=int(getattr(rollout_cfg, "stream_interval", 8)),
-                  deterministic=seed is not None and bool(
-                      getattr(rollout_cfg, "deterministic_inference", True)),
+                  stream_interval=int(rollout_cfg.stream_interval),
+                  deterministic=seed is not None and bool(rollout_cfg.deterministic_inference),
                   weight_version="0")
     if rollout_cfg.backend == "sglang":
         return sglang_command(model_path, port=port, host=rollout_cfg.host, tp=rollout_cfg.engine_tp,
@@ -102,12 +103,10 @@ def engine_command_from_config(rollout_cfg, model_path: str, *, port: int,
                               mem_fraction_static=rollout_cfg.mem_fraction_static, api_key=api_key,
                               max_running_requests=rollout_cfg.max_running_requests,
                               extra_args=list(rollout_cfg.extra_args), **common)
-    if rollout_cfg.backend == "cpu":
-        return cpu_engine_command(model_path, port=port, host=rollout_cfg.host, api_key=api_key,
-                                  kv_capacity_tokens=rollout_cfg.kv_capacity_tokens,
-                                  max_running_requests=rollout_cfg.max_running_requests,
-                                  seed=index, **common)
-    raise ValueError(f"rollout.backend={rollout_cfg.backend!r} is not one of cpu, sglang")
+    return cpu_engine_command(model_path, port=port, host=rollout_cfg.host, api_key=api_key,
+                              kv_capacity_tokens=rollout_cfg.kv_capacity_tokens,
+                              max_running_requests=rollout_cfg.max_running_requests,
+                              seed=index, **common)
 
 
 def engine_gpu_ids(rollout_cfg, index: int) -> List[int]:
