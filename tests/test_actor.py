@@ -21,7 +21,8 @@ SCRIPT = os.path.join(WORKERS, "actor_step.py")
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("actor1"))
-    results = run_torchrun(SCRIPT, 1, ["--layouts", "1x1", "--budgets", "4096,40", "--nan-fault"],
+    results = run_torchrun(SCRIPT, 1, ["--layouts", "1x1,1x1-full,1x1-selective", "--budgets", "4096,40",
+                                          "--nan-fault"],
                            out_dir=out, timeout=600)
     return out, results[0]
 
@@ -75,7 +76,8 @@ def test_tp2_pp2_dp2_give_the_same_update(single, pair):
     out2, results2 = pair
     ref = _weights(out1, "1x1@4096")
     ref_stats = result1["stats"]["1x1@4096"]
-    for layout in ("2x1", "1x2", "1x1"):  # in a world of 2, "1x1" is DP=2
+    # In a world of 2, "1x1" is DP=2 (Megatron's distributed optimizer shards Adam over it).
+    for layout in ("2x1", "1x2", "1x1"):
         updated = _weights(out2, f"{layout}@60")
         assert set(updated) == set(ref), layout
         for name in ref:
@@ -85,6 +87,17 @@ def test_tp2_pp2_dp2_give_the_same_update(single, pair):
             stats = r["stats"][f"{layout}@60"]
             assert stats["grad_norm"] == pytest.approx(ref_stats["grad_norm"], rel=1e-5)
             assert stats["n_tokens"] == ref_stats["n_tokens"]
+
+
+def test_activation_recompute_does_not_change_the_update(single):
+    out, result = single
+    ref = _weights(out, "1x1@4096")
+    for lever in ("full", "selective"):
+        updated = _weights(out, f"1x1-{lever}@4096")
+        for name in ref:
+            torch.testing.assert_close(updated[name], ref[name], atol=1e-6, rtol=0)
+        assert result["stats"][f"1x1-{lever}@4096"]["grad_norm"] == pytest.approx(
+            result["stats"]["1x1@4096"]["grad_norm"], rel=1e-6)
 
 
 def test_vocab_parallel_logprobs_match_the_full_vocabulary(pair):

@@ -1,5 +1,6 @@
-"""Training checkpoints: a run resumed at step k matches the uninterrupted run's next steps;
-an interrupted save is never picked; a layout change is refused with a clear message."""
+"""Training checkpoints: a run resumed at step k matches the uninterrupted run's next steps
+(weights and Adam's moments, with Megatron's distributed optimizer); the DP size may change;
+an interrupted save is never picked; a TP change is refused with a clear message."""
 
 import os
 import shutil
@@ -18,29 +19,52 @@ SCRIPT = os.path.join(WORKERS, "resume.py")
 
 @pytest.mark.multiprocess
 def test_resume_matches_the_uninterrupted_run(tmp_path):
+    """The distributed optimizer at DP2: three steps, save, resume, two steps equal the
+    uninterrupted run -- losses, weights and Adam's moments; a resume at DP1 from the DP2
+    checkpoint trains on; a resume at another TP is refused, naming the fix."""
     ckpt = str(tmp_path / "ckpt")
-    full_out, resumed_out = tmp_path / "full", tmp_path / "resumed"
-    full_out.mkdir(), resumed_out.mkdir()
-    full = run_torchrun(SCRIPT, 2, ["--ckpt", ckpt, "--save-at", "2"], out_dir=str(full_out))
-    assert latest_complete(ckpt).endswith("step_00000002")
+    out = {name: tmp_path / name for name in ("full", "resumed", "dp1")}
+    for path in out.values():
+        path.mkdir()
+    common = ["--tp", "1", "--steps", "5", "--ckpt", ckpt]
+    full = run_torchrun(SCRIPT, 2, common + ["--save-at", "3"], out_dir=str(out["full"]))
+    assert latest_complete(ckpt).endswith("step_00000003")
+    saved = os.listdir(latest_complete(ckpt))
+    assert {"model", "optimizer", "rng", "trainer_state.json"} <= set(saved)
+    assert not [n for n in saved if n.endswith(".pt")]  # no pickles
     # A later save that was interrupted: its directory exists, its completion marker does not.
-    shutil.copytree(latest_complete(ckpt), os.path.join(ckpt, "step_00000003.partial"))
-    os.makedirs(os.path.join(ckpt, "step_00000004"))
-    resumed = run_torchrun(SCRIPT, 2, ["--ckpt", ckpt, "--resume", "auto"], out_dir=str(resumed_out))
+    shutil.copytree(latest_complete(ckpt), os.path.join(ckpt, "step_00000004.partial"))
+    os.makedirs(os.path.join(ckpt, "step_00000005"))
+    resumed = run_torchrun(SCRIPT, 2, common + ["--resume", "auto"], out_dir=str(out["resumed"]))
     r = resumed[0]
-    assert r["resumed_from"].endswith("step_00000002") and r["start"] == 2
-    assert r["extra"] == {"prompt_pool_position": 6} and r["version"] == 4
-    for step in ("3", "4"):
+    assert r["resumed_from"].endswith("step_00000003") and r["start"] == 3
+    assert r["extra"] == {"prompt_pool_position": 9} and r["version"] == 5
+    for step in ("4", "5"):
         a, b = full[0]["losses"][step], r["losses"][step]
-        assert abs(a["loss"] - b["loss"]) <= 1e-5, step
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+        assert abs(a["loss"] - b["loss"]) <= 1e-6, step
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
         assert a["lr"] == pytest.approx(b["lr"])
-    wa, wb = load_file(full_out / "final.safetensors"), load_file(resumed_out / "final.safetensors")
+    assert full[0]["losses"]["4"]["lr"] > 0  # step 4 moves the weights
+    wa, wb = load_file(out["full"] / "final.safetensors"), load_file(out["resumed"] / "final.safetensors")
     for name in wa:
         torch.testing.assert_close(wa[name], wb[name], atol=1e-6, rtol=0)
+    for rank in (0, 1):  # each DP rank's shard of Adam's state
+        ma = load_file(out["full"] / f"adam_rank{rank}.safetensors")
+        mb = load_file(out["resumed"] / f"adam_rank{rank}.safetensors")
+        assert ma.keys() == mb.keys() and any(k.endswith("exp_avg_sq") for k in ma)
+        for key in ma:
+            torch.testing.assert_close(ma[key], mb[key], atol=1e-7, rtol=1e-5, msg=key)
 
-    with pytest.raises(TorchrunError, match="saved at layout"):
-        run_torchrun(SCRIPT, 1, ["--tp", "1", "--ckpt", ckpt, "--resume", "auto"],
+    dp1 = run_torchrun(SCRIPT, 1, common + ["--resume", "auto"], out_dir=str(out["dp1"]))[0]
+    assert dp1["start"] == 3 and dp1["version"] == 5
+    for step in ("4", "5"):
+        assert abs(full[0]["losses"][step]["loss"] - dp1["losses"][step]["loss"]) <= 1e-5, step
+    wc = load_file(out["dp1"] / "final.safetensors")
+    for name in wa:
+        torch.testing.assert_close(wa[name], wc[name], atol=1e-5, rtol=0)
+
+    with pytest.raises(TorchrunError, match="reshards over DP only"):
+        run_torchrun(SCRIPT, 2, ["--tp", "2", "--steps", "5", "--ckpt", ckpt, "--resume", "auto"],
                      out_dir=str(tmp_path))
 
 

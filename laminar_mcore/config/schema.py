@@ -51,7 +51,8 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1
     sequence_parallel: bool = False
-    use_distributed_optimizer: bool = True  # GPUs only; CPU falls back to a local optimizer
+    # Megatron's distributed optimizer (ZeRO-1: Adam state sharded over DP), on CPU as on GPUs.
+    use_distributed_optimizer: bool = True
 
 
 @dataclass
@@ -188,10 +189,24 @@ class TrainerConfig:
     logprob_chunk_size: int = 0
     train_batch_prompts: int = 32
     max_tokens_per_microbatch: int = 4096
+    # Activation recompute: none | selective (attention core) | full (every layer's forward is
+    # rerun in backward; recompute_num_layers per checkpointed group). See job=plan.
+    recompute: str = "none"
+    recompute_num_layers: int = 1
     total_steps: int = 100
     save_interval: int = 0  # 0: never
     resume: str = "none"  # none | auto | a checkpoint directory
+    # Optimizer checkpoint format (Megatron's distrib_optim_sharding_type): dp_reshardable
+    # (each rank writes its shard; resume at any DP size) or fully_reshardable (gathered in
+    # model space over DP at save; resume at any TP/PP/DP, more memory and time per save).
+    ckpt_optim_sharding: str = "dp_reshardable"
     max_consecutive_nonfinite: int = 3
+    # How long the trainer waits for one batch before failing the run (a batch of 512 prompts x
+    # 16 samples x 8k tokens can take many minutes). The other ranks wait without a timeout of
+    # their own tripping (parallel/groups.py: wait_group).
+    batch_timeout_s: float = 3600.0
+    # Trainer collectives (NCCL/gloo) fail after this long: a hung rank ends the run.
+    collective_timeout_s: float = 600.0
 
 
 @dataclass

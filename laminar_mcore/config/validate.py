@@ -26,6 +26,8 @@ _CHOICES = {
     "algo.cap_level": ("token", "sequence"),
     "algo.advantage": ("grpo",),
     "trainer.lr_decay_style": ("constant", "linear", "cosine"),
+    "trainer.ckpt_optim_sharding": ("dp_reshardable", "fully_reshardable"),
+    "trainer.recompute": ("none", "selective", "full"),
 }
 
 
@@ -70,6 +72,14 @@ def validate_config(cfg: DictConfig) -> None:
     for key in ("tp", "pp", "cp"):
         if p[key] < 1:
             problems.append(f"parallel.{key}={p[key]} must be >= 1")
+    if p.cp > 1:
+        problems.append(f"parallel.cp={p.cp}: context parallelism is not implemented yet (the "
+                        "packed sequences are not split over CP ranks, so every CP rank would "
+                        "train on whole sequences); use parallel.cp=1 and raise parallel.tp or "
+                        "trainer.recompute for long sequences")
+    if p.sequence_parallel and p.tp == 1:
+        problems.append("parallel.sequence_parallel=true needs parallel.tp > 1 (it splits "
+                        "activations over the TP group); set it false or raise parallel.tp")
     t = cfg.cluster.trainer
     world = t.nnodes * t.nproc_per_node
     model_parallel = max(p.tp, 1) * max(p.pp, 1) * max(p.cp, 1)
@@ -120,6 +130,9 @@ def validate_config(cfg: DictConfig) -> None:
     tr = cfg.trainer
     if tr.max_tokens_per_microbatch < 1:
         problems.append("trainer.max_tokens_per_microbatch must be >= 1")
+    if tr.batch_timeout_s <= 0 or tr.collective_timeout_s <= 0:
+        problems.append(f"trainer.batch_timeout_s={tr.batch_timeout_s} and "
+                        f"trainer.collective_timeout_s={tr.collective_timeout_s} must be > 0")
     if tr.lr <= 0 or tr.min_lr < 0 or tr.min_lr > tr.lr:
         problems.append(f"trainer.lr={tr.lr} must be > 0 and trainer.min_lr={tr.min_lr} in [0, lr]")
     if cfg.algo.eps_clip <= 0 or (cfg.algo.eps_clip_high is not None and cfg.algo.eps_clip_high <= 0):

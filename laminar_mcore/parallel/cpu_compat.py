@@ -8,10 +8,12 @@ layers, optimizer helpers and dist_checkpointing run with gloo on a machine with
   factory functions (``zeros``, ``empty``, ``tensor``, ...) map ``device="cuda"`` to the CPU and
   ``torch.cuda`` streams, events, synchronisation and NVTX ranges are no-ops;
 * the CUDA RNG tracker is replaced by one that forks the CPU generator, so
-  ``model_parallel_cuda_manual_seed`` and ``get_cuda_rng_tracker().fork()`` keep their meaning;
+  ``model_parallel_cuda_manual_seed`` and ``get_cuda_rng_tracker().fork()`` keep their meaning,
+  and activation recompute's save/restore of the device RNG state is empty;
 * gradient clipping (``clip_grad_by_total_norm_fp32``, which asserts CUDA tensors and uses an
   apex kernel) scales the CPU gradients with ``torch._foreach_mul_``;
-* the tied-embedding set-up's ``tensor.cuda()`` keeps the tensor on the CPU.
+* the tied-embedding set-up's ``tensor.cuda()`` keeps the tensor on the CPU, and the distributed
+  optimizer's ``tensor.type()`` check of its parameters sees the CUDA type name of their dtype.
 
 It is applied only when CUDA is absent (``apply_cpu_compat()`` is a no-op otherwise) and it
 never edits installed files: everything happens on module objects at run time. It must never be
@@ -212,6 +214,13 @@ _TENSOR_CUDA_CALLERS = (
      "setup_embeddings_and_output_layer"),
 )
 
+# Megatron methods that accept parameters only if ``tensor.type()`` names a CUDA type (the
+# distributed optimizer sorts its fp32 / fp16 / bf16 shards that way); on CPU ``type()``
+# answers the CUDA name of the same dtype, only for the duration of these methods.
+_TENSOR_TYPE_CALLERS = (
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer", "__init__"),
+)
+
 
 @contextlib.contextmanager
 def _tensor_cuda_is_identity():
@@ -221,6 +230,22 @@ def _tensor_cuda_is_identity():
         yield
     finally:
         torch.Tensor.cuda = original
+
+
+@contextlib.contextmanager
+def _tensor_type_is_cuda():
+    original = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs and self.device.type == "cpu":
+            return original(self).replace("torch.", "torch.cuda.", 1)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
 
 
 def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
@@ -248,15 +273,17 @@ def _patch_grad_clipping() -> None:
 
 
 def _wrap_tensor_cuda_callers() -> None:
-    for module_name, cls_name, method_name in _TENSOR_CUDA_CALLERS:
+    callers = [(c, _tensor_cuda_is_identity) for c in _TENSOR_CUDA_CALLERS]
+    callers += [(c, _tensor_type_is_cuda) for c in _TENSOR_TYPE_CALLERS]
+    for (module_name, cls_name, method_name), context in callers:
         cls = getattr(importlib.import_module(module_name), cls_name)
         method = getattr(cls, method_name)
         if getattr(method, "_laminar_cpu", False):
             continue
 
         @functools.wraps(method)
-        def wrapper(*args, __method=method, **kwargs):
-            with _tensor_cuda_is_identity():
+        def wrapper(*args, __method=method, __context=context, **kwargs):
+            with __context():
                 return __method(*args, **kwargs)
 
         wrapper._laminar_cpu = True
@@ -295,6 +322,10 @@ def _install_rng_tracker() -> None:
     if not isinstance(mrandom._CUDA_RNG_STATE_TRACKER, CpuRNGStatesTracker):
         mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # Activation recompute saves and restores "all" RNG states: the CPU one (torch's, real) and
+    # the device one, which a CPU process does not have (an empty state, a no-op restore).
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    mrandom._set_cuda_rng_state = _noop
 
     original = mrandom.initialize_rng_tracker
 

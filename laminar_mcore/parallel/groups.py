@@ -1,8 +1,13 @@
 """The trainer's torch.distributed world and Megatron's parallel state.
 
-Owns: choosing the backend (NCCL with CUDA, gloo without), initialising the default group from
-torchrun's environment, Megatron's tensor/pipeline/context/data-parallel groups, and the model
-parallel seeds. Groups *between* roles (trainer -> relay) are not here: they get their own store
+Owns: choosing the backend, initialising the default group from torchrun's environment,
+Megatron's tensor/pipeline/context/data-parallel groups, the model parallel seeds, and the group
+that long waits (a batch, a checkpoint) go through.
+
+With CUDA the world is ``cpu:gloo,cuda:nccl``: a collective runs on NCCL for CUDA tensors and on
+gloo for CPU tensors (flags, counts, stats, object scatter), so a helper collective never fails
+with "No backend type associated with device type cpu". Without CUDA it is gloo alone -- the
+same groups, the same code. Groups *between* roles (trainer -> relay) are not here: they get their own store
 in ``weights/`` and never join this world.
 """
 
@@ -19,7 +24,39 @@ from .cpu_compat import apply_cpu_compat
 
 
 def backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
+def device() -> torch.device:
+    """Where this rank's model lives: its CUDA device, or the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+_WAIT_GROUP = None
+
+
+def wait_group(timeout_s: float = 24 * 3600.0):
+    """A gloo group over the whole world with a long timeout, created on first use (collective:
+    every rank calls it the first time).
+
+    Ranks that wait for rank 0 -- to fetch a batch that may take longer to generate than the
+    world's collective timeout, or to finish a save -- wait here on a CPU tensor, so a slow
+    rollout never trips the NCCL watchdog. The world's own timeout stays short, so a hung
+    training collective still fails fast."""
+    global _WAIT_GROUP
+    if _WAIT_GROUP is None:
+        _WAIT_GROUP = dist.new_group(backend="gloo",
+                                     timeout=datetime.timedelta(seconds=timeout_s))
+    return _WAIT_GROUP
+
+
+def wait_for_rank0(ready: bool, timeout_s: float = 24 * 3600.0) -> bool:
+    """Every rank calls it; returns rank 0's ``ready`` flag (broadcast through ``wait_group``)."""
+    flag = torch.tensor([1 if ready else 0], dtype=torch.int32)
+    dist.broadcast(flag, src=0, group=wait_group(timeout_s))
+    return bool(flag.item())
 
 
 def init_trainer_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234,
@@ -55,6 +92,8 @@ def init_trainer_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 123
 def destroy_trainer_parallel() -> None:
     from megatron.core import parallel_state
 
+    global _WAIT_GROUP
+    _WAIT_GROUP = None
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():

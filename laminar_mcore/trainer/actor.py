@@ -26,9 +26,9 @@ import torch.distributed as dist
 from ..algos import decoupled_ppo_token_terms, finalize_stats, get_advantage_fn
 from ..config.schema import AlgoConfig, TrainerConfig
 from ..data.trajectory import Trajectory
-from ..parallel import apply_cpu_compat
+from ..parallel import apply_cpu_compat, device
 from .logprobs import megatron_vocab_parallel_logprobs
-from .model import build_gpt_model, load_full_state, te_available
+from .model import build_gpt_model, load_full_state, memory_config, te_available
 from .packing import PackedMicroBatch, pack_trajectories, pad_multiple, padded_length, plan_microbatches
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,8 @@ class MegatronActor:
 
     def __init__(self, hf_config, algo: AlgoConfig, trainer: TrainerConfig, *, full_state=None,
                  init_weights=None, dtype: torch.dtype = torch.float32,
-                 use_distributed_optimizer: bool = True, use_te: Optional[bool] = None):
+                 use_distributed_optimizer: bool = True, use_te: Optional[bool] = None,
+                 sequence_parallel: bool = False):
         """``full_state`` (full Megatron tensors) or ``init_weights(model)`` set the starting
         weights before the optimizer takes its (fp32 master) copies of them."""
         from megatron.core import parallel_state as ps
@@ -62,9 +63,12 @@ class MegatronActor:
         self.version = 0
         self.consecutive_nonfinite = 0
         self.total_nonfinite = 0
-        use_dist_opt = bool(use_distributed_optimizer and torch.cuda.is_available())
+        # The same Megatron optimizer on CPU (gloo) as on GPUs (see parallel/cpu_compat.py).
+        use_dist_opt = self.use_distributed_optimizer = bool(use_distributed_optimizer)
 
-        model = build_gpt_model(hf_config, dtype=dtype, use_te=self.use_te)
+        model = build_gpt_model(hf_config, dtype=dtype, use_te=self.use_te, **memory_config(
+            sequence_parallel=sequence_parallel, recompute=t.recompute,
+            recompute_num_layers=t.recompute_num_layers))
         if full_state is not None:
             load_full_state(model, hf_config, full_state)
         if init_weights is not None:
@@ -140,12 +144,11 @@ class MegatronActor:
     def _run_schedule(self, micro_batches, loss_func_factory, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        dev = device()
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            if device is not None:
-                mb.to(device)
+            mb.to(dev)
             output = model(mb.tokens, mb.position_ids, **self._model_inputs(mb))
             return output, loss_func_factory(mb)
 

@@ -1,17 +1,28 @@
 """Training checkpoints: save every ``trainer.save_interval`` steps, resume exactly.
 
-A checkpoint directory ``step_XXXXXXXX`` holds the model as a dist_checkpointing (torch_dist)
-checkpoint -- loadable at any TP/PP by the conversion tool -- and, per rank, the optimizer and
-LR-scheduler states, the RNG states (CPU, CUDA and the model-parallel tracker) and the weight
-version; rank 0 adds the controller's state (prompt pool position, experience buffer, partial
-pool) as JSON. A save is written under a ``.partial`` name and renamed, then marked complete
-last, so an interrupted save is never picked by ``trainer.resume=auto``. Resuming restores the
-optimizer only at the same parallel layout (checked).
+A checkpoint directory ``step_XXXXXXXX`` holds:
+
+* ``model/``: the model as a dist_checkpointing (torch_dist) checkpoint, loadable at any TP/PP
+  by the conversion tool;
+* ``optimizer/``: the optimizer through Megatron's ``sharded_state_dict`` -- for the distributed
+  optimizer its Adam moments and fp32 main parameters (``DistributedOptimizer.state_dict()``
+  alone leaves them out), in the ``trainer.ckpt_optim_sharding`` format: ``dp_reshardable``
+  (each rank writes its own shard; a resume may change the DP size) or ``fully_reshardable``
+  (gathered in model space; a resume may also change TP and PP);
+* ``trainer_state.json``: LR schedule, weight version, counters (the same on every rank);
+* ``rng/rank_XXXXX.safetensors``: each rank's RNG states (CPU, CUDA and Megatron's tracker),
+  restored when the layout is unchanged;
+* rank 0's controller state (prompt pool position, experience buffer, partial pool) as JSON.
+
+Nothing is a pickle: loading a checkpoint directory cannot run code planted in it. A save is
+written under a ``.partial`` name and renamed, then marked complete last, so an interrupted save
+is never picked by ``trainer.resume=auto``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -21,8 +32,11 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
+logger = logging.getLogger(__name__)
+
 COMPLETE = "COMPLETE.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+OPTIM_SHARDING = ("dp_reshardable", "fully_reshardable")
 
 
 def _layout() -> dict:
@@ -33,23 +47,32 @@ def _layout() -> dict:
             "dp": ps.get_data_parallel_world_size()}
 
 
-def _rng_state() -> dict:
-    from megatron.core.tensor_parallel import random as mrandom
+def _rank_key() -> str:
+    return f"rank_{dist.get_rank():05d}.safetensors"
 
-    state = {"cpu": torch.get_rng_state(),
-             "tracker": mrandom.get_cuda_rng_tracker().get_states()}
+
+def _save_rng(path: str) -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+    from safetensors.torch import save_file
+
+    tensors = {"cpu": torch.get_rng_state()}
+    for name, state in mrandom.get_cuda_rng_tracker().get_states().items():
+        tensors[f"tracker/{name}"] = state
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+        tensors["cuda"] = torch.cuda.get_rng_state()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path)
 
 
-def _set_rng_state(state: dict) -> None:
+def _load_rng(path: str) -> None:
     from megatron.core.tensor_parallel import random as mrandom
+    from safetensors.torch import load_file
 
-    torch.set_rng_state(state["cpu"])
-    mrandom.get_cuda_rng_tracker().set_states(state["tracker"])
-    if torch.cuda.is_available() and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
+    tensors = load_file(path)
+    torch.set_rng_state(tensors["cpu"])
+    mrandom.get_cuda_rng_tracker().set_states(
+        {k[len("tracker/"):]: v for k, v in tensors.items() if k.startswith("tracker/")})
+    if torch.cuda.is_available() and "cuda" in tensors:
+        torch.cuda.set_rng_state(tensors["cuda"])
 
 
 def latest_complete(root: str) -> Optional[str]:
@@ -76,6 +99,76 @@ def resolve_resume(resume: str, root: str) -> Optional[str]:
     return resume
 
 
+def _sharding_metadata(actor) -> dict:
+    """What Megatron's ``sharded_state_dict`` calls take (as Megatron-LM's training loop does)."""
+    sharding = getattr(actor.trainer, "ckpt_optim_sharding", "dp_reshardable")
+    if sharding not in OPTIM_SHARDING:
+        raise ValueError(f"trainer.ckpt_optim_sharding={sharding!r} is not one of {OPTIM_SHARDING}")
+    return {"distrib_optim_sharding_type": sharding, "singleton_local_shards": False,
+            "chained_optim_avoid_prefix": True}
+
+
+def _prime_optimizer_state(optimizer) -> None:
+    """Give a fresh torch optimizer its state before Megatron reads it.
+
+    Without Apex or Transformer Engine (Megatron falls back to ``torch.optim.Adam``),
+    Megatron-Core 0.19.2's ``DistributedOptimizer.state_dict()`` asserts that every parameter's
+    state has one ``step``, which an optimizer that has not stepped yet (a resume, a save at
+    step 0) does not have. Zero moments and step 0 are what the first step would create; a
+    load overwrites them.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or len(inner.state):
+            continue
+        if getattr(opt, "init_state_fn", None) is not None:
+            opt.init_state_fn(inner, getattr(opt, "config", None))
+        for group in inner.param_groups:
+            for param in group["params"]:
+                inner.state[param].setdefault("step", torch.tensor(0.0))
+
+
+def _torch_optimizers(optimizer):
+    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])
+            if getattr(o, "optimizer", None) is not None]
+
+
+def _adam_step(optimizer) -> Optional[float]:
+    """The step count of torch's Adam (one per parameter state, all equal), or None."""
+    steps = {float(st["step"]) for inner in _torch_optimizers(optimizer)
+             for st in inner.state.values() if torch.is_tensor(st.get("step"))}
+    return steps.pop() if len(steps) == 1 else None
+
+
+def _restore_adam_step(optimizer, step: Optional[float]) -> None:
+    """Put back torch Adam's per-parameter ``step`` after Megatron's load.
+
+    Megatron-Core 0.19.2's distributed optimizer, on its torch-Adam fallback (no Apex or
+    Transformer Engine), copies the *template's* ``step`` over the loaded one when it loads a
+    ``dp_reshardable`` state, and gives every parameter the same step tensor, which torch's
+    Adam then increments once per parameter. Each parameter gets its own tensor with the saved
+    count, so the bias correction of the first step after a resume is the uninterrupted run's.
+    """
+    if step is None:
+        return
+    for inner in _torch_optimizers(optimizer):
+        for st in inner.state.values():
+            if torch.is_tensor(st.get("step")):
+                st["step"] = torch.full_like(st["step"], step)
+
+
+def _module(actor):
+    return actor.model.module if hasattr(actor.model, "module") else actor.model
+
+
+def _trainer_state(actor) -> dict:
+    return {"scheduler": actor.scheduler.state_dict(), "version": actor.version,
+            "total_nonfinite": actor.total_nonfinite, "layout": _layout(),
+            "optimizer_step": _adam_step(actor.optimizer),
+            "optim_sharding": _sharding_metadata(actor)["distrib_optim_sharding_type"],
+            "distributed_optimizer": bool(getattr(actor, "use_distributed_optimizer", False))}
+
+
 def save_checkpoint(root: str, step: int, actor, extra_state: Optional[dict] = None,
                     keep: int = 3) -> str:
     """Collective: every trainer rank calls it. Returns the checkpoint directory."""
@@ -86,19 +179,26 @@ def save_checkpoint(root: str, step: int, actor, extra_state: Optional[dict] = N
     partial = final + ".partial"
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(os.path.join(partial, "model"), exist_ok=True)
+        for sub in ("model", "optimizer", "rng"):
+            os.makedirs(os.path.join(partial, sub), exist_ok=True)
     dist.barrier()
     start = time.perf_counter()
-    model = actor.model.module if hasattr(actor.model, "module") else actor.model
-    dist_checkpointing.save(model.sharded_state_dict(), os.path.join(partial, "model"))
-    torch.save({"optimizer": actor.optimizer.state_dict(), "scheduler": actor.scheduler.state_dict(),
-                "rng": _rng_state(), "version": actor.version,
-                "total_nonfinite": actor.total_nonfinite, "layout": _layout()},
-               os.path.join(partial, f"rank_{rank:05d}.pt"))
-    if rank == 0 and extra_state is not None:
-        with open(os.path.join(partial, "extra_state.json"), "w") as f:
-            json.dump(extra_state, f)
-    if rank == 0:  # so that tools/convert_checkpoint.py mcore-to-hf takes it as it is
+    model = _module(actor)
+    metadata = _sharding_metadata(actor)
+    model_sd = model.sharded_state_dict(metadata=metadata)
+    dist_checkpointing.save(model_sd, os.path.join(partial, "model"))
+    _prime_optimizer_state(actor.optimizer)
+    optim_sd = actor.optimizer.sharded_state_dict(model.sharded_state_dict(metadata=metadata),
+                                                  is_loading=False, metadata=metadata)
+    dist_checkpointing.save(optim_sd, os.path.join(partial, "optimizer"))
+    _save_rng(os.path.join(partial, "rng", _rank_key()))
+    if rank == 0:
+        with open(os.path.join(partial, "trainer_state.json"), "w") as f:
+            json.dump(_trainer_state(actor), f)
+        if extra_state is not None:
+            with open(os.path.join(partial, "extra_state.json"), "w") as f:
+                json.dump(extra_state, f)
+        # so that tools/convert_checkpoint.py mcore-to-hf takes it as it is
         layout = _layout()
         dtype = next(model.parameters()).dtype
         write_model_meta(partial, actor.hf_config, tp=layout["tp"], pp=layout["pp"],
@@ -122,25 +222,68 @@ def _prune(root: str, keep: int) -> None:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
+def _check_layout(path: str, saved: dict, state: dict) -> None:
+    now = _layout()
+    if saved == now:
+        return
+    if os.path.isfile(os.path.join(path, "rank_00000.pt")):
+        raise RuntimeError(f"checkpoint {path} is in the old per-rank pickle format, which this "
+                           "version no longer loads; resume it with the version that wrote it")
+    sharding = state.get("optim_sharding", "dp_reshardable")
+    if sharding == "fully_reshardable":
+        return
+    if (saved["tp"], saved["pp"]) != (now["tp"], now["pp"]):
+        raise RuntimeError(
+            f"checkpoint {path} was saved at layout {saved}, this run is {now}: its optimizer "
+            "state (trainer.ckpt_optim_sharding=dp_reshardable) reshards over DP only. Resume at "
+            f"tp={saved['tp']} pp={saved['pp']} (any DP size), save with "
+            "trainer.ckpt_optim_sharding=fully_reshardable, or convert the model with "
+            "tools/convert_checkpoint.py and start a new run from it")
+
+
 def load_checkpoint(path: str, actor) -> Tuple[int, Optional[dict]]:
-    """Restore ``actor`` from ``path``; returns (step, controller extra state or None)."""
+    """Restore ``actor`` from ``path``; returns (step, controller extra state or None).
+
+    The model and the optimizer reshard over DP (and, when saved ``fully_reshardable``, over
+    TP and PP); RNG states are restored only at the layout they were saved at."""
     from megatron.core import dist_checkpointing
 
     with open(os.path.join(path, COMPLETE)) as f:
         marker = json.load(f)
-    if marker["layout"] != _layout():
-        raise RuntimeError(f"checkpoint {path} was saved at layout {marker['layout']}, this run is "
-                           f"{_layout()}; resume at the same layout (or convert the model with "
-                           "tools/convert_checkpoint.py and start a new run from it)")
-    model = actor.model.module if hasattr(actor.model, "module") else actor.model
-    state = dist_checkpointing.load(model.sharded_state_dict(), os.path.join(path, "model"))
-    model.load_state_dict(state)
-    per_rank = torch.load(os.path.join(path, f"rank_{dist.get_rank():05d}.pt"), weights_only=False)
-    actor.optimizer.load_state_dict(per_rank["optimizer"])
-    actor.scheduler.load_state_dict(per_rank["scheduler"])
-    actor.version = per_rank["version"]
-    actor.total_nonfinite = per_rank.get("total_nonfinite", 0)
-    _set_rng_state(per_rank["rng"])
+    state_path = os.path.join(path, "trainer_state.json")
+    state = {}
+    if os.path.isfile(state_path):
+        with open(state_path) as f:
+            state = json.load(f)
+    _check_layout(path, marker["layout"], state)
+    model = _module(actor)
+    metadata = _sharding_metadata(actor)
+    metadata["distrib_optim_sharding_type"] = state.get("optim_sharding",
+                                                        metadata["distrib_optim_sharding_type"])
+    loaded = dist_checkpointing.load(model.sharded_state_dict(metadata=metadata),
+                                     os.path.join(path, "model"))
+    model.load_state_dict(loaded)
+    if bool(state.get("distributed_optimizer", False)) != actor.use_distributed_optimizer:
+        raise RuntimeError(
+            f"checkpoint {path} was saved with parallel.use_distributed_optimizer="
+            f"{state.get('distributed_optimizer')}, this run has "
+            f"{actor.use_distributed_optimizer}; resume with the same setting")
+    _prime_optimizer_state(actor.optimizer)
+    optim_sd = actor.optimizer.sharded_state_dict(model.sharded_state_dict(metadata=metadata),
+                                                  is_loading=True, metadata=metadata)
+    loaded = dist_checkpointing.load(optim_sd, os.path.join(path, "optimizer"))
+    with torch.no_grad():  # fp32 main params are views of the (leaf) model parameters
+        actor.optimizer.load_state_dict(loaded)
+    _restore_adam_step(actor.optimizer, state.get("optimizer_step"))
+    actor.scheduler.load_state_dict(state["scheduler"])
+    actor.version = int(state["version"])
+    actor.total_nonfinite = int(state.get("total_nonfinite", 0))
+    rng = os.path.join(path, "rng", _rank_key())
+    if marker["layout"] == _layout() and os.path.isfile(rng):
+        _load_rng(rng)
+    else:
+        logger.warning("checkpoint %s was saved at layout %s, this run is %s: RNG states start "
+                       "fresh from the seed", path, marker["layout"], _layout())
     extra = None
     extra_path = os.path.join(path, "extra_state.json")
     if os.path.isfile(extra_path):

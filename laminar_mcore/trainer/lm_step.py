@@ -41,8 +41,13 @@ def lm_forward_backward(model, micro_batches: List[LMMicroBatch], *,
     if total_tokens == 0:
         raise ValueError("the batch has no token with loss_mask=1")
 
+    from ..parallel import device
+
+    dev = device()
+
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
+        mb = LMMicroBatch(mb.tokens.to(dev), mb.labels.to(dev), mb.loss_mask.to(dev))
         positions = torch.arange(mb.tokens.shape[1], device=mb.tokens.device)
         positions = positions.unsqueeze(0).expand_as(mb.tokens)
         output = model(mb.tokens, positions, None, labels=mb.labels)

@@ -48,7 +48,7 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
 
     from ..config.schema import AlgoConfig, TrainerConfig
     from ..models.hf import SafetensorsReader, load_hf_config
-    from ..parallel import destroy_trainer_parallel, init_trainer_parallel
+    from ..parallel import destroy_trainer_parallel, init_trainer_parallel, wait_for_rank0
     from ..weights.publisher import WeightPublisher
     from .actor import MegatronActor
     from .checkpoint import load_checkpoint, resolve_resume, save_checkpoint
@@ -58,7 +58,8 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
     if cfg.cluster.threads_per_process > 0:
         torch.set_num_threads(cfg.cluster.threads_per_process)
     p = cfg.parallel
-    init_trainer_parallel(tp=p.tp, pp=p.pp, cp=p.cp, seed=cfg.seed)
+    init_trainer_parallel(tp=p.tp, pp=p.pp, cp=p.cp, seed=cfg.seed,
+                          timeout_s=cfg.trainer.collective_timeout_s)
     try:
         hf_config = load_hf_config(model_path)
         algo = AlgoConfig(**OmegaConf.to_container(cfg.algo))
@@ -66,6 +67,7 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
         reader = SafetensorsReader(model_path)
         actor = MegatronActor(hf_config, algo, trainer, dtype=resolve_dtype(cfg.model.dtype),
                               use_distributed_optimizer=p.use_distributed_optimizer,
+                              sequence_parallel=p.sequence_parallel,
                               init_weights=lambda model: load_hf_checkpoint(model, hf_config, reader))
         publisher = WeightPublisher(actor.model, hf_config, relay_host=relay_host,
                                     publish_port=publish_port,
@@ -79,12 +81,14 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
         steps_done = start
         for step in range(start + 1, trainer.total_steps + 1):
             waited = time.perf_counter()
-            batch = fetch_batch(controller_url, token, deadline_s=600) if rank == 0 else None
+            limit = trainer.batch_timeout_s
+            batch = fetch_batch(controller_url, token, deadline_s=limit) if rank == 0 else None
+            # The other ranks wait on a gloo group with a longer timeout than the batch's, so a
+            # long rollout never trips the world's collective timeout (or NCCL's watchdog).
+            if not wait_for_rank0(batch is not None, timeout_s=limit + 600.0):
+                raise RuntimeError(f"no batch from the controller for {limit:.0f} s "
+                                   "(trainer.batch_timeout_s); are the engines alive?")
             waited = time.perf_counter() - waited
-            flag = torch.tensor([1 if (rank != 0 or batch is not None) else 0])
-            dist.broadcast(flag, src=0)
-            if flag.item() == 0:
-                raise RuntimeError("no batch from the controller for 600 s; are the engines alive?")
             stats = actor.train_step(batch)
             published = publisher.publish(actor.version)
             if rank == 0:

@@ -34,13 +34,37 @@ def te_available() -> bool:
     return torch.cuda.is_available()
 
 
-def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, **overrides):
+RECOMPUTE = ("none", "selective", "full")
+
+
+def memory_config(*, sequence_parallel: bool = False, recompute: str = "none",
+                  recompute_num_layers: int = 1) -> dict:
+    """The activation-memory levers as ``TransformerConfig`` keys.
+
+    ``sequence_parallel`` splits the activations outside attention/MLP over the TP group (needs
+    tp > 1). ``recompute``: none; ``selective`` (Megatron's default modules: the attention core
+    is recomputed in the backward pass, not stored); ``full`` (each group of
+    ``recompute_num_layers`` layers keeps only its input and reruns its forward)."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"trainer.recompute={recompute!r} is not one of {', '.join(RECOMPUTE)}")
+    out = dict(sequence_parallel=bool(sequence_parallel))
+    if recompute == "selective":
+        out.update(recompute_granularity="selective")
+    elif recompute == "full":
+        out.update(recompute_granularity="full", recompute_method="uniform",
+                   recompute_num_layers=max(int(recompute_num_layers), 1))
+    return out
+
+
+def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, use_te=None,
+                       **overrides):
     """Megatron ``TransformerConfig`` for the current parallel state."""
     from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
 
     adapter = get_adapter(hf_config)
     on_gpu = torch.cuda.is_available()
+    use_te = te_available() if use_te is None else use_te
     kwargs = adapter.transformer_config_kwargs(hf_config)
     kwargs.update(
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
@@ -51,11 +75,13 @@ def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, **overr
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=not on_gpu,
-        # Fusions below need CUDA kernels (apex or TE); on CPU the plain torch path is used.
-        bias_activation_fusion=False,
+        # Fusions need CUDA kernels: Megatron's jit bias-SwiGLU and masked softmax on any GPU;
+        # fused RoPE (THD without it syncs the host in every layer) and the weight-gradient
+        # accumulation fusion come from Transformer Engine. On CPU the plain torch path is used.
+        bias_activation_fusion=on_gpu,
         masked_softmax_fusion=on_gpu,
-        gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
+        gradient_accumulation_fusion=bool(on_gpu and use_te),
+        apply_rope_fusion=bool(on_gpu and use_te),
         persist_layer_norm=False,
         variable_seq_lengths=True,  # packed micro-batches differ in length under PP
         moe_token_dispatcher_type="alltoall",  # the one Megatron allows with variable lengths
@@ -73,15 +99,20 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32,
 
     apply_cpu_compat()
     adapter = get_adapter(hf_config)
-    config = transformer_config(hf_config, dtype=dtype, **config_overrides)
+    use_te = te_available() if use_te is None else use_te
+    config = transformer_config(hf_config, dtype=dtype, use_te=use_te, **config_overrides)
     tp = config.tensor_model_parallel_size
     pp = config.pipeline_model_parallel_size
+    if config.sequence_parallel and not use_te:
+        raise AdapterError("parallel.sequence_parallel=true needs Transformer Engine: Megatron's "
+                           "local layer spec has no sequence-parallel norm. Install "
+                           "transformer-engine on the trainer nodes, or set it false (and use "
+                           "trainer.recompute to save activation memory)")
     if hf_config.vocab_size % tp:
         raise AdapterError(f"vocab_size {hf_config.vocab_size} is not divisible by tp={tp}")
     if hf_config.num_hidden_layers % pp:
         raise AdapterError(f"num_hidden_layers {hf_config.num_hidden_layers} is not divisible "
                            f"by pp={pp}")
-    use_te = te_available() if use_te is None else use_te
     model = GPTModel(
         config=config,
         transformer_layer_spec=adapter.layer_spec(use_te),

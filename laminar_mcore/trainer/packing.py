@@ -54,11 +54,12 @@ class PackedMicroBatch:
 
     def attention_mask(self) -> torch.Tensor:
         """[1, 1, T, T] bool, True where attention is *not* allowed (Megatron's convention)."""
-        segment = torch.repeat_interleave(
-            torch.arange(len(self.cu_seqlens_padded) - 1),
-            (self.cu_seqlens_padded[1:] - self.cu_seqlens_padded[:-1]).long())
+        dev = self.tokens.device  # built where the batch is (the model's device)
+        bounds = self.cu_seqlens_padded.to(dev)
+        segment = torch.repeat_interleave(torch.arange(len(bounds) - 1, device=dev),
+                                          (bounds[1:] - bounds[:-1]).long())
         same = segment.unsqueeze(0) == segment.unsqueeze(1)
-        causal = torch.ones(len(segment), len(segment), dtype=torch.bool).tril()
+        causal = torch.ones(len(segment), len(segment), dtype=torch.bool, device=dev).tril()
         return ~(same & causal).view(1, 1, len(segment), len(segment))
 
     def to(self, device) -> "PackedMicroBatch":

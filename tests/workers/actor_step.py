@@ -73,17 +73,22 @@ def main():
     result = {"rank": int(os.environ["RANK"]), "stats": {}}
 
     for layout in args.layouts.split(","):
-        tp, pp = (int(x) for x in layout.split("x"))
+        # "TxP" or "TxP-lever": sp (sequence parallel), selective or full (recompute).
+        shape, _, lever = layout.partition("-")
+        tp, pp = (int(x) for x in shape.split("x"))
         init_trainer_parallel(tp=tp, pp=pp, seed=1)
         from megatron.core import parallel_state as ps
 
-        if tp > 1:
+        if tp > 1 and not lever:
             result["vocab_parallel_check"] = vocab_parallel_check(ps)
         for budget in (int(b) for b in args.budgets.split(",")):
             algo = AlgoConfig(eps_clip=0.2, eps_clip_high=0.28, behav_imp_weight_cap=5.0)
             trainer = TrainerConfig(lr=1e-3, adam_eps=1e-6, grad_clip=1.0,
-                                    max_tokens_per_microbatch=budget, logprob_chunk_size=7)
-            actor = MegatronActor(cfg, algo, trainer, full_state=full)
+                                    max_tokens_per_microbatch=budget, logprob_chunk_size=7,
+                                    recompute=lever if lever in ("selective", "full") else "none",
+                                    recompute_num_layers=2)
+            actor = MegatronActor(cfg, algo, trainer, full_state=full,
+                                  sequence_parallel=lever == "sp")
             stats = actor.train_step(batch)
             result["stats"][f"{layout}@{budget}"] = stats
             weights = stage_full_tensors(actor.model.module, cfg)

@@ -13,6 +13,9 @@ def main():
     ap.add_argument("--save-at", type=int, default=0)
     ap.add_argument("--resume", default="none")
     ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--sharding", default="dp_reshardable")
+    ap.add_argument("--local-optimizer", action="store_true")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -32,8 +35,10 @@ def main():
     full = get_adapter(cfg).hf_to_mcore(cfg, initial_hf_state(type("M", (), {"path": None})(), cfg, 3))
     actor = MegatronActor(cfg, AlgoConfig(eps_clip_high=0.28),
                           TrainerConfig(lr=1e-3, lr_warmup_steps=2, lr_decay_style="cosine",
-                                        total_steps=args.steps, max_tokens_per_microbatch=80),
-                          full_state=full)
+                                        total_steps=args.steps, max_tokens_per_microbatch=80,
+                                        ckpt_optim_sharding=args.sharding),
+                          full_state=full, dtype=getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[args.dtype]),
+                          use_distributed_optimizer=not args.local_optimizer)
     start, extra = 0, None
     path = resolve_resume(args.resume, args.ckpt)
     if path:
@@ -45,10 +50,18 @@ def main():
         losses[step] = {"loss": stats["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"]}
         if step == args.save_at:
             save_checkpoint(args.ckpt, step, actor, extra_state={"prompt_pool_position": step * 3})
+    from safetensors.torch import save_file
+
+    # Adam's moments and step as this rank holds them (a DP shard with the distributed optimizer).
+    moments = {}
+    for opt in actor.optimizer.chained_optimizers:
+        for g, group in enumerate(opt.optimizer.param_groups):
+            for i, param in enumerate(group["params"]):
+                for key, value in opt.optimizer.state[param].items():
+                    moments[f"{g}.{i}.{key}"] = value.detach().clone().reshape(-1)
+    save_file(moments, os.path.join(args.out, f"adam_rank{os.environ['RANK']}.safetensors"))
     weights = stage_full_tensors(actor.model.module, cfg)
     if torch.distributed.get_rank() == 0:
-        from safetensors.torch import save_file
-
         save_file(weights, os.path.join(args.out, "final.safetensors"))
     write_rank_result(args.out, {"rank": int(os.environ["RANK"]), "resumed_from": path,
                                  "start": start, "extra": extra, "losses": losses,
