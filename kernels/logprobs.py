@@ -116,7 +116,7 @@ if triton is not None:
     @triton.jit
     def _stats_kernel(logits_ptr, stride_row, targets_ptr, vocab_start, v_local,
                       m_ptr, s_ptr, t_ptr, target_ptr, BLOCK_V: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row * stride_row passes 2**31 at 16k x 152k
         base = logits_ptr + row * stride_row
         tgt = tl.load(targets_ptr + row) - vocab_start
         m = tl.full([], float("-inf"), tl.float32)
@@ -142,7 +142,7 @@ if triton is not None:
     @triton.jit
     def _grad_kernel(logits_ptr, stride_row, grad_ptr, targets_ptr, vocab_start, v_local,
                      log_z_ptr, mean_z_ptr, g_lp_ptr, g_h_ptr, BLOCK_V: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row * stride_row passes 2**31 at 16k x 152k
         base = logits_ptr + row * stride_row
         out = grad_ptr + row * stride_row
         tgt = tl.load(targets_ptr + row) - vocab_start

@@ -61,8 +61,8 @@ if triton is not None:
     @triton.jit
     def _copy_kernel(src_ptr, dst_ptr, lengths_ptr, cu_pad_ptr, max_len, feat,
                      PACK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_F: tl.constexpr):
-        b = tl.program_id(0)
-        pos = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+        b = tl.program_id(0).to(tl.int64)  # int64 offsets: (b * max_len + pos) * feat passes 2**31
+        pos = tl.program_id(1).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
         length = tl.load(lengths_ptr + b)
         start = tl.load(cu_pad_ptr + b)
         padded_len = tl.load(cu_pad_ptr + b + 1) - start

@@ -38,7 +38,7 @@ if triton is not None:
     @triton.jit
     def _ppo_kernel(lp_ptr, prox_ptr, w_ptr, adv_ptr, mask_ptr, out_ptr, dout_ptr, n,
                     eps_low, eps_high, dual, HAS_DUAL: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64 offsets
         valid = offs < n
         lp = tl.load(lp_ptr + offs, mask=valid, other=0.0).to(tl.float32)
         prox = tl.load(prox_ptr + offs, mask=valid, other=0.0).to(tl.float32)

@@ -97,3 +97,21 @@ def test_pack_and_unpack_kernels_match_the_reference(multiple, feat):
     mask = (torch.arange(10)[None, :] < lengths[:, None]).view((4, 10) + (1,) * len(feat))
     assert torch.equal(back, padded * mask)  # round trip keeps real tokens, zeros the rest
     assert torch.equal(grad == 0, ~mask.expand_as(grad))  # padding gets no gradient
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="int32 offsets wrap only in compiled kernels (Triton's interpreter "
+                           "computes in int64); bench.gpu checks the same at (16384, 152064)")
+def test_kernel_offsets_past_2_pow_31_elements():
+    """Rows whose start lies past 2**31 elements (e.g. 16k tokens x 152k vocab): int32
+    ``row * stride`` would wrap and read another row. A strided view keeps the memory small."""
+    vocab, stride, n = 1000, 2**20, 2**11 + 2  # row 2048 starts at element 2**31
+    storage = torch.zeros(stride * n, dtype=torch.bfloat16, device="cuda")
+    logits = storage.as_strided((n, vocab), (stride, 1))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits[-2:] = (torch.randn(2, vocab, generator=g, device="cuda") * 3).to(torch.bfloat16)
+    targets = torch.arange(n, device="cuda") % vocab
+    with torch.no_grad():
+        lp, _ = klp.logprobs_entropy_triton(logits, targets, 0, None, None)
+    ref = torch.log_softmax(logits[-2:].float(), -1).gather(-1, targets[-2:, None])[:, 0]
+    torch.testing.assert_close(lp[-2:].float(), ref, atol=1e-4, rtol=0)
