@@ -61,7 +61,7 @@ async def _lease_and_check(url, references, seen):
         if lease is None:
             return
         try:
-            with open_lease(lease) as named:
+            with open_lease(await client.buckets(lease)) as named:
                 ref = references[lease.version]
                 assert set(named) == set(ref), "a pull returned a partial version"
                 mixed = [k for k in ref if not torch.equal(named[k], ref[k])]
@@ -118,6 +118,9 @@ def test_tp2_pp2_publish_reaches_the_end_of_the_chain_bit_exact(chain, tmp_path)
     for lead in leads:
         assert [s["version"] for s in lead["stats"]] == [1, 2, 3]
         assert all(s["buckets"] > 1 for s in lead["stats"])  # bucketed (40 kB buckets)
+        assert lead["host_buffer_bytes"] >= lead["stats"][0]["nbytes"]
+    # The stages' other TP ranks take part in the gathers but pack (and hold) nothing.
+    assert all(r["host_buffer_bytes"] == 0 for r in results if not r["lead"])
     total = sum(lead["stats"][0]["nbytes"] for lead in leads)
     assert _get(r2.url, "/latest")["nbytes"] == total
 
@@ -210,7 +213,10 @@ def test_state_changing_endpoints_need_the_token(tmp_path):
         master.stop()
 
 
-def test_cuda_ipc_pull_is_refused_clearly_without_a_gpu(tmp_path):
+def test_pulls_go_bucket_by_bucket_and_bad_pulls_are_refused(tmp_path):
+    """A lease's buckets come one at a time, at most two outstanding (the one an engine applies
+    and the next: on GPUs, the relay's copies on an engine GPU); CUDA IPC without a GPU, a bad
+    format, a bad index and an unknown lease are refused clearly."""
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     master = _relay(tmp_path, "solo2", master=True, trainer_stages=1)
@@ -229,9 +235,29 @@ def test_cuda_ipc_pull_is_refused_clearly_without_a_gpu(tmp_path):
                     await client.lease(fmt="sglang_cuda_ipc", devices=["cuda:0", "cuda:1"])
                 with pytest.raises(RelayError, match="HTTP 400.*one per engine TP rank"):
                     await client.lease(fmt="sglang_cuda_ipc", devices=[])
-                with pytest.raises(RelayError, match="not shm, sglang_cuda_ipc or mooncake"):
+                with pytest.raises(RelayError, match="not one of shm, sglang_cuda_ipc, mooncake"):
                     await client.lease(fmt="pickle")
-                return await client.latest()
+                refused = await client.latest()
+
+                lease = await client.lease()
+                assert lease.num_buckets >= 3
+                first = [await client.bucket(lease, 0), await client.bucket(lease, 1)]
+                with pytest.raises(RelayError, match="HTTP 409.*at most 2 may be outstanding"):
+                    await client.bucket(lease, 2)
+                third = await client.bucket(lease, 2, applied=[0])
+                with pytest.raises(RelayError, match="HTTP 400.*bucket index 99"):
+                    await client.bucket(lease, 99)
+                with open_lease(first + [third] + [await client.bucket(lease, i, applied=[i - 2])
+                                                   for i in range(3, lease.num_buckets)]) as named:
+                    reference = _reference(1)
+                    assert set(named) == set(reference)
+                    assert all(torch.equal(named[k], reference[k]) for k in reference)
+                await client.release(lease)
+                assert client.last_release["peak_outstanding"] == 2
+                assert client.last_release["buckets_served"] == lease.num_buckets
+                with pytest.raises(RelayError, match="HTTP 404.*unknown, released or expired"):
+                    await client.bucket(lease, 0)
+                return refused
 
         latest = asyncio.run(go())
         assert latest["leases"] == 0  # refused pulls hold nothing

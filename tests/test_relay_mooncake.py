@@ -54,7 +54,7 @@ def test_mooncake_pull_is_bit_exact_and_updates_an_engine(tmp_path):
             async with RelayClient(master.url, TOKEN) as relay:
                 lease = await relay.lease(fmt="mooncake")
                 assert _get(master.url, "/latest")["leases"] == 1  # the lease pins the buffers
-                local = [reader.read(data) for data in lease.serialized_buckets]
+                local = [reader.read(data) for data in await relay.buckets(lease)]
                 await relay.release(lease)
                 named = {}
                 for shm, metas in local:

@@ -97,10 +97,11 @@ def _mooncake_pull(relay_url: str, token: str, model_dir: str, tmp: str, referen
     async def run():
         async with RelayClient(relay_url, token) as relay, SGLangClient(engine.url) as eng:
             lease = await relay.lease(fmt="mooncake")
-            for shm, _ in [reader.read(data) for data in lease.serialized_buckets]:
+            handles = await relay.buckets(lease)
+            for shm, _ in [reader.read(data) for data in handles]:
                 reader.give_back(shm)  # warm-up: opens the relay's segment, allocates buffers
             t = time.perf_counter()
-            local = [reader.read(data) for data in lease.serialized_buckets]
+            local = [reader.read(data) for data in handles]
             read_s = time.perf_counter() - t
             await relay.release(lease)
             named = {}
@@ -224,7 +225,7 @@ def main(argv=None) -> dict:
             async def pulled():
                 async with RelayClient(last.url, token) as relay:
                     lease = await relay.lease()
-                    with open_lease(lease) as named:
+                    with open_lease(await relay.buckets(lease)) as named:
                         exact = _bit_exact(named, reference)
                     await relay.release(lease)
                     return exact

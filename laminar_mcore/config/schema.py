@@ -118,10 +118,17 @@ class RolloutConfig:
 @dataclass
 class WeightSyncConfig:
     bucket_mb: int = 512
+    # Chunk size of the trainer -> master relay stream (staged on the sender's own CUDA stream
+    # over NCCL): larger chunks mean fewer round trips, more staging memory on one GPU.
+    chunk_mb: int = 64
     chain_chunks: Optional[int] = None  # null: from Laminar's T(p, k) model
     # Trainer -> master relay transport: auto (NCCL when the relay's machine has a GPU, else
     # gloo), nccl or gloo. The relay announces it; trainers follow.
     publish_backend: str = "auto"
+    # The GPU a relay keeps its CUDA context and NCCL publish staging on: auto (the machine's
+    # last GPU; engines are placed from GPU 0 up), cpu (none: gloo publishes only), or cuda:N.
+    # Leave it a GPU no engine uses when one is free (job=plan shows the map).
+    relay_device: str = "auto"
     # Relays also serve cross-node pulls through Mooncake's transfer engine: null (off), tcp or
     # rdma; mooncake_device names the RDMA NIC(s), e.g. mlx5_0 (empty: auto-discover).
     mooncake_protocol: Optional[str] = None

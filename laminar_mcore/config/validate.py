@@ -119,11 +119,15 @@ def validate_config(cfg: DictConfig) -> None:
     if cfg.rollout.stream_interval < 1:
         problems.append(f"rollout.stream_interval={cfg.rollout.stream_interval} must be >= 1 "
                         "(tokens per stream chunk)")
-    if cfg.weight_sync.bucket_mb < 1:
-        problems.append("weight_sync.bucket_mb must be >= 1")
+    if cfg.weight_sync.bucket_mb < 1 or cfg.weight_sync.chunk_mb < 1:
+        problems.append(f"weight_sync.bucket_mb={cfg.weight_sync.bucket_mb} and "
+                        f"weight_sync.chunk_mb={cfg.weight_sync.chunk_mb} must be >= 1")
     if cfg.weight_sync.publish_backend not in ("auto", "gloo", "nccl"):
         problems.append(f"weight_sync.publish_backend={cfg.weight_sync.publish_backend!r} must be "
                         "auto, gloo or nccl")
+    rd = cfg.weight_sync.relay_device
+    if not (rd in ("auto", "cpu") or (rd.startswith("cuda:") and rd[5:].isdigit())):
+        problems.append(f"weight_sync.relay_device={rd!r} must be auto, cpu or cuda:N")
     if cfg.weight_sync.mooncake_protocol not in (None, "tcp", "rdma"):
         problems.append(f"weight_sync.mooncake_protocol={cfg.weight_sync.mooncake_protocol!r} "
                         "must be null, tcp or rdma")

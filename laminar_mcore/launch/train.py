@@ -108,7 +108,8 @@ def start_rollout_node(cfg, model_path: str, token: str, logs: str, procs: list,
                                         host=host, chain_chunks=cfg.weight_sync.chain_chunks,
                                         mooncake_protocol=cfg.weight_sync.mooncake_protocol,
                                         mooncake_device=cfg.weight_sync.mooncake_device,
-                                        publish_backend=cfg.weight_sync.publish_backend),
+                                        publish_backend=cfg.weight_sync.publish_backend,
+                                        relay_device=cfg.weight_sync.relay_device),
                           log_path=os.path.join(logs, f"relay-{relay_id}.log"), host=host,
                           port_key="LAMINAR_RELAY_PORT")
     procs.append(relay.start())

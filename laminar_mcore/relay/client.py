@@ -7,10 +7,11 @@ SGLang weight-update session (``apply_version``), then release the lease.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Awaitable, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import aiohttp
 import torch
@@ -34,12 +35,15 @@ class WeightApplyError(RuntimeError):
 
 @dataclass
 class Lease:
+    """A leased version; its buckets are fetched one at a time (``RelayClient.bucket``):
+    a shared-memory handle (format "shm"), a Mooncake handle ("mooncake"), or for
+    "sglang_cuda_ipc" a list with one SGLang payload per engine TP rank."""
+
     version: int
     lease_id: str
-    # Per bucket: a shared-memory handle (format "shm"), or for "sglang_cuda_ipc" a list with
-    # one SGLang payload per engine TP rank.
-    serialized_buckets: List[Union[str, List[str]]]
+    num_buckets: int
     nbytes: int
+    fmt: str = "shm"
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class RelayClient:
         self.token = token
         self.timeout_s = timeout_s
         self._session: Optional[aiohttp.ClientSession] = None
+        self.last_release: dict = {}  # the relay's answer to the last /release (peak, served)
 
     async def __aenter__(self):
         return self
@@ -102,23 +107,43 @@ class RelayClient:
         out = await self._call("POST", "/pull", body)
         if out.get("version") is None:
             return None
-        return Lease(out["version"], out["lease_id"], out["serialized_buckets"], out["nbytes"])
+        return Lease(out["version"], out["lease_id"], out["num_buckets"], out["nbytes"], fmt)
+
+    async def bucket(self, lease: Lease, index: int,
+                     applied: Sequence[int] = ()) -> Union[str, List[str]]:
+        """Bucket ``index`` of ``lease``; ``applied``: buckets the engine has finished applying,
+        whose copies the relay may free. At most two may be outstanding (RelayError 409)."""
+        out = await self._call("POST", "/bucket", {"lease_id": lease.lease_id, "index": index,
+                                                   "applied": list(applied)})
+        return out["serialized"]
+
+    async def buckets(self, lease: Lease) -> List[Union[str, List[str]]]:
+        """Every bucket of a host-memory lease (shm, mooncake), in order, each acknowledged
+        when the next is asked for (host handles stay valid until the lease is released)."""
+        return [await self.bucket(lease, i, applied=[i - 1] if i else [])
+                for i in range(lease.num_buckets)]
 
     async def release(self, lease: Lease) -> bool:
-        return (await self._call("POST", "/release", {"lease_id": lease.lease_id}))["released"]
+        out = await self._call("POST", "/release", {"lease_id": lease.lease_id})
+        self.last_release = out
+        return out["released"]
 
 
 @contextlib.contextmanager
-def open_lease(lease: Lease) -> Iterator[Dict[str, torch.Tensor]]:
-    """Views of every tensor of a leased version (valid inside the block)."""
+def open_lease(serialized_buckets: Sequence[str]) -> Iterator[Dict[str, torch.Tensor]]:
+    """Views of every tensor of a leased version's shared-memory buckets
+    (``await relay.buckets(lease)``), valid inside the block."""
     with contextlib.ExitStack() as stack:
         named: Dict[str, torch.Tensor] = {}
-        for data in lease.serialized_buckets:
+        for data in serialized_buckets:
             named.update(stack.enter_context(open_handle(decode_handle(data))))
         yield named
 
 
-async def apply_version(engine, buckets: Sequence[Sequence[str]], version: int, *,
+BucketSource = Union[Sequence[Sequence[str]], Tuple[int, Callable[[int], Awaitable[List[str]]]]]
+
+
+async def apply_version(engine, buckets: BucketSource, version: int, *,
                         attempts: int = 2) -> None:
     """Apply one complete version to ``engine`` (an ``SGLangClient``) as SGLang 0.5.23 requires:
     ``begin_weight_update``, every bucket through ``update_weights_from_tensor`` (one payload
@@ -128,8 +153,21 @@ async def apply_version(engine, buckets: Sequence[Sequence[str]], version: int, 
     A failure before any tensor was sent leaves the previous version (``mixed=False``); one
     after is retried from the first bucket (``attempts`` in all), since the engine may hold
     part of the new version; if it still fails the error has ``mixed=True``. Never aborts
-    requests."""
+    requests.
+
+    ``buckets``: per bucket the payloads (one per engine TP rank), or ``(count, fetch)`` where
+    ``await fetch(i)`` returns bucket i's payloads: bucket i+1 is then fetched while the engine
+    applies bucket i, never earlier, so the source holds at most two buckets at a time."""
     from ..rollout.client import EngineError
+
+    if isinstance(buckets, tuple) and len(buckets) == 2 and callable(buckets[1]):
+        count, fetch = buckets
+    else:
+        listed = [list(b) for b in buckets]
+        count = len(listed)
+
+        async def fetch(i):
+            return listed[i]
 
     last_error: Optional[BaseException] = None
     for _ in range(attempts):
@@ -142,15 +180,27 @@ async def apply_version(engine, buckets: Sequence[Sequence[str]], version: int, 
                                        "version", mixed=last_error is not None) from None
             await engine.end_weight_update()  # a session left open by an earlier failure
             await engine.begin_weight_update()
+        nxt = None
         try:
-            for i, per_rank in enumerate(buckets):
-                final = i == len(buckets) - 1
-                await engine.update_weights_from_tensor(
+            per_rank = await fetch(0) if count else []
+            for i in range(count):
+                final = i == count - 1
+                apply = engine.update_weights_from_tensor(
                     list(per_rank), load_format="flattened_bucket", abort_all_requests=False,
                     flush_cache=final, weight_version=str(version) if final else None)
+                if final:
+                    await apply
+                else:  # the next bucket is made ready while the engine loads this one
+                    nxt = asyncio.ensure_future(fetch(i + 1))
+                    await apply
+                    per_rank, nxt = await nxt, None
             last_error = None
-        except EngineError as exc:
+        except (EngineError, RelayError) as exc:
             last_error = exc
+            if nxt is not None:
+                nxt.cancel()
+                with contextlib.suppress(BaseException):
+                    await nxt
         finally:
             with contextlib.suppress(EngineError):
                 await engine.end_weight_update()
@@ -172,9 +222,20 @@ async def pull_latest_into_engine(relay: RelayClient, engine, current_version: i
                               devices=spec.devices or None)
     if lease is None:
         return None
+
+    given: set = set()
+
+    async def fetch(i):
+        # Asked while the engine applies bucket i-1: every other bucket given is done with
+        # (also after a failed attempt, when apply_version starts again from bucket 0).
+        done = sorted(given - {i - 1})
+        data = await relay.bucket(lease, i, applied=done)
+        given.difference_update(done)
+        given.add(i)
+        return data if isinstance(data, list) else [data]
+
     try:
-        await apply_version(engine, [data if isinstance(data, list) else [data]
-                                     for data in lease.serialized_buckets], lease.version)
+        await apply_version(engine, (lease.num_buckets, fetch), lease.version)
     finally:
         await relay.release(lease)
     return lease.version

@@ -11,11 +11,13 @@ def relay_command(token: str, *, master: bool = False, master_url: Optional[str]
                   relay_id: Optional[str] = None, chunk_bytes: int = 0,
                   chain_chunks: Optional[int] = None, heartbeat_s: float = 0.5,
                   mooncake_protocol: Optional[str] = None, mooncake_device: str = "",
-                  publish_backend: str = "auto", python: str = sys.executable) -> List[str]:
+                  publish_backend: str = "auto", relay_device: str = "auto",
+                  python: str = sys.executable) -> List[str]:
     """``chunk_bytes=0`` lets the relay size chunks from Laminar's T(p, k) model (or from
     ``chain_chunks``, the ``weight_sync.chain_chunks`` config)."""
     cmd = [python, "-m", "laminar_mcore.relay", "--token", token, "--host", host, "--port",
-           str(port), "--chunk-bytes", str(chunk_bytes), "--heartbeat-s", str(heartbeat_s)]
+           str(port), "--chunk-bytes", str(chunk_bytes), "--heartbeat-s", str(heartbeat_s),
+           "--relay-device", relay_device]
     if chain_chunks:
         cmd += ["--chain-chunks", str(chain_chunks)]
     if master:

@@ -192,7 +192,7 @@ async def pull_remote_into_engine(relay, engine, current_version: int,
     local: List[Tuple[ShmBucket, List[TensorMeta]]] = []
     try:
         try:
-            for data in lease.serialized_buckets:
+            for data in await relay.buckets(lease):
                 local.append(await asyncio.to_thread(reader.read, data))
         finally:
             await relay.release(lease)

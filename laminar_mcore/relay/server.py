@@ -5,9 +5,10 @@
 
 Owns a ``VersionStore`` in shared host memory, a TCP data port that receives pushed versions,
 a ``Forwarder`` that pushes every newer version to its downstream relay, and an HTTP control
-API: ``/pull`` (lease the newest complete version as flattened-bucket handles: shared memory
-for local CPU engines, CUDA IPC for local SGLang engines, Mooncake transfer-engine buffers for
-pullers on other machines when started with ``--mooncake-protocol``), ``/release``,
+API: ``/pull`` (lease the newest complete version), ``/bucket`` (one of its flattened buckets at
+a time: shared-memory handles for local CPU engines, CUDA IPC for local SGLang engines, Mooncake
+transfer-engine buffers for pullers on other machines when started with
+``--mooncake-protocol``), ``/release``,
 ``/latest``, ``/health``; on the master also ``/register``, ``/report_failure`` and ``/chain``.
 The master hosts the trainer's publish group (its own TCPStore, outside the trainer's world),
 orders the chain, watches every relay's heartbeat and rebuilds the chain around a dead one; a
@@ -29,6 +30,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
@@ -53,6 +55,41 @@ def _http(method: str, url: str, body: Optional[dict] = None, token: Optional[st
         text = resp.read().decode()
     return json.loads(text) if text.strip().startswith("{") else {}
 
+# How an engine takes a leased version's buckets: shared-memory handles (CPU engines on this
+# machine), SGLang CUDA IPC payloads (GPU engines on this machine), Mooncake transfer-engine
+# buffers (pullers on other machines).
+PULL_FORMATS = ("shm", "sglang_cuda_ipc", "mooncake")
+
+
+def resolve_relay_device(name: str) -> Optional[str]:
+    """``weight_sync.relay_device``: the GPU the relay stages NCCL publishes on and keeps its
+    CUDA context on. ``auto``: the machine's last GPU (engines are placed from GPU 0 up, so
+    it is the one least likely to serve an engine); ``cpu`` or no GPU: None."""
+    if name == "cpu" or not torch.cuda.is_available():
+        return None
+    if name == "auto":
+        return f"cuda:{torch.cuda.device_count() - 1}"
+    device = torch.device(name)
+    if device.type != "cuda" or (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"relay device {name!r} is not a GPU of this machine "
+                         f"({torch.cuda.device_count()} visible); use auto, cpu or cuda:N")
+    return name
+
+
+MAX_BUCKETS_OUTSTANDING = 2
+
+
+@dataclass
+class PullState:
+    """One lease's per-bucket pull: its format, the engine's GPUs (CUDA IPC), the buckets
+    served and not yet applied, and the most ever outstanding at once."""
+
+    fmt: str
+    devices: List[str]
+    outstanding: set = field(default_factory=set)
+    applied: set = field(default_factory=set)
+    peak: int = 0
+
 
 class RelayServer:
     def __init__(self, *, token: str, host: str = "127.0.0.1", relay_id: Optional[str] = None,
@@ -61,7 +98,7 @@ class RelayServer:
                  chain_chunks: Optional[int] = None, heartbeat_s: float = 0.5,
                  lease_ttl_s: float = 600.0, mooncake_protocol: Optional[str] = None,
                  mooncake_device: str = "", publish_backend: str = "auto",
-                 publish_device: str = "cuda:0"):
+                 relay_device: str = "auto"):
         if not token:
             raise ValueError("a relay needs the run's token (--token)")
         if master == bool(master_url):
@@ -75,7 +112,9 @@ class RelayServer:
         self.publish_port = publish_port
         # the trainer -> master relay backend: NCCL where this relay has a GPU (auto), else gloo
         self.publish_backend = resolve_backend(publish_backend) if master else None
-        self.publish_device = publish_device
+        self.relay_device = resolve_relay_device(relay_device)
+        if self.relay_device is not None:  # its CUDA context and NCCL staging live there
+            torch.cuda.set_device(torch.device(self.relay_device))
         self.heartbeat_s = heartbeat_s
         self.store = VersionStore(lease_ttl_s=lease_ttl_s)
         self.forwarder = Forwarder(self.store, chunk_bytes or None, self._downstream_failed,
@@ -92,6 +131,7 @@ class RelayServer:
         self.chain_rebuilds = 0
         self.publish_threads: List[threading.Thread] = []
         self.cuda_ipc = None  # a CudaIpcExporter once a GPU engine asks for CUDA IPC handles
+        self.pulls: Dict[str, PullState] = {}  # lease id -> how its buckets are being served
         self.mooncake = None  # a MooncakeExporter: cross-node pulls (--mooncake-protocol)
         if mooncake_protocol:
             from .mooncake import MooncakeExporter
@@ -102,6 +142,7 @@ class RelayServer:
         r.add_get("/health", self.health)
         r.add_get("/latest", self.latest)
         r.add_post("/pull", self.pull)
+        r.add_post("/bucket", self.bucket)
         r.add_post("/release", self.release)
         r.add_post("/set_downstream", self.set_downstream)
         r.add_post("/register", self.register)
@@ -170,7 +211,7 @@ class RelayServer:
             logger.info("publish group of trainer stage %d formed (%s)", stage,
                         self.publish_backend)
             channel = Channel(pg, 1, self.publish_backend, 8 * 2**20,
-                              device=torch.device(self.publish_device)
+                              device=torch.device(self.relay_device)
                               if self.publish_backend == "nccl" else None)
             receive_publishes(channel, self.store, self.stop_event,
                               lambda v: logger.info("version %d complete", v))
@@ -291,60 +332,125 @@ class RelayServer:
         return web.json_response(info)
 
     async def pull(self, request):
+        """Lease the newest complete version; its buckets are then fetched one at a time with
+        ``/bucket`` (every format: the CPU engine's shared memory as SGLang's CUDA IPC)."""
         body = await self._body(request)
         min_version = int(body.get("min_version", -1))
         ttl = body.get("ttl_s")
-        leased = self.store.lease_latest(min_version, float(ttl) if ttl is not None else None)
-        if leased is None:
-            return web.json_response({"version": None})
-        lease_id, sv = leased
         fmt = body.get("format", "shm")
-        if fmt == "shm":
-            buckets = [encode_handle(b.shm.handle(b.metas)) for b in sv.ordered()]
-        elif fmt == "sglang_cuda_ipc":
+        if fmt not in PULL_FORMATS:
+            return web.json_response(
+                {"error": f"format {fmt!r} is not one of {', '.join(PULL_FORMATS)}"}, status=400)
+        devices: List[str] = []
+        if fmt == "sglang_cuda_ipc":
             devices = body.get("devices", [body["device"]] if "device" in body else ["cuda:0"])
             if not isinstance(devices, list) or not devices or \
                     not all(isinstance(d, str) for d in devices):
-                self.store.release(lease_id)
                 return web.json_response({"error": "devices must be a non-empty list of GPU names, "
                                                    "one per engine TP rank (e.g. [\"cuda:0\"])"},
                                          status=400)
             try:
-                buckets = await asyncio.to_thread(self._cuda_payloads, lease_id, sv, devices)
+                await asyncio.to_thread(self._exporter().check_devices, devices)
             except Exception as exc:  # noqa: BLE001 - e.g. no GPU on this machine
-                self.store.release(lease_id)
                 return web.json_response({"error": f"cannot serve CUDA IPC handles: {exc}"},
                                          status=400)
-        elif fmt == "mooncake":
-            if self.mooncake is None:
-                self.store.release(lease_id)
-                return web.json_response({"error": "this relay does not serve Mooncake pulls: "
-                                                   "start it with --mooncake-protocol tcp|rdma "
-                                                   "(weight_sync.mooncake_protocol)"}, status=400)
-            buckets = await asyncio.to_thread(
-                self.mooncake.handles, [(b.shm, b.metas) for b in sv.ordered()])
-        else:
-            self.store.release(lease_id)
-            return web.json_response(
-                {"error": f"format {fmt!r} is not shm, sglang_cuda_ipc or mooncake"}, status=400)
+        elif fmt == "mooncake" and self.mooncake is None:
+            return web.json_response({"error": "this relay does not serve Mooncake pulls: "
+                                               "start it with --mooncake-protocol tcp|rdma "
+                                               "(weight_sync.mooncake_protocol)"}, status=400)
+        leased = self.store.lease_latest(min_version, float(ttl) if ttl is not None else None)
+        if leased is None:
+            return web.json_response({"version": None})
+        lease_id, sv = leased
+        with self.store.cond:  # leases the store let expire: free what they held
+            expired = [k for k in self.pulls if k not in self.store.leases]
+        for stale in expired:
+            await asyncio.to_thread(self._forget_lease, stale)
+        self.pulls[lease_id] = PullState(fmt, devices)
         return web.json_response({"version": sv.version, "lease_id": lease_id, "format": fmt,
-                                  "serialized_buckets": buckets, "nbytes": sv.nbytes})
+                                  "num_buckets": len(sv.ordered()), "nbytes": sv.nbytes})
 
-    def _cuda_payloads(self, lease_id, sv, devices):
-        from ..weights.bucket import read_bucket
+    async def bucket(self, request):
+        """One bucket of a lease, in the lease's format. ``applied`` lists the buckets the engine
+        has finished applying: the relay frees their copies (CUDA IPC: GPU memory back to the
+        driver). At most two buckets may be outstanding (served, not applied) -- the one being
+        applied and the next -- so an engine GPU never holds more than two of the relay's;
+        asking for a third is refused with 409. Every format follows the same protocol, so the
+        CPU pull exercises what the GPU pull does."""
+        body = await self._body(request)
+        lease_id = str(body.get("lease_id", ""))
+        try:
+            index = int(body.get("index"))
+            applied = [int(i) for i in body.get("applied", [])]
+        except (TypeError, ValueError):
+            return web.json_response({"error": "index must be an integer and applied a list of "
+                                               "integers"}, status=400)
+        with self.store.cond:
+            entry = self.store.leases.get(lease_id)
+        state = self.pulls.get(lease_id)
+        if entry is None or state is None:
+            await asyncio.to_thread(self._forget_lease, lease_id)
+            return web.json_response({"error": f"lease {lease_id!r} is unknown, released or "
+                                               "expired; pull again"}, status=404)
+        buckets = entry[0].ordered()
+        if not 0 <= index < len(buckets):
+            return web.json_response({"error": f"bucket index {index} is not in "
+                                               f"[0, {len(buckets)})"}, status=400)
+        done = [i for i in applied if i in state.outstanding]
+        state.outstanding.difference_update(done)
+        state.applied.update(done)
+        if done and self.cuda_ipc is not None:
+            await asyncio.to_thread(self.cuda_ipc.free, lease_id, done)
+        if index not in state.outstanding and len(state.outstanding) >= MAX_BUCKETS_OUTSTANDING:
+            return web.json_response(
+                {"error": f"buckets {sorted(state.outstanding)} of lease {lease_id} are not "
+                          f"applied yet: at most {MAX_BUCKETS_OUTSTANDING} may be outstanding; "
+                          "list the applied ones in 'applied'"}, status=409)
+        b = buckets[index]
+        if state.fmt == "shm":
+            data = encode_handle(b.shm.handle(b.metas))
+        elif state.fmt == "mooncake":
+            data = (await asyncio.to_thread(self.mooncake.handles, [(b.shm, b.metas)]))[0]
+        else:
+            try:
+                data = await asyncio.to_thread(self._cuda_payload, lease_id, index, b,
+                                               state.devices)
+            except Exception as exc:  # noqa: BLE001 - a GPU error: say it, keep serving
+                return web.json_response({"error": f"cannot serve CUDA IPC handles: {exc}"},
+                                         status=500)
+        state.outstanding.add(index)
+        state.peak = max(state.peak, len(state.outstanding))
+        return web.json_response({"index": index, "serialized": data})
+
+    def _exporter(self):
         from .cuda_ipc import CudaIpcExporter
 
         if self.cuda_ipc is None:
             self.cuda_ipc = CudaIpcExporter()
-        return self.cuda_ipc.payloads(
-            lease_id, [read_bucket(b.shm.buffer, b.metas) for b in sv.ordered()], devices)
+        return self.cuda_ipc
+
+    def _cuda_payload(self, lease_id, index, b, devices):
+        from ..weights.bucket import read_bucket
+
+        return self._exporter().payload(lease_id, index, read_bucket(b.shm.buffer, b.metas),
+                                        devices)
+
+    def _forget_lease(self, lease_id: str) -> Optional[PullState]:
+        state = self.pulls.pop(lease_id, None)
+        if self.cuda_ipc is not None:
+            self.cuda_ipc.release(lease_id)
+        return state
 
     async def release(self, request):
         body = await self._body(request)
         lease_id = str(body["lease_id"])
-        if self.cuda_ipc is not None:
-            self.cuda_ipc.release(lease_id)  # GPU copies first: the lease pins the host buffers
-        return web.json_response({"released": self.store.release(lease_id)})
+        # GPU copies first: the lease pins the host buffers they were made from.
+        state = await asyncio.to_thread(self._forget_lease, lease_id)
+        out = {"released": self.store.release(lease_id)}
+        if state is not None:
+            out.update(peak_outstanding=state.peak,
+                       buckets_served=len(state.applied | state.outstanding))
+        return web.json_response(out)
 
     async def set_downstream(self, request):
         body = await self._body(request)
@@ -389,7 +495,7 @@ def _server_from_args(args) -> RelayServer:
                        chunk_bytes=args.chunk_bytes, chain_chunks=args.chain_chunks,
                        heartbeat_s=args.heartbeat_s, mooncake_protocol=args.mooncake_protocol,
                        mooncake_device=args.mooncake_device,
-                       publish_backend=args.publish_backend, publish_device=args.publish_device)
+                       publish_backend=args.publish_backend, relay_device=args.relay_device)
 
 
 def main(argv=None) -> None:
@@ -408,8 +514,9 @@ def main(argv=None) -> None:
     ap.add_argument("--heartbeat-s", type=float, default=0.5)
     ap.add_argument("--publish-backend", choices=["auto", "gloo", "nccl"], default="auto",
                     help="trainer -> master relay transport: auto = NCCL if this machine has a GPU")
-    ap.add_argument("--publish-device", default="cuda:0",
-                    help="the GPU that stages NCCL publishes on the master relay")
+    ap.add_argument("--relay-device", default="auto",
+                    help="the GPU for the relay's CUDA context and NCCL publish staging: auto "
+                         "(the last GPU), cpu, or cuda:N (weight_sync.relay_device)")
     ap.add_argument("--mooncake-protocol", choices=["tcp", "rdma"], default=None,
                     help="also serve cross-node pulls through Mooncake's transfer engine")
     ap.add_argument("--mooncake-device", default="",

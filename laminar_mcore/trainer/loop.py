@@ -71,7 +71,8 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
                               init_weights=lambda model: load_hf_checkpoint(model, hf_config, reader))
         publisher = WeightPublisher(actor.model, hf_config, relay_host=relay_host,
                                     publish_port=publish_port,
-                                    bucket_bytes=cfg.weight_sync.bucket_mb * 2**20)
+                                    bucket_bytes=cfg.weight_sync.bucket_mb * 2**20,
+                                    chunk_bytes=cfg.weight_sync.chunk_mb * 2**20)
         start = 0
         path = resolve_resume(trainer.resume, ckpt_dir)
         if path:

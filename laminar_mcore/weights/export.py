@@ -97,6 +97,9 @@ class BucketPacker:
                                                pin_memory=self.pin_memory)
         return self._buffers[index]
 
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self._buffers)
+
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
         if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype:
             return t.to(self.dtype)

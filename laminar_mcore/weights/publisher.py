@@ -9,7 +9,10 @@ on how many relays or engines exist. Invariant: a publish first waits for the pr
 send to finish, since the host buckets are reused.
 
 Roles: every rank of a stage's tensor-parallel group (data-parallel rank 0) takes part in the
-gathers; the stage lead (TP rank 0) also sends (rank 1 of its stage's group; the relay is 0).
+gathers; only the stage lead (TP rank 0) packs host buckets (pinned on GPUs) and sends them (rank
+1 of its stage's group; the relay is 0) -- the other TP ranks drain the gathers and hold no
+buffer. Over NCCL the sender stages chunks of ``chunk_bytes`` (``weight_sync.chunk_mb``) on its
+own CUDA stream (``weights.transport.Channel``).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ class PublishStats:
 
 class WeightPublisher:
     def __init__(self, model, hf_config, *, relay_host: str, publish_port: int,
-                 bucket_bytes: int = 512 * 2**20, chunk_bytes: int = 8 * 2**20,
+                 bucket_bytes: int = 512 * 2**20, chunk_bytes: int = 64 * 2**20,
                  dtype: Optional[torch.dtype] = None, timeout_s: float = 600.0):
         from megatron.core import parallel_state as ps
 
@@ -50,7 +53,8 @@ class WeightPublisher:
         self.num_stages = ps.get_pipeline_model_parallel_world_size()
         self.exports = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
         self.is_lead = self.exports and ps.get_tensor_model_parallel_rank() == 0
-        self.packer = BucketPacker(bucket_bytes, dtype=dtype, pin_memory=torch.cuda.is_available())
+        self.packer = BucketPacker(bucket_bytes, dtype=dtype,
+                                   pin_memory=torch.cuda.is_available()) if self.is_lead else None
         self.pg = None
         self.channel: Optional[Channel] = None
         self.backend: Optional[str] = None
@@ -59,6 +63,7 @@ class WeightPublisher:
         self._idle = threading.Event()
         self._idle.set()
         self.last_send_s = 0.0
+        self._reported = False
         if self.is_lead:
             import torch.distributed as dist
 
@@ -88,7 +93,10 @@ class WeightPublisher:
         self.wait()
         t1 = time.perf_counter()
         nbytes = count = 0
-        if self.exports:
+        if self.exports and not self.is_lead:  # take part in the TP gathers; pack nothing
+            for _name, _tensor in iter_stage_hf_tensors(self.model, self.hf_config):
+                pass
+        elif self.exports:
             if self.is_lead:
                 self._idle.clear()
             held = None  # bucket k is queued when k+1 exists (to know which one is the last)
@@ -103,7 +111,16 @@ class WeightPublisher:
             if self.is_lead:
                 self._queue.put(None)  # end of this publish
         t2 = time.perf_counter()
+        if self.is_lead and not self._reported:
+            self._reported = True
+            print(f"[publish] stage {self.stage}: {count} buckets, {self.pinned_bytes() / 2**30:.2f} "
+                  f"GiB of {'pinned' if self.packer.pin_memory else 'host'} buffers on this rank "
+                  f"(the stage lead; the stage's other TP ranks hold none)", flush=True)
         return PublishStats(version, t2 - t1, nbytes, count, waited_previous_s=t1 - t0)
+
+    def pinned_bytes(self) -> int:
+        """Host bytes this rank keeps for publishing (0 on ranks that do not send)."""
+        return self.packer.nbytes() if self.packer is not None else 0
 
     def _enqueue(self, version: int, index: int, bucket, last: bool) -> None:
         """Hand bucket ``index`` to the sender: it is sent while the next one is gathered."""

@@ -57,17 +57,24 @@ def stage_group(store, stage: int, rank: int, backend: str, timeout: datetime.ti
 
 
 class Channel:
-    """Point-to-point bytes between host buffers over a publish group."""
+    """Point-to-point bytes between host buffers over a publish group.
+
+    Over NCCL the bytes are staged through a device buffer on the channel's own CUDA stream,
+    ordered by an event: a trainer's publish sender never queues behind the training kernels
+    on the default stream (and training never waits for the publish)."""
 
     def __init__(self, pg, peer: int, backend: str, chunk_bytes: int,
                  device: Optional[torch.device] = None):
         self.pg, self.peer, self.backend = pg, peer, backend
         self.device = None
         self.staging = None
+        self.stream = None
         if backend == "nccl":
             self.device = device or torch.device("cuda", torch.cuda.current_device())
             self.staging = torch.empty(max(int(chunk_bytes), 1), dtype=torch.uint8,
                                        device=self.device)
+            self.stream = torch.cuda.Stream(device=self.device)
+            self._copied = torch.cuda.Event()
 
     def _ensure(self, nbytes: int) -> torch.Tensor:
         if self.staging.numel() < nbytes:
@@ -79,25 +86,29 @@ class Channel:
         if self.staging is None:
             self.pg.send([host], self.peer, 0).wait()
             return
-        with torch.cuda.device(self.device):
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             staged = self._ensure(host.numel())
-            staged.copy_(host)  # blocking host -> device copy
-            self.pg.send([staged], self.peer, 0).wait()  # orders later copies after the send
+            staged.copy_(host, non_blocking=True)
+            self._copied.record(self.stream)
+            # The send runs on NCCL's stream after this stream's copy; wait() makes this
+            # stream's next copy into ``staged`` wait for the send.
+            self.pg.send([staged], self.peer, 0).wait()
+            self._copied.synchronize()  # ``host`` may be reused: only this stream's copy waited
 
     def recv_into(self, host: torch.Tensor) -> None:
         """Receive exactly ``host.numel()`` bytes into a contiguous host uint8 view."""
         if self.staging is None:
             self.pg.recv([host], self.peer, 0).wait()
             return
-        with torch.cuda.device(self.device):
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             staged = self._ensure(host.numel())
             self.pg.recv([staged], self.peer, 0).wait()
             host.copy_(staged)  # device -> pageable host: returns once the bytes are there
 
     def flush(self) -> None:
         """Wait for everything sent so far to leave this process (NCCL sends are async)."""
-        if self.device is not None:
-            torch.cuda.synchronize(self.device)
+        if self.stream is not None:
+            self.stream.synchronize()
 
     def send_header(self, header: dict) -> None:
         data = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)

@@ -42,7 +42,7 @@ def main():
         publisher.wait()
     publisher.close()
     write_rank_result(args.out, {"rank": int(os.environ["RANK"]), "lead": publisher.is_lead,
-                                 "stats": stats})
+                                 "stats": stats, "host_buffer_bytes": publisher.pinned_bytes()})
     torch.distributed.destroy_process_group()
 
 
