@@ -154,6 +154,10 @@ class ClusterConfig:
     shutdown_grace_s: float = 60.0  # a rollout node stops this long after its controller went
     # CPU threads per process on a shared machine; 0: leave torch's default.
     threads_per_process: int = 1
+    # The GPUs of one node, for the capacity plan (job=plan) and the check that refuses a run
+    # that does not fit before anything starts. 0: no GPU (CPU runs; nothing to check).
+    gpus_per_node: int = 8
+    gpu_memory_gb: float = 80.0
 
 
 @dataclass

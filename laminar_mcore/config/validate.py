@@ -19,7 +19,7 @@ class ConfigError(ValueError):
 
 _CHOICES = {
     "mode": ("laminar", "one_step", "sync"),
-    "job": ("smoke", "train", "controller", "rollout", "trainer"),
+    "job": ("smoke", "train", "plan", "controller", "rollout", "trainer"),
     "model.dtype": ("auto", "fp32", "bf16", "fp16"),
     "rollout.backend": ("cpu", "sglang"),
     "algo.cap_mode": ("mask", "clamp"),
@@ -38,9 +38,9 @@ def _get(cfg: DictConfig, dotted: str):
     return node
 
 
-def model_shape(cfg: DictConfig) -> dict:
+def model_shape(cfg: DictConfig, arch_only: bool = False) -> dict:
     """Vocab, heads, groups and layers of the configured model (from config.json if a path)."""
-    if cfg.model.path is not None:
+    if not arch_only and cfg.model.path is not None:
         from ..models.hf import load_hf_config
 
         hf = load_hf_config(cfg.model.path)
@@ -59,6 +59,8 @@ def validate_config(cfg: DictConfig) -> None:
     from omegaconf import OmegaConf
 
     missing = sorted(k for k in OmegaConf.missing_keys(cfg) if not k.startswith("hydra"))
+    if cfg.job == "plan":  # the plan needs the architecture, not a checkpoint or a cluster
+        missing = [k for k in missing if k not in ("model.path", "cluster.controller_addr")]
     if missing:
         raise ConfigError("invalid configuration: mandatory values are not set: "
                           + ", ".join(missing) + "; give them on the command line, e.g. "
@@ -92,8 +94,10 @@ def validate_config(cfg: DictConfig) -> None:
             f"tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {model_parallel}; change parallel.tp/pp/cp or "
             "the trainer process count")
 
-    path = cfg.model.path
-    if path is not None and not os.path.isdir(path):
+    path = OmegaConf.select(cfg, "model.path", throw_on_missing=False)
+    if OmegaConf.is_missing(cfg.model, "path"):
+        _check_model_divisibility(model_shape(cfg, arch_only=True), p, problems)
+    elif path is not None and not os.path.isdir(path):
         problems.append(f"model.path={path!r} does not exist or is not a directory; give a Hugging "
                         "Face checkpoint directory, or model.path=null to build from model.arch")
     elif path is not None and not os.path.isfile(os.path.join(path, "config.json")):
@@ -146,6 +150,14 @@ def validate_config(cfg: DictConfig) -> None:
     if cfg.algo.behav_imp_weight_cap is not None and cfg.algo.behav_imp_weight_cap <= 1:
         problems.append(f"algo.behav_imp_weight_cap={cfg.algo.behav_imp_weight_cap} must be > 1 "
                         "(AReaL uses 5.0) or null")
+    if cfg.cluster.gpus_per_node < 0 or cfg.cluster.gpu_memory_gb <= 0:
+        problems.append(f"cluster.gpus_per_node={cfg.cluster.gpus_per_node} must be >= 0 (0: no "
+                        f"GPU) and cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb} > 0")
+    elif not problems and cfg.cluster.gpus_per_node > 0 and cfg.job != "plan":
+        from .plan import capacity_plan
+
+        problems += [f"does not fit (job=plan shows the whole plan): {msg}"
+                     for msg in capacity_plan(cfg)["problems"]]
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
 

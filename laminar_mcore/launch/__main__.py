@@ -25,7 +25,11 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    if cfg.job == "smoke":
+    if cfg.job == "plan":
+        from .plan import run_plan
+
+        run_plan(cfg)
+    elif cfg.job == "smoke":
         from .smoke import run_smoke
 
         run_smoke(cfg)

@@ -1,0 +1,237 @@
+"""The capacity plan: what a run needs per trainer GPU, per rollout node and per host, from the
+config alone (no checkpoint, no cluster, no GPU), and whether it fits.
+
+``python -m laminar_mcore.launch job=plan experiment=...`` prints it and writes
+``outputs/<run_name>/plan.json``; ``validate_config`` refuses a GPU run that does not fit, before
+any process starts, naming the largest item and the knob to turn.
+
+The model (bytes per element; ``p`` = this rank's parameters, TP-split; ``DP`` = data-parallel
+size):
+
+* weights ``2p`` (bf16; fp32 runs: ``4p``), gradients ``4p`` (Megatron's DDP reduces in fp32),
+  optimizer ``12p / DP`` with the distributed optimizer (fp32 main params + Adam's two moments,
+  sharded over DP; ``12p`` without it; fp32 runs keep no separate main copy: ``8p``);
+* activations per token and layer, bf16, flash attention (Transformer Engine): the TP-split
+  tensors (QKV, attention output, the SwiGLU MLP's ``2f`` and ``f`` intermediates) are divided
+  by TP; the five ``h``-wide tensors around the norms and residuals are divided by TP only with
+  sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation", with
+  SwiGLU and GQA widths); full recompute keeps each layer group's ``2h`` input and one group's
+  working set; 1F1B pipelining keeps ``min(PP, micro-batches)`` micro-batches in flight on the
+  first stage (``max_tokens_per_microbatch`` tokens each);
+* logits on the last stage: ``tokens x vocab / TP`` in bf16 plus their fp32 gradient;
+* a fixed ``OVERHEAD_GB`` per GPU for the CUDA context, NCCL buffers and allocator slack.
+
+Rollout nodes: ``num_engines x engine_tp`` GPUs; each engine GPU holds its weight shard, the KV
+cache up to ``mem_fraction_static`` of the GPU, and at most two of the relay's buckets while it
+pulls; the relay's GPU (``weight_sync.relay_device``); host memory for the relay's versions in
+``/dev/shm`` (``RELAY_VERSIONS`` copies of the model at the rollout dtype). Trainer nodes: the
+pinned publish buffers of the stage leads placed on the node (one stage's weights each).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional
+
+OVERHEAD_GB = 5.0  # CUDA context (~0.5), NCCL communicators and buffers, allocator slack
+RELAY_VERSIONS = 3  # the newest complete version, one being received, one still leased
+GB = 1e9
+
+
+def model_arch(cfg) -> dict:
+    """The architecture the plan uses: ``model.path``'s config.json when set, else
+    ``model.arch`` (the recipes' model files carry the published architecture)."""
+    from omegaconf import OmegaConf
+
+    path = OmegaConf.select(cfg, "model.path", throw_on_missing=False)
+    if path is not None and not OmegaConf.is_missing(cfg.model, "path"):
+        from ..models.hf import load_hf_config
+
+        hf = load_hf_config(path)
+        heads = hf.num_attention_heads
+        return dict(family=hf.model_type, hidden=hf.hidden_size, ffn=hf.intermediate_size,
+                    layers=hf.num_hidden_layers, heads=heads,
+                    kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+                    head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+                    vocab=hf.vocab_size, tied=bool(getattr(hf, "tie_word_embeddings", False)),
+                    source=f"model.path={path}")
+    a = cfg.model.arch
+    return dict(family=a.family, hidden=a.hidden_size, ffn=a.intermediate_size,
+                layers=a.num_hidden_layers, heads=a.num_attention_heads,
+                kv_heads=a.num_key_value_heads,
+                head_dim=a.head_dim or a.hidden_size // a.num_attention_heads,
+                vocab=a.vocab_size, tied=bool(a.tie_word_embeddings), source="model.arch")
+
+
+def param_counts(arch: dict) -> Dict[str, int]:
+    h, f, hd = arch["hidden"], arch["ffn"], arch["head_dim"]
+    q, kv = arch["heads"] * hd, arch["kv_heads"] * hd
+    layer = h * (q + 2 * kv) + (q + 2 * kv) + q * h + 3 * h * f + 2 * h  # qkv(+bias), o, mlp, norms
+    if arch["family"] == "qwen3":
+        layer += 2 * hd - (q + 2 * kv)  # q/k norms, no qkv bias
+    elif arch["family"] == "llama":
+        layer -= q + 2 * kv
+    embedding = arch["vocab"] * h
+    output = 0 if arch["tied"] else arch["vocab"] * h
+    return dict(embedding=embedding, layer=layer, final_norm=h, output=output,
+                total=embedding + layer * arch["layers"] + h + output)
+
+
+def _activation_bytes_per_token_layer(arch: dict, tp: int, sp: bool) -> float:
+    h, f = arch["hidden"], arch["ffn"]
+    q, kv = arch["heads"] * arch["head_dim"], arch["kv_heads"] * arch["head_dim"]
+    split = 2 * (q + 2 * kv) + 2 * q + 4 * f + 2 * f  # QKV, attention out, fc1 (2f), SwiGLU (f)
+    around = 5 * 2 * h  # norm inputs/outputs and the residual, h wide
+    return split / tp + around / (tp if sp else 1)
+
+
+def capacity_plan(cfg) -> dict:
+    """The plan of ``cfg`` (a composed run config) as a flat-ish dict; see the module doc."""
+    arch = model_arch(cfg)
+    counts = param_counts(arch)
+    p, t, r, cl = cfg.parallel, cfg.trainer, cfg.rollout, cfg.cluster
+    tp, pp = max(p.tp, 1), max(p.pp, 1)
+    world = cl.trainer.nnodes * cl.trainer.nproc_per_node
+    dp = max(world // (tp * pp * max(p.cp, 1)), 1)
+    fp32 = cfg.model.dtype == "fp32"
+    layers_per_stage = arch["layers"] / pp
+    tokens = t.max_tokens_per_microbatch
+
+    # -------------------------------------------------------------- trainer GPU, first/last stage
+    batch_tokens_per_dp = (t.train_batch_prompts * cfg.algo.n_samples_per_prompt
+                           * (cfg.data.max_prompt_len + r.sampling.max_new_tokens) / dp)
+    microbatches = max(1, math.ceil(batch_tokens_per_dp / tokens))
+    in_flight = min(pp, microbatches)
+    per_tl = _activation_bytes_per_token_layer(arch, tp, p.sequence_parallel)
+    if t.recompute == "full":
+        group = max(t.recompute_num_layers, 1)
+        kept = (layers_per_stage / group) * 2 * arch["hidden"] / (tp if p.sequence_parallel else 1)
+        act_first = tokens * (kept * in_flight + group * per_tl)
+        act_last = tokens * (kept + group * per_tl)
+    else:
+        act_first = tokens * per_tl * layers_per_stage * in_flight
+        act_last = tokens * per_tl * layers_per_stage
+    weight_b, grad_b = (4, 4) if fp32 else (2, 4)
+    optim_b = (8 if fp32 else 12) / (dp if p.use_distributed_optimizer else 1)
+    body = counts["layer"] * layers_per_stage / tp
+    stages = {}
+    for name, params, act, extra in (
+            ("first", body + counts["embedding"] / tp, act_first, 0.0),
+            ("last", body + (counts["output"] or counts["embedding"]) / tp + counts["final_norm"],
+             act_last, tokens * arch["vocab"] / tp * (2 + 4))):
+        if pp == 1:  # one stage holds everything
+            params = body + (counts["embedding"] + counts["output"]) / tp + counts["final_norm"]
+            extra = tokens * arch["vocab"] / tp * (2 + 4)
+        items = {"weights_gb": params * weight_b / GB, "grads_gb": params * grad_b / GB,
+                 "optimizer_gb": params * optim_b / GB, "activations_gb": act / GB,
+                 "logits_gb": extra / GB, "overhead_gb": OVERHEAD_GB}
+        stages[name] = dict(items, peak_gb=sum(items.values()), params=params)
+    peak_stage = max(stages, key=lambda k: stages[k]["peak_gb"])
+    peak = stages[peak_stage]
+    largest = max((k for k in peak if k.endswith("_gb") and k not in ("peak_gb", "overhead_gb")),
+                  key=lambda k: peak[k])
+
+    # -------------------------------------------------------------- rollout node
+    gpus, mem = cl.gpus_per_node, cl.gpu_memory_gb
+    engine_gpus = r.num_engines * r.engine_tp
+    rollout_bytes = 4 if fp32 else 2
+    model_gb = counts["total"] * rollout_bytes / GB
+    engine_weights_gb = model_gb / max(r.engine_tp, 1)
+    relay_buckets_gb = 2 * cfg.weight_sync.bucket_mb * 2**20 / GB
+    static_gb = r.mem_fraction_static * mem
+    kv_gb = static_gb - engine_weights_gb
+    relay_device = cfg.weight_sync.relay_device
+    if relay_device == "auto":
+        relay_device = f"cuda:{gpus - 1}" if gpus > 0 else "cpu"
+    relay_index = int(relay_device.split(":")[1]) if relay_device.startswith("cuda:") else None
+    relay_shares = relay_index is not None and relay_index < engine_gpus
+
+    # -------------------------------------------------------------- host memory
+    stage_bytes = [(counts["layer"] * layers_per_stage
+                    + (counts["embedding"] if s == 0 else 0)
+                    + ((counts["output"] + counts["final_norm"]) if s == pp - 1 else 0))
+                   * rollout_bytes for s in range(pp)]
+    per_node = max(cl.trainer.nproc_per_node, 1)
+    leads: Dict[int, float] = {}
+    for s in range(pp):  # Megatron's rank order tp-cp-ep-dp-pp: a stage lead is tp=dp=0
+        node = (s * tp * max(p.cp, 1) * dp) // per_node
+        leads[node] = leads.get(node, 0.0) + stage_bytes[s]
+    pinned_gb = max(leads.values()) / GB if leads else 0.0
+
+    problems = []
+    if gpus > 0:
+        if peak["peak_gb"] > mem:
+            act = ("set trainer.recompute=full" if t.recompute != "full" else
+                   "raise trainer.recompute_num_layers") + " or lower trainer.max_tokens_per_microbatch"
+            if not p.sequence_parallel and tp > 1:
+                act += ", or set parallel.sequence_parallel=true (needs Transformer Engine)"
+            knob = {"activations_gb": act,
+                    "optimizer_gb": "add trainer nodes (a larger DP shards Adam further) or "
+                                    "raise parallel.pp",
+                    "weights_gb": "raise parallel.tp or parallel.pp",
+                    "grads_gb": "raise parallel.tp or parallel.pp",
+                    "logits_gb": "lower trainer.max_tokens_per_microbatch or raise parallel.tp"}
+            problems.append(
+                f"a trainer GPU ({peak_stage} pipeline stage) needs {peak['peak_gb']:.1f} GB, "
+                f"cluster.gpu_memory_gb={mem:g}; the largest item is {largest[:-3]} "
+                f"({peak[largest]:.1f} GB): {knob[largest]}")
+        if cl.trainer.nproc_per_node > gpus:
+            problems.append(f"cluster.trainer.nproc_per_node={cl.trainer.nproc_per_node} is more "
+                            f"than cluster.gpus_per_node={gpus}")
+        if r.backend == "sglang":
+            if engine_gpus > gpus:
+                problems.append(
+                    f"rollout.num_engines={r.num_engines} x rollout.engine_tp={r.engine_tp} = "
+                    f"{engine_gpus} GPUs per rollout node, cluster.gpus_per_node={gpus}: lower "
+                    "rollout.num_engines (engines per rollout node)")
+            if kv_gb < 0.1 * mem:
+                problems.append(
+                    f"an engine GPU holds {engine_weights_gb:.1f} GB of weights, leaving "
+                    f"{max(kv_gb, 0):.1f} GB of KV cache under rollout.mem_fraction_static="
+                    f"{r.mem_fraction_static}: raise rollout.engine_tp")
+    return {
+        "model": cfg.model.name, "arch_source": arch["source"], "params_b": counts["total"] / 1e9,
+        "tp": tp, "pp": pp, "dp": dp, "sequence_parallel": bool(p.sequence_parallel),
+        "recompute": t.recompute, "micro_batch_tokens": tokens, "microbatches_per_step": microbatches,
+        "in_flight_microbatches": in_flight,
+        "trainer_gpu_peak_gb": round(peak["peak_gb"], 2), "trainer_peak_stage": peak_stage,
+        "trainer_largest_item": largest[:-3],
+        **{f"trainer_{stage}_{k}": round(v, 2) for stage, items in stages.items()
+           for k, v in items.items() if k.endswith("_gb")},
+        "gpus_per_node": gpus, "gpu_memory_gb": mem,
+        "engine_gpus_per_node": engine_gpus, "engine_tp": r.engine_tp,
+        "engine_weights_gb_per_gpu": round(engine_weights_gb, 2),
+        "engine_kv_gb_per_gpu": round(max(kv_gb, 0.0), 2),
+        "relay_buckets_gb_per_engine_gpu": round(relay_buckets_gb, 2),
+        "relay_device": relay_device, "relay_shares_an_engine_gpu": bool(relay_shares),
+        "relay_shm_gb_per_rollout_node": round(RELAY_VERSIONS * model_gb, 1),
+        "pinned_publish_gb_per_trainer_node": round(pinned_gb, 1),
+        "fits": not problems, "problems": problems,
+    }
+
+
+def format_plan(plan: dict) -> str:
+    """A human-readable table of ``plan``."""
+    lines = [f"capacity plan: {plan['model']} ({plan['params_b']:.1f} B params, "
+             f"{plan['arch_source']}), TP{plan['tp']} PP{plan['pp']} DP{plan['dp']}, "
+             f"SP={'on' if plan['sequence_parallel'] else 'off'}, recompute={plan['recompute']}, "
+             f"{plan['micro_batch_tokens']} tokens/micro-batch, "
+             f"{plan['in_flight_microbatches']} in flight on stage 0",
+             f"  per trainer GPU (GB)        {'first stage':>12} {'last stage':>12}"]
+    for item in ("weights", "grads", "optimizer", "activations", "logits", "overhead", "peak"):
+        lines.append(f"    {item:<26} {plan[f'trainer_first_{item}_gb']:>12.1f} "
+                     f"{plan[f'trainer_last_{item}_gb']:>12.1f}")
+    lines += [
+        f"  trainer GPU peak {plan['trainer_gpu_peak_gb']:.1f} GB ({plan['trainer_peak_stage']} "
+        f"stage; largest item {plan['trainer_largest_item']}) of {plan['gpu_memory_gb']:g} GB",
+        f"  rollout node: {plan['engine_gpus_per_node']} of {plan['gpus_per_node']} GPUs for "
+        f"engines (TP{plan['engine_tp']}): {plan['engine_weights_gb_per_gpu']:.1f} GB weights + "
+        f"{plan['engine_kv_gb_per_gpu']:.1f} GB KV per GPU, + at most "
+        f"{plan['relay_buckets_gb_per_engine_gpu']:.2f} GB of relay buckets while pulling; relay "
+        f"on {plan['relay_device']}"
+        + (" (shared with an engine)" if plan["relay_shares_an_engine_gpu"] else ""),
+        f"  host: relay /dev/shm {plan['relay_shm_gb_per_rollout_node']:.0f} GB per rollout node; "
+        f"pinned publish buffers {plan['pinned_publish_gb_per_trainer_node']:.0f} GB per trainer "
+        "node",
+        "  fits: " + ("yes" if plan["fits"] else "NO\n    - " + "\n    - ".join(plan["problems"]))]
+    return "\n".join(lines)
