@@ -11,7 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from omegaconf import MISSING
+try:
+    from omegaconf import MISSING
+except ImportError:  # bare GPU machines (bench.gpu) import the schemas without OmegaConf
+    MISSING = "???"
 
 
 @dataclass

@@ -16,22 +16,69 @@ CPU machines use ``weights.bucket`` handles through the same per-bucket protocol
 
 from __future__ import annotations
 
+import base64
+import io
 import threading
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
 
 def _sglang_bucket_classes():
-    try:
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-    except ImportError:  # older SGLang releases keep it in the model runner
-        from sglang.srt.model_executor.model_runner import FlattenedTensorBucket
+    """SGLang 0.5.23's bucket, metadata and serializer classes (the payload's format)."""
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
 
     monkey_patch_torch_reductions()  # idempotent: device UUIDs in IPC handles
-    return FlattenedTensorBucket, MultiprocessingSerializer
+    return FlattenedTensorBucket, FlattenedTensorMetadata, MultiprocessingSerializer
+
+
+@dataclass
+class StandinTensorMetadata:
+    """SGLang's ``FlattenedTensorMetadata`` fields, for ``standin_bucket_classes``."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+class StandinTensorBucket:
+    def __init__(self, flattened_tensor, metadata):
+        self.flattened_tensor, self.metadata = flattened_tensor, metadata
+
+    def get_flattened_tensor(self):
+        return self.flattened_tensor
+
+    def get_metadata(self):
+        return self.metadata
+
+
+class StandinSerializer:
+    """What SGLang's ``MultiprocessingSerializer.serialize`` does: torch's ``ForkingPickler``
+    (CUDA tensors become IPC handles), then base64."""
+
+    @staticmethod
+    def serialize(obj, output_str: bool = False):
+        import torch.multiprocessing  # noqa: F401 - registers the tensor reductions
+        from multiprocessing.reduction import ForkingPickler
+
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump(obj)
+        data = buf.getvalue()
+        return base64.b64encode(data).decode() if output_str else data
+
+
+def standin_bucket_classes():
+    """Classes of SGLang's payload format for machines without SGLang (``bench.gpu``): a
+    flattened uint8 tensor with (name, shape, dtype, start_idx, end_idx, numel) metadata,
+    pickled as SGLang does. An engine cannot unpickle these (other class names): measurement
+    only."""
+    return StandinTensorBucket, StandinTensorMetadata, StandinSerializer
 
 
 class CudaIpcExporter:
@@ -44,19 +91,24 @@ class CudaIpcExporter:
     IPC, then ``empty_cache``). The relay's ``/bucket`` never lets a lease hold more than two.
     """
 
-    def __init__(self):
-        if not torch.cuda.is_available():
+    def __init__(self, classes=None, require_cuda: bool = True):
+        """``classes``: (bucket, metadata, serializer) classes, SGLang's by default;
+        ``require_cuda=False`` lets ``bench.gpu --cpu-rehearsal`` run the same logic on CPU."""
+        if require_cuda and not torch.cuda.is_available():
             raise RuntimeError("CUDA IPC serving needs a GPU; CPU machines pull shared-memory handles")
+        self.require_cuda = require_cuda
+        self._classes = classes
         self._alive: Dict[str, Dict[int, List[torch.Tensor]]] = {}
         self._lock = threading.Lock()
         self.peak_buckets_held = 0  # the most buckets one lease ever held at once
 
-    @staticmethod
-    def check_devices(devices: Sequence[str]) -> List[torch.device]:
+    def check_devices(self, devices: Sequence[str]) -> List[torch.device]:
         if not devices:
             raise ValueError("CUDA IPC payloads need the engine's GPUs (one device per TP rank)")
         targets = [torch.device(d) for d in devices]
         for d in targets:
+            if d.type == "cpu" and not self.require_cuda:
+                continue
             if d.type != "cuda" or (d.index or 0) >= torch.cuda.device_count():
                 raise ValueError(f"device {d} is not a GPU of this machine "
                                  f"({torch.cuda.device_count()} visible)")
@@ -67,18 +119,30 @@ class CudaIpcExporter:
         """Bucket ``index`` of a lease: one serialized payload per engine TP rank
         (``devices[r]`` is rank r's GPU)."""
         targets = self.check_devices(devices)
-        bucket_cls, serializer = _sglang_bucket_classes()
+        if self._classes is None:
+            self._classes = _sglang_bucket_classes()
+        bucket_cls, meta_cls, serializer = self._classes
+        metadata, offset = [], 0
+        for name, t in named.items():  # SGLang's layout: the tensors' bytes back to back
+            nbytes = t.numel() * t.element_size()
+            metadata.append(meta_cls(name=name, shape=t.shape, dtype=t.dtype, start_idx=offset,
+                                     end_idx=offset + nbytes, numel=nbytes))
+            offset += nbytes
         keep, per_rank = [], []
         for device in targets:
-            gpu = [(name, t.to(device, non_blocking=True)) for name, t in named.items()]
-            bucket = bucket_cls(named_tensors=gpu)
-            flat = bucket.get_flattened_tensor()
+            # One allocation of the bucket's size per GPU, filled in place (building it with
+            # SGLang's torch.cat would hold the bucket twice while it is made).
+            flat = torch.empty(offset, dtype=torch.uint8, device=device)
+            for meta, t in zip(metadata, named.values()):
+                flat[meta.start_idx:meta.end_idx].copy_(
+                    t.contiguous().view(-1).view(torch.uint8), non_blocking=True)
+            bucket = bucket_cls(flattened_tensor=flat, metadata=metadata)
             keep.append(flat)
             per_rank.append(serializer.serialize(
                 {"flattened_tensor": flat, "metadata": bucket.get_metadata()}, output_str=True))
-            del gpu, bucket
         for device in targets:
-            torch.cuda.synchronize(device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
         with self._lock:
             held = self._alive.setdefault(lease_id, {})
             held[index] = keep
@@ -98,7 +162,7 @@ class CudaIpcExporter:
                 del held[i]
             if indices is None:
                 self._alive.pop(lease_id, None)
-        if drop:
+        if drop and torch.cuda.is_available():
             torch.cuda.ipc_collect()  # blocks the engine's IPC handles no longer reference
             torch.cuda.empty_cache()
 

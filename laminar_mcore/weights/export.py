@@ -109,6 +109,7 @@ class BucketPacker:
         """Yield filled buckets as they complete (the caller may send bucket k while this
         generator gathers bucket k+1)."""
         pending, size, index = {}, 0, 0
+        self.last_buckets: List[Bucket] = []  # this publish's buckets (views of the buffers)
         for name, tensor in named:
             tensor = self._cast(tensor)
             nbytes = tensor.numel() * tensor.element_size()
@@ -125,4 +126,6 @@ class BucketPacker:
         metas, nbytes = layout(pending)
         buffer = self._buffer(index, nbytes)[:nbytes]
         write_bucket(buffer, pending, metas)
-        return Bucket(metas, buffer)
+        bucket = Bucket(metas, buffer)
+        self.last_buckets.append(bucket)
+        return bucket
