@@ -144,7 +144,7 @@ def check_kernels(b: Bench) -> Tuple[bool, str]:
         notes.append(f"{n}x{v}: err lp {err_lp:.1e} grad {err_grad:.1e}, {t_fused * 1e3:.1f} ms "
                      f"vs naive {t_naive * 1e3:.1f} ms, peak {mem['fused']:.2f} vs "
                      f"{mem['naive']:.2f} GB")
-        del logits
+        logits = None  # free it before the next shape
         # the decoupled-PPO kernel on the same number of tokens
         lp_t = (torch.randn(n, generator=g, device=b.device) - 3).requires_grad_()
         prox = lp_t.detach() + torch.randn(n, generator=g, device=b.device) * 0.1
@@ -275,7 +275,7 @@ def check_publish(b: Bench) -> Tuple[bool, str]:
     b.figures.update({"publish_blocked_s": steady, "publish_first_s": first,
                       "publish_bytes_gb": nbytes / GB, "publish_pinned_gb": packer.nbytes() / GB,
                       "publish_gb_per_s": nbytes / GB / max(steady, 1e-9), "publish_buckets": len(sizes)})
-    del model
+    model = None
     if b.cuda:
         torch.cuda.empty_cache()
     ok = packer.nbytes() >= nbytes and len(sizes) > 1 and (packer.pin_memory or not b.cuda)
@@ -401,7 +401,7 @@ def check_plan(b: Bench) -> Tuple[bool, str]:
     planned *= (torch.finfo(dtype).bits // 8) / 2  # the plan counts bf16 bytes
     measured = saved["linear"]
     ratio = measured / planned
-    del out, x
+    out = x = None
     b.figures.update({"plan_activation_bytes_per_token_layer": planned / tokens,
                       "measured_activation_bytes_per_token_layer": measured / tokens,
                       "measured_unfused_attention_bytes": saved["scores"],

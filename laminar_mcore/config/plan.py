@@ -31,7 +31,7 @@ pinned publish buffers of the stage leads placed on the node (one stage's weight
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from typing import Dict
 
 OVERHEAD_GB = 5.0  # CUDA context (~0.5), NCCL communicators and buffers, allocator slack
 RELAY_VERSIONS = 3  # the newest complete version, one being received, one still leased
