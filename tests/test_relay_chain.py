@@ -3,6 +3,7 @@ once, a chain of 3 relays spreads it, pullers reconstruct it bit for bit; concur
 see a mix; a relay killed mid-chain is bypassed, and a restarted one catches up."""
 
 import asyncio
+import contextlib
 import glob
 import json
 import os
@@ -194,8 +195,32 @@ def test_killed_relay_is_bypassed_and_a_restarted_one_catches_up(tmp_path):
 
 
 def test_state_changing_endpoints_need_the_token(tmp_path):
+    """Control endpoints answer 401 without the token; a push to the data port without an
+    HMAC proof of it (or with a wrong one) is refused and logged, and nothing reaches the store."""
+    import socket
+
+    from laminar_mcore.relay.chain import push_proof, recv_frame, send_frame
+
     master = _relay(tmp_path, "solo", master=True, trainer_stages=1)
     try:
+        data_port = int(master.wait_printed("LAMINAR_RELAY_DATA_PORT"))
+        for proof in (None, "0" * 64, "wrong-token"):
+            with socket.create_connection(("127.0.0.1", data_port), timeout=10) as sock:
+                challenge = recv_frame(sock)
+                assert challenge["type"] == "challenge" and len(challenge["nonce"]) == 32
+                hello = {"type": "version", "version": 7, "num_stages": 1}
+                if proof == "wrong-token":
+                    hello["proof"] = push_proof("not-the-token", challenge["nonce"], 7, 1)
+                elif proof is not None:
+                    hello["proof"] = proof
+                send_frame(sock, hello)
+                reply = recv_frame(sock)
+                assert reply["accept"] is False and "authentication failed" in reply["reason"]
+                with contextlib.suppress(OSError):  # the relay has closed the connection
+                    send_frame(sock, {"type": "chunk", "nbytes": 4}, b"evil")
+        _wait(lambda: (tmp_path / "solo.log").read_text().count("refused a push from") == 3,
+              what="three refusals logged")
+        assert _get(master.url, "/latest")["version"] is None  # nothing reached the store
         for path, body in (("/pull", {}), ("/release", {"lease_id": "x"}),
                            ("/register", {}), ("/set_downstream", {})):
             req = urllib.request.Request(master.url + path, data=json.dumps(body).encode(),

@@ -139,3 +139,34 @@ def test_a_version_being_forwarded_keeps_its_buffers_while_newer_ones_complete()
         assert reused
     finally:
         store.close()
+
+
+def test_a_relay_slower_than_the_timeout_is_a_relay_error():
+    """A timeout is a RelayError (which the manager handles), never a bare asyncio error that
+    would silently end an engine's loop or the relay watcher."""
+    import asyncio
+
+    from aiohttp import web
+
+    from laminar_mcore.relay.client import RelayClient, RelayError
+
+    async def slow(request):
+        await asyncio.sleep(2)
+        return web.json_response({"version": 1})
+
+    async def go():
+        app = web.Application()
+        app.router.add_get("/latest", slow)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with RelayClient(f"http://127.0.0.1:{port}", "t", timeout_s=0.3) as relay:
+                with pytest.raises(RelayError, match=r"did not answer within 0.3 s"):
+                    await relay.latest()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(go())

@@ -6,13 +6,20 @@ through the whole chain while the master is still receiving it (Laminar's pipeli
 T(p, k) = (p + k - 2)(M/k * t_byte + t_start), minimised at k* = sqrt((p - 2) M t_byte / t_start)).
 
 Frames on a connection: a 4-byte big-endian length, a JSON header, then ``length`` raw bytes for
-chunk frames. The receiver answers the opening frame with whether it wants the version.
+chunk frames. The receiver opens with a challenge (a fresh random nonce); the pusher's opening
+frame carries an HMAC-SHA256 of the nonce and the frame under the run's token (the token itself
+never crosses the wire), and the receiver refuses a push whose proof is missing or wrong before
+anything reaches its store -- so a stranger who can reach a relay's data port cannot publish
+weights. The receiver then answers with whether it wants the version.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
+import secrets
 import math
 import socket
 import struct
@@ -86,14 +93,35 @@ def _meta_dicts(metas) -> list:
              "nbytes": m.nbytes} for m in metas]
 
 
+# ---------------------------------------------------------------------- authentication
+def push_proof(token: str, nonce: str, version: int, num_stages: int) -> str:
+    """HMAC-SHA256 under the run's token of the receiver's nonce and the pushed version."""
+    message = f"laminar-push/{nonce}/{version}/{num_stages}".encode()
+    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
+
+
+class PushRefused(ConnectionError):
+    """A push without a valid proof of the run's token."""
+
+
 # ---------------------------------------------------------------------- receiving (TCP)
-def serve_push(conn: socket.socket, store: VersionStore, owner: str) -> Optional[int]:
-    """Receive one pushed version on ``conn`` into ``store``; returns the version if completed."""
+def serve_push(conn: socket.socket, store: VersionStore, owner: str, token: str) -> Optional[int]:
+    """Receive one pushed version on ``conn`` into ``store``; returns the version if completed.
+    Raises ``PushRefused`` (after telling the peer) when the push does not prove the token."""
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    nonce = secrets.token_hex(16)
+    send_frame(conn, {"type": "challenge", "nonce": nonce})
     hello = recv_frame(conn)
     if hello.get("type") != "version":
         raise ConnectionError("push must start with a version frame")
     version, num_stages = int(hello["version"]), int(hello["num_stages"])
+    proof = hello.get("proof")
+    if not isinstance(proof, str) or not hmac.compare_digest(
+            proof, push_proof(token, nonce, version, num_stages)):
+        send_frame(conn, {"accept": False, "busy": False, "have": None,
+                          "reason": "authentication failed: the push does not prove the run's "
+                                    "token (--token / LAMINAR_RUN_TOKEN must match)"})
+        raise PushRefused(f"push of version {version} refused: no valid proof of the run's token")
     try:
         sv = store.begin(version, num_stages, owner=owner)
     except VersionError as exc:
@@ -140,14 +168,20 @@ class ReceiverBusy(Exception):
 
 
 def push_version(sock: socket.socket, store: VersionStore, sv: StoredVersion, chunk_bytes: int,
-                 should_abort: Callable[[], bool]) -> bool:
+                 should_abort: Callable[[], bool], token: str) -> bool:
     """Stream ``sv`` (complete or still arriving) to the relay at the other end of ``sock``.
     Returns False when the receiver already has it or something newer; raises
     ``ReceiverBusy`` when it is receiving this version from another relay right now."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    send_frame(sock, {"type": "version", "version": sv.version, "num_stages": sv.num_stages})
+    challenge = recv_frame(sock)
+    if challenge.get("type") != "challenge" or not isinstance(challenge.get("nonce"), str):
+        raise ConnectionError("the downstream relay did not open with a challenge")
+    send_frame(sock, {"type": "version", "version": sv.version, "num_stages": sv.num_stages,
+                      "proof": push_proof(token, challenge["nonce"], sv.version, sv.num_stages)})
     reply = recv_frame(sock)
     if not reply.get("accept"):
+        if str(reply.get("reason", "")).startswith("authentication failed"):
+            raise PushRefused(f"the downstream relay refused the push: {reply['reason']}")
         if reply.get("busy"):
             raise ReceiverBusy(reply.get("reason"))
         return False
@@ -193,8 +227,10 @@ class Forwarder:
     is still arriving) and reports a dead downstream so that the chain can be rebuilt."""
 
     def __init__(self, store: VersionStore, chunk_bytes: Optional[int],
-                 on_failure: Callable[[str], None], chain_chunks: Optional[int] = None):
+                 on_failure: Callable[[str], None], chain_chunks: Optional[int] = None, *,
+                 token: str):
         self.store = store
+        self.token = token
         self.chunk_bytes = chunk_bytes  # None: from Laminar's T(p, k) model
         self.chain_chunks = chain_chunks  # a fixed k instead of k*
         self.relays_after_source = 1  # set by the master with the chain
@@ -256,7 +292,8 @@ class Forwarder:
                 start = time.perf_counter()
                 with socket.create_connection(target, timeout=30) as sock:
                     sock.settimeout(60)
-                    complete = push_version(sock, self.store, sv, self.chunk_for(sv), abort)
+                    complete = push_version(sock, self.store, sv, self.chunk_for(sv), abort,
+                                            self.token)
                 if complete:
                     self.stats = {"version": sv.version, "seconds": time.perf_counter() - start,
                                   "bytes": sv.nbytes}

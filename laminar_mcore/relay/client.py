@@ -85,6 +85,9 @@ class RelayClient:
                 if r.status >= 400:
                     raise RelayError(f"{path}: HTTP {r.status}: {text[:300]}")
                 return json.loads(text)
+        except asyncio.TimeoutError:
+            raise RelayError(f"{path}: relay {self.url} did not answer within {self.timeout_s:g} s "
+                             "(RelayClient timeout_s)") from None
         except aiohttp.ClientError as exc:
             raise RelayError(f"{path}: relay {self.url} unreachable: {exc!r}") from None
 

@@ -38,7 +38,7 @@ from aiohttp import web
 
 from ..weights.bucket import encode_handle
 from ..weights.transport import Channel, announce_backend, resolve_backend, stage_group
-from .chain import Forwarder, receive_publishes, serve_push
+from .chain import Forwarder, PushRefused, receive_publishes, serve_push
 from .store import VersionStore
 
 logger = logging.getLogger("laminar_mcore.relay")
@@ -118,7 +118,7 @@ class RelayServer:
         self.heartbeat_s = heartbeat_s
         self.store = VersionStore(lease_ttl_s=lease_ttl_s)
         self.forwarder = Forwarder(self.store, chunk_bytes or None, self._downstream_failed,
-                                   chain_chunks=chain_chunks)
+                                   chain_chunks=chain_chunks, token=token)
         self.stop_event = threading.Event()
         self.control_url: Optional[str] = None
         self.data_sock = socket.socket()
@@ -185,9 +185,15 @@ class RelayServer:
     def _serve_conn(self, conn: socket.socket) -> None:
         with conn:
             try:
-                serve_push(conn, self.store, owner=f"push-{id(conn)}")
+                peer = "%s:%s" % conn.getpeername()[:2]
+            except OSError:
+                peer = "?"
+            try:
+                serve_push(conn, self.store, owner=f"push-{id(conn)}", token=self.token)
+            except PushRefused as exc:
+                logger.warning("refused a push from %s: %s", peer, exc)
             except Exception as exc:  # noqa: BLE001 - a broken push only fails that version
-                logger.warning("incoming push failed: %s", exc)
+                logger.warning("incoming push from %s failed: %s", peer, exc)
 
     # ------------------------------------------------------------------ master: trainer group
     def _host_publish_group(self) -> None:

@@ -104,7 +104,8 @@ class RolloutManager:
         self.stats = ManagerStats()
         self.started = time.time()
         self.accepted = 0  # trajectories admitted so far (AReaL's N_r)
-        self._latest_relay_version = 0
+        self._latest_relay_version = 0  # the newest version any relay holds
+        self._relay_versions: Dict[str, int] = {}  # relay URL -> the newest version it holds
         self._stop = asyncio.Event()
         self._tasks: List[asyncio.Task] = []
 
@@ -144,19 +145,26 @@ class RolloutManager:
         if getattr(self, "_running", False) and not self._stop.is_set():
             self._tasks.append(asyncio.create_task(self._engine_loop(engine)))
 
+    def relay_version(self, engine: EngineHandle) -> int:
+        """The newest version the relay of ``engine`` holds (what it can pull)."""
+        return self._relay_versions.get(engine.relay.url, 0)
+
     async def _watch_relay(self) -> None:
+        """Track every relay's newest version (relays down a chain lag the master: an engine
+        waits for its own relay to hold a version before it drains and pulls)."""
         while not self._stop.is_set():
-            for engine in self.engines:
-                if not engine.healthy:
-                    continue
+            relays = {e.relay.url: e.relay for e in self.engines if e.healthy}
+            for url, relay in relays.items():
                 try:
-                    latest = (await engine.relay.latest()).get("version")
-                except RelayError:
-                    latest = None
+                    latest = (await relay.latest()).get("version")
+                except RelayError as exc:
+                    logger.debug("relay %s: %s", url, exc)
+                    continue
+                if latest is not None and latest > self._relay_versions.get(url, 0):
+                    self._relay_versions[url] = latest
                 if latest is not None and latest > self._latest_relay_version:
                     self._latest_relay_version = latest
                     self._repack_now.set()  # Laminar checks after each trainer update
-                break
             await asyncio.sleep(self.poll_s)
 
     # ------------------------------------------------------------------ per engine
@@ -184,7 +192,7 @@ class RolloutManager:
             elif engine.in_flight and engine.idle_since is not None:
                 engine.idle_seconds += now - engine.idle_since
                 engine.idle_since = None
-            newer = self._latest_relay_version > engine.version
+            newer = self.relay_version(engine) > engine.version
             if newer:
                 engine.draining = True
                 if self.repack and 0 < len(engine.in_flight) <= self._repack_limit(engine):
@@ -227,7 +235,9 @@ class RolloutManager:
             engine.version = version
             engine.pulls += 1
             self.stats.pulls += 1
-        engine.draining = self._latest_relay_version > engine.version
+        else:  # nothing newer after all (its relay lost it?): back off instead of spinning
+            await asyncio.sleep(self.poll_s)
+        engine.draining = self.relay_version(engine) > engine.version
 
     def _start_group(self, engine: EngineHandle) -> None:
         group = self.prompts.next_group()
