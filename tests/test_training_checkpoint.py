@@ -21,13 +21,16 @@ SCRIPT = os.path.join(WORKERS, "resume.py")
 def test_resume_matches_the_uninterrupted_run(tmp_path):
     """The distributed optimizer at DP2: three steps, save, resume, two steps equal the
     uninterrupted run -- losses, weights and Adam's moments; a resume at DP1 from the DP2
-    checkpoint trains on; a resume at another TP is refused, naming the fix."""
+    checkpoint trains on; a resume at another TP is refused, naming the fix, unless the
+    optimizer was saved fully_reshardable."""
     ckpt = str(tmp_path / "ckpt")
-    out = {name: tmp_path / name for name in ("full", "resumed", "dp1")}
+    out = {name: tmp_path / name for name in ("full", "resumed", "dp1", "tp2")}
     for path in out.values():
         path.mkdir()
     common = ["--tp", "1", "--steps", "5", "--ckpt", ckpt]
-    full = run_torchrun(SCRIPT, 2, common + ["--save-at", "3"], out_dir=str(out["full"]))
+    anywhere = str(tmp_path / "fully_reshardable")
+    full = run_torchrun(SCRIPT, 2, common + ["--save-at", "3", "--also-fully-reshardable", anywhere],
+                        out_dir=str(out["full"]))
     assert latest_complete(ckpt).endswith("step_00000003")
     saved = os.listdir(latest_complete(ckpt))
     assert {"model", "optimizer", "rng", "trainer_state.json"} <= set(saved)
@@ -66,6 +69,16 @@ def test_resume_matches_the_uninterrupted_run(tmp_path):
     with pytest.raises(TorchrunError, match="reshards over DP only"):
         run_torchrun(SCRIPT, 2, ["--tp", "2", "--steps", "5", "--ckpt", ckpt, "--resume", "auto"],
                      out_dir=str(tmp_path))
+    # Saved fully_reshardable, the optimizer state reshards over TP as well: TP1 x DP2 -> TP2.
+    tp2 = run_torchrun(SCRIPT, 2, ["--tp", "2", "--steps", "5", "--ckpt", anywhere, "--resume",
+                                   "auto", "--sharding", "fully_reshardable"],
+                       out_dir=str(out["tp2"]))[0]
+    assert tp2["start"] == 3 and tp2["version"] == 5
+    for step in ("4", "5"):
+        assert abs(full[0]["losses"][step]["loss"] - tp2["losses"][step]["loss"]) <= 1e-5, step
+    wd = load_file(out["tp2"] / "final.safetensors")
+    for name in wa:
+        torch.testing.assert_close(wa[name], wd[name], atol=1e-5, rtol=0)
 
 
 def test_resume_setting_is_checked(tmp_path):

@@ -12,8 +12,9 @@ layers, optimizer helpers and dist_checkpointing run with gloo on a machine with
   and activation recompute's save/restore of the device RNG state is empty;
 * gradient clipping (``clip_grad_by_total_norm_fp32``, which asserts CUDA tensors and uses an
   apex kernel) scales the CPU gradients with ``torch._foreach_mul_``;
-* the tied-embedding set-up's ``tensor.cuda()`` keeps the tensor on the CPU, and the distributed
-  optimizer's ``tensor.type()`` check of its parameters sees the CUDA type name of their dtype.
+* the tied-embedding set-up's and the distributed optimizer's DP gather's ``tensor.cuda()``
+  keep the tensor on the CPU, and the distributed optimizer's ``tensor.type()`` check of its
+  parameters sees the CUDA type name of their dtype.
 
 It is applied only when CUDA is absent (``apply_cpu_compat()`` is a no-op otherwise) and it
 never edits installed files: everything happens on module objects at run time. It must never be
@@ -212,6 +213,9 @@ _TORCH_NS: types.ModuleType | None = None
 _TENSOR_CUDA_CALLERS = (
     ("megatron.core.models.common.language_module.language_module", "LanguageModule",
      "setup_embeddings_and_output_layer"),
+    # the fully_reshardable optimizer checkpoint gathers the DP shards of Adam's state
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer",
+     "get_parameter_state_dp_zero"),
 )
 
 # Megatron methods that accept parameters only if ``tensor.type()`` names a CUDA type (the

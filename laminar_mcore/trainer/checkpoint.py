@@ -21,6 +21,7 @@ is never picked by ``trainer.resume=auto``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -157,6 +158,29 @@ def _restore_adam_step(optimizer, step: Optional[float]) -> None:
                 st["step"] = torch.full_like(st["step"], step)
 
 
+@contextlib.contextmanager
+def _tolerate_missing_step(optimizer):
+    """Megatron-Core 0.19.2's ``fully_reshardable`` load copies every tensor of a parameter's
+    optimizer state from the checkpoint, and torch's Adam (its fallback without Apex or
+    Transformer Engine) keeps ``step`` there, which that format does not save: a KeyError.
+    During the load, a missing ``step`` is passed as None, which Megatron skips;
+    ``_restore_adam_step`` then sets it from ``trainer_state.json``."""
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        original = getattr(opt, "_set_main_param_and_optimizer_states", None)
+        if original is None:
+            continue
+        opt._set_main_param_and_optimizer_states = (
+            lambda model_param, tensors, __orig=original: __orig(model_param,
+                                                                 {"step": None, **tensors}))
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states  # the class's method again
+
+
 def _module(actor):
     return actor.model.module if hasattr(actor.model, "module") else actor.model
 
@@ -272,8 +296,8 @@ def load_checkpoint(path: str, actor) -> Tuple[int, Optional[dict]]:
     optim_sd = actor.optimizer.sharded_state_dict(model.sharded_state_dict(metadata=metadata),
                                                   is_loading=True, metadata=metadata)
     loaded = dist_checkpointing.load(optim_sd, os.path.join(path, "optimizer"))
-    with torch.no_grad():  # fp32 main params are views of the (leaf) model parameters
-        actor.optimizer.load_state_dict(loaded)
+    with torch.no_grad(), _tolerate_missing_step(actor.optimizer):
+        actor.optimizer.load_state_dict(loaded)  # fp32 main params are views of leaf params
     _restore_adam_step(actor.optimizer, state.get("optimizer_step"))
     actor.scheduler.load_state_dict(state["scheduler"])
     actor.version = int(state["version"])

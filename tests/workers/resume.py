@@ -16,6 +16,8 @@ def main():
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--sharding", default="dp_reshardable")
     ap.add_argument("--local-optimizer", action="store_true")
+    ap.add_argument("--also-fully-reshardable", default=None,
+                    help="also save the --save-at checkpoint fully_reshardable under this root")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -50,6 +52,11 @@ def main():
         losses[step] = {"loss": stats["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"]}
         if step == args.save_at:
             save_checkpoint(args.ckpt, step, actor, extra_state={"prompt_pool_position": step * 3})
+            if args.also_fully_reshardable:
+                actor.trainer.ckpt_optim_sharding = "fully_reshardable"
+                save_checkpoint(args.also_fully_reshardable, step, actor,
+                                extra_state={"prompt_pool_position": step * 3})
+                actor.trainer.ckpt_optim_sharding = args.sharding
     from safetensors.torch import save_file
 
     # Adam's moments and step as this rank holds them (a DP shard with the distributed optimizer).
