@@ -156,3 +156,28 @@ def test_partial_pool_state_is_json_ready():
     pool.update("r1", [4], [-0.5])
     state = json.loads(json.dumps(pool.state_dict()))
     assert state[0]["output_ids"] == [4] and state[0]["versions_seen"] == ["3"]
+
+
+def test_a_dropped_group_gives_its_admission_capacity_back():
+    """AReaL's budget: a group that lost a member can never be trained on, so its capacity
+    returns -- in mode=sync (bound 0) one reward error must not leave the trainer waiting for
+    a group that cannot come -- and its members that finish later are discarded, not held."""
+    from laminar_mcore.data.pools import PartialResponsePool, PromptPool
+    from laminar_mcore.rollout.manager import RolloutManager
+
+    buffer = ExperienceBuffer(group_size=2)
+    prompts = PromptPool([{"prompt": "a", "answer": "a"}] * 4, n_samples=2)
+    manager = RolloutManager([], prompts, PartialResponsePool(), buffer, score=None,
+                             encode_prompt=lambda row: [1], decode=lambda ids: "",
+                             sampling={}, trainer_version=lambda: 0, batch_trajectories=2,
+                             max_staleness=0)
+    manager.accepted = 2  # one group of two admitted: the sync bound (0 + 0 + 1) * 2 is full
+    assert not manager.can_admit(2)
+    buffer.add(_traj("g0", 0))
+    manager._discard("g0", 1, "reward_error")  # its second member's reward failed
+    assert manager.can_admit(2) and manager.accepted == 0
+    assert buffer.add(_traj("g0", 1)) is False  # a late member of the dropped group
+    manager._discard("g0", 1, "aborted")  # a second loss in the same group gives nothing more
+    assert manager.accepted == 0
+    assert buffer.buffered == 0
+    assert buffer.discarded == {"reward_error": 1, "reward_error_group": 2, "aborted": 1}

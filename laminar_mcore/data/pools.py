@@ -165,9 +165,15 @@ class ExperienceBuffer:
         self.discarded: Dict[str, int] = {}
         self.consumed = 0
         self.cond = threading.Condition()
+        self._dropped: Dict[str, str] = {}  # group id -> why it can never complete
 
-    def add(self, traj: Trajectory) -> None:
+    def add(self, traj: Trajectory) -> bool:
+        """Keep ``traj`` until its group is complete; a member of a dropped group is counted
+        as discarded instead (returns False), never left waiting for a group that cannot come."""
         with self.cond:
+            if traj.group_id in self._dropped:
+                self.discard(1, self._dropped[traj.group_id])
+                return False
             members = self._open.setdefault(traj.group_id, [])
             members.append(traj)
             if len(members) == self.group_size:
@@ -176,18 +182,26 @@ class ExperienceBuffer:
                     dropped = self._ready.popleft()  # the stalest group goes first
                     self.discard(len(dropped), "evicted")
                 self.cond.notify_all()
+            return True
 
     def discard(self, count: int, reason: str) -> None:
         with self.cond:
             self.discarded[reason] = self.discarded.get(reason, 0) + count
 
     def drop_group(self, group_id: str, reason: str) -> int:
-        """Drop a group that can never complete (e.g. a member failed for good)."""
+        """Drop a group that can never complete (e.g. a member failed for good): its members
+        held now and those that finish later are counted as discarded with ``reason``.
+        Returns how many were held."""
         with self.cond:
+            self._dropped.setdefault(group_id, reason)
             members = self._open.pop(group_id, [])
             if members:
                 self.discard(len(members), reason)
             return len(members)
+
+    def is_dropped(self, group_id: str) -> bool:
+        with self.cond:
+            return group_id in self._dropped
 
     def take(self, groups: int, timeout: Optional[float] = None) -> Optional[List[Trajectory]]:
         """``groups`` complete groups (flattened), or None on timeout."""

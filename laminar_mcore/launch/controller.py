@@ -330,11 +330,13 @@ class Controller:
         self.max_staleness_observed = int(state.get("max_staleness_observed", 0))
         lost = len(state.get("partial", []))
         self.manager.stats.generated = int(state["generated"]) + lost
-        self.manager.accepted = int(state.get("accepted", 0))
         if lost:
             self.buffer.discard(lost, "restart")
         for item in state.get("partial", []):
             self.buffer.drop_group(item["group_id"], "restart_group")
+        # The admission budget resumes from what can still be trained on: consumed and
+        # buffered trajectories, not those lost in flight at the save.
+        self.manager.accepted = self.buffer.consumed + self.buffer.buffered
 
     def utilisation(self) -> dict:
         """Trainer-consumed tokens/s and idle fractions in the steady state: from the end of the

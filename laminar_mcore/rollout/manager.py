@@ -103,7 +103,9 @@ class RolloutManager:
         self._repack_now = asyncio.Event()
         self.stats = ManagerStats()
         self.started = time.time()
-        self.accepted = 0  # trajectories admitted so far (AReaL's N_r)
+        # AReaL's admission budget: trajectories admitted so far that can still be trained on
+        # (running, buffered or consumed); a dropped group gives its capacity back.
+        self.accepted = 0
         self._latest_relay_version = 0  # the newest version any relay holds
         self._relay_versions: Dict[str, int] = {}  # relay URL -> the newest version it holds
         self._stop = asyncio.Event()
@@ -421,16 +423,24 @@ class RolloutManager:
                           metadata={"row_index": done.row_index, "engine": done.engine,
                                     "engine_versions": sorted(done.versions_seen)})
         self.stats.generated += 1
-        self.buffer.add(traj)
+        if not self.buffer.add(traj):  # its group was dropped: counted as discarded
+            return
         if self.on_trajectory is not None:
             self.on_trajectory(traj)
 
     def _discard(self, group_id: str, count: int, reason: str) -> None:
         """Count ``count`` ended-but-unusable trajectories; a group with a lost member can never
-        complete, so its members already buffered are dropped too (with their own reason)."""
+        complete, so its members already buffered are dropped too (with their own reason), and
+        so are those that finish later. The whole group's admission capacity is given back
+        (none of it was consumed: groups are consumed whole), so a bounded-staleness run -- and
+        ``mode=sync`` (bound 0) above all -- admits a replacement instead of waiting for a group
+        that cannot come."""
         self.stats.generated += count
         self.buffer.discard(count, reason)
+        first = not self.buffer.is_dropped(group_id)
         dropped = self.buffer.drop_group(group_id, f"{reason}_group")
+        if first:
+            self.accepted = max(self.accepted - self.prompts.n_samples, 0)
         self.stats.discarded[reason] = self.stats.discarded.get(reason, 0) + count + dropped
 
     async def _mark_unhealthy(self, engine: EngineHandle) -> None:
