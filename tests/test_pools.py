@@ -181,3 +181,47 @@ def test_a_dropped_group_gives_its_admission_capacity_back():
     assert manager.accepted == 0
     assert buffer.buffered == 0
     assert buffer.discarded == {"reward_error": 1, "reward_error_group": 2, "aborted": 1}
+
+
+def test_background_tasks_are_supervised():
+    """A trajectory task that fails unexpectedly is discarded with a reason (its group dropped,
+    the books still balanced), never left in flight; a failing manager-wide task (the relay
+    watcher) stops the run loudly instead of ending silently."""
+    from laminar_mcore.data.pools import PartialResponsePool, PromptPool
+    from laminar_mcore.relay.client import RelayClient
+    from laminar_mcore.rollout.client import SGLangClient
+    from laminar_mcore.rollout.manager import EngineHandle, RolloutManager
+
+    async def go():
+        buffer, partial = ExperienceBuffer(group_size=2), PartialResponsePool()
+        manager = RolloutManager([], PromptPool([{"prompt": "a"}], n_samples=2), partial, buffer,
+                                 score=None, encode_prompt=lambda row: [1], decode=lambda i: "",
+                                 sampling={}, trainer_version=lambda: 0, batch_trajectories=2)
+        engine = EngineHandle("e0", SGLangClient("http://127.0.0.1:9"),
+                              RelayClient("http://127.0.0.1:9", "t"))
+        item = PartialResponse(rid="g0-0", group_id="g0", prompt_ids=[1], engine="e0",
+                               weight_version=0, max_new_tokens=4)
+        partial.start(item)
+        engine.in_flight[item.rid] = item
+
+        async def broken():
+            raise KeyError("finish_reason")
+
+        manager._spawn(broken(), "trajectory g0-0", manager._trajectory_failed(engine, item))
+        await asyncio.sleep(0.05)
+        assert not engine.in_flight and len(partial) == 0
+        assert buffer.discarded == {"internal_error": 1} and buffer.is_dropped("g0")
+        assert manager.stats.generated == 1  # generated = consumed + buffered + discarded
+
+        async def watcher():
+            raise ValueError("relay answered nonsense")
+
+        run = asyncio.ensure_future(manager.run())
+        await asyncio.sleep(0.05)
+        manager._spawn(watcher(), "relay watcher", manager._fatal)
+        with pytest.raises(RuntimeError, match="rollout manager stopped: relay answered nonsense"):
+            await asyncio.wait_for(run, 5)
+        await engine.client.close()
+        await engine.relay.close()
+
+    asyncio.run(go())

@@ -16,6 +16,7 @@ service and land in the experience buffer; everything dropped is counted with it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -110,6 +111,7 @@ class RolloutManager:
         self._relay_versions: Dict[str, int] = {}  # relay URL -> the newest version it holds
         self._stop = asyncio.Event()
         self._tasks: List[asyncio.Task] = []
+        self.error: Optional[BaseException] = None  # why a supervised task stopped the run
 
     # ------------------------------------------------------------------ admission
     def running(self) -> int:
@@ -125,14 +127,58 @@ class RolloutManager:
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> None:
         self._running = True
-        self._tasks = [asyncio.create_task(self._watch_relay())]
+        self._tasks = []
+        self._spawn(self._watch_relay(), "relay watcher", self._fatal)
         if self.repack:
-            self._tasks.append(asyncio.create_task(self._repack_loop()))
-        self._tasks += [asyncio.create_task(self._engine_loop(e)) for e in self.engines]
+            self._spawn(self._repack_loop(), "repack loop", self._fatal)
+        for e in self.engines:
+            self._spawn(self._engine_loop(e), f"engine loop {e.name}", self._engine_failed(e))
         await self._stop.wait()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.error is not None:
+            raise RuntimeError(f"the rollout manager stopped: {self.error}") from self.error
+
+    # ------------------------------------------------------------------ supervision
+    def _spawn(self, coro, what: str, on_error: Callable[[str, BaseException], None]):
+        """Start ``coro`` as a supervised task: if it ends with an exception, ``on_error`` is
+        told (never a silent end of an engine's loop or of the relay watcher)."""
+        task = asyncio.create_task(coro, name=what)
+
+        def done(t: asyncio.Task) -> None:
+            if t.cancelled() or t.exception() is None:
+                return
+            on_error(what, t.exception())
+
+        task.add_done_callback(done)
+        self._tasks.append(task)
+        return task
+
+    def _fatal(self, what: str, exc: BaseException) -> None:
+        logger.error("rollout manager: %s failed: %r; stopping the run", what, exc,
+                     exc_info=exc)
+        if self.error is None:
+            self.error = exc
+        self._stop.set()
+
+    def _engine_failed(self, engine: EngineHandle):
+        def on_error(what: str, exc: BaseException) -> None:
+            logger.error("%s failed: %r; engine %s is taken out of service", what, exc,
+                         engine.name, exc_info=exc)
+            if engine.healthy:
+                engine.healthy = False
+                self.stats.unhealthy.append(engine.name)
+        return on_error
+
+    def _trajectory_failed(self, engine: EngineHandle, item: PartialResponse):
+        def on_error(what: str, exc: BaseException) -> None:
+            logger.error("%s failed: %r; the trajectory is discarded", what, exc, exc_info=exc)
+            engine.in_flight.pop(item.rid, None)
+            with contextlib.suppress(KeyError):  # it may have left the pool already
+                self.partial.finish(item.rid)
+            self._discard(item.group_id, 1, "internal_error")
+        return on_error
 
     def stop(self) -> None:
         self._stop.set()
@@ -145,7 +191,8 @@ class RolloutManager:
             raise ValueError(f"an engine named {engine.name!r} is already registered")
         self.engines.append(engine)
         if getattr(self, "_running", False) and not self._stop.is_set():
-            self._tasks.append(asyncio.create_task(self._engine_loop(engine)))
+            self._spawn(self._engine_loop(engine), f"engine loop {engine.name}",
+                        self._engine_failed(engine))
 
     def relay_version(self, engine: EngineHandle) -> int:
         """The newest version the relay of ``engine`` holds (what it can pull)."""
@@ -255,7 +302,8 @@ class RolloutManager:
                                    sampling_seed=self._sampling_seed(group.group_id, k))
             self.partial.start(item)
             engine.in_flight[item.rid] = item
-            self._tasks.append(asyncio.create_task(self._generate(engine, item, group.row)))
+            self._spawn(self._generate(engine, item, group.row), f"trajectory {item.rid}",
+                        self._trajectory_failed(engine, item))
 
     def _sampling_seed(self, group_id: str, k: int) -> Optional[int]:
         if self.seed is None:
