@@ -364,7 +364,7 @@ def check_cuda_ipc(b: Bench) -> Tuple[bool, str]:
 
 # ---------------------------------------------------------------------- 7. plan vs measured
 def check_plan(b: Bench) -> Tuple[bool, str]:
-    from ..config.plan import _activation_bytes_per_token_layer
+    from ..config.plan import _activation_bytes_per_token_layer, arch_of_hf_config
     from ..models.hf import build_hf_config, tiny_hf_config
     from ..trainer.model import build_gpt_model
 
@@ -394,10 +394,7 @@ def check_plan(b: Bench) -> Tuple[bool, str]:
     mask = torch.triu(torch.ones(tokens, tokens, dtype=torch.bool, device=b.device), 1)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         layer(x, attention_mask=mask.view(1, 1, tokens, tokens), rotary_pos_emb=rope)
-    arch = dict(family="qwen2", hidden=h, ffn=cfg.intermediate_size, layers=1,
-                heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
-                head_dim=h // cfg.num_attention_heads, vocab=cfg.vocab_size, tied=False)
-    planned = _activation_bytes_per_token_layer(arch, 1, False) * tokens
+    planned = _activation_bytes_per_token_layer(arch_of_hf_config(cfg), 1, False) * tokens
     planned *= (torch.finfo(dtype).bits // 8) / 2  # the plan counts bf16 bytes
     measured = saved["linear"]
     ratio = measured / planned

@@ -47,20 +47,24 @@ def model_arch(cfg) -> dict:
     if path is not None and not OmegaConf.is_missing(cfg.model, "path"):
         from ..models.hf import load_hf_config
 
-        hf = load_hf_config(path)
-        heads = hf.num_attention_heads
-        return dict(family=hf.model_type, hidden=hf.hidden_size, ffn=hf.intermediate_size,
-                    layers=hf.num_hidden_layers, heads=heads,
-                    kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
-                    head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
-                    vocab=hf.vocab_size, tied=bool(getattr(hf, "tie_word_embeddings", False)),
-                    source=f"model.path={path}")
+        return arch_of_hf_config(load_hf_config(path), source=f"model.path={path}")
     a = cfg.model.arch
     return dict(family=a.family, hidden=a.hidden_size, ffn=a.intermediate_size,
                 layers=a.num_hidden_layers, heads=a.num_attention_heads,
                 kv_heads=a.num_key_value_heads,
                 head_dim=a.head_dim or a.hidden_size // a.num_attention_heads,
                 vocab=a.vocab_size, tied=bool(a.tie_word_embeddings), source="model.arch")
+
+
+def arch_of_hf_config(hf, source: str = "config") -> dict:
+    """The plan's architecture fields of a transformers config."""
+    heads = hf.num_attention_heads
+    return dict(family=hf.model_type, hidden=hf.hidden_size, ffn=hf.intermediate_size,
+                layers=hf.num_hidden_layers, heads=heads,
+                kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+                head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+                vocab=hf.vocab_size, tied=bool(getattr(hf, "tie_word_embeddings", False)),
+                source=source)
 
 
 def param_counts(arch: dict) -> Dict[str, int]:

@@ -43,7 +43,6 @@ class Lease:
     lease_id: str
     num_buckets: int
     nbytes: int
-    fmt: str = "shm"
 
 
 @dataclass(frozen=True)
@@ -110,7 +109,7 @@ class RelayClient:
         out = await self._call("POST", "/pull", body)
         if out.get("version") is None:
             return None
-        return Lease(out["version"], out["lease_id"], out["num_buckets"], out["nbytes"], fmt)
+        return Lease(out["version"], out["lease_id"], out["num_buckets"], out["nbytes"])
 
     async def bucket(self, lease: Lease, index: int,
                      applied: Sequence[int] = ()) -> Union[str, List[str]]:

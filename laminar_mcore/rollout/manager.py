@@ -166,9 +166,7 @@ class RolloutManager:
         def on_error(what: str, exc: BaseException) -> None:
             logger.error("%s failed: %r; engine %s is taken out of service", what, exc,
                          engine.name, exc_info=exc)
-            if engine.healthy:
-                engine.healthy = False
-                self.stats.unhealthy.append(engine.name)
+            self._mark_unhealthy(engine)
         return on_error
 
     def _trajectory_failed(self, engine: EngineHandle, item: PartialResponse):
@@ -272,13 +270,13 @@ class RolloutManager:
         except WeightApplyError as exc:
             logger.warning("engine %s could not take new weights: %s", engine.name, exc)
             if exc.mixed:  # it may hold part of two versions: it must not generate
-                await self._mark_unhealthy(engine)
+                self._mark_unhealthy(engine)
             else:
                 await asyncio.sleep(self.poll_s)  # still on its version; try again later
             return
         except (RelayError, EngineError) as exc:
             logger.warning("engine %s could not pull: %s", engine.name, exc)
-            await self._mark_unhealthy(engine)
+            self._mark_unhealthy(engine)
             return
         if version is not None:
             engine.version = version
@@ -335,7 +333,7 @@ class RolloutManager:
             if self._stop.is_set():
                 return
             logger.warning("engine %s failed on %s: %s", engine.name, item.rid, exc)
-            await self._mark_unhealthy(engine)
+            self._mark_unhealthy(engine)
             await self._resume_elsewhere(item, row)
             return
         except asyncio.CancelledError:
@@ -491,7 +489,7 @@ class RolloutManager:
             self.accepted = max(self.accepted - self.prompts.n_samples, 0)
         self.stats.discarded[reason] = self.stats.discarded.get(reason, 0) + count + dropped
 
-    async def _mark_unhealthy(self, engine: EngineHandle) -> None:
+    def _mark_unhealthy(self, engine: EngineHandle) -> None:
         if engine.healthy:
             engine.healthy = False
             self.stats.unhealthy.append(engine.name)

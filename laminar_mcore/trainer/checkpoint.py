@@ -102,7 +102,7 @@ def resolve_resume(resume: str, root: str) -> Optional[str]:
 
 def _sharding_metadata(actor) -> dict:
     """What Megatron's ``sharded_state_dict`` calls take (as Megatron-LM's training loop does)."""
-    sharding = getattr(actor.trainer, "ckpt_optim_sharding", "dp_reshardable")
+    sharding = actor.trainer.ckpt_optim_sharding
     if sharding not in OPTIM_SHARDING:
         raise ValueError(f"trainer.ckpt_optim_sharding={sharding!r} is not one of {OPTIM_SHARDING}")
     return {"distrib_optim_sharding_type": sharding, "singleton_local_shards": False,
@@ -190,7 +190,7 @@ def _trainer_state(actor) -> dict:
             "total_nonfinite": actor.total_nonfinite, "layout": _layout(),
             "optimizer_step": _adam_step(actor.optimizer),
             "optim_sharding": _sharding_metadata(actor)["distrib_optim_sharding_type"],
-            "distributed_optimizer": bool(getattr(actor, "use_distributed_optimizer", False))}
+            "distributed_optimizer": actor.use_distributed_optimizer}
 
 
 def save_checkpoint(root: str, step: int, actor, extra_state: Optional[dict] = None,
@@ -212,6 +212,7 @@ def save_checkpoint(root: str, step: int, actor, extra_state: Optional[dict] = N
     model_sd = model.sharded_state_dict(metadata=metadata)
     dist_checkpointing.save(model_sd, os.path.join(partial, "model"))
     _prime_optimizer_state(actor.optimizer)
+    # A fresh model sharded state dict: dist_checkpointing.save applies its factories in place.
     optim_sd = actor.optimizer.sharded_state_dict(model.sharded_state_dict(metadata=metadata),
                                                   is_loading=False, metadata=metadata)
     dist_checkpointing.save(optim_sd, os.path.join(partial, "optimizer"))
@@ -280,6 +281,11 @@ def load_checkpoint(path: str, actor) -> Tuple[int, Optional[dict]]:
         with open(state_path) as f:
             state = json.load(f)
     _check_layout(path, marker["layout"], state)
+    if bool(state.get("distributed_optimizer", False)) != actor.use_distributed_optimizer:
+        raise RuntimeError(
+            f"checkpoint {path} was saved with parallel.use_distributed_optimizer="
+            f"{state.get('distributed_optimizer')}, this run has "
+            f"{actor.use_distributed_optimizer}; resume with the same setting")
     model = _module(actor)
     metadata = _sharding_metadata(actor)
     metadata["distrib_optim_sharding_type"] = state.get("optim_sharding",
@@ -287,11 +293,6 @@ def load_checkpoint(path: str, actor) -> Tuple[int, Optional[dict]]:
     loaded = dist_checkpointing.load(model.sharded_state_dict(metadata=metadata),
                                      os.path.join(path, "model"))
     model.load_state_dict(loaded)
-    if bool(state.get("distributed_optimizer", False)) != actor.use_distributed_optimizer:
-        raise RuntimeError(
-            f"checkpoint {path} was saved with parallel.use_distributed_optimizer="
-            f"{state.get('distributed_optimizer')}, this run has "
-            f"{actor.use_distributed_optimizer}; resume with the same setting")
     _prime_optimizer_state(actor.optimizer)
     optim_sd = actor.optimizer.sharded_state_dict(model.sharded_state_dict(metadata=metadata),
                                                   is_loading=True, metadata=metadata)
