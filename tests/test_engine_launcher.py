@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 
 from laminar_mcore.config import register_configs
 from laminar_mcore.config.paths import conf_dir
-from laminar_mcore.relay.client import PullSpec
+from laminar_mcore.relay.transports import PullSpec
 from laminar_mcore.rollout.launcher import (EngineProcess, EngineStartError, cpu_engine_command,
                                             engine_command_from_config, engine_pull_spec,
                                             sglang_command)

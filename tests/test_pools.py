@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from laminar_mcore.data import Trajectory
-from laminar_mcore.data.pools import (ExperienceBuffer, PartialResponse, PartialResponsePool,
+from laminar_mcore.data.pools import (ExperienceBuffer, InFlight, PartialResponsePool,
                                       PromptPool, load_prompts)
 from laminar_mcore.reward import RewardService, load_reward_fn
 
@@ -72,17 +72,23 @@ def test_experience_buffer_take_blocks_until_a_group_completes():
     assert [tr.uid for tr in got[0]] == ["x-0", "x-1"]
 
 
+def _in_flight(rid, engine, version=3, **kw):
+    return InFlight(Trajectory([1, 2], [], [], version, "g", uid=rid), engine, **kw)
+
+
 def test_partial_pool_tracks_tokens_per_engine():
     pool = PartialResponsePool()
-    pool.start(PartialResponse("r1", "g", [1, 2], "e0", 3))
-    pool.start(PartialResponse("r2", "g", [1, 2], "e1", 3))
-    pool.update("r1", [5, 6], [-0.1, -0.2])
-    with pytest.raises(ValueError, match="lose tokens"):
-        pool.update("r1", [5], [-0.1])
+    pool.start(_in_flight("r1", "e0"))
+    pool.start(_in_flight("r2", "e1"))
+    pool.append("r1", [5], [-0.1])
+    pool.append("r1", [6], [-0.2])
+    with pytest.raises(ValueError, match="1 tokens but 2 log-probs"):
+        pool.append("r1", [7], [-0.1, -0.2])
     assert [p.rid for p in pool.on_engine("e0")] == ["r1"]
-    assert pool.finish("r1").output_ids == [5, 6] and len(pool) == 1
+    done = pool.finish("r1").traj  # the trajectory itself grew: nothing to rename at the end
+    assert done.response_ids == [5, 6] and done.behav_logprobs == [-0.1, -0.2] and len(pool) == 1
     with pytest.raises(ValueError, match="already in flight"):
-        pool.start(PartialResponse("r2", "g", [1], "e0", 3))
+        pool.start(_in_flight("r2", "e0"))
 
 
 def test_reward_service_scores_in_a_process_pool_and_reports_failures():
@@ -150,27 +156,47 @@ def test_a_dead_or_stuck_reward_worker_costs_only_its_own_trajectory():
 
 def test_partial_pool_state_is_json_ready():
     pool = PartialResponsePool()
-    item = PartialResponse("r1", "g", [1, 2], "e0", 3, ignore_eos=True)
-    item.versions_seen.append("3")
+    item = _in_flight("r1", "e0", ignore_eos=True)
     pool.start(item)
-    pool.update("r1", [4], [-0.5])
+    pool.append("r1", [4], [-0.5])
+    item.traj.add_version_spans([{"version": "3", "start": 0, "end": 1}], 0, 1, "3")
     state = json.loads(json.dumps(pool.state_dict()))
-    assert state[0]["output_ids"] == [4] and state[0]["versions_seen"] == ["3"]
+    assert state[0]["traj"]["response_ids"] == [4] and state[0]["ignore_eos"] is True
+    assert Trajectory.from_dict(state[0]["traj"]).version_spans == [
+        {"version": "3", "start": 0, "end": 1}]
+
+
+def test_version_spans_of_a_resumed_trajectory_cover_its_tokens_once():
+    """A trajectory resumed (or repacked) on another engine gets one request's spans per
+    request, offset to whole-response positions; spans of one version merge."""
+    t = Trajectory([1], [], [], 2, "g")
+    t.add_version_spans([{"version": "2", "start": 0, "end": 5}], 0, 5, "2")
+    t.add_version_spans([{"version": "2", "start": 0, "end": 3}], 5, 3, "2")
+    t.add_version_spans(None, 8, 2, "2")  # an engine that reports no spans
+    assert t.version_spans == [{"version": "2", "start": 0, "end": 10}]
+    t.add_version_spans([{"version": "3", "start": 0, "end": 1}], 10, 1, "3")
+    assert t.versions_seen() == ["2", "3"]
+
+
+def _manager(prompts, partial, buffer, mode="laminar"):
+    from laminar_mcore.config.schema import RolloutConfig
+    from laminar_mcore.controller.episode import SingleTurn, TaskCodec
+    from laminar_mcore.controller.manager import RolloutData, RolloutManager
+    from laminar_mcore.controller.modes import policy_for
+
+    episode = SingleTurn(TaskCodec(lambda row: [1], lambda ids: ""), {}, None)
+    return RolloutManager([], RolloutData(prompts, partial, buffer), episode, policy_for(mode),
+                          RolloutConfig(), trainer_version=lambda: 0,
+                          batch_trajectories=prompts.n_samples)
 
 
 def test_a_dropped_group_gives_its_admission_capacity_back():
     """AReaL's budget: a group that lost a member can never be trained on, so its capacity
     returns -- in mode=sync (bound 0) one reward error must not leave the trainer waiting for
     a group that cannot come -- and its members that finish later are discarded, not held."""
-    from laminar_mcore.data.pools import PartialResponsePool, PromptPool
-    from laminar_mcore.rollout.manager import RolloutManager
-
     buffer = ExperienceBuffer(group_size=2)
     prompts = PromptPool([{"prompt": "a", "answer": "a"}] * 4, n_samples=2)
-    manager = RolloutManager([], prompts, PartialResponsePool(), buffer, score=None,
-                             encode_prompt=lambda row: [1], decode=lambda ids: "",
-                             sampling={}, trainer_version=lambda: 0, batch_trajectories=2,
-                             max_staleness=0)
+    manager = _manager(prompts, PartialResponsePool(), buffer, mode="sync")
     manager.accepted = 2  # one group of two admitted: the sync bound (0 + 0 + 1) * 2 is full
     assert not manager.can_admit(2)
     buffer.add(_traj("g0", 0))
@@ -187,27 +213,25 @@ def test_background_tasks_are_supervised():
     """A trajectory task that fails unexpectedly is discarded with a reason (its group dropped,
     the books still balanced), never left in flight; a failing manager-wide task (the relay
     watcher) stops the run loudly instead of ending silently."""
-    from laminar_mcore.data.pools import PartialResponsePool, PromptPool
+    from laminar_mcore.controller.manager import EngineHandle
     from laminar_mcore.relay.client import RelayClient
+    from laminar_mcore.relay.transports import PullSpec, make_puller
     from laminar_mcore.rollout.client import SGLangClient
-    from laminar_mcore.rollout.manager import EngineHandle, RolloutManager
 
     async def go():
         buffer, partial = ExperienceBuffer(group_size=2), PartialResponsePool()
-        manager = RolloutManager([], PromptPool([{"prompt": "a"}], n_samples=2), partial, buffer,
-                                 score=None, encode_prompt=lambda row: [1], decode=lambda i: "",
-                                 sampling={}, trainer_version=lambda: 0, batch_trajectories=2)
+        manager = _manager(PromptPool([{"prompt": "a"}], n_samples=2), partial, buffer)
         engine = EngineHandle("e0", SGLangClient("http://127.0.0.1:9"),
-                              RelayClient("http://127.0.0.1:9", "t"))
-        item = PartialResponse(rid="g0-0", group_id="g0", prompt_ids=[1], engine="e0",
-                               weight_version=0, max_new_tokens=4)
+                              RelayClient("http://127.0.0.1:9", "t"), make_puller(PullSpec()))
+        manager.engines.append(engine)
+        item = InFlight(Trajectory([1], [], [], 0, "g0", uid="g0-0"), "e0", max_new_tokens=4)
         partial.start(item)
         engine.in_flight[item.rid] = item
 
         async def broken():
             raise KeyError("finish_reason")
 
-        manager._spawn(broken(), "trajectory g0-0", manager._trajectory_failed(engine, item))
+        manager._spawn(broken(), "trajectory g0-0", manager._trajectory_failed(item))
         await asyncio.sleep(0.05)
         assert not engine.in_flight and len(partial) == 0
         assert buffer.discarded == {"internal_error": 1} and buffer.is_dropped("g0")

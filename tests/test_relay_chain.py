@@ -19,8 +19,9 @@ import torch
 from laminar_mcore.models import get_adapter
 from laminar_mcore.models.hf import initial_hf_state, tiny_hf_config
 from laminar_mcore.relay.client import RelayClient, open_lease
-from laminar_mcore.relay.launch import relay_command
-from laminar_mcore.rollout.launcher import EngineProcess
+from laminar_mcore.config.schema import WeightSyncConfig
+from laminar_mcore.relay.launch import relay_process
+from laminar_mcore.relay.server import RelayConfig
 from laminar_mcore.weights.bucket import SHM_DIR
 from laminar_mcore.testing.dist import run_torchrun
 
@@ -30,9 +31,10 @@ pytestmark = pytest.mark.multiprocess
 TOKEN = "run-token"
 
 
-def _relay(tmp_path, name, **kw):
-    return EngineProcess(relay_command(TOKEN, relay_id=name, heartbeat_s=0.2, **kw),
-                         log_path=str(tmp_path / f"{name}.log"), port_key="LAMINAR_RELAY_PORT").start()
+def _relay(tmp_path, name, mooncake_protocol=None, **kw):
+    ws = WeightSyncConfig(mooncake_protocol=mooncake_protocol)
+    return relay_process(RelayConfig(TOKEN, relay_id=name, heartbeat_s=0.2, weight_sync=ws, **kw),
+                         str(tmp_path / f"{name}.log")).start()
 
 
 def _get(url, path):
@@ -256,7 +258,7 @@ def test_pulls_go_bucket_by_bucket_and_bad_pulls_are_refused(tmp_path):
             async with RelayClient(master.url, TOKEN) as client:
                 from laminar_mcore.relay.client import RelayError
 
-                with pytest.raises(RelayError, match="cannot serve CUDA IPC handles"):
+                with pytest.raises(RelayError, match="cannot serve format .sglang_cuda_ipc.: CUDA IPC serving needs a GPU"):
                     await client.lease(fmt="sglang_cuda_ipc", devices=["cuda:0", "cuda:1"])
                 with pytest.raises(RelayError, match="HTTP 400.*one per engine TP rank"):
                     await client.lease(fmt="sglang_cuda_ipc", devices=[])

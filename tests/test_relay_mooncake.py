@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from laminar_mcore.models.hf import save_hf_checkpoint, tiny_hf_config
-from laminar_mcore.relay import mooncake
+from laminar_mcore.relay.transports import mooncake
 from laminar_mcore.relay.client import RelayClient, RelayError
-from laminar_mcore.relay.launch import relay_command
+from laminar_mcore.config.schema import WeightSyncConfig
+from laminar_mcore.relay.launch import relay_process
+from laminar_mcore.relay.server import RelayConfig
 from laminar_mcore.rollout.client import SGLangClient
 from laminar_mcore.rollout.launcher import EngineProcess, cpu_engine_command
 from laminar_mcore.weights.bucket import read_bucket
@@ -28,9 +30,10 @@ if not mooncake.available():
                 "(apt-get install libibverbs1)", allow_module_level=True)
 
 
-def _relay(tmp_path, name, **kw):
-    return EngineProcess(relay_command(TOKEN, relay_id=name, heartbeat_s=0.2, **kw),
-                         log_path=str(tmp_path / f"{name}.log"), port_key="LAMINAR_RELAY_PORT").start()
+def _relay(tmp_path, name, mooncake_protocol=None, **kw):
+    ws = WeightSyncConfig(mooncake_protocol=mooncake_protocol)
+    return relay_process(RelayConfig(TOKEN, relay_id=name, heartbeat_s=0.2, weight_sync=ws, **kw),
+                         str(tmp_path / f"{name}.log")).start()
 
 
 def test_mooncake_pull_is_bit_exact_and_updates_an_engine(tmp_path):
@@ -43,7 +46,7 @@ def test_mooncake_pull_is_bit_exact_and_updates_an_engine(tmp_path):
         engine = EngineProcess(cpu_engine_command(str(tmp_path / "m"), kv_capacity_tokens=512),
                                log_path=str(tmp_path / "engine.log")).start()
         procs += [master, plain, engine]
-        assert _get(master.url, "/latest")["mooncake_session"].startswith("127.0.0.1:")
+        assert _get(master.url, "/latest")["transports"]["mooncake"]["session"].startswith("127.0.0.1:")
         publishes = _publish_in_process(int(master.wait_printed("LAMINAR_RELAY_PUBLISH_PORT")),
                                         [1, 2])
         next(publishes)

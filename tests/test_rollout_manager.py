@@ -10,14 +10,19 @@ import time
 import pytest
 import torch
 
+from laminar_mcore.config.schema import RolloutConfig
+from laminar_mcore.controller.episode import SingleTurn, TaskCodec
+from laminar_mcore.controller.manager import EngineHandle, RolloutData, RolloutManager
+from laminar_mcore.controller.modes import policy_for
 from laminar_mcore.data.pools import ExperienceBuffer, PartialResponsePool, PromptPool
 from laminar_mcore.models import get_adapter
 from laminar_mcore.models.hf import initial_hf_state, save_hf_checkpoint, tiny_hf_config
 from laminar_mcore.relay.client import RelayClient
-from laminar_mcore.relay.launch import relay_command
+from laminar_mcore.relay.launch import relay_process
+from laminar_mcore.relay.server import RelayConfig
+from laminar_mcore.relay.transports import PullSpec, make_puller
 from laminar_mcore.rollout.client import SGLangClient
 from laminar_mcore.rollout.launcher import EngineProcess, cpu_engine_command
-from laminar_mcore.rollout.manager import EngineHandle, RolloutManager
 from laminar_mcore.rollout.model import DecoderLM
 
 pytestmark = pytest.mark.multiprocess
@@ -30,6 +35,44 @@ def _state(cfg, seed):
 
 async def _score(text, answer, row):
     return float(len(text.split()) % 2), None  # a toy verifiable reward: parity of the length
+
+
+CODEC = TaskCodec(encode_prompt=lambda row: row["prompt_ids"],
+                  decode=lambda ids: " ".join(map(str, ids)))
+
+
+class RecordingBuffer(ExperienceBuffer):
+    """An experience buffer that also lists what it kept, in order."""
+
+    def __init__(self, group_size):
+        super().__init__(group_size)
+        self.seen = []
+
+    def add(self, traj):
+        kept = super().add(traj)
+        if kept:
+            self.seen.append(traj)
+        return kept
+
+
+def _master_relay(tmp_path, **kw):
+    return relay_process(RelayConfig(TOKEN, master=True, relay_id="m", **kw),
+                         str(tmp_path / "relay.log")).start()
+
+
+def _handle(name, url, relay_url, capacity, **client_kw):
+    return EngineHandle(name, SGLangClient(url, retries=0, **client_kw),
+                        RelayClient(relay_url, TOKEN), make_puller(PullSpec("shm")),
+                        capacity=capacity)
+
+
+def _manager(handles, rows, buffer, sampling, *, seed=None, length_fn=None, batch=16,
+             rollout=None, mode="laminar"):
+    episode = SingleTurn(CODEC, sampling, _score, seed=seed, length_fn=length_fn)
+    return RolloutManager(handles, RolloutData(PromptPool(rows, n_samples=4, seed=0),
+                                               PartialResponsePool(), buffer),
+                          episode, policy_for(mode), rollout or RolloutConfig(repack=False),
+                          trainer_version=lambda: 0, batch_trajectories=batch)
 
 
 def _reference_logprobs(cfg, state, prompt, response):
@@ -54,8 +97,7 @@ def test_manager_pulls_between_trajectories_and_survives_an_engine(tmp_path):
     procs = []
     init_trainer_parallel(tp=1, pp=1, seed=0)
     try:
-        relay = EngineProcess(relay_command(TOKEN, master=True, trainer_stages=1, relay_id="m"),
-                              log_path=str(tmp_path / "relay.log"), port_key="LAMINAR_RELAY_PORT").start()
+        relay = _master_relay(tmp_path)
         procs.append(relay)
         engines = [EngineProcess(cpu_engine_command(str(tmp_path / "m"), seed=i, kv_capacity_tokens=4096),
                                  log_path=str(tmp_path / f"e{i}.log")).start() for i in range(2)]
@@ -64,20 +106,13 @@ def test_manager_pulls_between_trajectories_and_survives_an_engine(tmp_path):
         publisher = WeightPublisher(model, cfg, relay_host="127.0.0.1",
                                     publish_port=int(relay.wait_printed("LAMINAR_RELAY_PUBLISH_PORT")))
         rows = [{"prompt_ids": [i % 100 + 1, 7, 3], "answer": ""} for i in range(500)]
-        buffer = ExperienceBuffer(group_size=4)
-        seen = []
+        buffer = RecordingBuffer(group_size=4)
+        seen = buffer.seen
 
         async def scenario():
-            handles = [EngineHandle(f"e{i}", SGLangClient(p.url, retries=0, timeout_s=5),
-                                    RelayClient(relay.url, TOKEN), capacity=8)
+            handles = [_handle(f"e{i}", p.url, relay.url, 8, timeout_s=5)
                        for i, p in enumerate(engines)]
-            manager = RolloutManager(
-                handles, PromptPool(rows, n_samples=4, seed=0), PartialResponsePool(), buffer,
-                score=_score, encode_prompt=lambda row: row["prompt_ids"],
-                decode=lambda ids: " ".join(map(str, ids)),
-                sampling={"max_new_tokens": 24, "temperature": 1.0},
-                trainer_version=lambda: 0, batch_trajectories=16,
-                on_trajectory=seen.append)
+            manager = _manager(handles, rows, buffer, {"max_new_tokens": 24, "temperature": 1.0})
             runner = asyncio.create_task(manager.run())
             while manager.stats.generated < 16:
                 await asyncio.sleep(0.05)
@@ -117,7 +152,9 @@ def test_manager_pulls_between_trajectories_and_survives_an_engine(tmp_path):
     assert handles[0].healthy and not handles[1].healthy
     assert manager.stats.pulls >= 2 and manager.stats.resumed >= 1
     for traj in seen:  # exactly one version per trajectory
-        assert traj.metadata["engine_versions"] == [str(traj.weight_version)], traj.uid
+        assert traj.versions_seen() == [str(traj.weight_version)], traj.uid
+        assert traj.version_spans[0]["start"] == 0  # the spans cover every response token
+        assert traj.version_spans[-1]["end"] == len(traj.response_ids), traj.version_spans
     v1 = [t for t in seen if t.weight_version == 1]
     assert v1, "no trajectory of version 1"
     ref = _reference_logprobs(cfg, new_state, v1[0].prompt_ids, v1[0].response_ids)
@@ -145,8 +182,7 @@ def test_repack_moves_long_tail_trajectories_so_freed_engines_pull(tmp_path):
     procs = []
     init_trainer_parallel(tp=1, pp=1, seed=0)
     try:
-        relay = EngineProcess(relay_command(TOKEN, master=True, trainer_stages=1, relay_id="m"),
-                              log_path=str(tmp_path / "relay.log"), port_key="LAMINAR_RELAY_PORT").start()
+        relay = _master_relay(tmp_path)
         procs.append(relay)
         # Engines of a run stream incrementally (the first test reads cumulative streams).
         engines = [EngineProcess(cpu_engine_command(str(tmp_path / "m"), seed=i, kv_capacity_tokens=8192,
@@ -158,25 +194,20 @@ def test_repack_moves_long_tail_trajectories_so_freed_engines_pull(tmp_path):
         publisher = WeightPublisher(model, cfg, relay_host="127.0.0.1",
                                     publish_port=int(relay.wait_printed("LAMINAR_RELAY_PUBLISH_PORT")))
         rows = [{"prompt_ids": [i % 100 + 1, 7, 3], "answer": ""} for i in range(500)]
-        buffer = ExperienceBuffer(group_size=4)
-        seen = []
+        buffer = RecordingBuffer(group_size=4)
+        seen = buffer.seen
 
         def length(group_id, k):  # the first two groups carry one long trajectory each
             issued = int(group_id.rsplit("-", 1)[1])
             return long_len if issued < 2 and k == 0 else 4
 
         async def scenario():
-            handles = [EngineHandle(f"e{i}", SGLangClient(p.url, retries=0, timeout_s=30,
-                                                          incremental_stream=True),
-                                    RelayClient(relay.url, TOKEN), capacity=4)
-                       for i, p in enumerate(engines)]
-            manager = RolloutManager(
-                handles, PromptPool(rows, n_samples=4, seed=0), PartialResponsePool(), buffer,
-                score=_score, encode_prompt=lambda row: row["prompt_ids"],
-                decode=lambda ids: " ".join(map(str, ids)),
-                sampling={"max_new_tokens": long_len, "temperature": 1.0},
-                trainer_version=lambda: 0, batch_trajectories=8, length_fn=length, seed=1,
-                on_trajectory=seen.append, repack=True, repack_interval_s=60.0)
+            handles = [_handle(f"e{i}", p.url, relay.url, 4, timeout_s=30,
+                               incremental_stream=True) for i, p in enumerate(engines)]
+            manager = _manager(handles, rows, buffer,
+                               {"max_new_tokens": long_len, "temperature": 1.0}, seed=1,
+                               length_fn=length, batch=8,
+                               rollout=RolloutConfig(repack=True, repack_interval_s=60.0))
             runner = asyncio.create_task(manager.run())
             deadline = time.time() + 60
             # each engine holds its group's long trajectory, the short ones are done
@@ -211,7 +242,9 @@ def test_repack_moves_long_tail_trajectories_so_freed_engines_pull(tmp_path):
     assert len(longs) == 2 and all(t.weight_version == 0 for t in longs)
     assert {t.metadata["engine"] for t in longs} == {longs[0].metadata["engine"]}  # one engine now
     for traj in seen:  # exactly one version per trajectory
-        assert traj.metadata["engine_versions"] == [str(traj.weight_version)], traj.uid
+        assert traj.versions_seen() == [str(traj.weight_version)], traj.uid
+        assert traj.version_spans[0]["start"] == 0  # the spans cover every response token
+        assert traj.version_spans[-1]["end"] == len(traj.response_ids), traj.version_spans
     for traj in longs:  # nothing lost or duplicated across the move: logprobs of the sequence
         ref = _reference_logprobs(cfg, state0, traj.prompt_ids, traj.response_ids)
         assert (torch.tensor(traj.behav_logprobs) - ref).abs().max().item() <= 1e-4
@@ -222,22 +255,23 @@ def test_repack_moves_long_tail_trajectories_so_freed_engines_pull(tmp_path):
 def test_repack_plan_is_best_fit_within_a_version_and_respects_kv_room():
     """Sources are draining engines down to a long tail; each goes whole to the densest engine
     of its own version with request slots and, when engines report it, KV-cache room."""
-    from laminar_mcore.data.pools import PartialResponse
+    from laminar_mcore.data.pools import InFlight
+    from laminar_mcore.data.trajectory import Trajectory
 
     def engine(name, version, n, tokens_each, capacity=8, draining=True):
-        e = EngineHandle(name, None, None, version=version, capacity=capacity, draining=draining)
+        e = EngineHandle(name, None, None, None, version=version, capacity=capacity,
+                         draining=draining)
         for k in range(n):
-            e.in_flight[f"{name}-{k}"] = PartialResponse(
-                f"{name}-{k}", "g", [1] * 10, name, version, output_ids=[2] * (tokens_each - 10))
+            traj = Trajectory([1] * 10, [2] * (tokens_each - 10), [0.0] * (tokens_each - 10),
+                              version, "g", uid=f"{name}-{k}")
+            e.in_flight[traj.uid] = InFlight(traj, name)
         return e
 
     a, b, c = engine("a", 0, 1, 500), engine("b", 0, 2, 400), engine("c", 0, 2, 100)
     other = engine("v1", 1, 1, 100)  # another version: never mixed in
     busy = engine("busy", 0, 6, 100, draining=False)  # still taking work: not a tail
-    manager = RolloutManager([a, b, c, other, busy], PromptPool([{"prompt": "x"}], n_samples=1),
-                             PartialResponsePool(), ExperienceBuffer(group_size=1), score=_score,
-                             encode_prompt=lambda r: [1], decode=str, sampling={},
-                             trainer_version=lambda: 0, batch_trajectories=1, repack=True)
+    manager = _manager([a, b, c, other, busy], [{"prompt_ids": [1]}], ExperienceBuffer(group_size=4),
+                       {}, batch=1, rollout=RolloutConfig(repack=True))
     # by request slots alone: a (1 in flight) goes to b (densest, first), then c joins b too
     plan = manager.plan_repack()
     assert [(s.name, d.name, rids) for s, d, rids in plan] == [

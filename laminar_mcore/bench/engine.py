@@ -63,7 +63,8 @@ def bench_engine(model_dir: str, prompts, lengths, threads: int) -> float:
 
 def bench_controller(model_dir: str, lengths, threads: int, interval: int) -> dict:
     """Controller CPU microseconds per generated token, per response length."""
-    from ..data.pools import PartialResponse, PartialResponsePool
+    from ..data.pools import InFlight, PartialResponsePool
+    from ..data.trajectory import Trajectory
     from ..rollout.client import SGLangClient
     from ..rollout.launcher import EngineProcess, cpu_engine_command
 
@@ -74,14 +75,13 @@ def bench_controller(model_dir: str, lengths, threads: int, interval: int) -> di
     async def one(client, n: int) -> float:
         pool = PartialResponsePool()
         rid = f"bench-{n}"
-        pool.start(PartialResponse(rid=rid, group_id="g", prompt_ids=[1, 2, 3], engine="e",
-                                   weight_version=0))
+        pool.start(InFlight(Trajectory([1, 2, 3], [], [], 0, "g", uid=rid), engine="e"))
         start = time.process_time()
         async for chunk in client.stream_tokens([1, 2, 3], {"max_new_tokens": n, "ignore_eos": True},
                                                 rid=rid):
             pool.append(rid, chunk.new_ids, chunk.new_logprobs)
         cpu = time.process_time() - start
-        assert len(pool.finish(rid).output_ids) == n
+        assert len(pool.finish(rid).traj.response_ids) == n
         return cpu / n * 1e6
 
     async def run(url):

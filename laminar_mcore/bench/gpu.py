@@ -327,12 +327,12 @@ def check_staging(b: Bench) -> Tuple[bool, str]:
 
 # ---------------------------------------------------------------------- 6. CUDA IPC
 def check_cuda_ipc(b: Bench) -> Tuple[bool, str]:
-    from ..relay.cuda_ipc import CudaIpcExporter, standin_bucket_classes
+    from ..relay.transports.cuda_ipc import CudaIpcExporter, standin_bucket_classes
     from ..weights.bucket import read_bucket
 
     packer, count, largest = b.shared["publish"]
     try:
-        from ..relay.cuda_ipc import _sglang_bucket_classes
+        from ..relay.transports.cuda_ipc import _sglang_bucket_classes
 
         classes, which = _sglang_bucket_classes(), "SGLang's"
     except ImportError:

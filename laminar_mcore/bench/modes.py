@@ -40,7 +40,8 @@ def main(argv=None) -> dict:
 
     from ..config import register_configs, validate_config
     from ..config.paths import conf_dir
-    from ..launch.train import length_fn_from_config, run_train
+    from ..controller.server import length_fn_from_config
+    from ..launch.train import run_train
     from .common import report
 
     register_configs()

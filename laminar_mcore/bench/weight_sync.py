@@ -84,7 +84,7 @@ def _mooncake_pull(relay_url: str, token: str, model_dir: str, tmp: str, referen
     """A puller on "another machine": read the leased buckets through Mooncake (timed alone,
     checked bit for bit), then a full pull into a second CPU engine."""
     from ..relay.client import RelayClient
-    from ..relay.mooncake import MooncakeReader, pull_remote_into_engine
+    from ..relay.transports.mooncake import MooncakeReader, pull_remote_into_engine
     from ..rollout.client import SGLangClient
     from ..rollout.launcher import EngineProcess, cpu_engine_command
     from ..weights.bucket import read_bucket
@@ -149,9 +149,11 @@ def main(argv=None) -> dict:
     from ..models.hf import save_hf_checkpoint, tiny_hf_config
     from ..parallel import destroy_trainer_parallel, init_trainer_parallel
     from ..relay.chain import optimal_chunks
-    from ..relay.client import RelayClient, open_lease, pull_latest_into_engine
-    from ..relay import mooncake
-    from ..relay.launch import relay_command
+    from ..config.schema import WeightSyncConfig
+    from ..relay.client import RelayClient, open_lease
+    from ..relay.launch import relay_process
+    from ..relay.server import RelayConfig
+    from ..relay.transports import mooncake, pull_latest_into_engine
     from ..rollout.client import SGLangClient
     from ..rollout.launcher import EngineProcess, cpu_engine_command
     from ..trainer.model import build_gpt_model, stage_full_tensors
@@ -177,17 +179,15 @@ def main(argv=None) -> dict:
             reference = adapter.mcore_to_hf(cfg, stage_full_tensors(model, cfg))
             nbytes = sum(t.numel() * t.element_size() for t in reference.values())
             chunk = args.chunk_mb * 2**20 or max(2**20, nbytes // optimal_chunks(args.relays, nbytes))
-            master = EngineProcess(relay_command(token, master=True, trainer_stages=1,
-                                                 chunk_bytes=chunk, relay_id="master",
-                                                 mooncake_protocol=mc_proto),
-                                   log_path=os.path.join(tmp, "master.log"),
-                                   port_key="LAMINAR_RELAY_PORT").start()
+            ws = WeightSyncConfig(mooncake_protocol=mc_proto)
+            master = relay_process(RelayConfig(token, master=True, chunk_bytes=chunk,
+                                               relay_id="master", weight_sync=ws),
+                                   os.path.join(tmp, "master.log")).start()
             procs.append(master)
             for i in range(1, args.relays):
-                procs.append(EngineProcess(
-                    relay_command(token, master_url=master.url, chunk_bytes=chunk, relay_id=f"r{i}",
-                                  mooncake_protocol=mc_proto),
-                    log_path=os.path.join(tmp, f"r{i}.log"), port_key="LAMINAR_RELAY_PORT").start())
+                procs.append(relay_process(
+                    RelayConfig(token, master_url=master.url, chunk_bytes=chunk, relay_id=f"r{i}",
+                                weight_sync=ws), os.path.join(tmp, f"r{i}.log")).start())
             last = procs[-1]
             deadline = time.time() + 60
             while len(json.loads(urllib.request.urlopen(master.url + "/chain").read())["chain"]) < args.relays:

@@ -6,7 +6,8 @@ neither); ``register_configs``, ``validate_config`` and ``ConfigError`` load the
 
 from .schema import LaminarConfig
 
-__all__ = ["LaminarConfig", "register_configs", "ConfigError", "validate_config"]
+__all__ = ["LaminarConfig", "register_configs", "ConfigError", "validate_config", "typed",
+           "as_dict"]
 
 
 def __getattr__(name):
@@ -18,4 +19,8 @@ def __getattr__(name):
         from . import validate
 
         return getattr(validate, name)
+    if name in ("typed", "as_dict"):
+        from . import sections as module
+
+        return getattr(module, name)
     raise AttributeError(name)

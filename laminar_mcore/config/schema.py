@@ -136,6 +136,11 @@ class WeightSyncConfig:
     # rdma; mooncake_device names the RDMA NIC(s), e.g. mlx5_0 (empty: auto-discover).
     mooncake_protocol: Optional[str] = None
     mooncake_device: str = ""
+    # How engines take a version from their relay (relay/transports): auto (sglang_cuda_ipc
+    # for SGLang, shm for the CPU engine, from the relay on their machine), or mooncake (reads
+    # through Mooncake's transfer engine, as from a relay on another machine; needs
+    # mooncake_protocol), or any registered transport.
+    engine_transport: str = "auto"
 
 
 @dataclass

@@ -12,13 +12,16 @@ from typing import List
 
 from omegaconf import DictConfig
 
+from ..controller.modes import MODES
+from ..relay.transports import TRANSPORTS
+
 
 class ConfigError(ValueError):
     """An invalid run config. The message lists every problem found, each with its fix."""
 
 
 _CHOICES = {
-    "mode": ("laminar", "one_step", "sync"),
+    "mode": tuple(MODES),
     "job": ("smoke", "train", "plan", "controller", "rollout", "trainer"),
     "model.dtype": ("auto", "fp32", "bf16", "fp16"),
     "rollout.backend": ("cpu", "sglang"),
@@ -135,6 +138,19 @@ def validate_config(cfg: DictConfig) -> None:
     if cfg.weight_sync.mooncake_protocol not in (None, "tcp", "rdma"):
         problems.append(f"weight_sync.mooncake_protocol={cfg.weight_sync.mooncake_protocol!r} "
                         "must be null, tcp or rdma")
+    et = cfg.weight_sync.engine_transport
+    if et not in ("auto", *TRANSPORTS):
+        problems.append(f"weight_sync.engine_transport={et!r} must be auto or one of "
+                        f"{', '.join(TRANSPORTS)}")
+    elif et == "mooncake" and not cfg.weight_sync.mooncake_protocol:
+        problems.append("weight_sync.engine_transport=mooncake needs "
+                        "weight_sync.mooncake_protocol=tcp|rdma (the relays must serve Mooncake)")
+    elif et in ("shm", "mooncake") and cfg.rollout.backend == "sglang":
+        problems.append(f"weight_sync.engine_transport={et} hands the engine shared-memory "
+                        "handles, which SGLang cannot map; use auto (sglang_cuda_ipc)")
+    elif et == "sglang_cuda_ipc" and cfg.rollout.backend != "sglang":
+        problems.append("weight_sync.engine_transport=sglang_cuda_ipc needs rollout.backend="
+                        "sglang; the CPU engine takes auto (shm) or mooncake")
     tr = cfg.trainer
     if tr.max_tokens_per_microbatch < 1:
         problems.append("trainer.max_tokens_per_microbatch must be >= 1")

@@ -90,54 +90,54 @@ class PromptPool:
 
 
 @dataclass
-class PartialResponse:
-    rid: str
-    group_id: str
-    prompt_ids: List[int]
-    engine: Optional[str]
-    weight_version: int
-    output_ids: List[int] = field(default_factory=list)
-    output_logprobs: List[float] = field(default_factory=list)
+class InFlight:
+    """A trajectory being generated: the ``Trajectory`` itself, whose response tokens and
+    behaviour log-probs grow as they stream in, plus what its generation needs."""
+
+    traj: Trajectory
+    engine: Optional[str]  # the engine generating it now
     max_new_tokens: int = 0
-    row_index: int = -1
+    sampling: Dict[str, object] = field(default_factory=dict)  # the engine's sampling params
     ignore_eos: bool = False  # a forced length (benchmarks replaying a length distribution)
-    versions_seen: List[str] = field(default_factory=list)  # engine weight versions it saw
     sampling_seed: Optional[int] = None  # per-trajectory sampling seed (None: the engine's)
     migrate_to: Optional[str] = None  # repack: the engine it continues on once aborted here
 
+    @property
+    def rid(self) -> str:
+        return self.traj.uid
+
+    @property
+    def group_id(self) -> str:
+        return self.traj.group_id
+
 
 class PartialResponsePool:
+    """Laminar's partial response pool: every in-flight trajectory with its tokens so far."""
+
     def __init__(self):
-        self._items: Dict[str, PartialResponse] = {}
+        self._items: Dict[str, InFlight] = {}
         self._lock = threading.Lock()
 
-    def start(self, item: PartialResponse) -> None:
+    def start(self, item: InFlight) -> None:
         with self._lock:
             if item.rid in self._items:
                 raise ValueError(f"trajectory {item.rid} is already in flight")
             self._items[item.rid] = item
-
-    def update(self, rid: str, output_ids: List[int], output_logprobs: List[float]) -> None:
-        with self._lock:
-            item = self._items[rid]
-            if len(output_ids) < len(item.output_ids):
-                raise ValueError(f"{rid}: an update may not lose tokens")
-            item.output_ids, item.output_logprobs = list(output_ids), list(output_logprobs)
 
     def append(self, rid: str, new_ids: List[int], new_logprobs: List[float]) -> None:
         """Add what a stream chunk generated (O(new tokens), whatever the length so far)."""
         if len(new_ids) != len(new_logprobs):
             raise ValueError(f"{rid}: {len(new_ids)} tokens but {len(new_logprobs)} log-probs")
         with self._lock:
-            item = self._items[rid]
-            item.output_ids.extend(new_ids)
-            item.output_logprobs.extend(new_logprobs)
+            traj = self._items[rid].traj
+            traj.response_ids.extend(new_ids)
+            traj.behav_logprobs.extend(new_logprobs)
 
-    def finish(self, rid: str) -> PartialResponse:
+    def finish(self, rid: str) -> InFlight:
         with self._lock:
             return self._items.pop(rid)
 
-    def on_engine(self, engine: str) -> List[PartialResponse]:
+    def on_engine(self, engine: str) -> List[InFlight]:
         with self._lock:
             return [i for i in self._items.values() if i.engine == engine]
 

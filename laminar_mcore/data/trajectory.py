@@ -26,6 +26,10 @@ class Trajectory:
     reward: Optional[float] = None
     finish_reason: str = "stop"
     uid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # Which engine weight version generated which response tokens, as SGLang reports it:
+    # [{"version": "3", "start": 0, "end": 17}] (token offsets into response_ids). A trajectory
+    # of Laminar's has one span; a resumed or repacked one has one per request, all of its version.
+    version_spans: List[Dict[str, Any]] = field(default_factory=list)
     # Seconds since the epoch: submitted, first_token, finished, rewarded, consumed, ...
     timings: Dict[str, float] = field(default_factory=dict)
     metadata: Dict[str, Any] = field(default_factory=dict)
@@ -55,7 +59,32 @@ class Trajectory:
         """How many versions the trainer is ahead of the policy that generated this."""
         return trainer_version - self.weight_version
 
+    def versions_seen(self) -> List[str]:
+        """The distinct engine weight versions of ``version_spans``, in order."""
+        seen: List[str] = []
+        for span in self.version_spans:
+            if span["version"] not in seen:
+                seen.append(span["version"])
+        return seen
+
+    def add_version_spans(self, spans, offset: int, new_tokens: int, fallback: str) -> None:
+        """Record one request's spans (offsets relative to its own output) as spans of the
+        whole response, starting at ``offset``; without spans from the engine, one span of
+        ``fallback`` covers the request's ``new_tokens``. Adjacent spans of one version merge."""
+        spans = [dict(s) for s in spans or ()] or (
+            [{"version": fallback, "start": 0, "end": new_tokens}] if new_tokens else [])
+        for span in spans:
+            span = {"version": str(span["version"]), "start": int(span["start"]) + offset,
+                    "end": int(span["end"]) + offset}
+            last = self.version_spans[-1] if self.version_spans else None
+            if last is not None and last["version"] == span["version"] and \
+                    last["end"] >= span["start"]:
+                last["end"] = max(last["end"], span["end"])
+            elif span["end"] > span["start"]:
+                self.version_spans.append(span)
+
     def to_dict(self) -> Dict[str, Any]:
+        """JSON-ready (the controller's ``/batch`` and checkpoints); ``from_dict`` inverts it."""
         return asdict(self)
 
     @classmethod

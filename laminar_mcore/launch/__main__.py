@@ -38,13 +38,12 @@ def main(cfg: DictConfig) -> None:
 
         run_train(cfg)
     else:  # the multi-node roles, each its own process
-        from . import cluster
+        from ..rollout.node import NodeError
+        from .cluster import ClusterError, run_role
 
-        role = {"controller": cluster.run_controller, "rollout": cluster.run_rollout,
-                "trainer": cluster.run_trainer}[cfg.job]
         try:
-            role(cfg)
-        except cluster.ClusterError as exc:
+            run_role(cfg.job, cfg)
+        except (ClusterError, NodeError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             sys.exit(2)
 

@@ -1,8 +1,8 @@
-"""Clients of a relay: lease the newest version and apply it to a local engine.
+"""The relay's client, and how one leased version is applied to an engine.
 
-``pull_latest_into_engine`` is how a rollout takes new weights when it is between trajectories:
-lease the newest complete version from the relay on its machine, apply it to the engine in one
-SGLang weight-update session (``apply_version``), then release the lease.
+A rollout takes new weights when it is between trajectories through its weight transport's
+``Puller`` (``relay/transports``): lease the newest complete version, apply it to the engine in
+one SGLang weight-update session (``apply_version``), then release the lease.
 """
 
 from __future__ import annotations
@@ -43,15 +43,6 @@ class Lease:
     lease_id: str
     num_buckets: int
     nbytes: int
-
-
-@dataclass(frozen=True)
-class PullSpec:
-    """How an engine takes weights from its relay: ``fmt="shm"`` (the CPU engine) or
-    ``fmt="sglang_cuda_ipc"`` with the engine's GPUs, one per TP rank, in rank order."""
-
-    fmt: str = "shm"
-    devices: Tuple[str, ...] = ()
 
 
 class RelayClient:
@@ -211,33 +202,3 @@ async def apply_version(engine, buckets: BucketSource, version: int, *,
     raise WeightApplyError(f"version {version} failed to apply {attempts} times ({last_error}); "
                            "the engine may hold a mix of two versions and must not serve until "
                            "it pulls a complete version", mixed=True)
-
-
-async def pull_latest_into_engine(relay: RelayClient, engine, current_version: int, *,
-                                  spec: PullSpec = PullSpec()) -> Optional[int]:
-    """Apply the relay's newest version to ``engine`` (an ``SGLangClient``) if it is newer than
-    ``current_version``; returns the new version, or None when there is nothing newer.
-    ``spec`` says how: shared memory for the CPU engine, CUDA IPC to the engine's GPUs for
-    SGLang (``rollout.launcher.engine_pull_spec`` builds it from the rollout config). The
-    lease is held until the version is applied (``apply_version``) and released after."""
-    lease = await relay.lease(min_version=current_version + 1, fmt=spec.fmt,
-                              devices=spec.devices or None)
-    if lease is None:
-        return None
-
-    given: set = set()
-
-    async def fetch(i):
-        # Asked while the engine applies bucket i-1: every other bucket given is done with
-        # (also after a failed attempt, when apply_version starts again from bucket 0).
-        done = sorted(given - {i - 1})
-        data = await relay.bucket(lease, i, applied=done)
-        given.difference_update(done)
-        given.add(i)
-        return data if isinstance(data, list) else [data]
-
-    try:
-        await apply_version(engine, (lease.num_buckets, fetch), lease.version)
-    finally:
-        await relay.release(lease)
-    return lease.version

@@ -1,34 +1,29 @@
-"""Command lines for relay processes (used by the local launcher, tests and benchmarks)."""
+"""Relay processes for the launchers, tests and benchmarks."""
 
 from __future__ import annotations
 
 import sys
-from typing import List, Optional
+from typing import List
+
+from .server import RelayConfig
+
+TOKEN_ENV = "LAMINAR_RUN_TOKEN"
 
 
-def relay_command(token: str, *, master: bool = False, master_url: Optional[str] = None,
-                  trainer_stages: int = 1, host: str = "127.0.0.1", port: int = 0,
-                  relay_id: Optional[str] = None, chunk_bytes: int = 0,
-                  chain_chunks: Optional[int] = None, heartbeat_s: float = 0.5,
-                  mooncake_protocol: Optional[str] = None, mooncake_device: str = "",
-                  publish_backend: str = "auto", relay_device: str = "auto",
-                  python: str = sys.executable) -> List[str]:
-    """``chunk_bytes=0`` lets the relay size chunks from Laminar's T(p, k) model (or from
-    ``chain_chunks``, the ``weight_sync.chain_chunks`` config)."""
-    cmd = [python, "-m", "laminar_mcore.relay", "--token", token, "--host", host, "--port",
-           str(port), "--chunk-bytes", str(chunk_bytes), "--heartbeat-s", str(heartbeat_s),
-           "--relay-device", relay_device]
-    if chain_chunks:
-        cmd += ["--chain-chunks", str(chain_chunks)]
-    if master:
-        cmd += ["--master", "--trainer-stages", str(trainer_stages),
-                "--publish-backend", publish_backend]
-    else:
-        cmd += ["--master-url", str(master_url)]
-    if relay_id:
-        cmd += ["--relay-id", relay_id]
-    if mooncake_protocol:
-        cmd += ["--mooncake-protocol", mooncake_protocol]
-        if mooncake_device:
-            cmd += ["--mooncake-device", mooncake_device]
-    return cmd
+def relay_command(cfg: RelayConfig, python: str = sys.executable) -> List[str]:
+    """The relay's command line: its whole config as JSON, except the token, which the process
+    takes from ``relay_env(cfg)`` (``LAMINAR_RUN_TOKEN``; a token on a command line is readable
+    by every user of the machine)."""
+    return [python, "-m", "laminar_mcore.relay", "--config-json", cfg.to_json()]
+
+
+def relay_env(cfg: RelayConfig) -> dict:
+    return {TOKEN_ENV: cfg.token}
+
+
+def relay_process(cfg: RelayConfig, log_path: str):
+    """An ``EngineProcess`` (start, wait for /health, stop) running the relay ``cfg``."""
+    from ..rollout.launcher import EngineProcess
+
+    return EngineProcess(relay_command(cfg), log_path=log_path, host=cfg.host,
+                         env=relay_env(cfg), port_key="LAMINAR_RELAY_PORT")

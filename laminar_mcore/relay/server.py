@@ -9,7 +9,7 @@ API: ``/pull`` (lease the newest complete version), ``/bucket`` (one of its flat
 a time: shared-memory handles for local CPU engines, CUDA IPC for local SGLang engines, Mooncake
 transfer-engine buffers for pullers on other machines when started with
 ``--mooncake-protocol``), ``/release``,
-``/latest``, ``/health``; on the master also ``/register``, ``/report_failure`` and ``/chain``.
+``/latest``, ``/health``; the formats are the weight transports of ``relay/transports``. On the master also ``/register``, ``/report_failure`` and ``/chain``.
 The master hosts the trainer's publish group (its own TCPStore, outside the trainer's world),
 orders the chain, watches every relay's heartbeat and rebuilds the chain around a dead one; a
 relay that restarts registers again, joins the end of the chain and is caught up. Every
@@ -30,16 +30,18 @@ import urllib.error
 import urllib.request
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional
 
 import torch
 from aiohttp import web
 
-from ..weights.bucket import encode_handle
+from ..config.schema import WeightSyncConfig
 from ..weights.transport import Channel, announce_backend, resolve_backend, stage_group
 from .chain import Forwarder, PushRefused, receive_publishes, serve_push
 from .store import VersionStore
+from .transports import (TRANSPORTS, Exporter, TransportUnavailable, enabled_at_start,
+                         make_exporter)
 
 logger = logging.getLogger("laminar_mcore.relay")
 
@@ -55,10 +57,35 @@ def _http(method: str, url: str, body: Optional[dict] = None, token: Optional[st
         text = resp.read().decode()
     return json.loads(text) if text.strip().startswith("{") else {}
 
-# How an engine takes a leased version's buckets: shared-memory handles (CPU engines on this
-# machine), SGLang CUDA IPC payloads (GPU engines on this machine), Mooncake transfer-engine
-# buffers (pullers on other machines).
-PULL_FORMATS = ("shm", "sglang_cuda_ipc", "mooncake")
+@dataclass
+class RelayConfig:
+    """One relay: its place in the tier and the run's ``weight_sync`` section (which the relay
+    reads whole: a new weight-sync option needs the schema and the code that uses it only)."""
+
+    token: str
+    host: str = "127.0.0.1"
+    port: int = 0  # control port; 0: pick one
+    relay_id: Optional[str] = None
+    master: bool = False  # trainers publish to the master; the others chain from it
+    master_url: Optional[str] = None
+    trainer_stages: int = 1
+    publish_port: int = 0
+    chunk_bytes: int = 0  # chain push chunks; 0: Laminar's T(p, k) model or chain_chunks
+    heartbeat_s: float = 0.5
+    lease_ttl_s: float = 600.0
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+
+    def to_json(self) -> str:
+        """Everything but the token (which travels in ``LAMINAR_RUN_TOKEN``)."""
+        data = asdict(self)
+        data.pop("token")
+        return json.dumps(data)
+
+    @classmethod
+    def from_json(cls, text: str, token: str) -> "RelayConfig":
+        data = json.loads(text)
+        ws = data.pop("weight_sync", {}) or {}
+        return cls(token=token, weight_sync=WeightSyncConfig(**ws), **data)
 
 
 def resolve_relay_device(name: str) -> Optional[str]:
@@ -81,62 +108,58 @@ MAX_BUCKETS_OUTSTANDING = 2
 
 @dataclass
 class PullState:
-    """One lease's per-bucket pull: its format, the engine's GPUs (CUDA IPC), the buckets
-    served and not yet applied, and the most ever outstanding at once."""
+    """One lease's per-bucket pull: its transport, what the transport's ``check`` returned for
+    it (CUDA IPC: the engine's GPUs), the buckets served and not yet applied, and the most ever
+    outstanding at once."""
 
     fmt: str
-    devices: List[str]
+    params: Any
     outstanding: set = field(default_factory=set)
     applied: set = field(default_factory=set)
     peak: int = 0
 
 
 class RelayServer:
-    def __init__(self, *, token: str, host: str = "127.0.0.1", relay_id: Optional[str] = None,
-                 master: bool = False, master_url: Optional[str] = None,
-                 trainer_stages: int = 1, publish_port: int = 0, chunk_bytes: int = 0,
-                 chain_chunks: Optional[int] = None, heartbeat_s: float = 0.5,
-                 lease_ttl_s: float = 600.0, mooncake_protocol: Optional[str] = None,
-                 mooncake_device: str = "", publish_backend: str = "auto",
-                 relay_device: str = "auto"):
-        if not token:
-            raise ValueError("a relay needs the run's token (--token)")
-        if master == bool(master_url):
+    def __init__(self, cfg: RelayConfig):
+        if not cfg.token:
+            raise ValueError("a relay needs the run's token (--token or LAMINAR_RUN_TOKEN)")
+        if cfg.master == bool(cfg.master_url):
             raise ValueError("a relay is either the master (--master) or joins one (--master-url)")
-        self.token = token
-        self.host = host
-        self.relay_id = relay_id or f"relay-{uuid.uuid4().hex[:8]}"
-        self.master = master
-        self.master_url = master_url
-        self.trainer_stages = trainer_stages
-        self.publish_port = publish_port
+        ws = cfg.weight_sync
+        self.cfg = cfg
+        self.token = cfg.token
+        self.host = cfg.host
+        self.relay_id = cfg.relay_id or f"relay-{uuid.uuid4().hex[:8]}"
+        self.master = cfg.master
+        self.master_url = cfg.master_url
+        self.trainer_stages = cfg.trainer_stages
+        self.publish_port = cfg.publish_port
         # the trainer -> master relay backend: NCCL where this relay has a GPU (auto), else gloo
-        self.publish_backend = resolve_backend(publish_backend) if master else None
-        self.relay_device = resolve_relay_device(relay_device)
+        self.publish_backend = resolve_backend(ws.publish_backend) if cfg.master else None
+        self.relay_device = resolve_relay_device(ws.relay_device)
         if self.relay_device is not None:  # its CUDA context and NCCL staging live there
             torch.cuda.set_device(torch.device(self.relay_device))
-        self.heartbeat_s = heartbeat_s
-        self.store = VersionStore(lease_ttl_s=lease_ttl_s)
-        self.forwarder = Forwarder(self.store, chunk_bytes or None, self._downstream_failed,
-                                   chain_chunks=chain_chunks, token=token)
+        self.heartbeat_s = cfg.heartbeat_s
+        self.store = VersionStore(lease_ttl_s=cfg.lease_ttl_s)
+        self.forwarder = Forwarder(self.store, cfg.chunk_bytes or None, self._downstream_failed,
+                                   chain_chunks=ws.chain_chunks, token=cfg.token)
         self.stop_event = threading.Event()
         self.control_url: Optional[str] = None
         self.data_sock = socket.socket()
         self.data_sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.data_sock.bind((host, 0))
+        self.data_sock.bind((cfg.host, 0))
         self.data_sock.listen(16)
         self.data_port = self.data_sock.getsockname()[1]
         self.relays: "OrderedDict[str, dict]" = OrderedDict()  # master: the chain, in order
         self.chain_lock = threading.Lock()
         self.chain_rebuilds = 0
         self.publish_threads: List[threading.Thread] = []
-        self.cuda_ipc = None  # a CudaIpcExporter once a GPU engine asks for CUDA IPC handles
         self.pulls: Dict[str, PullState] = {}  # lease id -> how its buckets are being served
-        self.mooncake = None  # a MooncakeExporter: cross-node pulls (--mooncake-protocol)
-        if mooncake_protocol:
-            from .mooncake import MooncakeExporter
-
-            self.mooncake = MooncakeExporter(host, mooncake_protocol, mooncake_device)
+        # the weight transports' relay halves; those a config enables start now (Mooncake
+        # registers its buffers), the others on their first /pull
+        self.exporters: Dict[str, Exporter] = {}
+        for name in enabled_at_start(cfg):
+            self.exporters[name] = make_exporter(name, cfg)
         self.app = web.Application(middlewares=[self._middleware])
         r = self.app.router
         r.add_get("/health", self.health)
@@ -170,8 +193,8 @@ class RelayServer:
             self.data_sock.close()
         except OSError:
             pass
-        if self.mooncake is not None:
-            self.mooncake.close()
+        for exporter in self.exporters.values():
+            exporter.close()
         self.store.close()
 
     def _accept_loop(self) -> None:
@@ -333,7 +356,7 @@ class RelayServer:
                     "nbytes": latest.nbytes if latest else 0,
                     "receiving": sorted(s.receiving), "leases": len(s.leases),
                     "downstream": list(self.forwarder.downstream) if self.forwarder.downstream else None,
-                    "mooncake_session": self.mooncake.session if self.mooncake else None,
+                    "transports": {name: e.info() for name, e in self.exporters.items()},
                     "last_push": self.forwarder.stats}
         return web.json_response(info)
 
@@ -344,26 +367,15 @@ class RelayServer:
         min_version = int(body.get("min_version", -1))
         ttl = body.get("ttl_s")
         fmt = body.get("format", "shm")
-        if fmt not in PULL_FORMATS:
+        if fmt not in TRANSPORTS:
             return web.json_response(
-                {"error": f"format {fmt!r} is not one of {', '.join(PULL_FORMATS)}"}, status=400)
-        devices: List[str] = []
-        if fmt == "sglang_cuda_ipc":
-            devices = body.get("devices", [body["device"]] if "device" in body else ["cuda:0"])
-            if not isinstance(devices, list) or not devices or \
-                    not all(isinstance(d, str) for d in devices):
-                return web.json_response({"error": "devices must be a non-empty list of GPU names, "
-                                                   "one per engine TP rank (e.g. [\"cuda:0\"])"},
-                                         status=400)
-            try:
-                await asyncio.to_thread(self._exporter().check_devices, devices)
-            except Exception as exc:  # noqa: BLE001 - e.g. no GPU on this machine
-                return web.json_response({"error": f"cannot serve CUDA IPC handles: {exc}"},
-                                         status=400)
-        elif fmt == "mooncake" and self.mooncake is None:
-            return web.json_response({"error": "this relay does not serve Mooncake pulls: "
-                                               "start it with --mooncake-protocol tcp|rdma "
-                                               "(weight_sync.mooncake_protocol)"}, status=400)
+                {"error": f"format {fmt!r} is not one of {', '.join(TRANSPORTS)}"}, status=400)
+        try:
+            exporter = await asyncio.to_thread(self._exporter, fmt)
+            params = await asyncio.to_thread(exporter.check, body)
+        except (TransportUnavailable, ValueError, RuntimeError) as exc:
+            # e.g. no GPU on this machine for CUDA IPC, Mooncake not configured
+            return web.json_response({"error": f"cannot serve format {fmt!r}: {exc}"}, status=400)
         leased = self.store.lease_latest(min_version, float(ttl) if ttl is not None else None)
         if leased is None:
             return web.json_response({"version": None})
@@ -372,7 +384,7 @@ class RelayServer:
             expired = [k for k in self.pulls if k not in self.store.leases]
         for stale in expired:
             await asyncio.to_thread(self._forget_lease, stale)
-        self.pulls[lease_id] = PullState(fmt, devices)
+        self.pulls[lease_id] = PullState(fmt, params)
         return web.json_response({"version": sv.version, "lease_id": lease_id, "format": fmt,
                                   "num_buckets": len(sv.ordered()), "nbytes": sv.nbytes})
 
@@ -402,49 +414,36 @@ class RelayServer:
         if not 0 <= index < len(buckets):
             return web.json_response({"error": f"bucket index {index} is not in "
                                                f"[0, {len(buckets)})"}, status=400)
+        exporter = self.exporters[state.fmt]
         done = [i for i in applied if i in state.outstanding]
         state.outstanding.difference_update(done)
         state.applied.update(done)
-        if done and self.cuda_ipc is not None:
-            await asyncio.to_thread(self.cuda_ipc.free, lease_id, done)
+        if done:
+            await asyncio.to_thread(exporter.free, lease_id, done)
         if index not in state.outstanding and len(state.outstanding) >= MAX_BUCKETS_OUTSTANDING:
             return web.json_response(
                 {"error": f"buckets {sorted(state.outstanding)} of lease {lease_id} are not "
                           f"applied yet: at most {MAX_BUCKETS_OUTSTANDING} may be outstanding; "
                           "list the applied ones in 'applied'"}, status=409)
-        b = buckets[index]
-        if state.fmt == "shm":
-            data = encode_handle(b.shm.handle(b.metas))
-        elif state.fmt == "mooncake":
-            data = (await asyncio.to_thread(self.mooncake.handles, [(b.shm, b.metas)]))[0]
-        else:
-            try:
-                data = await asyncio.to_thread(self._cuda_payload, lease_id, index, b,
-                                               state.devices)
-            except Exception as exc:  # noqa: BLE001 - a GPU error: say it, keep serving
-                return web.json_response({"error": f"cannot serve CUDA IPC handles: {exc}"},
-                                         status=500)
+        try:
+            data = await asyncio.to_thread(exporter.serve, lease_id, index, buckets[index],
+                                           state.params)
+        except Exception as exc:  # noqa: BLE001 - e.g. a GPU error: say it, keep serving
+            return web.json_response({"error": f"cannot serve bucket {index} as "
+                                               f"{state.fmt!r}: {exc}"}, status=500)
         state.outstanding.add(index)
         state.peak = max(state.peak, len(state.outstanding))
         return web.json_response({"index": index, "serialized": data})
 
-    def _exporter(self):
-        from .cuda_ipc import CudaIpcExporter
-
-        if self.cuda_ipc is None:
-            self.cuda_ipc = CudaIpcExporter()
-        return self.cuda_ipc
-
-    def _cuda_payload(self, lease_id, index, b, devices):
-        from ..weights.bucket import read_bucket
-
-        return self._exporter().payload(lease_id, index, read_bucket(b.shm.buffer, b.metas),
-                                        devices)
+    def _exporter(self, name: str) -> Exporter:
+        if name not in self.exporters:
+            self.exporters[name] = make_exporter(name, self.cfg)
+        return self.exporters[name]
 
     def _forget_lease(self, lease_id: str) -> Optional[PullState]:
         state = self.pulls.pop(lease_id, None)
-        if self.cuda_ipc is not None:
-            self.cuda_ipc.release(lease_id)
+        if state is not None:
+            self.exporters[state.fmt].release(lease_id)
         return state
 
     async def release(self, request):
@@ -494,19 +493,27 @@ class RelayServer:
                                   "publish_port": self.publish_port})
 
 
-def _server_from_args(args) -> RelayServer:
-    return RelayServer(token=args.token, host=args.host, relay_id=args.relay_id,
+def _config_from_args(args) -> RelayConfig:
+    if args.config_json:  # the launchers: the whole relay section at once
+        return RelayConfig.from_json(args.config_json, args.token)
+    ws = WeightSyncConfig(chain_chunks=args.chain_chunks, publish_backend=args.publish_backend,
+                          relay_device=args.relay_device,
+                          mooncake_protocol=args.mooncake_protocol,
+                          mooncake_device=args.mooncake_device)
+    return RelayConfig(token=args.token, host=args.host, port=args.port, relay_id=args.relay_id,
                        master=args.master, master_url=args.master_url,
                        trainer_stages=args.trainer_stages, publish_port=args.publish_port,
-                       chunk_bytes=args.chunk_bytes, chain_chunks=args.chain_chunks,
-                       heartbeat_s=args.heartbeat_s, mooncake_protocol=args.mooncake_protocol,
-                       mooncake_device=args.mooncake_device,
-                       publish_backend=args.publish_backend, relay_device=args.relay_device)
+                       chunk_bytes=args.chunk_bytes, heartbeat_s=args.heartbeat_s,
+                       weight_sync=ws)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="laminar_mcore relay")
-    ap.add_argument("--token", default=os.environ.get("LAMINAR_RUN_TOKEN"), help="the run's token")
+    ap.add_argument("--token", default=os.environ.get("LAMINAR_RUN_TOKEN"),
+                    help="the run's token (default: $LAMINAR_RUN_TOKEN)")
+    ap.add_argument("--config-json", default=None,
+                    help="a RelayConfig as JSON (what the launchers pass); the flags below are "
+                         "then ignored")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0, help="control port (0: pick one)")
     ap.add_argument("--relay-id", default=None)
@@ -531,17 +538,16 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if not args.token:
         ap.error("--token (or LAMINAR_RUN_TOKEN) is required")
-    from .mooncake import MooncakeUnavailable
-
     try:
-        server = _server_from_args(args)
-    except (MooncakeUnavailable, ValueError) as exc:
+        cfg = _config_from_args(args)
+        server = RelayServer(cfg)
+    except (TransportUnavailable, ValueError, TypeError) as exc:
         ap.exit(2, f"relay: {exc}\n")
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
+    sock.bind((cfg.host, cfg.port))
     port = sock.getsockname()[1]
-    control_url = f"http://{args.host}:{port}"
+    control_url = f"http://{cfg.host}:{port}"
     server.start_background(control_url)
     print(f"LAMINAR_RELAY_PORT={port}", flush=True)
     print(f"LAMINAR_RELAY_DATA_PORT={server.data_port}", flush=True)

@@ -19,7 +19,7 @@ import urllib.request
 from typing import Dict, List, Optional, Sequence
 
 from ..netutil import free_port  # noqa: F401  (re-exported)
-from ..relay.client import PullSpec
+from ..relay.transports import PullSpec, transport_module
 
 
 class EngineStartError(RuntimeError):
@@ -116,13 +116,22 @@ def engine_gpu_ids(rollout_cfg, index: int) -> List[int]:
     return list(range(index * tp, (index + 1) * tp))
 
 
-def engine_pull_spec(rollout_cfg, index: int) -> PullSpec:
-    """How engine ``index`` of a rollout node takes weights from the node's relay: CUDA IPC
-    payloads on its GPUs (one per TP rank) for SGLang, shared-memory handles for the CPU engine."""
-    if rollout_cfg.backend == "sglang":
-        return PullSpec("sglang_cuda_ipc",
-                        tuple(f"cuda:{g}" for g in engine_gpu_ids(rollout_cfg, index)))
-    return PullSpec("shm")
+def engine_transport(rollout_cfg, weight_sync=None) -> str:
+    """``weight_sync.engine_transport``; ``auto``: CUDA IPC for SGLang, shared memory for the
+    CPU engine (both from the relay on the engine's machine)."""
+    name = getattr(weight_sync, "engine_transport", "auto") if weight_sync is not None else "auto"
+    if name == "auto":
+        return "sglang_cuda_ipc" if rollout_cfg.backend == "sglang" else "shm"
+    return name
+
+
+def engine_pull_spec(rollout_cfg, index: int, weight_sync=None) -> PullSpec:
+    """How engine ``index`` of a rollout node takes weights from its relay (the transport's
+    ``spec_for``: CUDA IPC payloads on its GPUs for SGLang, shared-memory handles for the CPU
+    engine, Mooncake reads from a relay on another machine)."""
+    name = engine_transport(rollout_cfg, weight_sync)
+    devices = tuple(f"cuda:{g}" for g in engine_gpu_ids(rollout_cfg, index))
+    return transport_module(name).spec_for(rollout_cfg, weight_sync, devices)
 
 
 class EngineProcess:

@@ -9,44 +9,17 @@ master relay (the trainer waits only for the host copy) and rank 0 reports the s
 
 from __future__ import annotations
 
-import json
 import os
 import time
-import urllib.error
-import urllib.request
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 
-def _http(method: str, url: str, token: str, body: Optional[dict] = None, timeout: float = 120.0):
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Authorization": f"Bearer {token}",
-                                          "Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        text = resp.read().decode()
-        return resp.status, (json.loads(text) if text else None)
-
-
-def fetch_batch(controller_url: str, token: str, deadline_s: float):
-    """Rank 0: the next batch of trajectories, or None if none came before the deadline."""
-    from ..data.trajectory import Trajectory
-
-    end = time.time() + deadline_s
-    while time.time() < end:
-        status, body = _http("GET", f"{controller_url}/batch?timeout=5", token)
-        if status == 200:
-            return [Trajectory.from_dict(t) for t in body["trajectories"]]
-    return None
-
-
 def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: str,
                  relay_host: str, publish_port: int, ckpt_dir: str) -> dict:
-    from omegaconf import OmegaConf
-
-    from ..config.schema import AlgoConfig, TrainerConfig
+    from ..config import typed
+    from ..controller.client import ControllerClient
     from ..models.hf import SafetensorsReader, load_hf_config
     from ..parallel import destroy_trainer_parallel, init_trainer_parallel, wait_for_rank0
     from ..weights.publisher import WeightPublisher
@@ -54,7 +27,8 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
     from .checkpoint import load_checkpoint, resolve_resume, save_checkpoint
     from .model import load_hf_checkpoint, resolve_dtype
 
-    cfg = OmegaConf.create(cfg_dict)
+    cfg = typed(cfg_dict)
+    controller = ControllerClient(controller_url, token)
     if cfg.cluster.threads_per_process > 0:
         torch.set_num_threads(cfg.cluster.threads_per_process)
     p = cfg.parallel
@@ -62,8 +36,7 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
                           timeout_s=cfg.trainer.collective_timeout_s)
     try:
         hf_config = load_hf_config(model_path)
-        algo = AlgoConfig(**OmegaConf.to_container(cfg.algo))
-        trainer = TrainerConfig(**OmegaConf.to_container(cfg.trainer))
+        algo, trainer = cfg.algo, cfg.trainer
         reader = SafetensorsReader(model_path)
         actor = MegatronActor(hf_config, algo, trainer, dtype=resolve_dtype(cfg.model.dtype),
                               use_distributed_optimizer=p.use_distributed_optimizer,
@@ -83,7 +56,7 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
         for step in range(start + 1, trainer.total_steps + 1):
             waited = time.perf_counter()
             limit = trainer.batch_timeout_s
-            batch = fetch_batch(controller_url, token, deadline_s=limit) if rank == 0 else None
+            batch = controller.batch(deadline_s=limit) if rank == 0 else None
             # The other ranks wait on a gloo group with a longer timeout than the batch's, so a
             # long rollout never trips the world's collective timeout (or NCCL's watchdog).
             if not wait_for_rank0(batch is not None, timeout_s=limit + 600.0):
@@ -93,13 +66,11 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
             stats = actor.train_step(batch)
             published = publisher.publish(actor.version)
             if rank == 0:
-                _http("POST", f"{controller_url}/trained", token,
-                      {"step": step, "version": actor.version, "stats": stats,
-                       "publish_blocked_s": published.blocked_s, "wait_s": waited})
+                controller.trained(step, actor.version, stats, published.blocked_s, waited)
             if trainer.save_interval and step % trainer.save_interval == 0:
                 # The controller's data module (prompt pool position, buffer, in-flight
                 # trajectories) is saved with the trainer's state, from rank 0.
-                extra = _http("GET", f"{controller_url}/state", token)[1] if rank == 0 else None
+                extra = controller.state() if rank == 0 else None
                 save_checkpoint(ckpt_dir, step, actor, extra_state=extra)
             steps_done = step
         publisher.wait()
@@ -107,3 +78,29 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
         return {"steps": steps_done, "version": actor.version}
     finally:
         destroy_trainer_parallel()
+
+
+def run(cfg, token: str, controller_url: str) -> dict:
+    """One trainer rank of a multi-node run (``job=trainer``, under torchrun: RANK, WORLD_SIZE,
+    MASTER_ADDR/PORT from its env): waits until the rollout nodes are up, trains, and rank 0
+    tells the controller it is done."""
+    from ..config import as_dict
+    from ..controller.client import ControllerClient, ControllerError
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise ControllerError("job=trainer runs under torchrun (it reads RANK and WORLD_SIZE); "
+                              "for one machine use job=train, which starts every role")
+    world = int(os.environ["WORLD_SIZE"])
+    t = cfg.cluster.trainer
+    if world != t.nnodes * t.nproc_per_node:
+        raise ControllerError(f"torchrun started {world} processes but cluster.trainer is "
+                              f"{t.nnodes} x {t.nproc_per_node}; make them agree")
+    client = ControllerClient(controller_url, token)
+    info = client.wait_for("the rollout nodes", client.cluster, lambda a: a.get("ready"),
+                           cfg.cluster.join_timeout_s)
+    relay = info["master_relay"]
+    result = trainer_main(as_dict(cfg), info["model_path"], controller_url, token,
+                          relay["publish_host"], relay["publish_port"], info["checkpoint_dir"])
+    if int(os.environ["RANK"]) == 0:
+        client.done(result)
+    return result

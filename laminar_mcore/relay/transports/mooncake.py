@@ -8,8 +8,11 @@ straight out of the relay's memory into a local shared-memory bucket with one-si
 (``transfer_sync_read``), then releases the lease: the relay's CPU does no copying, and the
 lease keeps the remote buffers from being reused while they are read.
 
-``pull_remote_into_engine`` is the engine-side path: lease remotely, read, hand the local
-buckets to the engine in one weight-update session (``relay.client.apply_version``), release.
+The transport's engine side (``Puller``, ``PullSpec("mooncake")``) leases remotely, reads,
+releases, and hands the local buckets to the engine in one weight-update session
+(``relay.client.apply_version``). It runs where the engine is: the engine maps the local
+buckets, so an engine on a node without a relay of its own takes weights from a relay on
+another machine (``rollout.relay: remote`` on a cluster; see README).
 
 Mooncake is optional: ``pip install mooncake-transfer-engine`` on GPU clusters (RDMA), or
 ``mooncake-transfer-engine-non-cuda`` on CPU machines, which also needs the system's
@@ -25,17 +28,20 @@ import os
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..weights.bucket import (ShmBucket, TensorMeta, checked_metas, decode_handle,
-                              encode_handle)
-from .client import apply_version
+from ...weights.bucket import (ShmBucket, TensorMeta, checked_metas, decode_handle,
+                               encode_handle)
+from ..client import apply_version
+from .base import Exporter as _Exporter
+from .base import Puller as _Puller
+from .base import TransportUnavailable
 
-logger = logging.getLogger("laminar_mcore.relay.mooncake")
+logger = logging.getLogger(__name__)
 PROTOCOLS = ("tcp", "rdma")
 # Mooncake writes its own glog lines to stderr; keep warnings and errors only.
 os.environ.setdefault("GLOG_minloglevel", "1")
 
 
-class MooncakeUnavailable(RuntimeError):
+class MooncakeUnavailable(TransportUnavailable):
     """Mooncake's transfer engine cannot be imported or started on this machine."""
 
 
@@ -182,7 +188,7 @@ class MooncakeReader:
 
 async def pull_remote_into_engine(relay, engine, current_version: int,
                                   reader: MooncakeReader) -> Optional[int]:
-    """Like ``relay.client.pull_latest_into_engine`` for a relay on another machine: lease the
+    """``pull_latest_into_engine`` for a relay on another machine: lease the
     newest version with ``format="mooncake"``, read every bucket into local shared memory,
     release the remote lease, then apply the local buckets to ``engine`` (a CPU engine, or any
     engine that maps shared-memory handles). Returns the new version, or None."""
@@ -202,3 +208,59 @@ async def pull_remote_into_engine(relay, engine, current_version: int,
         for shm, _ in local:
             reader.give_back(shm)
     return lease.version
+
+
+# ---------------------------------------------------------------------- the transport
+def enabled(relay_cfg) -> bool:
+    """A relay with ``weight_sync.mooncake_protocol`` registers its buffers from the start."""
+    return bool(relay_cfg.weight_sync.mooncake_protocol)
+
+
+def spec_for(rollout_cfg, weight_sync, devices):
+    """Read on the engine's machine (``rollout.host``) with the run's Mooncake settings."""
+    from . import PullSpec
+
+    return PullSpec("mooncake", options=(("host", rollout_cfg.host),
+                                         ("protocol", weight_sync.mooncake_protocol or "tcp"),
+                                         ("device", weight_sync.mooncake_device)))
+
+
+class Exporter(_Exporter):
+    def __init__(self, relay_cfg):
+        ws = relay_cfg.weight_sync
+        if not ws.mooncake_protocol:
+            raise TransportUnavailable("this relay does not serve Mooncake pulls: start it with "
+                                       "--mooncake-protocol tcp|rdma "
+                                       "(weight_sync.mooncake_protocol)")
+        self.exporter = MooncakeExporter(relay_cfg.host, ws.mooncake_protocol,
+                                         ws.mooncake_device)
+
+    def serve(self, lease_id, index, bucket, params):
+        return self.exporter.handles([(bucket.shm, bucket.metas)])[0]
+
+    def info(self):
+        return {"session": self.exporter.session, "protocol": self.exporter.protocol}
+
+    def close(self):
+        self.exporter.close()
+
+
+class Puller(_Puller):
+    """Options: ``host`` (this machine's address for the transfer engine), ``protocol``
+    (tcp | rdma), ``device`` (RDMA NIC). The transfer engine starts on the first pull."""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.reader: Optional[MooncakeReader] = None
+
+    async def pull(self, relay, engine, current_version: int) -> Optional[int]:
+        if self.reader is None:
+            self.reader = await asyncio.to_thread(
+                MooncakeReader, str(self.spec.option("host", "127.0.0.1")),
+                str(self.spec.option("protocol", "tcp")), str(self.spec.option("device", "")))
+        return await pull_remote_into_engine(relay, engine, current_version, self.reader)
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None

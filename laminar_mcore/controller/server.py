@@ -14,55 +14,68 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable, List, Optional
+from dataclasses import asdict, dataclass
+from typing import List, Optional, Tuple
 
 from aiohttp import web
 
+from ..config.schema import LaminarConfig
 from ..data.pools import ExperienceBuffer, PartialResponsePool, PromptPool
-from ..relay.client import PullSpec, RelayClient
+from ..relay.client import RelayClient
+from ..relay.transports import make_puller
 from ..reward import RewardService
 from ..rollout.client import SGLangClient
-from ..rollout.manager import EngineHandle, RolloutManager
+from ..rollout.launcher import engine_pull_spec
+from .episode import SingleTurn, TaskCodec
+from .manager import EngineHandle, RolloutData, RolloutManager
+from .modes import policy_for
 
 logger = logging.getLogger(__name__)
 
-MODES = {  # mode -> (global barrier, admission bound eta)
-    "laminar": (False, None),
-    "one_step": (True, 1),
-    "sync": (True, 0),
-}
-
 
 @dataclass
-class TaskCodec:
-    encode_prompt: Callable[[dict], List[int]]
-    decode: Callable[[List[int]], str]
+class TaskData:
+    """What the run trains and evaluates on (``controller.role.load_task``)."""
+
+    rows: List[dict]
+    evals: List[dict]
+    codec: TaskCodec
+    model_path: str
+
+
+def length_fn_from_config(rollout_cfg):
+    """Deterministic per-trajectory lengths for ``rollout.forced_*`` (same in every mode)."""
+    if not rollout_cfg.forced_short_length:
+        return None
+    import zlib
+
+    short, long_ = rollout_cfg.forced_short_length, rollout_cfg.forced_long_length
+    fraction = rollout_cfg.forced_long_fraction
+
+    def length(group_id: str, k: int) -> int:
+        u = zlib.crc32(f"{group_id}/{k}".encode()) / 2**32
+        if long_ and u < fraction:
+            return long_
+        return max(1, int(short * (0.5 + (u - fraction) / max(1 - fraction, 1e-9))))
+
+    return length
 
 
 class Controller:
-    def __init__(self, *, mode: str, engine_urls: List[str], relay_url: str, token: str,
-                 rows: List[dict], codec: TaskCodec, reward_fn: str, reward_workers: int,
-                 n_samples: int, batch_prompts: int, sampling: dict, capacity: int,
-                 max_staleness: Optional[int], metrics, seed: int = 0, host: str = "127.0.0.1",
-                 port: int = 0, length_fn=None, initial_state: Optional[dict] = None,
-                 info: Optional[dict] = None, repack: Optional[dict] = None,
-                 pull_spec: Optional[Callable[[int], PullSpec]] = None,
-                 reward_timeout_s: float = 60.0):
-        """``engine_urls`` may be empty and ``relay_url`` None: on a cluster, rollout nodes
-        register their relay and engines with ``POST /register`` (see launch/cluster.py);
-        ``info`` (model path, trainer stages) is what ``GET /cluster`` tells the other roles.
-        ``pull_spec(i)`` says how the i-th engine of a node takes weights from its relay
-        (shared memory for CPU engines, CUDA IPC on its GPUs for SGLang)."""
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r} is not one of {', '.join(MODES)}")
-        barrier, eta = MODES[mode]
-        self.mode = mode
+    def __init__(self, cfg: LaminarConfig, task: TaskData, metrics, token: str, *,
+                 listen: Tuple[str, int] = ("127.0.0.1", 0), info: Optional[dict] = None,
+                 initial_state: Optional[dict] = None):
+        """Engines join with ``add_node`` (the local launcher) or ``POST /register`` (rollout
+        nodes of a cluster, see controller/role.py); ``info`` (model path, checkpoint
+        directory) is what ``GET /cluster`` tells the other roles."""
+        self.cfg = cfg
+        self.policy = policy_for(cfg.mode, cfg.algo.max_staleness)
+        self.mode = cfg.mode
         self.token = token
         self.metrics = metrics
-        self.batch_prompts = batch_prompts
-        self.n_samples = n_samples
-        self.host, self.port = host, port
+        self.batch_prompts = cfg.trainer.train_batch_prompts
+        self.n_samples = cfg.algo.n_samples_per_prompt
+        self.host, self.port = listen
         # cluster bookkeeping (multi-node roles find each other here)
         self.info = dict(info or {})
         self.ready = False  # set by the launcher when training may start
@@ -80,18 +93,14 @@ class Controller:
         self.last_step_time = time.time()
         self.step_marks: List[tuple] = []  # (time of /trained, tokens of the step, trainer wait s)
         self._idle_mark: Optional[tuple] = None  # (time, engine idle seconds) at the first step
-        self.buffer = ExperienceBuffer(group_size=n_samples)
+        self.buffer = ExperienceBuffer(group_size=self.n_samples)
         self.partial = PartialResponsePool()
-        self.prompts = PromptPool(rows, n_samples=n_samples, seed=seed)
-        self.reward = RewardService(reward_fn, workers=reward_workers, timeout_s=reward_timeout_s)
-        self._engine_urls, self._relay_url = engine_urls, relay_url
-        self._codec, self._sampling, self._capacity = codec, sampling, capacity
-        self._eta = eta if mode != "laminar" else max_staleness
-        self._barrier = barrier
-        self._length_fn = length_fn
-        self._seed = seed
-        self._repack = dict(repack or {})
-        self._pull_spec = pull_spec or (lambda index: PullSpec())
+        self.prompts = PromptPool(task.rows, n_samples=self.n_samples, seed=cfg.seed)
+        d = cfg.data
+        self.reward = RewardService(d.reward_fn, workers=d.reward_workers,
+                                    timeout_s=d.reward_timeout_s)
+        self.episode = SingleTurn(task.codec, asdict(cfg.rollout.sampling), self.reward.score,
+                                  seed=cfg.seed, length_fn=length_fn_from_config(cfg.rollout))
         self._initial_state = initial_state
         self.manager: Optional[RolloutManager] = None
         self.loop: Optional[asyncio.AbstractEventLoop] = None
@@ -143,18 +152,13 @@ class Controller:
     async def _main(self) -> None:
         self.loop = asyncio.get_running_loop()
         self._shutdown_event = asyncio.Event()
-        handles = [self._handle(f"engine{i}", url, self._relay_url, i)
-                   for i, url in enumerate(self._engine_urls)]
         self.manager = RolloutManager(
-            handles, self.prompts, self.partial, self.buffer, score=self.reward.score,
-            encode_prompt=self._codec.encode_prompt, decode=self._codec.decode,
-            sampling=self._sampling, trainer_version=lambda: self.trainer_version,
-            batch_trajectories=self.batch_prompts * self.n_samples,
-            max_staleness=self._eta, barrier=self._barrier, length_fn=self._length_fn,
-            seed=self._seed, **self._repack)
+            [], RolloutData(self.prompts, self.partial, self.buffer), self.episode, self.policy,
+            self.cfg.rollout, trainer_version=lambda: self.trainer_version,
+            batch_trajectories=self.batch_prompts * self.n_samples)
         if self._initial_state:
             self.load_state_dict(self._initial_state)
-        app = web.Application()
+        app = web.Application(middlewares=[self._auth])
         app.router.add_get("/batch", self._batch)
         app.router.add_post("/trained", self._trained)
         app.router.add_get("/state", self._state)
@@ -178,17 +182,51 @@ class Controller:
         for h in self.manager.engines:
             await h.client.close()
             await h.relay.close()
+            h.puller.close()
         await runner.cleanup()
 
-    def _handle(self, name: str, url: str, relay_url: str, index: int) -> EngineHandle:
-        """``index``: the engine's position on its node (which GPUs it has)."""
-        # engines of a run stream incrementally (rollout.launcher.engine_command_from_config)
-        client = SGLangClient(url, retries=0, timeout_s=10, incremental_stream=True)
-        return EngineHandle(name, client,
-                            RelayClient(relay_url, self.token), capacity=self._capacity,
-                            pull=self._pull_spec(index))
+    # ------------------------------------------------------------------ engines
+    def add_node(self, relay_url: str, engine_urls: List[str]) -> List[str]:
+        """Register a rollout node's relay and engines (from any thread); returns the engines'
+        names. They start on their own weights and pull from ``relay_url`` between
+        trajectories, through ``weight_sync.engine_transport``."""
+        async def add():
+            return self._add_node(relay_url, engine_urls)
+
+        return asyncio.run_coroutine_threadsafe(add(), self.loop).result(60)
+
+    def _add_node(self, relay_url: str, engine_urls: List[str]) -> List[str]:
+        node = len(self.rollout_nodes)
+        names = []
+        for i, url in enumerate(engine_urls):
+            # engines of a run stream incrementally (rollout.launcher.engine_command_from_config)
+            handle = EngineHandle(
+                f"node{node}-engine{i}",
+                SGLangClient(url, retries=0, timeout_s=10, incremental_stream=True),
+                RelayClient(relay_url, self.token),
+                make_puller(engine_pull_spec(self.cfg.rollout, i, self.cfg.weight_sync)),
+                capacity=self.cfg.rollout.max_running_requests)
+            self.manager.add_engine(handle)
+            names.append(handle.name)
+        self.rollout_nodes.append({"relay_url": relay_url, "engines": list(engine_urls)})
+        logger.info("rollout node %d registered: relay %s, engines %s", node, relay_url,
+                    engine_urls)
+        return names
 
     # ------------------------------------------------------------------ cluster API
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        """Every endpoint but ``/health`` proves the run token; bad input is a 400."""
+        if request.path != "/health" and \
+                request.headers.get("Authorization") != f"Bearer {self.token}":
+            return web.json_response({"error": "missing or wrong run token"}, status=401)
+        try:
+            return await handler(request)
+        except web.HTTPException:
+            raise
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
+            return web.json_response({"error": f"bad request: {exc!r}"}, status=400)
+
     async def _json_body(self, request: web.Request) -> Optional[dict]:
         try:
             body = await request.json()
@@ -199,8 +237,6 @@ class Controller:
     async def _relay_role(self, request: web.Request):
         """The first rollout node to ask hosts the master relay (trainers publish to it);
         the others chain from it once it has registered."""
-        if not self._authorized(request):
-            return web.json_response({"error": "missing or wrong run token"}, status=401)
         if not self._master_claimed:
             self._master_claimed = True
             return web.json_response({"master": True, **self.info})
@@ -213,8 +249,6 @@ class Controller:
                                   **self.info})
 
     async def _register(self, request: web.Request):
-        if not self._authorized(request):
-            return web.json_response({"error": "missing or wrong run token"}, status=401)
         body = await self._json_body(request)
         if (body is None or not isinstance(body.get("relay_url"), str)
                 or not isinstance(body.get("engines"), list)
@@ -229,19 +263,10 @@ class Controller:
             self.master_relay = {"url": body["relay_url"], "publish_host": str(publish["host"]),
                                  "publish_port": int(publish["port"])}
         node = len(self.rollout_nodes)
-        names = []
-        for i, url in enumerate(body["engines"]):
-            handle = self._handle(f"node{node}-engine{i}", url, body["relay_url"], i)
-            self.manager.add_engine(handle)
-            names.append(handle.name)
-        self.rollout_nodes.append({"relay_url": body["relay_url"], "engines": body["engines"]})
-        logger.info("rollout node %d registered: relay %s, engines %s", node, body["relay_url"],
-                    body["engines"])
+        names = self._add_node(body["relay_url"], body["engines"])
         return web.json_response({"ok": True, "node": node, "engines": names})
 
     async def _cluster(self, request: web.Request):
-        if not self._authorized(request):
-            return web.json_response({"error": "missing or wrong run token"}, status=401)
         ready = self.ready and self.master_relay is not None
         return web.json_response({"ready": ready, "master_relay": self.master_relay,
                                   "rollout_nodes": len(self.rollout_nodes), "done": self.finished,
@@ -249,8 +274,6 @@ class Controller:
 
     async def _done(self, request: web.Request):
         """Trainer rank 0: training finished (``{"steps", "version"}``)."""
-        if not self._authorized(request):
-            return web.json_response({"error": "missing or wrong run token"}, status=401)
         body = await self._json_body(request)
         if body is None or "version" not in body:
             return web.json_response({"error": "expected {steps, version}"}, status=400)
@@ -259,12 +282,7 @@ class Controller:
         return web.json_response({"ok": True})
 
     # ------------------------------------------------------------------ trainer API
-    def _authorized(self, request) -> bool:
-        return request.headers.get("Authorization") == f"Bearer {self.token}"
-
     async def _batch(self, request: web.Request):
-        if not self._authorized(request):
-            return web.json_response({"error": "missing or wrong run token"}, status=401)
         timeout = float(request.query.get("timeout", "30"))
         if self.first_request is None:
             self.first_request = time.time()
@@ -283,9 +301,9 @@ class Controller:
                                   "staleness": staleness})
 
     async def _trained(self, request: web.Request):
-        if not self._authorized(request):
-            return web.json_response({"error": "missing or wrong run token"}, status=401)
-        body = await request.json()
+        body = await self._json_body(request)
+        if body is None:
+            return web.json_response({"error": "expected {step, version, stats?}"}, status=400)
         step, version = int(body["step"]), int(body["version"])
         self.trainer_version = version
         self.trainer_wait_s += float(body.get("wait_s", 0.0))
@@ -309,8 +327,6 @@ class Controller:
         return web.json_response({"ok": True})
 
     async def _state(self, request: web.Request):
-        if not self._authorized(request):
-            return web.json_response({"error": "missing or wrong run token"}, status=401)
         return web.json_response(self.state_dict())
 
     def state_dict(self) -> dict:
@@ -333,7 +349,7 @@ class Controller:
         if lost:
             self.buffer.discard(lost, "restart")
         for item in state.get("partial", []):
-            self.buffer.drop_group(item["group_id"], "restart_group")
+            self.buffer.drop_group(item["traj"]["group_id"], "restart_group")
         # The admission budget resumes from what can still be trained on: consumed and
         # buffered trajectories, not those lost in flight at the save.
         self.manager.accepted = self.buffer.consumed + self.buffer.buffered

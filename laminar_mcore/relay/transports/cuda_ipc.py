@@ -24,6 +24,9 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from .base import Exporter as _Exporter
+from .base import Puller
+
 
 def _sglang_bucket_classes():
     """SGLang 0.5.23's bucket, metadata and serializer classes (the payload's format)."""
@@ -168,3 +171,55 @@ class CudaIpcExporter:
 
     def release(self, lease_id: str) -> None:
         self.free(lease_id)
+
+
+# ---------------------------------------------------------------------- the transport
+def enabled(relay_cfg) -> bool:
+    return False  # the exporter (and its CUDA context) starts when a GPU engine first pulls
+
+
+def spec_for(rollout_cfg, weight_sync, devices):
+    """An SGLang engine's GPUs (``devices``), one per TP rank, in rank order."""
+    from . import PullSpec
+
+    return PullSpec("sglang_cuda_ipc", tuple(devices))
+
+
+class Exporter(_Exporter):
+    """The relay side: a lease names the engine's GPUs (``devices``, one per TP rank)."""
+
+    def __init__(self, relay_cfg=None):
+        self._ipc: Optional[CudaIpcExporter] = None
+
+    @property
+    def ipc(self) -> CudaIpcExporter:
+        if self._ipc is None:  # needs a GPU: a bad request is refused first, also on CPU
+            self._ipc = CudaIpcExporter()
+        return self._ipc
+
+    def check(self, body: dict) -> List[str]:
+        devices = body.get("devices", [body["device"]] if "device" in body else ["cuda:0"])
+        if not isinstance(devices, list) or not devices or \
+                not all(isinstance(d, str) for d in devices):
+            raise ValueError("devices must be a non-empty list of GPU names, one per engine TP "
+                             "rank (e.g. [\"cuda:0\"])")
+        self.ipc.check_devices(devices)
+        return devices
+
+    def serve(self, lease_id, index, bucket, devices):
+        from ...weights.bucket import read_bucket
+
+        return self.ipc.payload(lease_id, index, read_bucket(bucket.shm.buffer, bucket.metas),
+                                devices)
+
+    def free(self, lease_id, indices):
+        if self._ipc is not None:
+            self._ipc.free(lease_id, indices)
+
+    def release(self, lease_id):
+        if self._ipc is not None:
+            self._ipc.release(lease_id)
+
+
+__all__ = ["CudaIpcExporter", "Exporter", "Puller", "enabled", "spec_for",
+           "standin_bucket_classes"]

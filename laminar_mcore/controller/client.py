@@ -1,0 +1,105 @@
+"""``ControllerClient``: the one spelling of the controller's REST protocol.
+
+Used by trainer rank 0 (``/batch``, ``/trained``, ``/state``, ``/done``) and by the cluster
+roles (``/health``, ``/relay_role``, ``/register``, ``/cluster``). Every call carries the run
+token; a refused token says so. Synchronous (urllib): its callers are plain threads.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from typing import Callable, List, Optional
+
+from ..data.trajectory import Trajectory
+
+TOKEN_ENV = "LAMINAR_RUN_TOKEN"
+
+
+class ControllerError(RuntimeError):
+    pass
+
+
+class ControllerClient:
+    def __init__(self, url: str, token: str, timeout_s: float = 120.0):
+        self.url = url.rstrip("/")
+        self.token = token
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, path: str, body: Optional[dict] = None,
+              timeout: Optional[float] = None):
+        """(HTTP status, JSON body or None)."""
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers={
+            "Authorization": f"Bearer {self.token}", "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout_s) as resp:
+                text = resp.read().decode()
+                return resp.status, (json.loads(text) if text else None)
+        except urllib.error.HTTPError as exc:
+            if exc.code == 401:
+                raise ControllerError(f"{self.url}{path} refused the run token: is {TOKEN_ENV} "
+                                      "the same on every node?") from None
+            raise ControllerError(f"{method} {self.url}{path}: HTTP {exc.code}: "
+                                  f"{exc.read()[:300].decode(errors='replace')}") from None
+
+    # ------------------------------------------------------------------ trainer rank 0
+    def batch(self, deadline_s: float, poll_s: float = 5.0) -> Optional[List[Trajectory]]:
+        """The next batch of trajectories, or None if none came before the deadline."""
+        end = time.time() + deadline_s
+        while time.time() < end:
+            status, body = self._call("GET", f"/batch?timeout={poll_s:g}",
+                                      timeout=poll_s + self.timeout_s)
+            if status == 200:
+                return [Trajectory.from_dict(t) for t in body["trajectories"]]
+        return None
+
+    def trained(self, step: int, version: int, stats: dict, publish_blocked_s: float,
+                wait_s: float) -> None:
+        self._call("POST", "/trained", {"step": step, "version": version, "stats": stats,
+                                        "publish_blocked_s": publish_blocked_s, "wait_s": wait_s})
+
+    def state(self) -> dict:
+        """The controller's data module, for a training checkpoint."""
+        return self._call("GET", "/state")[1]
+
+    def done(self, result: dict) -> None:
+        self._call("POST", "/done", result)
+
+    # ------------------------------------------------------------------ cluster roles
+    def health(self, timeout: float = 10.0) -> dict:
+        return self._call("GET", "/health", timeout=timeout)[1]
+
+    def relay_role(self, timeout_s: float) -> dict:
+        return self._call("POST", f"/relay_role?timeout={timeout_s:g}", {},
+                          timeout=timeout_s + 30)[1]
+
+    def register(self, relay_url: str, engines: List[str], publish: Optional[dict] = None) -> dict:
+        body = {"relay_url": relay_url, "engines": list(engines)}
+        if publish is not None:
+            body["publish"] = publish
+        return self._call("POST", "/register", body)[1]
+
+    def cluster(self) -> dict:
+        return self._call("GET", "/cluster", timeout=10)[1]
+
+    def wait_for(self, what: str, get: Callable[[], dict], ready: Callable[[dict], bool],
+                 timeout_s: float) -> dict:
+        """Poll ``get()`` until ``ready(answer)``; unreachable counts as not yet."""
+        deadline, last = time.time() + timeout_s, None
+        while time.time() < deadline:
+            try:
+                answer = get()
+                if ready(answer):
+                    return answer
+            except ControllerError as exc:
+                if "refused the run token" in str(exc):
+                    raise
+                last = exc
+            except (urllib.error.URLError, OSError) as exc:
+                last = exc
+            time.sleep(0.5)
+        raise ControllerError(f"gave up waiting for {what} at {self.url} after "
+                              f"{timeout_s:.0f}s ({last})")

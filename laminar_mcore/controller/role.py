@@ -1,0 +1,233 @@
+"""The controller role: the run's data, its evaluations, the books and the summary.
+
+``run(cfg, token)`` is the controller of a multi-node run (``job=controller``): it waits for
+rollout nodes to register, evaluates, serves the trainer until it reports ``/done``, then
+evaluates again and writes ``summary.json``. The single-machine launcher (launch/train.py)
+composes the same pieces around one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from dataclasses import asdict
+from typing import List, Optional
+
+from ..config.schema import LaminarConfig
+from .client import ControllerError
+from .episode import TaskCodec
+from .server import Controller, TaskData
+
+
+def load_task(cfg: LaminarConfig, out_dir: str, log) -> TaskData:
+    """Train and eval rows, codec and the starting model for the configured data and model:
+    the run's files and tokenizer, or the built-in synthetic task (whose starting checkpoint a
+    short supervised warm-up builds, cached, when ``model.path`` is null)."""
+    from ..data import tasks
+    from ..data.pools import load_prompts
+
+    d = cfg.data
+    if d.train_files:
+        from transformers import AutoTokenizer
+
+        if cfg.model.path is None:
+            raise ValueError("data.train_files needs model.path (its tokenizer encodes the prompts)")
+        tok = AutoTokenizer.from_pretrained(cfg.model.path, local_files_only=True)
+        rows = load_prompts(list(d.train_files), d.prompt_key)
+        evals = load_prompts(list(d.eval_files), d.prompt_key) if d.eval_files else rows[: d.num_eval]
+        codec = TaskCodec(encode_prompt=lambda row: tok.encode(row[d.prompt_key]),
+                          decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
+        return TaskData(rows, evals, codec, cfg.model.path)
+    rows = tasks.make_dataset(d.num_train, d.digits, d.task, seed=cfg.seed)
+    evals = tasks.make_dataset(d.num_eval, d.digits, d.task, seed=cfg.seed + 10_000)
+    data_dir = os.path.join(out_dir, "data")
+    os.makedirs(data_dir, exist_ok=True)
+    tasks.write_dataset(os.path.join(data_dir, "train.jsonl"), rows)
+    tasks.write_dataset(os.path.join(data_dir, "eval.jsonl"), evals)
+    codec = TaskCodec(encode_prompt=lambda row: tasks.encode(row["prompt"]), decode=tasks.decode)
+    model_path = cfg.model.path
+    if model_path is None:
+        from ..trainer.warmup import warmup_checkpoint
+
+        cache = os.path.join(cfg.output_dir, ".cache")
+        model_path = warmup_checkpoint(cache, problems=rows, steps=d.warmup_steps,
+                                       wrong_fraction=d.warmup_wrong_fraction,
+                                       hidden=cfg.model.arch.hidden_size,
+                                       layers=cfg.model.arch.num_hidden_layers, seed=cfg.seed, log=log)
+    return TaskData(rows, evals, codec, model_path)
+
+
+async def evaluate(url: str, rows: List[dict], codec: TaskCodec, sampling: dict, reward_fn: str,
+                   seed: int = 0) -> float:
+    """Mean reward of the engine's samples on ``rows`` (the policy's success rate)."""
+    from ..reward import load_reward_fn
+    from ..rollout.client import SGLangClient
+
+    fn = load_reward_fn(reward_fn)
+    async with SGLangClient(url) as client:
+        outs = await asyncio.gather(*[
+            client.generate(codec.encode_prompt(row), dict(sampling, sampling_seed=seed * 100_003 + i))
+            for i, row in enumerate(rows)])
+    scores = [fn(codec.decode(o["output_ids"]), row.get("answer"),
+                 **{k: v for k, v in row.items() if k not in ("answer", "response_text")})
+              for o, row in zip(outs, rows)]
+    return sum(scores) / max(len(scores), 1)
+
+
+def evaluate_engine(cfg: LaminarConfig, task: TaskData, url: str) -> float:
+    return asyncio.run(evaluate(url, task.evals, task.codec, asdict(cfg.rollout.sampling),
+                                cfg.data.reward_fn))
+
+
+def resume_state(cfg: LaminarConfig, out_dir: str, log) -> Optional[dict]:
+    """The controller's saved state when ``trainer.resume`` picks a checkpoint, else None."""
+    from ..trainer.checkpoint import resolve_resume
+
+    resume_from = resolve_resume(cfg.trainer.resume, os.path.join(out_dir, "checkpoints"))
+    if not resume_from:
+        return None
+    log(f"[train] resuming from {resume_from}")
+    extra = os.path.join(resume_from, "extra_state.json")
+    if os.path.isfile(extra):
+        with open(extra) as f:
+            return json.load(f)
+    return None
+
+
+def finish_run(controller: Controller, task: TaskData, relay_url: str, engine_url: str,
+               result: dict, initial: float, t_start: float, out_dir: str, log) -> dict:
+    """After training: bring one engine to the final version, evaluate, keep the books and
+    write ``summary.json`` and the plot. Raises if the books do not balance."""
+    from ..relay.client import RelayClient
+    from ..relay.transports import pull_latest_into_engine
+    from ..rollout.client import SGLangClient
+    from ..rollout.launcher import engine_pull_spec
+
+    cfg, metrics = controller.cfg, controller.metrics
+    version = result["version"]
+
+    async def final_pull():
+        spec = engine_pull_spec(cfg.rollout, 0, cfg.weight_sync)
+        async with RelayClient(relay_url, controller.token) as rc, SGLangClient(engine_url) as ec:
+            deadline = time.time() + 120
+            served = await ec.get_weight_version()  # SGLang says "default" before any update
+            current = int(served) if served.isdigit() else 0
+            while current < version and time.time() < deadline:
+                pulled = await pull_latest_into_engine(rc, ec, current, spec=spec)
+                current = pulled if pulled is not None else current
+                await asyncio.sleep(0.05)
+            return current
+
+    utilisation = controller.utilisation()
+    controller.stop_generation()
+    engine_version = asyncio.run(final_pull())
+    final = evaluate_engine(cfg, task, engine_url)
+    metrics.log("eval", step=result["steps"], accuracy=final, version=engine_version)
+    books = controller.books()
+    summary = {"mode": cfg.mode, "initial_accuracy": initial, "final_accuracy": final,
+               "steps": result["steps"], "final_version": version, **books,
+               "trajectories_in_flight_at_stop": len(controller.partial), **utilisation,
+               "wall_seconds": time.time() - t_start, "model_path": task.model_path}
+    balanced = books["trajectories_generated"] == (books["trajectories_consumed"]
+                                                   + books["trajectories_buffered"]
+                                                   + books["trajectories_discarded"])
+    summary["books_balance"] = balanced
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    plot = metrics.plot()
+    log(f"[train] accuracy {initial:.3f} -> {final:.3f}; trajectories generated "
+        f"{books['trajectories_generated']}, consumed {books['trajectories_consumed']}, buffered "
+        f"{books['trajectories_buffered']}, discarded {books['trajectories_discarded']} "
+        f"({'balanced' if balanced else 'NOT BALANCED'}); max staleness "
+        f"{books['max_staleness_observed']}; {summary['wall_seconds']:.0f}s. "
+        f"Wrote {out_dir}/summary.json, metrics.jsonl, {os.path.basename(plot or '')}")
+    if not balanced:
+        raise RuntimeError("trajectory accounting does not balance; see summary.json")
+    return summary
+
+
+class Progress:
+    """A tqdm bar that follows the controller's ``train`` records."""
+
+    def __init__(self, total: int, metrics):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
+        self.metrics = metrics
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, daemon=True)
+        self._thread.start()
+
+    def _follow(self):
+        seen = 0
+        while not self._stop.wait(0.5):
+            records = [r for r in list(self.metrics.records) if r["kind"] == "train"]
+            if len(records) > seen:
+                last = records[-1]
+                self.bar.update(len(records) - seen)
+                self.bar.set_postfix(reward=f"{last.get('reward_mean', 0):.2f}",
+                                     stale=f"{last.get('staleness_mean', 0):.1f}")
+                seen = len(records)
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self.bar.close()
+
+
+def run(cfg: LaminarConfig, token: str) -> dict:
+    """The controller of a multi-node run (``job=controller``); see launch/cluster.py."""
+    from ..metrics import MetricsWriter
+
+    t_start = time.time()
+    out_dir = os.path.join(cfg.output_dir, cfg.run_name)
+    os.makedirs(out_dir, exist_ok=True)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    task = load_task(cfg, out_dir, log)
+    metrics = MetricsWriter(out_dir)
+    controller = None
+    try:
+        controller = Controller(
+            cfg, task, metrics, token, initial_state=resume_state(cfg, out_dir, log),
+            listen=(cfg.cluster.controller_addr, int(cfg.cluster.controller_port)),
+            info={"model_path": os.path.abspath(task.model_path),
+                  "checkpoint_dir": os.path.abspath(os.path.join(out_dir, "checkpoints"))})
+        url = controller.start()
+        log(f"LAMINAR_CONTROLLER_URL={url}")
+        log(f"[controller] mode={cfg.mode}; waiting for {cfg.cluster.rollout_nodes} rollout "
+            f"node(s) and the trainer ranks (token in $LAMINAR_RUN_TOKEN)")
+        deadline = time.time() + cfg.cluster.join_timeout_s
+        while len(controller.rollout_nodes) < cfg.cluster.rollout_nodes or controller.master_relay is None:
+            if time.time() > deadline:
+                raise ControllerError(f"only {len(controller.rollout_nodes)} of "
+                                      f"{cfg.cluster.rollout_nodes} rollout nodes registered within "
+                                      f"cluster.join_timeout_s={cfg.cluster.join_timeout_s}")
+            time.sleep(0.2)
+        first_engine = controller.rollout_nodes[0]["engines"][0]
+        initial = evaluate_engine(cfg, task, first_engine)
+        metrics.log("eval", step=0, accuracy=initial)
+        log(f"[controller] {len(controller.rollout_nodes)} rollout node(s), "
+            f"{len(controller.manager.engines)} engines; initial accuracy {initial:.3f}")
+        controller.ready = True
+        progress = Progress(cfg.trainer.total_steps, metrics)
+        try:
+            while not controller.trainer_done_event.wait(1.0):
+                if controller.error is not None:
+                    raise ControllerError(f"controller failed: {controller.error}")
+        finally:
+            progress.close()
+        return finish_run(controller, task, controller.master_relay["url"], first_engine,
+                          controller.trainer_done, initial, t_start, out_dir, log)
+    finally:
+        if controller is not None:
+            controller.finished = True
+            # rollout nodes poll /health for "done"; give them a moment before the server goes
+            time.sleep(min(3.0, cfg.cluster.shutdown_grace_s))
+            controller.stop()
+        metrics.close()

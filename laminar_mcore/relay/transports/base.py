@@ -1,0 +1,75 @@
+"""The two halves of a weight transport, and the per-bucket pull every transport shares."""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+
+class TransportUnavailable(RuntimeError):
+    """This relay or machine cannot serve or use the transport; the message says why and how."""
+
+
+class Exporter:
+    """Relay side. ``check`` runs once per lease (on ``/pull``) and returns what ``serve``
+    needs for it, raising ``ValueError`` for a bad request (answered 400); ``serve`` returns
+    bucket ``index``'s JSON-ready payload; ``free`` is told the buckets the engine has
+    applied, ``release`` that the lease ended. ``serve``/``free``/``release`` run in a worker
+    thread. ``info`` goes into the relay's ``/latest``."""
+
+    def check(self, body: dict) -> Any:
+        return None
+
+    def serve(self, lease_id: str, index: int, bucket, params: Any) -> Any:
+        raise NotImplementedError
+
+    def free(self, lease_id: str, indices: Sequence[int]) -> None:
+        pass
+
+    def release(self, lease_id: str) -> None:
+        pass
+
+    def info(self) -> Optional[dict]:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class Puller:
+    """Engine side: ``await pull(relay, engine, current_version)`` applies the relay's newest
+    version to ``engine`` if newer, in one SGLang weight-update session, and returns it (None:
+    nothing newer). The default leases in ``lease_format()``, fetches bucket i+1 while the
+    engine applies bucket i, and acknowledges applied buckets, so the relay holds at most two."""
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    def lease_format(self) -> str:
+        return self.spec.fmt
+
+    async def pull(self, relay, engine, current_version: int) -> Optional[int]:
+        lease = await relay.lease(min_version=current_version + 1, fmt=self.lease_format(),
+                                  devices=self.spec.devices or None)
+        if lease is None:
+            return None
+        from ..client import apply_version
+
+        given: set = set()
+
+        async def fetch(i) -> List[str]:
+            # Asked while the engine applies bucket i-1: every other bucket given is done with
+            # (also after a failed attempt, when apply_version starts again from bucket 0).
+            done = sorted(given - {i - 1})
+            data = await relay.bucket(lease, i, applied=done)
+            given.difference_update(done)
+            given.add(i)
+            return data if isinstance(data, list) else [data]
+
+        try:
+            await apply_version(engine, (lease.num_buckets, fetch), lease.version)
+        finally:
+            await relay.release(lease)
+        return lease.version
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,91 @@
+"""A rollout node: this machine's relay and engines.
+
+``start_rollout_node`` starts them (the local launcher and the cluster role share it);
+``run(cfg, client)`` is the rollout role of a multi-node run (``job=rollout``): it asks the
+controller whether it hosts the master relay, starts its relay and engines, registers them and
+stops when the run is done or its controller is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import urllib.error
+from typing import Optional
+
+from ..config.schema import LaminarConfig
+from ..relay.launch import relay_process
+from ..relay.server import RelayConfig
+from .launcher import EngineProcess, engine_command_from_config, free_port
+
+
+def start_rollout_node(cfg: LaminarConfig, model_path: str, token: str, logs: str, procs: list,
+                       *, master_url: Optional[str] = None, relay_id: str = "master"):
+    """A relay (the master, which trainers publish to, unless ``master_url`` names one to
+    chain from) and ``rollout.num_engines`` engines, bound to ``rollout.host``. Started
+    processes are appended to ``procs`` as they start (the caller stops them). Returns
+    (relay, engines, publish port or None)."""
+    host = cfg.rollout.host
+    relay_cfg = RelayConfig(token=token, host=host, relay_id=relay_id, master=master_url is None,
+                            master_url=master_url, trainer_stages=cfg.parallel.pp,
+                            weight_sync=cfg.weight_sync)
+    relay = relay_process(relay_cfg, os.path.join(logs, f"relay-{relay_id}.log"))
+    procs.append(relay.start())
+    publish_port = int(relay.wait_printed("LAMINAR_RELAY_PUBLISH_PORT")) if master_url is None else None
+    engines = []
+    for i in range(cfg.rollout.num_engines):
+        port = 0 if cfg.rollout.backend == "cpu" else free_port()
+        engine = EngineProcess(engine_command_from_config(cfg.rollout, model_path, port=port, index=i,
+                                                          seed=cfg.seed),
+                               log_path=os.path.join(logs, f"engine-{relay_id}-{i}.log"), host=host,
+                               port=port or None)
+        procs.append(engine.start())
+        engines.append(engine)
+    return relay, engines, publish_port
+
+
+class NodeError(RuntimeError):
+    pass
+
+
+def run(cfg: LaminarConfig, client) -> None:
+    """The rollout role; ``client`` is a ``ControllerClient`` (the launcher makes it)."""
+    name = f"{socket.gethostname()}-{os.getpid()}"
+    logs = os.path.join(cfg.output_dir, cfg.run_name, "logs", name)
+
+    def log(msg: str) -> None:
+        print(f"[rollout {name}] {msg}", flush=True)
+
+    client.wait_for("the controller", client.health, lambda a: a.get("ok"),
+                    cfg.cluster.join_timeout_s)
+    role = client.relay_role(cfg.cluster.join_timeout_s)
+    procs: list = []
+    try:
+        relay, engines, publish_port = start_rollout_node(
+            cfg, role["model_path"], client.token, logs, procs,
+            master_url=None if role["master"] else role["master_url"],
+            relay_id="master" if role["master"] else name)
+        client.register(relay.url, [e.url for e in engines],
+                        publish={"host": relay.host, "port": publish_port} if role["master"] else None)
+        log(f"registered: {'master ' if role['master'] else ''}relay {relay.url}, "
+            f"{len(engines)} {cfg.rollout.backend} engines")
+        unreachable_since = None
+        while True:
+            for p in procs:
+                if p.proc.poll() is not None:
+                    raise NodeError(f"{p.command[2]} exited with {p.proc.returncode}; see {p.log_path}")
+            try:
+                if client.health().get("done"):
+                    log("the run is done; stopping")
+                    return
+                unreachable_since = None
+            except (urllib.error.URLError, OSError):
+                unreachable_since = unreachable_since or time.time()
+                if time.time() - unreachable_since > cfg.cluster.shutdown_grace_s:
+                    log("the controller is gone; stopping")
+                    return
+            time.sleep(1.0)
+    finally:
+        for p in reversed(procs):
+            p.stop()
