@@ -132,7 +132,7 @@ def _publish_in_process(port, versions):
     """A one-process trainer (TP1, PP1) publishing versions of seed v."""
     from laminar_mcore.parallel import destroy_trainer_parallel, init_trainer_parallel
     from laminar_mcore.trainer.model import build_gpt_model, load_full_state
-    from laminar_mcore.weights.publisher import WeightPublisher
+    from laminar_mcore.trainer.publisher import WeightPublisher
 
     init_trainer_parallel(tp=1, pp=1, seed=0)
     try:

@@ -90,7 +90,7 @@ def _reference_logprobs(cfg, state, prompt, response):
 def test_manager_pulls_between_trajectories_and_survives_an_engine(tmp_path):
     from laminar_mcore.parallel import destroy_trainer_parallel, init_trainer_parallel
     from laminar_mcore.trainer.model import build_gpt_model, load_full_state
-    from laminar_mcore.weights.publisher import WeightPublisher
+    from laminar_mcore.trainer.publisher import WeightPublisher
 
     cfg = tiny_hf_config("qwen2")
     save_hf_checkpoint(tmp_path / "m", cfg, _state(cfg, 0))
@@ -173,7 +173,7 @@ def test_repack_moves_long_tail_trajectories_so_freed_engines_pull(tmp_path):
     with the tokens generated before the move kept."""
     from laminar_mcore.parallel import destroy_trainer_parallel, init_trainer_parallel
     from laminar_mcore.trainer.model import build_gpt_model
-    from laminar_mcore.weights.publisher import WeightPublisher
+    from laminar_mcore.trainer.publisher import WeightPublisher
 
     cfg = tiny_hf_config("qwen2", max_position_embeddings=4096)
     state0 = _state(cfg, 0)
@@ -283,3 +283,102 @@ def test_repack_plan_is_best_fit_within_a_version_and_respects_kv_room():
     plan = manager.plan_repack({"a": 0, "b": 600, "c": 300})  # b full after a: c stays
     assert [(s.name, d.name) for s, d, _ in plan] == [("a", "b")]
     assert manager.plan_repack({"a": 0, "b": 100, "c": 100}) == []  # no room anywhere
+
+
+async def _slow_pull_proxy(target: str, slow_pulls: int, delay_s: float):
+    """A loopback HTTP proxy in front of a real relay whose first ``slow_pulls`` answers to
+    ``/pull`` come only after ``delay_s`` (and are then refused: nothing is leased)."""
+    import aiohttp
+    from aiohttp import web
+
+    state = {"slow": slow_pulls, "delayed": 0}
+    session = aiohttp.ClientSession()
+
+    async def handler(request):
+        body = await request.read()
+        if request.path == "/pull" and state["slow"] > 0:
+            state["slow"] -= 1
+            state["delayed"] += 1
+            await asyncio.sleep(delay_s)
+            return web.json_response({"error": "slow relay"}, status=504)
+        headers = {k: v for k, v in request.headers.items()
+                   if k in ("Authorization", "Content-Type")}
+        async with session.request(request.method, target + request.path_qs, data=body,
+                                   headers=headers) as r:
+            return web.Response(status=r.status, body=await r.read(),
+                                content_type="application/json")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+    async def close():
+        await session.close()
+        await runner.cleanup()
+
+    return url, state, close
+
+
+def test_an_engine_recovers_from_a_relay_slower_than_its_timeout(tmp_path):
+    """The relay answers /pull later than the client's timeout, twice: each is a RelayError
+    the manager survives (no silent end of the engine's loop, the engine stays in service),
+    it backs off and pulls the version once the relay answers in time."""
+    from laminar_mcore.parallel import destroy_trainer_parallel, init_trainer_parallel
+    from laminar_mcore.trainer.model import build_gpt_model
+    from laminar_mcore.trainer.publisher import WeightPublisher
+
+    cfg = tiny_hf_config("qwen2")
+    save_hf_checkpoint(tmp_path / "m", cfg, _state(cfg, 0))
+    procs = []
+    init_trainer_parallel(tp=1, pp=1, seed=0)
+    try:
+        relay = _master_relay(tmp_path)
+        procs.append(relay)
+        engine = EngineProcess(cpu_engine_command(str(tmp_path / "m"), kv_capacity_tokens=2048),
+                               log_path=str(tmp_path / "e0.log")).start()
+        procs.append(engine)
+        publisher = WeightPublisher(build_gpt_model(cfg), cfg, relay_host="127.0.0.1",
+                                    publish_port=int(relay.wait_printed("LAMINAR_RELAY_PUBLISH_PORT")))
+        rows = [{"prompt_ids": [i % 100 + 1, 7, 3], "answer": ""} for i in range(200)]
+        buffer = RecordingBuffer(group_size=4)
+
+        async def scenario():
+            proxy, state, close = await _slow_pull_proxy(relay.url, slow_pulls=2, delay_s=1.5)
+            handle = EngineHandle("e0", SGLangClient(engine.url, retries=0, timeout_s=5),
+                                  RelayClient(proxy, TOKEN, timeout_s=0.5),
+                                  make_puller(PullSpec("shm")), capacity=8)
+            manager = _manager([handle], rows, buffer, {"max_new_tokens": 8})
+            runner = asyncio.create_task(manager.run())
+            try:
+                await asyncio.to_thread(publisher.publish, 1)
+                await asyncio.to_thread(publisher.wait)
+                deadline = time.time() + 60
+                while handle.version < 1:
+                    assert time.time() < deadline, "the engine never pulled version 1"
+                    assert not runner.done(), runner
+                    await asyncio.sleep(0.05)
+                while not any(t.weight_version == 1 for t in buffer.seen):
+                    assert time.time() < deadline, "no work on version 1"
+                    await asyncio.sleep(0.05)
+            finally:
+                manager.stop()
+                await runner
+                await handle.client.close()
+                await handle.relay.close()
+                handle.puller.close()
+                await close()
+            return manager, handle, state
+
+        manager, handle, state = asyncio.run(scenario())
+    finally:
+        for p in procs:
+            p.stop()
+        destroy_trainer_parallel()
+
+    assert state["delayed"] == 2 and manager.stats.pull_retries == 2
+    assert handle.healthy and handle.pulls == 1 and not manager.stats.unhealthy
+    assert manager.stats.generated == buffer.consumed + buffer.buffered + sum(buffer.discarded.values())

@@ -14,12 +14,23 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _mooncake_available() -> bool:
+    from laminar_mcore.relay.transports import mooncake
+
+    return mooncake.available()
+
+
 @pytest.mark.parametrize("mode", ["laminar", "sync"])
 def test_train_job_runs_and_keeps_the_books(tmp_path, mode):
+    # The laminar run's engines take every version through Mooncake's transfer engine (TCP on
+    # loopback), as engines reading from a relay on another machine do; sync's through shm.
+    transport = "mooncake" if mode == "laminar" and _mooncake_available() else "shm"
+    extra = (["weight_sync.mooncake_protocol=tcp", "weight_sync.engine_transport=mooncake"]
+             if transport == "mooncake" else [])
     out = subprocess.run(
         [sys.executable, "-m", "laminar_mcore.launch", f"mode={mode}", "output_dir=out",
          "run_name=e2e", "trainer.total_steps=3", "trainer.train_batch_prompts=4",
-         "data.num_eval=16", "data.warmup_steps=20", "rollout.num_engines=2"],
+         "data.num_eval=16", "data.warmup_steps=20", "rollout.num_engines=2", *extra],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
         env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
@@ -28,6 +39,7 @@ def test_train_job_runs_and_keeps_the_books(tmp_path, mode):
             "trajectories_buffered", "trajectories_discarded", "max_staleness_observed", "wall_seconds"}
     assert keys <= set(summary)
     assert summary["books_balance"] and summary["steps"] == 3 and summary["final_version"] == 3
+    assert summary["engine_transport"] == transport and summary["engine_pulls"] >= 1
     assert summary["trajectories_consumed"] == 3 * 4 * 8
     assert summary["trajectories_generated"] == (summary["trajectories_consumed"]
                                                  + summary["trajectories_buffered"]

@@ -253,7 +253,8 @@ def check_checkpoint(b: Bench) -> Tuple[bool, str]:
 def check_publish(b: Bench) -> Tuple[bool, str]:
     from ..models.hf import build_hf_config, tiny_hf_config
     from ..trainer.model import build_gpt_model
-    from ..weights.export import BucketPacker, iter_stage_hf_tensors
+    from ..trainer.export import iter_stage_hf_tensors
+    from ..weights.bucket import BucketPacker
 
     if b.cuda:  # one PP4 stage of Qwen2.5-7B with the embedding and the output layer
         cfg = build_hf_config("qwen2", hidden_act="silu", num_hidden_layers=7, **QWEN2_5_7B)

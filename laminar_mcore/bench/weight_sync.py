@@ -157,7 +157,7 @@ def main(argv=None) -> dict:
     from ..rollout.client import SGLangClient
     from ..rollout.launcher import EngineProcess, cpu_engine_command
     from ..trainer.model import build_gpt_model, stage_full_tensors
-    from ..weights.publisher import WeightPublisher
+    from ..trainer.publisher import WeightPublisher
     from .common import report
 
     torch.set_num_threads(1)

@@ -62,6 +62,7 @@ class ManagerStats:
     pulls: int = 0
     repacked: int = 0  # trajectories moved off a long-tail engine (Laminar's repack)
     repack_rounds: int = 0
+    pull_retries: int = 0  # pulls that failed on the relay's side and were tried again
     unhealthy: List[str] = field(default_factory=list)
     discarded: Dict[str, int] = field(default_factory=dict)
 
@@ -279,7 +280,15 @@ class RolloutManager:
             else:
                 await asyncio.sleep(self.poll_s)  # still on its version; try again later
             return
-        except (RelayError, EngineError) as exc:
+        except RelayError as exc:
+            # A slow or restarting relay: the engine still serves its version untouched (no
+            # tensor was sent, or apply_version would have said so). Back off and try again.
+            logger.warning("engine %s could not pull from its relay: %s; retrying", engine.name,
+                           exc)
+            self.stats.pull_retries += 1
+            await asyncio.sleep(max(self.poll_s * 10, 0.5))
+            return
+        except EngineError as exc:
             logger.warning("engine %s could not pull: %s", engine.name, exc)
             self._mark_unhealthy(engine)
             return

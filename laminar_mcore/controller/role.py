@@ -104,7 +104,7 @@ def finish_run(controller: Controller, task: TaskData, relay_url: str, engine_ur
     from ..relay.client import RelayClient
     from ..relay.transports import pull_latest_into_engine
     from ..rollout.client import SGLangClient
-    from ..rollout.launcher import engine_pull_spec
+    from ..rollout.launcher import engine_pull_spec, engine_transport
 
     cfg, metrics = controller.cfg, controller.metrics
     version = result["version"]
@@ -130,7 +130,8 @@ def finish_run(controller: Controller, task: TaskData, relay_url: str, engine_ur
     summary = {"mode": cfg.mode, "initial_accuracy": initial, "final_accuracy": final,
                "steps": result["steps"], "final_version": version, **books,
                "trajectories_in_flight_at_stop": len(controller.partial), **utilisation,
-               "wall_seconds": time.time() - t_start, "model_path": task.model_path}
+               "wall_seconds": time.time() - t_start, "model_path": task.model_path,
+               "engine_transport": engine_transport(cfg.rollout, cfg.weight_sync)}
     balanced = books["trajectories_generated"] == (books["trajectories_consumed"]
                                                    + books["trajectories_buffered"]
                                                    + books["trajectories_discarded"])

@@ -88,11 +88,6 @@ def _np_view(bucket: StoredBucket):
     return bucket.shm.buffer.numpy()
 
 
-def _meta_dicts(metas) -> list:
-    return [{"name": m.name, "dtype": m.dtype, "shape": list(m.shape), "offset": m.offset,
-             "nbytes": m.nbytes} for m in metas]
-
-
 # ---------------------------------------------------------------------- authentication
 def push_proof(token: str, nonce: str, version: int, num_stages: int) -> str:
     """HMAC-SHA256 under the run's token of the receiver's nonce and the pushed version."""
@@ -200,7 +195,7 @@ def push_version(sock: socket.socket, store: VersionStore, sv: StoredVersion, ch
         for key in new_keys:
             b = sv.buckets[key]
             send_frame(sock, {"type": "bucket", "key": list(key), "nbytes": b.nbytes,
-                              "metas": _meta_dicts(b.metas), "last_of_stage": b.last_of_stage})
+                              "metas": [m.to_dict() for m in b.metas], "last_of_stage": b.last_of_stage})
             sent_buckets += 1
             sent_bytes[key] = 0
         for key, received in ready:

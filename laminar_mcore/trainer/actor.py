@@ -117,7 +117,8 @@ class MegatronActor:
         return adv, plan
 
     def distribute(self, trajectories: Optional[Sequence[Trajectory]]) -> List[PackedMicroBatch]:
-        """Rank 0's batch -> this rank's packed micro-batches (scattered with torch.distributed)."""
+        """Rank 0's batch -> this rank's packed micro-batches (scattered with torch.distributed:
+        the Trajectory objects themselves, pickled once, no dict round trip)."""
         world = dist.get_world_size()
         payload = [None] * world
         if dist.get_rank() == 0:
@@ -125,13 +126,13 @@ class MegatronActor:
                 raise ValueError("train_step needs a non-empty batch on rank 0")
             adv, plan = self._plan(trajectories)
             for rank in range(world):
-                payload[rank] = [[(trajectories[i].to_dict(), adv[i], i) for i in mb]
+                payload[rank] = [[(trajectories[i], adv[i], i) for i in mb]
                                  for mb in plan[self._dp_ranks[rank]]]
         received = [None]
         dist.scatter_object_list(received, payload if dist.get_rank() == 0 else None, src=0)
         tp = self.ps.get_tensor_model_parallel_world_size()
         cp = self.ps.get_context_parallel_world_size()
-        return [pack_trajectories([Trajectory.from_dict(d) for d, _, _ in mb],
+        return [pack_trajectories([t for t, _, _ in mb],
                                   [a for _, a, _ in mb], [i for _, _, i in mb], tp=tp, cp=cp)
                 for mb in received[0]]
 

@@ -22,7 +22,7 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
     from ..controller.client import ControllerClient
     from ..models.hf import SafetensorsReader, load_hf_config
     from ..parallel import destroy_trainer_parallel, init_trainer_parallel, wait_for_rank0
-    from ..weights.publisher import WeightPublisher
+    from .publisher import WeightPublisher
     from .actor import MegatronActor
     from .checkpoint import load_checkpoint, resolve_resume, save_checkpoint
     from .model import load_hf_checkpoint, resolve_dtype

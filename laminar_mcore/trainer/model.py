@@ -176,12 +176,7 @@ def stage_full_tensors(model, hf_config, *, grads: bool = False) -> Dict[str, to
     global layer numbers. The last stage's copy of a tied embedding is left out (the first
     stage holds it). Collective over the TP group.
     """
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
     adapter = get_adapter(hf_config)
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
     tied = adapter.tied_embeddings(hf_config)
     out: Dict[str, torch.Tensor] = {}
     for local, param in model.named_parameters():
@@ -191,13 +186,24 @@ def stage_full_tensors(model, hf_config, *, grads: bool = False) -> Dict[str, to
         tensor = param.grad if grads else param
         if tensor is None:
             tensor = torch.zeros_like(param)
-        tensor = tensor.detach().contiguous()
-        if adapter.tp_dim(full_name) is not None and tp_size > 1:
-            shards = [torch.empty_like(tensor) for _ in range(tp_size)]
-            dist.all_gather(shards, tensor, group=tp_group)
-            tensor = adapter.unshard(full_name, shards)
-        out[full_name] = tensor.cpu().clone()
+        out[full_name] = gather_tp(adapter, full_name, tensor.detach()).cpu().clone()
     return out
+
+
+def gather_tp(adapter, name: str, shard: torch.Tensor) -> torch.Tensor:
+    """The full tensor of Megatron parameter ``name`` from every TP rank's ``shard`` (column,
+    row and vocab-parallel; per-rank gate/up of linear_fc1), laid out as one unsharded
+    Megatron tensor; a replicated parameter as it is. Collective over the TP group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if adapter.tp_dim(name) is None or tp == 1:
+        return shard
+    shard = shard.contiguous()
+    shards = [torch.empty_like(shard) for _ in range(tp)]
+    dist.all_gather(shards, shard, group=parallel_state.get_tensor_model_parallel_group())
+    return adapter.unshard(name, shards)
 
 
 @torch.no_grad()

@@ -14,8 +14,8 @@ import contextlib
 import json
 import os
 import uuid
-from dataclasses import asdict, dataclass
-from typing import Dict, Iterator, List, Mapping, Tuple
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -33,6 +33,12 @@ class TensorMeta:
     shape: Tuple[int, ...]
     offset: int  # bytes from the start of the bucket
     nbytes: int
+
+    def to_dict(self) -> dict:
+        """The one JSON form (handles, chain frames, publish headers); ``metas_from_dicts``
+        reads it back."""
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
+                "offset": self.offset, "nbytes": self.nbytes}
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -88,7 +94,7 @@ class ShmBucket:
 
     def handle(self, metas: List[TensorMeta]) -> dict:
         return {"kind": "shm", "path": self.path, "nbytes": self.nbytes,
-                "tensors": [asdict(m) for m in metas]}
+                "tensors": [m.to_dict() for m in metas]}
 
     def close(self) -> None:
         self.buffer = None
@@ -152,3 +158,72 @@ def open_handle(handle: dict) -> Iterator[Dict[str, torch.Tensor]]:
         yield read_bucket(buffer, metas)
     finally:
         del buffer
+
+
+@dataclass
+class Bucket:
+    metas: List[TensorMeta]
+    buffer: torch.Tensor  # uint8, at least layout's nbytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+
+class BucketPacker:
+    """Packs a stream of named tensors into reusable byte buffers of about ``bucket_bytes``.
+
+    Buffers are kept between publishes (weights have the same sizes every time), so a publish
+    allocates nothing after the first. ``dtype`` casts floating tensors (the rollout dtype).
+    """
+
+    def __init__(self, bucket_bytes: int, dtype: Optional[torch.dtype] = None,
+                 device: str = "cpu", pin_memory: bool = False):
+        if bucket_bytes < 1:
+            raise ValueError("bucket size must be >= 1 byte")
+        self.bucket_bytes = bucket_bytes
+        self.dtype = dtype
+        self.device = device
+        self.pin_memory = pin_memory and torch.cuda.is_available()
+        self._buffers: List[torch.Tensor] = []
+
+    def _buffer(self, index: int, nbytes: int) -> torch.Tensor:
+        while len(self._buffers) <= index:
+            self._buffers.append(torch.empty(0, dtype=torch.uint8))
+        if self._buffers[index].numel() < nbytes:
+            self._buffers[index] = torch.empty(nbytes, dtype=torch.uint8, device=self.device,
+                                               pin_memory=self.pin_memory)
+        return self._buffers[index]
+
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self._buffers)
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype:
+            return t.to(self.dtype)
+        return t
+
+    def pack(self, named: Iterator[Tuple[str, torch.Tensor]]) -> Iterator[Bucket]:
+        """Yield filled buckets as they complete (the caller may send bucket k while this
+        generator gathers bucket k+1)."""
+        pending, size, index = {}, 0, 0
+        self.last_buckets: List[Bucket] = []  # this publish's buckets (views of the buffers)
+        for name, tensor in named:
+            tensor = self._cast(tensor)
+            nbytes = tensor.numel() * tensor.element_size()
+            if pending and size + nbytes > self.bucket_bytes:
+                yield self._fill(index, pending)
+                index += 1
+                pending, size = {}, 0
+            pending[name] = tensor
+            size += -(-nbytes // 64) * 64
+        if pending:
+            yield self._fill(index, pending)
+
+    def _fill(self, index: int, pending) -> Bucket:
+        metas, nbytes = layout(pending)
+        buffer = self._buffer(index, nbytes)[:nbytes]
+        write_bucket(buffer, pending, metas)
+        bucket = Bucket(metas, buffer)
+        self.last_buckets.append(bucket)
+        return bucket

@@ -22,7 +22,7 @@ def main():
     from laminar_mcore.parallel import init_trainer_parallel
     from laminar_mcore.testing.dist import write_rank_result
     from laminar_mcore.trainer.model import build_gpt_model, load_full_state
-    from laminar_mcore.weights.publisher import WeightPublisher
+    from laminar_mcore.trainer.publisher import WeightPublisher
 
     torch.set_num_threads(1)
     init_trainer_parallel(tp=args.tp, pp=args.pp, seed=0)

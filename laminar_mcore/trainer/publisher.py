@@ -26,8 +26,9 @@ from typing import Optional
 
 import torch
 
-from .export import BucketPacker, iter_stage_hf_tensors
-from .transport import Channel, announced_backend, stage_group
+from ..weights.bucket import BucketPacker
+from ..weights.transport import Channel, announced_backend, stage_group
+from .export import iter_stage_hf_tensors
 
 
 @dataclass
@@ -129,7 +130,7 @@ class WeightPublisher:
         header = {"type": "bucket", "version": version, "stage": self.stage,
                   "num_stages": self.num_stages, "index": index, "last_of_stage": last,
                   "nbytes": bucket.nbytes, "chunk_bytes": self.chunk_bytes,
-                  "metas": [m.__dict__ for m in bucket.metas]}
+                  "metas": [m.to_dict() for m in bucket.metas]}
         self._queue.put((header, bucket.buffer))
 
     def _send_loop(self) -> None:
