@@ -33,7 +33,7 @@ def test_weight_sync_benchmark_writes_its_keys(tmp_path):
             "memcpy_gbps", "bit_exact"}
     assert keys <= set(figures) and figures["bit_exact"] is True
     assert all(figures[k] > 0 for k in keys - {"bit_exact"})
-    from laminar_mcore.relay import mooncake
+    from laminar_mcore.relay.transports import mooncake
 
     if mooncake.available():  # the cross-node pull is measured too, and checked bit for bit
         assert figures["mooncake_bit_exact"] is True

@@ -17,14 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
-
-META_FILE = "laminar_checkpoint.json"  # laminar_mcore.trainer.checkpoint.MODEL_META
-HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-            "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja")
 
 
 def _status_bytes(field: str) -> int:
@@ -139,10 +134,11 @@ def _same_architecture(a, b) -> bool:
 def mcore_to_hf(args) -> None:
     from laminar_mcore.models import AdapterError
     from laminar_mcore.models.hf import load_hf_config
+    from laminar_mcore.trainer.checkpoint import MODEL_META
 
-    meta_path = os.path.join(args.ckpt, META_FILE)
+    meta_path = os.path.join(args.ckpt, MODEL_META)
     if not os.path.isfile(meta_path):
-        fail(f"{args.ckpt} has no {META_FILE}: not a checkpoint written by hf-to-mcore or the trainer")
+        fail(f"{args.ckpt} has no {MODEL_META}: not a checkpoint written by hf-to-mcore or the trainer")
     meta = json.load(open(meta_path))
     try:
         hf_config = load_hf_config(os.path.join(args.ckpt, "hf_meta"))
@@ -156,26 +152,13 @@ def mcore_to_hf(args) -> None:
     except (ValueError, OSError) as exc:  # transformers' own config validation
         fail(f"cannot read the model config of {args.ckpt} (hf_meta/config.json): {exc}")
 
-    from safetensors.torch import save_file
-
+    from laminar_mcore.models.hf import ShardWriter, copy_side_files
     from laminar_mcore.trainer.checkpoint import CheckpointMismatch, iter_checkpoint_hf_tensors
 
     start = time.perf_counter()
     expected = _expected_hf_shapes(hf_config)
     base_rss = _reset_peak_rss()
-    os.makedirs(args.out, exist_ok=True)
-    max_bytes = int(args.max_shard_gb * 1e9)
-    shards, current, size, total, index = [], {}, 0, 0, {}
-
-    def flush():
-        nonlocal current, size
-        if current:
-            name = f"model-{len(shards) + 1:05d}.safetensors"
-            save_file(current, os.path.join(args.out, name), metadata={"format": "pt"})
-            shards.append(name)
-            index.update({k: name for k in current})
-            current, size = {}, 0
-
+    writer = ShardWriter(args.out, int(args.max_shard_gb * 1e9))
     try:
         for name, tensor in iter_checkpoint_hf_tensors(os.path.join(args.ckpt, "model"), hf_config):
             want = expected.pop(name, None)
@@ -185,39 +168,22 @@ def mcore_to_hf(args) -> None:
             if tuple(tensor.shape) != want:
                 fail(f"{name}: the checkpoint holds shape {tuple(tensor.shape)}, the config predicts "
                      f"{want}; a checkpoint of another model?")
-            nbytes = tensor.numel() * tensor.element_size()
-            if current and size + nbytes > max_bytes:
-                flush()
-            current[name] = tensor.detach().contiguous().clone()
-            size += nbytes
-            total += nbytes
+            writer.add(name, tensor)
     except CheckpointMismatch as exc:
         fail(f"cannot convert {args.ckpt}: {exc}")
     except Exception as exc:  # noqa: BLE001 - dist_checkpointing raises many kinds
         fail(f"cannot read {args.ckpt} as a {hf_config.model_type} checkpoint of its config "
              f"(truncated, or a checkpoint of another model?): {exc}")
-    flush()
     if expected:
         fail(f"the checkpoint lacks {sorted(expected)[:5]} ({len(expected)} tensors): it would be "
              "an incomplete model")
-    # Rename shards to the standard -of- pattern now that the count is known.
-    final = {}
-    for i, name in enumerate(shards):
-        new = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        os.replace(os.path.join(args.out, name), os.path.join(args.out, new))
-        final[name] = new
-    weight_map = {k: final[v] for k, v in index.items()}
-    with open(os.path.join(args.out, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    count, total = writer.close(), writer.total_bytes
     hf_config.save_pretrained(args.out)
-    source = args.origin_hf or os.path.join(args.ckpt, "hf_meta")
-    for name in HF_FILES:
-        if os.path.isfile(os.path.join(source, name)):
-            shutil.copy(os.path.join(source, name), args.out)
+    copy_side_files(args.origin_hf or os.path.join(args.ckpt, "hf_meta"), args.out)
     seconds = time.perf_counter() - start
     held = max(_peak_rss() - base_rss, 0)
     print(f"converted {args.ckpt} (saved at tp={meta.get('tp')}, pp={meta.get('pp')}) -> {args.out}: "
-          f"{len(weight_map)} tensors, {total / 1e9:.4g} GB in {seconds:.1f}s "
+          f"{count} tensors, {total / 1e9:.4g} GB in {seconds:.1f}s "
           f"({total / 1e9 / seconds:.3g} GB/s); peak memory {held / 1e9:.3g} GB above the start "
           f"(one unit and one shard of at most {args.max_shard_gb:g} GB, never the model)", flush=True)
 

@@ -230,6 +230,47 @@ class ModelAdapter:
         return gpt_layer_specs.get_gpt_layer_local_spec(
             qk_layernorm=self.qk_norm, normalization="RMSNorm")
 
+    # ------------------------------------------------------------- Hugging Face names
+    HF_EMBED: ClassVar[str] = "model.embed_tokens.weight"
+    HF_FINAL_NORM: ClassVar[str] = "model.norm.weight"
+    HF_LM_HEAD: ClassVar[str] = "lm_head.weight"
+
+    def hf_layer_names(self, i: int) -> Dict[str, str]:
+        """Role -> Hugging Face name of layer ``i``'s tensors (for engines that run the
+        checkpoint's layout directly, as the CPU engine does)."""
+        p = self.HF_LAYER.format(i=i)
+        names = {"input_norm": "input_layernorm.weight",
+                 "post_attention_norm": "post_attention_layernorm.weight",
+                 "q_proj": "self_attn.q_proj.weight", "k_proj": "self_attn.k_proj.weight",
+                 "v_proj": "self_attn.v_proj.weight", "o_proj": "self_attn.o_proj.weight",
+                 "gate_proj": "mlp.gate_proj.weight", "up_proj": "mlp.up_proj.weight",
+                 "down_proj": "mlp.down_proj.weight"}
+        if self.qkv_bias:
+            names.update(q_bias="self_attn.q_proj.bias", k_bias="self_attn.k_proj.bias",
+                         v_bias="self_attn.v_proj.bias")
+        if self.qk_norm:
+            names.update(q_norm="self_attn.q_norm.weight", k_norm="self_attn.k_norm.weight")
+        return {role: p + suffix for role, suffix in names.items()}
+
+    def hf_shapes(self, hf_config) -> Dict[str, Tuple[int, ...]]:
+        """Name -> shape of every tensor a Hugging Face checkpoint of ``hf_config`` holds
+        (``lm_head`` only when untied)."""
+        s = self.shape(hf_config)
+        q, kv = s.heads * s.head_dim, s.groups * s.head_dim
+        shapes = {self.HF_EMBED: (s.vocab, s.hidden), self.HF_FINAL_NORM: (s.hidden,)}
+        if not self.tied_embeddings(hf_config):
+            shapes[self.HF_LM_HEAD] = (s.vocab, s.hidden)
+        per_role = {"input_norm": (s.hidden,), "post_attention_norm": (s.hidden,),
+                    "q_proj": (q, s.hidden), "k_proj": (kv, s.hidden), "v_proj": (kv, s.hidden),
+                    "o_proj": (s.hidden, q), "gate_proj": (s.ffn, s.hidden),
+                    "up_proj": (s.ffn, s.hidden), "down_proj": (s.hidden, s.ffn),
+                    "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,),
+                    "q_norm": (s.head_dim,), "k_norm": (s.head_dim,)}
+        for i in range(s.layers):
+            for role, name in self.hf_layer_names(i).items():
+                shapes[name] = per_role[role]
+        return shapes
+
     # ------------------------------------------------------------- weights: HF <-> full mcore
     def _layer_pairs(self, s: Shape) -> Iterable[Tuple[str, str]]:
         """(mcore suffix, hf suffix) for one-to-one tensors of a layer."""

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
-from typing import Dict, Mapping, Optional
+from typing import Dict, List, Mapping, Optional
 
 import torch
 
@@ -34,43 +35,93 @@ def load_hf_state_dict(path: str | os.PathLike) -> Dict[str, torch.Tensor]:
     return {name: reader.get(name) for name in reader.names()}
 
 
+# Files of a Hugging Face checkpoint directory besides config.json and the weights, which every
+# writer of one (trainer checkpoints, the converter) carries along.
+HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json",
+                 "chat_template.jinja")
+
+
+def copy_side_files(source: str | os.PathLike, dest: str | os.PathLike) -> List[str]:
+    """Copy the ``HF_SIDE_FILES`` that ``source`` has into ``dest``; returns their names."""
+    copied = []
+    for name in HF_SIDE_FILES:
+        if os.path.isfile(os.path.join(source, name)):
+            shutil.copy(os.path.join(source, name), dest)
+            copied.append(name)
+    return copied
+
+
+class ShardWriter:
+    """Streams named tensors into safetensors shards of at most ``max_shard_bytes`` (None: one
+    shard), named ``model-0000i-of-0000n.safetensors`` with an index; with ``index=False`` a
+    single shard is written as ``model.safetensors`` without one. Holds one shard at a time."""
+
+    def __init__(self, path: str | os.PathLike, max_shard_bytes: Optional[int] = None, *,
+                 index: bool = True):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.max_shard_bytes, self.index = max_shard_bytes, index
+        self._shards: List[str] = []
+        self._weight_map: Dict[str, str] = {}
+        self._current: Dict[str, torch.Tensor] = {}
+        self._size = 0
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._weight_map or name in self._current:
+            raise AdapterError(f"tensor {name!r} written twice")
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._current and self.max_shard_bytes is not None and \
+                self._size + nbytes > self.max_shard_bytes:
+            self._flush()
+        # a copy: callers stream views of buffers they reuse (and safetensors refuses tensors
+        # that share memory)
+        self._current[name] = tensor.detach().cpu().contiguous().clone()
+        self._size += nbytes
+        self.total_bytes += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self._current:
+            return
+        name = f"model-{len(self._shards) + 1:05d}.safetensors.partial"
+        save_file(self._current, str(self.path / name), metadata={"format": "pt"})
+        self._shards.append(name)
+        self._weight_map.update({k: name for k in self._current})
+        self._current, self._size = {}, 0
+
+    def close(self) -> int:
+        """Write what is pending and the index; returns the number of tensors written."""
+        self._flush()
+        n = len(self._shards)
+        if n == 1 and not self.index:
+            os.replace(self.path / self._shards[0], self.path / "model.safetensors")
+            return len(self._weight_map)
+        final = {}
+        for i, name in enumerate(self._shards):
+            final[name] = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(self.path / name, self.path / final[name])
+        (self.path / SAFETENSORS_INDEX).write_text(json.dumps(
+            {"metadata": {"total_size": self.total_bytes},
+             "weight_map": {k: final[v] for k, v in self._weight_map.items()}}, indent=2))
+        return len(self._weight_map)
+
+
 def save_hf_checkpoint(path: str | os.PathLike, hf_config, state: Mapping[str, torch.Tensor],
                        max_shard_bytes: Optional[int] = None) -> None:
     """Write config.json and safetensors shards (with an index when there is more than one)."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     hf_config.save_pretrained(str(path))
-    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    tensors = dict(state)
     if getattr(hf_config, "tie_word_embeddings", False):
         tensors.pop("lm_head.weight", None)  # tied: transformers re-ties it on load
-    seen = {}
-    for name, t in tensors.items():  # safetensors refuses tensors that share memory
-        key = (t.untyped_storage().data_ptr(), t.storage_offset())
-        if key in seen:
-            tensors[name] = t.clone()
-        seen[key] = name
-    if max_shard_bytes is None or sum(t.numel() * t.element_size() for t in tensors.values()) <= max_shard_bytes:
-        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-        return
-    shards, current, size = [], {}, 0
+    writer = ShardWriter(path, max_shard_bytes, index=False)
     for name in sorted(tensors):
-        nbytes = tensors[name].numel() * tensors[name].element_size()
-        if current and size + nbytes > max_shard_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = tensors[name]
-        size += nbytes
-    shards.append(current)
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path / fname), metadata={"format": "pt"})
-        weight_map.update({name: fname for name in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (path / SAFETENSORS_INDEX).write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        writer.add(name, tensors[name])
+    writer.close()
 
 
 _TINY_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,

@@ -59,43 +59,18 @@ class DecoderLM:
         self.inv_freq = rope_inv_freq(s.head_dim, self.adapter.rope_theta(hf_config),
                                       self.adapter.rope_scaling(hf_config))
         self.params: Dict[str, torch.Tensor] = {}
-        self.expected = self._expected_shapes()
+        # names and shapes from the family's adapter (the trainer's exporter uses the same)
+        self.expected = self.adapter.hf_shapes(hf_config)
+        self.layer_names = [self.adapter.hf_layer_names(i) for i in range(s.layers)]
         self.load_weights(state, strict=True)
-
-    def _expected_shapes(self) -> Dict[str, Tuple[int, ...]]:
-        s = self.shape
-        q, kv = s.heads * s.head_dim, s.groups * s.head_dim
-        shapes = {"model.embed_tokens.weight": (s.vocab, s.hidden), "model.norm.weight": (s.hidden,)}
-        if not self.tied:
-            shapes["lm_head.weight"] = (s.vocab, s.hidden)
-        for i in range(s.layers):
-            p = f"model.layers.{i}."
-            shapes.update({
-                p + "input_layernorm.weight": (s.hidden,),
-                p + "post_attention_layernorm.weight": (s.hidden,),
-                p + "self_attn.q_proj.weight": (q, s.hidden),
-                p + "self_attn.k_proj.weight": (kv, s.hidden),
-                p + "self_attn.v_proj.weight": (kv, s.hidden),
-                p + "self_attn.o_proj.weight": (s.hidden, q),
-                p + "mlp.gate_proj.weight": (s.ffn, s.hidden),
-                p + "mlp.up_proj.weight": (s.ffn, s.hidden),
-                p + "mlp.down_proj.weight": (s.hidden, s.ffn),
-            })
-            if self.adapter.qkv_bias:
-                shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                               p + "self_attn.v_proj.bias": (kv,)})
-            if self.adapter.qk_norm:
-                shapes.update({p + "self_attn.q_norm.weight": (s.head_dim,),
-                               p + "self_attn.k_norm.weight": (s.head_dim,)})
-        return shapes
 
     @torch.no_grad()
     def load_weights(self, named: Mapping[str, torch.Tensor], strict: bool = False) -> int:
         """Copy tensors in by name (all of them when ``strict``); every name and shape is checked
         before anything is written, so a bad update leaves the weights untouched."""
         named = {k: v for k, v in named.items() if not k.endswith("rotary_emb.inv_freq")}
-        if self.tied and "lm_head.weight" in named:
-            named.pop("lm_head.weight")
+        if self.tied and self.adapter.HF_LM_HEAD in named:
+            named.pop(self.adapter.HF_LM_HEAD)
         unknown = sorted(set(named) - set(self.expected))
         if unknown:
             raise ValueError(f"unknown weight names: {unknown[:8]}")
@@ -155,20 +130,21 @@ class DecoderLM:
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = emb.cos().to(self.dtype).unsqueeze(1), emb.sin().to(self.dtype).unsqueeze(1)
 
-        x = F.embedding(tokens, p["model.embed_tokens.weight"])
+        a = self.adapter
+        x = F.embedding(tokens, p[a.HF_EMBED])
         rep = s.heads // s.groups
         for i in range(s.layers):
-            pre = f"model.layers.{i}."
-            h = _rms_norm(x, p[pre + "input_layernorm.weight"], self.eps)
-            q = F.linear(h, p[pre + "self_attn.q_proj.weight"], p.get(pre + "self_attn.q_proj.bias"))
-            k = F.linear(h, p[pre + "self_attn.k_proj.weight"], p.get(pre + "self_attn.k_proj.bias"))
-            v = F.linear(h, p[pre + "self_attn.v_proj.weight"], p.get(pre + "self_attn.v_proj.bias"))
+            n = self.layer_names[i]
+            h = _rms_norm(x, p[n["input_norm"]], self.eps)
+            q = F.linear(h, p[n["q_proj"]], p[n["q_bias"]] if "q_bias" in n else None)
+            k = F.linear(h, p[n["k_proj"]], p[n["k_bias"]] if "k_bias" in n else None)
+            v = F.linear(h, p[n["v_proj"]], p[n["v_bias"]] if "v_bias" in n else None)
             q = q.view(-1, s.heads, s.head_dim)
             k = k.view(-1, s.groups, s.head_dim)
             v = v.view(-1, s.groups, s.head_dim)
-            if self.adapter.qk_norm:
-                q = _rms_norm(q, p[pre + "self_attn.q_norm.weight"], self.eps)
-                k = _rms_norm(k, p[pre + "self_attn.k_norm.weight"], self.eps)
+            if "q_norm" in n:
+                q = _rms_norm(q, p[n["q_norm"]], self.eps)
+                k = _rms_norm(k, p[n["k_norm"]], self.eps)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             k_cache[i, slots] = k
             v_cache[i, slots] = v
@@ -182,17 +158,17 @@ class DecoderLM:
             out = F.scaled_dot_product_attention(qp.transpose(1, 2), keys.transpose(1, 2),
                                                  values.transpose(1, 2), attn_mask=mask)
             out = out.transpose(1, 2)[row_of, col_of].reshape(-1, s.heads * s.head_dim)
-            x = x + F.linear(out, p[pre + "self_attn.o_proj.weight"])
-            h = _rms_norm(x, p[pre + "post_attention_layernorm.weight"], self.eps)
-            gate = F.linear(h, p[pre + "mlp.gate_proj.weight"])
-            up = F.linear(h, p[pre + "mlp.up_proj.weight"])
-            x = x + F.linear(F.silu(gate) * up, p[pre + "mlp.down_proj.weight"])
-        head = p["model.embed_tokens.weight"] if self.tied else p["lm_head.weight"]
+            x = x + F.linear(out, p[n["o_proj"]])
+            h = _rms_norm(x, p[n["post_attention_norm"]], self.eps)
+            gate = F.linear(h, p[n["gate_proj"]])
+            up = F.linear(h, p[n["up_proj"]])
+            x = x + F.linear(F.silu(gate) * up, p[n["down_proj"]])
+        head = p[a.HF_EMBED] if self.tied else p[a.HF_LM_HEAD]
         if all_logits:
-            logits = F.linear(_rms_norm(x, p["model.norm.weight"], self.eps), head).float()
+            logits = F.linear(_rms_norm(x, p[a.HF_FINAL_NORM], self.eps), head).float()
             return list(torch.split(logits, n_new))
         last = torch.tensor(n_new).cumsum(0) - 1
-        h = _rms_norm(x[last], p["model.norm.weight"], self.eps)
+        h = _rms_norm(x[last], p[a.HF_FINAL_NORM], self.eps)
         return F.linear(h, head).float()
 
 

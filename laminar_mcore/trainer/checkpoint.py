@@ -33,6 +33,8 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..models.hf import copy_side_files
+
 logger = logging.getLogger(__name__)
 
 COMPLETE = "COMPLETE.json"
@@ -330,16 +332,10 @@ def write_model_meta(ckpt_dir: str, hf_config, *, tp: int, pp: int, dtype: str, 
     os.makedirs(meta_dir, exist_ok=True)
     hf_config.save_pretrained(meta_dir)
     if hf_files_from and os.path.isdir(hf_files_from):
-        for name in HF_SIDE_FILES:
-            if os.path.isfile(os.path.join(hf_files_from, name)):
-                shutil.copy(os.path.join(hf_files_from, name), meta_dir)
+        copy_side_files(hf_files_from, meta_dir)
     with open(os.path.join(ckpt_dir, MODEL_META), "w") as f:
         json.dump({"format": "laminar-mcore/torch_dist", "model_type": hf_config.model_type,
                    "tp": tp, "pp": pp, "dtype": dtype, "source": source}, f, indent=2)
-
-
-HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                 "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja")
 
 
 class CheckpointMismatch(ValueError):
