@@ -151,6 +151,35 @@ def test_algorithm_and_trainer_values_are_typed_and_checked():
     validate_config(_compose("weight_sync.mooncake_protocol=rdma", "weight_sync.mooncake_device=mlx5_0"))
 
 
+def test_engine_transport_and_remote_relay_choices_are_checked():
+    """How engines take weights is validated before anything starts, each error with its fix;
+    the resolved transport is what the engines' pullers use."""
+    from laminar_mcore.config import typed
+    from laminar_mcore.rollout.launcher import engine_pull_spec
+
+    with pytest.raises(ConfigError, match="engine_transport='ftp' must be auto or one of shm, "
+                                          "sglang_cuda_ipc, mooncake"):
+        validate_config(_compose("weight_sync.engine_transport=ftp"))
+    with pytest.raises(ConfigError, match="engine_transport=mooncake needs "
+                                          "weight_sync.mooncake_protocol"):
+        validate_config(_compose("weight_sync.engine_transport=mooncake"))
+    with pytest.raises(ConfigError, match="sglang_cuda_ipc needs rollout.backend=sglang"):
+        validate_config(_compose("weight_sync.engine_transport=sglang_cuda_ipc"))
+    with pytest.raises(ConfigError, match="rollout.relay=remote is for job=rollout"):
+        validate_config(_compose("job=train", "rollout.relay=remote",
+                                 "weight_sync.mooncake_protocol=tcp"))
+    with pytest.raises(ConfigError, match="rollout.relay=remote reads weights through Mooncake"):
+        validate_config(_compose("job=rollout", "rollout.relay=remote",
+                                 "weight_sync.engine_transport=shm"))
+    cfg = _compose("job=rollout", "rollout.relay=remote", "weight_sync.mooncake_protocol=tcp")
+    validate_config(cfg)
+    t = typed(cfg)
+    spec = engine_pull_spec(t.rollout, 0, t.weight_sync)
+    assert spec.fmt == "mooncake" and spec.option("protocol") == "tcp"
+    default = typed(_compose())
+    assert engine_pull_spec(default.rollout, 0, default.weight_sync).fmt == "shm"  # CPU engines
+
+
 def test_plan_job_needs_no_checkpoint_and_the_gpu_recipes_fit(tmp_path):
     """`job=plan` runs from the recipes' published architectures alone and writes plan.json;
     both GPU recipes fit an 8 x 80 GB node as shipped."""

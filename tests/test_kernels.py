@@ -115,3 +115,17 @@ def test_kernel_offsets_past_2_pow_31_elements():
         lp, _ = klp.logprobs_entropy_triton(logits, targets, 0, None, None)
     ref = torch.log_softmax(logits[-2:].float(), -1).gather(-1, targets[-2:, None])[:, 0]
     torch.testing.assert_close(lp[-2:].float(), ref, atol=1e-4, rtol=0)
+
+
+def test_the_trainers_float64_pack_is_exact_in_the_kernel():
+    """pack_trajectories packs token ids and float32 columns as one float64 batch; the Triton
+    kernel (what GPUs run) moves them bit for bit like the torch reference."""
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([5, 1, 9, 4])
+    padded = torch.zeros(4, 9, 5, dtype=torch.float64)
+    for b, n in enumerate(lengths.tolist()):
+        padded[b, :n, :2] = torch.randint(0, 151_000, (n, 2), generator=g).double()
+        padded[b, :n, 2:] = torch.randn(n, 3, generator=g).float().double()
+    out_t = kpack.pack(padded, lengths, 4, use_triton=True)
+    out_r = kpack.pack(padded, lengths, 4, use_triton=False)
+    assert torch.equal(out_t, out_r) and out_t.dtype == torch.float64

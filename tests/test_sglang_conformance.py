@@ -48,12 +48,12 @@ def api_types(sglang):
 
 @pytest.fixture(scope="module")
 def cpu_routes(tmp_path_factory):
-    from laminar_mcore.rollout.cpu_engine import CpuEngineServer
+    from laminar_mcore.rollout.cpu_engine import CpuEngineServer, ServerArgs
     from laminar_mcore.rollout.model import DecoderLM
 
     cfg = tiny_hf_config("qwen2")
     server = CpuEngineServer(DecoderLM(cfg, initial_hf_state(type("M", (), {"path": None})(), cfg, 0)),
-                             "/m")
+                             ServerArgs("/m"))
     return {(r.method, r.resource.canonical) for r in server.app.router.routes()
             if r.method != "HEAD"}
 

@@ -95,6 +95,10 @@ class RolloutConfig:
     max_running_requests: int = 64
     base_port: int = 0  # 0: pick free ports
     host: str = "127.0.0.1"
+    # Where a rollout node's engines take weights from: local (a relay on this node, the
+    # default) or remote (no relay here: a relay on another node, read through Mooncake's
+    # transfer engine; needs weight_sync.mooncake_protocol; job=rollout only).
+    relay: str = "local"
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     extra_args: List[str] = field(default_factory=list)  # passed to sglang.launch_server
     # Engines stream only new tokens (--incremental-streaming-output), a chunk every

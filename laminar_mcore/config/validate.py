@@ -25,6 +25,7 @@ _CHOICES = {
     "job": ("smoke", "train", "plan", "controller", "rollout", "trainer"),
     "model.dtype": ("auto", "fp32", "bf16", "fp16"),
     "rollout.backend": ("cpu", "sglang"),
+    "rollout.relay": ("local", "remote"),
     "algo.cap_mode": ("mask", "clamp"),
     "algo.cap_level": ("token", "sequence"),
     "algo.advantage": ("grpo",),
@@ -139,6 +140,15 @@ def validate_config(cfg: DictConfig) -> None:
         problems.append(f"weight_sync.mooncake_protocol={cfg.weight_sync.mooncake_protocol!r} "
                         "must be null, tcp or rdma")
     et = cfg.weight_sync.engine_transport
+    if cfg.rollout.relay == "remote":
+        if cfg.job == "train":
+            problems.append("rollout.relay=remote is for job=rollout nodes of a cluster (a node "
+                            "without a relay); on one machine set "
+                            "weight_sync.engine_transport=mooncake to pull through Mooncake")
+        if et not in ("auto", "mooncake"):
+            problems.append(f"rollout.relay=remote reads weights through Mooncake; "
+                            f"weight_sync.engine_transport={et} cannot reach another node")
+        et = "mooncake" if et == "auto" else et
     if et not in ("auto", *TRANSPORTS):
         problems.append(f"weight_sync.engine_transport={et!r} must be auto or one of "
                         f"{', '.join(TRANSPORTS)}")

@@ -22,6 +22,16 @@ class ControllerError(RuntimeError):
     pass
 
 
+def controller_url(cfg) -> str:
+    """Where the controller of a multi-node run listens (``cluster.controller_addr``:
+    ``cluster.controller_port``)."""
+    port = int(cfg.cluster.controller_port)
+    if port <= 0:
+        raise ControllerError("cluster.controller_port must be set (> 0) for job=rollout and "
+                              "job=trainer: the port the controller listens on")
+    return f"http://{cfg.cluster.controller_addr}:{port}"
+
+
 class ControllerClient:
     def __init__(self, url: str, token: str, timeout_s: float = 120.0):
         self.url = url.rstrip("/")
@@ -76,10 +86,13 @@ class ControllerClient:
         return self._call("POST", f"/relay_role?timeout={timeout_s:g}", {},
                           timeout=timeout_s + 30)[1]
 
-    def register(self, relay_url: str, engines: List[str], publish: Optional[dict] = None) -> dict:
+    def register(self, relay_url: str, engines: List[str], publish: Optional[dict] = None,
+                 pull_agent: Optional[str] = None) -> dict:
         body = {"relay_url": relay_url, "engines": list(engines)}
         if publish is not None:
             body["publish"] = publish
+        if pull_agent is not None:
+            body["pull_agent"] = pull_agent
         return self._call("POST", "/register", body)[1]
 
     def cluster(self) -> dict:

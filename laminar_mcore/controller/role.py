@@ -97,8 +97,8 @@ def resume_state(cfg: LaminarConfig, out_dir: str, log) -> Optional[dict]:
     return None
 
 
-def finish_run(controller: Controller, task: TaskData, relay_url: str, engine_url: str,
-               result: dict, initial: float, t_start: float, out_dir: str, log) -> dict:
+def finish_run(controller: Controller, relay_url: str, engine_url: str, result: dict,
+               initial: float, t_start: float, out_dir: str, log) -> dict:
     """After training: bring one engine to the final version, evaluate, keep the books and
     write ``summary.json`` and the plot. Raises if the books do not balance."""
     from ..relay.client import RelayClient
@@ -106,7 +106,7 @@ def finish_run(controller: Controller, task: TaskData, relay_url: str, engine_ur
     from ..rollout.client import SGLangClient
     from ..rollout.launcher import engine_pull_spec, engine_transport
 
-    cfg, metrics = controller.cfg, controller.metrics
+    cfg, metrics, task = controller.cfg, controller.metrics, controller.task
     version = result["version"]
 
     async def final_pull():
@@ -223,7 +223,7 @@ def run(cfg: LaminarConfig, token: str) -> dict:
                     raise ControllerError(f"controller failed: {controller.error}")
         finally:
             progress.close()
-        return finish_run(controller, task, controller.master_relay["url"], first_engine,
+        return finish_run(controller, controller.master_relay["url"], first_engine,
                           controller.trainer_done, initial, t_start, out_dir, log)
     finally:
         if controller is not None:

@@ -26,6 +26,7 @@ from ..relay.transports import make_puller
 from ..reward import RewardService
 from ..rollout.client import SGLangClient
 from ..rollout.launcher import engine_pull_spec
+from ..rollout.pull_agent import AgentPuller
 from .episode import SingleTurn, TaskCodec
 from .manager import EngineHandle, RolloutData, RolloutManager
 from .modes import policy_for
@@ -69,6 +70,7 @@ class Controller:
         nodes of a cluster, see controller/role.py); ``info`` (model path, checkpoint
         directory) is what ``GET /cluster`` tells the other roles."""
         self.cfg = cfg
+        self.task = task
         self.policy = policy_for(cfg.mode, cfg.algo.max_staleness)
         self.mode = cfg.mode
         self.token = token
@@ -182,7 +184,7 @@ class Controller:
         for h in self.manager.engines:
             await h.client.close()
             await h.relay.close()
-            h.puller.close()
+            await h.puller.aclose()
         await runner.cleanup()
 
     # ------------------------------------------------------------------ engines
@@ -195,16 +197,22 @@ class Controller:
 
         return asyncio.run_coroutine_threadsafe(add(), self.loop).result(60)
 
-    def _add_node(self, relay_url: str, engine_urls: List[str]) -> List[str]:
+    def _add_node(self, relay_url: str, engine_urls: List[str],
+                  pull_agent: Optional[str] = None) -> List[str]:
+        """``pull_agent``: the URL of the node's pull agent when its engines pull from a relay
+        on another node (``rollout.relay=remote``): pulls then run there, not here."""
         node = len(self.rollout_nodes)
         names = []
         for i, url in enumerate(engine_urls):
+            if pull_agent:
+                puller = AgentPuller(pull_agent, i, self.token)
+            else:
+                puller = make_puller(engine_pull_spec(self.cfg.rollout, i, self.cfg.weight_sync))
             # engines of a run stream incrementally (rollout.launcher.engine_command_from_config)
             handle = EngineHandle(
                 f"node{node}-engine{i}",
                 SGLangClient(url, retries=0, timeout_s=10, incremental_stream=True),
-                RelayClient(relay_url, self.token),
-                make_puller(engine_pull_spec(self.cfg.rollout, i, self.cfg.weight_sync)),
+                RelayClient(relay_url, self.token), puller,
                 capacity=self.cfg.rollout.max_running_requests)
             self.manager.add_engine(handle)
             names.append(handle.name)
@@ -252,9 +260,11 @@ class Controller:
         body = await self._json_body(request)
         if (body is None or not isinstance(body.get("relay_url"), str)
                 or not isinstance(body.get("engines"), list)
-                or not all(isinstance(u, str) for u in body["engines"])):
+                or not all(isinstance(u, str) for u in body["engines"])
+                or not isinstance(body.get("pull_agent", ""), str)):
             return web.json_response({"error": "expected {relay_url: str, engines: [str], "
-                                               "publish?: {host, port}}"}, status=400)
+                                               "publish?: {host, port}, pull_agent?: str}"},
+                                     status=400)
         publish = body.get("publish")
         if publish is not None:
             if self.master_relay is not None:
@@ -263,7 +273,7 @@ class Controller:
             self.master_relay = {"url": body["relay_url"], "publish_host": str(publish["host"]),
                                  "publish_port": int(publish["port"])}
         node = len(self.rollout_nodes)
-        names = self._add_node(body["relay_url"], body["engines"])
+        names = self._add_node(body["relay_url"], body["engines"], body.get("pull_agent"))
         return web.json_response({"ok": True, "node": node, "engines": names})
 
     async def _cluster(self, request: web.Request):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 
 from ..config import typed
-from ..controller.client import TOKEN_ENV, ControllerClient, ControllerError
+from ..controller.client import TOKEN_ENV, ControllerClient, ControllerError, controller_url
 
 ClusterError = ControllerError
 
@@ -34,14 +34,6 @@ def run_token() -> str:
         raise ClusterError(f"multi-node roles share a secret run token: export {TOKEN_ENV}=<at "
                            "least 8 characters, e.g. $(openssl rand -hex 16)> on every node")
     return token
-
-
-def controller_url(cfg) -> str:
-    port = int(cfg.cluster.controller_port)
-    if port <= 0:
-        raise ClusterError("cluster.controller_port must be set (> 0) for job=rollout and "
-                           "job=trainer: the port the controller listens on")
-    return f"http://{cfg.cluster.controller_addr}:{port}"
 
 
 def run_role(job: str, cfg) -> object:
@@ -58,5 +50,5 @@ def run_role(job: str, cfg) -> object:
     if job == "trainer":
         from ..trainer.loop import run
 
-        return run(cfg, token, controller_url(cfg))
+        return run(cfg, token)
     raise ValueError(f"job={job!r} is not a cluster role")

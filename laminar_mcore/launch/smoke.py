@@ -1,9 +1,8 @@
 """The `smoke` job: the configured model, at the configured TP x PP x DP, forward and backward.
 
-Until the end-to-end RL loop lands this is the smallest real thing `make demo` runs: it builds
-the Megatron-Core model from the run config in every trainer process, loads the same weights at
-any layout, runs Megatron's pipeline schedule on a fixed batch and checks the loss against
-transformers' implementation of the same model.
+A check of a parallel layout before a run: it builds the Megatron-Core model from the run config
+in every trainer process, loads the same weights at any layout, runs Megatron's pipeline schedule
+on a fixed batch and checks the loss against transformers' implementation of the same model.
 """
 
 from __future__ import annotations

@@ -60,8 +60,8 @@ def run_train(cfg) -> dict:
                 nproc)
         finally:
             progress.close()
-        return finish_run(controller, task, relay.url, engines[0].url, results[0], initial,
-                          t_start, out_dir, log)
+        return finish_run(controller, relay.url, engines[0].url, results[0], initial, t_start,
+                          out_dir, log)
     finally:
         if controller is not None:
             controller.stop()

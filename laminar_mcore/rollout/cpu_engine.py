@@ -26,6 +26,7 @@ import os
 import socket
 import time
 import uuid
+from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -49,37 +50,46 @@ def load_tokenizer(model_path: str):
     return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
 
 
+@dataclass
+class ServerArgs:
+    """The CPU engine's share of SGLang's ``ServerArgs`` (same names and meanings)."""
+
+    model_path: str
+    api_key: Optional[str] = None
+    max_total_tokens: int = 16384  # the KV cache, in tokens
+    max_running_requests: int = 64
+    weight_version: str = "default"
+    random_seed: int = 0
+    context_length: Optional[int] = None  # prompt + max_new_tokens; None: the model's
+    enable_deterministic_inference: bool = False
+    incremental_streaming_output: bool = False
+    stream_interval: int = 1
+    served_model_name: Optional[str] = None
+
+
 class CpuEngineServer(WeightUpdateRoutes):
-    def __init__(self, model: DecoderLM, model_path: str, *, api_key: Optional[str] = None,
-                 kv_capacity_tokens: int = 16384, max_running_requests: int = 64,
-                 weight_version: str = "default", seed: int = 0,
-                 context_length: Optional[int] = None, deterministic: bool = False,
-                 incremental_streaming_output: bool = False, stream_interval: int = 1,
-                 served_model_name: Optional[str] = None, tokenizer: Any = None):
+    def __init__(self, model: DecoderLM, args: ServerArgs, tokenizer: Any = None):
         eos = getattr(model.config, "eos_token_id", None)
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         self.tokenizer = tokenizer
         self.decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) \
             if tokenizer is not None else None
-        self.core = EngineCore(model, kv_capacity_tokens=kv_capacity_tokens,
-                               max_running_requests=max_running_requests, eos_token_ids=eos,
-                               weight_version=weight_version, seed=seed,
-                               deterministic=deterministic, decode=self.decode)
-        self.model_path = model_path
-        self.served_model_name = served_model_name or model_path
-        self.context_length = int(context_length or model.config.max_position_embeddings)
-        self.incremental = incremental_streaming_output
-        self.stream_interval = max(1, int(stream_interval))
-        self.api_key = api_key
+        self.core = EngineCore(model, kv_capacity_tokens=args.max_total_tokens,
+                               max_running_requests=args.max_running_requests, eos_token_ids=eos,
+                               weight_version=args.weight_version, seed=args.random_seed,
+                               deterministic=args.enable_deterministic_inference,
+                               decode=self.decode)
+        self.model_path = args.model_path
+        self.served_model_name = args.served_model_name or args.model_path
+        self.context_length = int(args.context_length or model.config.max_position_embeddings)
+        self.incremental = args.incremental_streaming_output
+        self.stream_interval = max(1, int(args.stream_interval))
+        self.api_key = args.api_key
         self.started = time.time()
-        self.server_args = {"model_path": model_path, "api_key": None, "context_length":
-                            self.context_length, "max_total_tokens": kv_capacity_tokens,
-                            "max_running_requests": max_running_requests,
-                            "weight_version": weight_version, "random_seed": seed,
-                            "enable_deterministic_inference": deterministic,
-                            "incremental_streaming_output": incremental_streaming_output,
-                            "stream_interval": self.stream_interval,
-                            "served_model_name": self.served_model_name}
+        # what /server_info reports (the key never leaves the server)
+        self.server_args = dict(asdict(args), api_key=None, context_length=self.context_length,
+                                stream_interval=self.stream_interval,
+                                served_model_name=self.served_model_name)
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self.dist_group: Optional[dict] = None
         self.session_open = False  # a weight-update session (begin ... end)
@@ -476,16 +486,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     if not os.path.isdir(args.model):
         ap.error(f"--model {args.model!r} is not a directory")
     model = load_decoder(args.model)
-    server = CpuEngineServer(model, args.model, api_key=args.api_key,
-                             kv_capacity_tokens=args.kv_capacity_tokens,
-                             max_running_requests=args.max_running_requests,
-                             weight_version=args.weight_version, seed=args.seed,
-                             context_length=args.context_length,
-                             deterministic=args.enable_deterministic_inference,
-                             incremental_streaming_output=args.incremental_streaming_output,
-                             stream_interval=args.stream_interval,
-                             served_model_name=args.served_model_name,
-                             tokenizer=load_tokenizer(args.model))
+    server = CpuEngineServer(model, ServerArgs(
+        model_path=args.model, api_key=args.api_key, max_total_tokens=args.kv_capacity_tokens,
+        max_running_requests=args.max_running_requests, weight_version=args.weight_version,
+        random_seed=args.seed, context_length=args.context_length,
+        enable_deterministic_inference=args.enable_deterministic_inference,
+        incremental_streaming_output=args.incremental_streaming_output,
+        stream_interval=args.stream_interval, served_model_name=args.served_model_name),
+        tokenizer=load_tokenizer(args.model))
     # Bind first so that --port 0 works: the chosen port is printed for launchers to read.
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -121,6 +121,8 @@ def engine_transport(rollout_cfg, weight_sync=None) -> str:
     CPU engine (both from the relay on the engine's machine)."""
     name = getattr(weight_sync, "engine_transport", "auto") if weight_sync is not None else "auto"
     if name == "auto":
+        if getattr(rollout_cfg, "relay", "local") == "remote":
+            return "mooncake"  # no relay on this node: read from one on another node
         return "sglang_cuda_ipc" if rollout_cfg.backend == "sglang" else "shm"
     return name
 
@@ -129,6 +131,10 @@ def engine_pull_spec(rollout_cfg, index: int, weight_sync=None) -> PullSpec:
     """How engine ``index`` of a rollout node takes weights from its relay (the transport's
     ``spec_for``: CUDA IPC payloads on its GPUs for SGLang, shared-memory handles for the CPU
     engine, Mooncake reads from a relay on another machine)."""
+    if weight_sync is None:
+        from ..config.schema import WeightSyncConfig
+
+        weight_sync = WeightSyncConfig()
     name = engine_transport(rollout_cfg, weight_sync)
     devices = tuple(f"cuda:{g}" for g in engine_gpu_ids(rollout_cfg, index))
     return transport_module(name).spec_for(rollout_cfg, weight_sync, devices)

@@ -3,7 +3,9 @@
 ``start_rollout_node`` starts them (the local launcher and the cluster role share it);
 ``run(cfg, client)`` is the rollout role of a multi-node run (``job=rollout``): it asks the
 controller whether it hosts the master relay, starts its relay and engines, registers them and
-stops when the run is done or its controller is gone.
+stops when the run is done or its controller is gone. With ``rollout.relay=remote`` the node
+runs no relay: its engines read every version from the master relay through Mooncake, by a
+pull agent in this process (rollout/pull_agent.py).
 """
 
 from __future__ import annotations
@@ -33,16 +35,23 @@ def start_rollout_node(cfg: LaminarConfig, model_path: str, token: str, logs: st
     relay = relay_process(relay_cfg, os.path.join(logs, f"relay-{relay_id}.log"))
     procs.append(relay.start())
     publish_port = int(relay.wait_printed("LAMINAR_RELAY_PUBLISH_PORT")) if master_url is None else None
+    return relay, start_engines(cfg, model_path, logs, procs, relay_id), publish_port
+
+
+def start_engines(cfg: LaminarConfig, model_path: str, logs: str, procs: list,
+                  name: str = "master") -> list:
+    """``rollout.num_engines`` engines of this node (appended to ``procs`` as they start)."""
+    host = cfg.rollout.host
     engines = []
     for i in range(cfg.rollout.num_engines):
         port = 0 if cfg.rollout.backend == "cpu" else free_port()
         engine = EngineProcess(engine_command_from_config(cfg.rollout, model_path, port=port, index=i,
                                                           seed=cfg.seed),
-                               log_path=os.path.join(logs, f"engine-{relay_id}-{i}.log"), host=host,
+                               log_path=os.path.join(logs, f"engine-{name}-{i}.log"), host=host,
                                port=port or None)
         procs.append(engine.start())
         engines.append(engine)
-    return relay, engines, publish_port
+    return engines
 
 
 class NodeError(RuntimeError):
@@ -59,33 +68,67 @@ def run(cfg: LaminarConfig, client) -> None:
 
     client.wait_for("the controller", client.health, lambda a: a.get("ok"),
                     cfg.cluster.join_timeout_s)
-    role = client.relay_role(cfg.cluster.join_timeout_s)
     procs: list = []
+    agent = None
     try:
-        relay, engines, publish_port = start_rollout_node(
-            cfg, role["model_path"], client.token, logs, procs,
-            master_url=None if role["master"] else role["master_url"],
-            relay_id="master" if role["master"] else name)
-        client.register(relay.url, [e.url for e in engines],
-                        publish={"host": relay.host, "port": publish_port} if role["master"] else None)
-        log(f"registered: {'master ' if role['master'] else ''}relay {relay.url}, "
-            f"{len(engines)} {cfg.rollout.backend} engines")
-        unreachable_since = None
-        while True:
-            for p in procs:
-                if p.proc.poll() is not None:
-                    raise NodeError(f"{p.command[2]} exited with {p.proc.returncode}; see {p.log_path}")
-            try:
-                if client.health().get("done"):
-                    log("the run is done; stopping")
-                    return
-                unreachable_since = None
-            except (urllib.error.URLError, OSError):
-                unreachable_since = unreachable_since or time.time()
-                if time.time() - unreachable_since > cfg.cluster.shutdown_grace_s:
-                    log("the controller is gone; stopping")
-                    return
-            time.sleep(1.0)
+        if cfg.rollout.relay == "remote":
+            agent = _run_remote_node(cfg, client, name, logs, procs, log)
+        else:
+            _run_relay_node(cfg, client, name, logs, procs, log)
+        _watch(cfg, client, procs, log)
     finally:
+        if agent is not None:
+            agent.stop()
         for p in reversed(procs):
             p.stop()
+
+
+def _run_relay_node(cfg, client, name, logs, procs, log) -> None:
+    role = client.relay_role(cfg.cluster.join_timeout_s)
+    relay, engines, publish_port = start_rollout_node(
+        cfg, role["model_path"], client.token, logs, procs,
+        master_url=None if role["master"] else role["master_url"],
+        relay_id="master" if role["master"] else name)
+    client.register(relay.url, [e.url for e in engines],
+                    publish={"host": relay.host, "port": publish_port} if role["master"] else None)
+    log(f"registered: {'master ' if role['master'] else ''}relay {relay.url}, "
+        f"{len(engines)} {cfg.rollout.backend} engines")
+
+
+def _run_remote_node(cfg, client, name, logs, procs, log):
+    """Engines only; versions come from the master relay through the pull agent."""
+    from .launcher import engine_pull_spec
+    from .pull_agent import PullAgent
+
+    info = client.wait_for("the master relay", client.cluster,
+                           lambda a: a.get("master_relay"), cfg.cluster.join_timeout_s)
+    relay_url = info["master_relay"]["url"]
+    engines = start_engines(cfg, info["model_path"], logs, procs, name)
+    agent = PullAgent(relay_url, [e.url for e in engines],
+                      [engine_pull_spec(cfg.rollout, i, cfg.weight_sync)
+                       for i in range(len(engines))], client.token, host=cfg.rollout.host)
+    agent.start()
+    client.register(relay_url, [e.url for e in engines], pull_agent=agent.url)
+    log(f"registered: no relay here, {len(engines)} {cfg.rollout.backend} engines pulling from "
+        f"{relay_url} through Mooncake (pull agent {agent.url})")
+    return agent
+
+
+def _watch(cfg, client, procs, log) -> None:
+    """Until the run is done (or the controller gone): every process of the node must live."""
+    unreachable_since = None
+    while True:
+        for p in procs:
+            if p.proc.poll() is not None:
+                raise NodeError(f"{p.command[2]} exited with {p.proc.returncode}; see {p.log_path}")
+        try:
+            if client.health().get("done"):
+                log("the run is done; stopping")
+                return
+            unreachable_since = None
+        except (urllib.error.URLError, OSError):
+            unreachable_since = unreachable_since or time.time()
+            if time.time() - unreachable_since > cfg.cluster.shutdown_grace_s:
+                log("the controller is gone; stopping")
+                return
+        time.sleep(1.0)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..algos import decoupled_ppo_token_terms, finalize_stats, get_advantage_fn
-from ..config.schema import AlgoConfig, TrainerConfig
+from ..config.schema import AlgoConfig, ParallelConfig, TrainerConfig
 from ..data.trajectory import Trajectory
 from ..parallel import apply_cpu_compat, device
 from .logprobs import megatron_vocab_parallel_logprobs
@@ -42,12 +42,14 @@ class MegatronActor:
     """One pipeline stage of the policy on this rank, with its optimizer. Collective: every
     trainer rank constructs it and calls ``train_step`` together."""
 
-    def __init__(self, hf_config, algo: AlgoConfig, trainer: TrainerConfig, *, full_state=None,
+    def __init__(self, hf_config, algo: AlgoConfig, trainer: TrainerConfig,
+                 parallel: Optional[ParallelConfig] = None, *, full_state=None,
                  init_weights=None, dtype: torch.dtype = torch.float32,
-                 use_distributed_optimizer: bool = True, use_te: Optional[bool] = None,
-                 sequence_parallel: bool = False):
+                 use_te: Optional[bool] = None):
         """``full_state`` (full Megatron tensors) or ``init_weights(model)`` set the starting
-        weights before the optimizer takes its (fp32 master) copies of them."""
+        weights before the optimizer takes its (fp32 master) copies of them. ``parallel``: the
+        run's section, of which the actor reads ``use_distributed_optimizer`` and
+        ``sequence_parallel`` (the layout itself is the process groups')."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import (DistributedDataParallel,
                                                DistributedDataParallelConfig, finalize_model_grads)
@@ -64,10 +66,11 @@ class MegatronActor:
         self.consecutive_nonfinite = 0
         self.total_nonfinite = 0
         # The same Megatron optimizer on CPU (gloo) as on GPUs (see parallel/cpu_compat.py).
-        use_dist_opt = self.use_distributed_optimizer = bool(use_distributed_optimizer)
+        parallel = parallel or ParallelConfig()
+        use_dist_opt = self.use_distributed_optimizer = bool(parallel.use_distributed_optimizer)
 
         model = build_gpt_model(hf_config, dtype=dtype, use_te=self.use_te, **memory_config(
-            sequence_parallel=sequence_parallel, recompute=t.recompute,
+            sequence_parallel=parallel.sequence_parallel, recompute=t.recompute,
             recompute_num_layers=t.recompute_num_layers))
         if full_state is not None:
             load_full_state(model, hf_config, full_state)
@@ -132,8 +135,9 @@ class MegatronActor:
         dist.scatter_object_list(received, payload if dist.get_rank() == 0 else None, src=0)
         tp = self.ps.get_tensor_model_parallel_world_size()
         cp = self.ps.get_context_parallel_world_size()
-        return [pack_trajectories([t for t, _, _ in mb],
-                                  [a for _, a, _ in mb], [i for _, _, i in mb], tp=tp, cp=cp)
+        # packed where the model is: the Triton packing kernel on GPUs, torch on CPU
+        return [pack_trajectories([t for t, _, _ in mb], [a for _, a, _ in mb],
+                                  [i for _, _, i in mb], tp=tp, cp=cp, device=device())
                 for mb in received[0]]
 
     # ------------------------------------------------------------------ forward passes

@@ -38,9 +38,7 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
         hf_config = load_hf_config(model_path)
         algo, trainer = cfg.algo, cfg.trainer
         reader = SafetensorsReader(model_path)
-        actor = MegatronActor(hf_config, algo, trainer, dtype=resolve_dtype(cfg.model.dtype),
-                              use_distributed_optimizer=p.use_distributed_optimizer,
-                              sequence_parallel=p.sequence_parallel,
+        actor = MegatronActor(hf_config, algo, trainer, p, dtype=resolve_dtype(cfg.model.dtype),
                               init_weights=lambda model: load_hf_checkpoint(model, hf_config, reader))
         publisher = WeightPublisher(actor.model, hf_config, relay_host=relay_host,
                                     publish_port=publish_port,
@@ -80,12 +78,12 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
         destroy_trainer_parallel()
 
 
-def run(cfg, token: str, controller_url: str) -> dict:
+def run(cfg, token: str) -> dict:
     """One trainer rank of a multi-node run (``job=trainer``, under torchrun: RANK, WORLD_SIZE,
     MASTER_ADDR/PORT from its env): waits until the rollout nodes are up, trains, and rank 0
     tells the controller it is done."""
     from ..config import as_dict
-    from ..controller.client import ControllerClient, ControllerError
+    from ..controller.client import ControllerClient, ControllerError, controller_url
 
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise ControllerError("job=trainer runs under torchrun (it reads RANK and WORLD_SIZE); "
@@ -95,11 +93,12 @@ def run(cfg, token: str, controller_url: str) -> dict:
     if world != t.nnodes * t.nproc_per_node:
         raise ControllerError(f"torchrun started {world} processes but cluster.trainer is "
                               f"{t.nnodes} x {t.nproc_per_node}; make them agree")
-    client = ControllerClient(controller_url, token)
+    url = controller_url(cfg)
+    client = ControllerClient(url, token)
     info = client.wait_for("the rollout nodes", client.cluster, lambda a: a.get("ready"),
                            cfg.cluster.join_timeout_s)
     relay = info["master_relay"]
-    result = trainer_main(as_dict(cfg), info["model_path"], controller_url, token,
+    result = trainer_main(as_dict(cfg), info["model_path"], url, token,
                           relay["publish_host"], relay["publish_port"], info["checkpoint_dir"])
     if int(os.environ["RANK"]) == 0:
         client.done(result)

@@ -80,44 +80,50 @@ def padded_length(length: int, multiple: int) -> int:
 
 
 def pack_trajectories(trajectories: Sequence[Trajectory], advantages: Sequence[float],
-                      traj_indices: Sequence[int], *, tp: int = 1, cp: int = 1) -> PackedMicroBatch:
-    """One packed micro-batch from ``trajectories`` (and one advantage per trajectory)."""
+                      traj_indices: Sequence[int], *, tp: int = 1, cp: int = 1,
+                      device=None) -> PackedMicroBatch:
+    """One packed micro-batch from ``trajectories`` (and one advantage per trajectory), built on
+    ``device``: the per-sequence columns are laid out as a padded batch and packed into THD by
+    ``kernels.packing.pack`` -- its Triton kernel on GPUs, its torch reference on CPU."""
+    from ..kernels.packing import cu_seqlens, pack
+
     if len(trajectories) != len(advantages) or len(trajectories) != len(traj_indices):
         raise ValueError("pack_trajectories needs one advantage and one index per trajectory")
     if not trajectories:
         raise ValueError("cannot pack an empty micro-batch")
     multiple = pad_multiple(tp, cp)
-    cols = {k: [] for k in ("tokens", "labels", "pos", "mask", "behav", "adv", "seq")}
-    cu, cu_pad = [0], [0]
-    for traj, adv, index in zip(trajectories, advantages, traj_indices):
-        ids = list(traj.prompt_ids) + list(traj.response_ids)
-        n, p = len(ids), len(traj.prompt_ids)
-        n_pad = padded_length(n, multiple)
-        labels = ids[1:] + [0]
-        mask = [1.0 if p - 1 <= i <= n - 2 else 0.0 for i in range(n)]
-        behav = [0.0] * n
-        for j, lp in enumerate(traj.behav_logprobs):
-            behav[p - 1 + j] = float(lp)
-        pad = n_pad - n
-        cols["tokens"] += ids + [0] * pad
-        cols["labels"] += labels + [0] * pad
-        cols["pos"] += list(range(n_pad))
-        cols["mask"] += mask + [0.0] * pad
-        cols["behav"] += behav + [0.0] * pad
-        cols["adv"] += [float(adv) if m else 0.0 for m in mask] + [0.0] * pad
-        cols["seq"] += [index] * n + [-1] * pad
-        cu.append(cu[-1] + n)
-        cu_pad.append(cu_pad[-1] + n_pad)
+    lengths = [t.num_tokens for t in trajectories]
+    # Columns: input id, next-token id, loss mask, behaviour log-prob, advantage. float64 holds
+    # token ids exactly (< 2**53) and the float32 columns without rounding: one pack for all.
+    padded = torch.zeros(len(trajectories), max(lengths), 5, dtype=torch.float64)
+    for b, (traj, adv) in enumerate(zip(trajectories, advantages)):
+        n, p = lengths[b], len(traj.prompt_ids)
+        ids = torch.tensor(list(traj.prompt_ids) + list(traj.response_ids), dtype=torch.float64)
+        padded[b, :n, 0] = ids
+        padded[b, :n - 1, 1] = ids[1:]
+        # position i predicts token i+1: the response's tokens are predicted at p-1 .. n-2
+        padded[b, p - 1:n - 1, 2] = 1.0
+        padded[b, p - 1:n - 1, 3] = torch.tensor(traj.behav_logprobs, dtype=torch.float32).double()
+        padded[b, p - 1:n - 1, 4] = float(torch.tensor(float(adv), dtype=torch.float32))
+    lens = torch.tensor(lengths, dtype=torch.int64)
+    if device is not None:
+        padded, lens = padded.to(device), lens.to(device)
+    packed = pack(padded, lens, multiple)  # [T, 5]
+    cu, cu_pad = cu_seqlens(lens, multiple)
+    spans = (cu_pad[1:] - cu_pad[:-1]).long()
+    seq_of = torch.repeat_interleave(torch.arange(len(lengths), device=lens.device), spans)
+    pos = torch.arange(int(cu_pad[-1]), device=lens.device) - cu_pad[:-1].long()[seq_of]
+    index = torch.tensor(list(traj_indices), dtype=torch.long, device=lens.device)
+    seq = torch.where(pos < lens[seq_of], index[seq_of], torch.full_like(pos, -1))
 
-    def row(values, dtype):
-        return torch.tensor(values, dtype=dtype).unsqueeze(0)
+    def row(column, dtype):
+        return packed[:, column].to(dtype).unsqueeze(0)
 
     return PackedMicroBatch(
-        tokens=row(cols["tokens"], torch.long), labels=row(cols["labels"], torch.long),
-        position_ids=row(cols["pos"], torch.long), loss_mask=row(cols["mask"], torch.float32),
-        behav_logprobs=row(cols["behav"], torch.float32), advantages=row(cols["adv"], torch.float32),
-        seq_ids=row(cols["seq"], torch.long), cu_seqlens=torch.tensor(cu, dtype=torch.int32),
-        cu_seqlens_padded=torch.tensor(cu_pad, dtype=torch.int32), traj_indices=list(traj_indices))
+        tokens=row(0, torch.long), labels=row(1, torch.long), position_ids=pos.unsqueeze(0),
+        loss_mask=row(2, torch.float32), behav_logprobs=row(3, torch.float32),
+        advantages=row(4, torch.float32), seq_ids=seq.unsqueeze(0), cu_seqlens=cu,
+        cu_seqlens_padded=cu_pad, traj_indices=list(traj_indices))
 
 
 def partition_balanced(lengths: Sequence[int], parts: int) -> List[List[int]]:

@@ -62,7 +62,7 @@ def main():
     from laminar_mcore.parallel import init_trainer_parallel
     from laminar_mcore.testing.dist import write_rank_result
     from laminar_mcore.testing.synthetic import random_trajectories
-    from laminar_mcore.config.schema import AlgoConfig, TrainerConfig
+    from laminar_mcore.config.schema import AlgoConfig, ParallelConfig, TrainerConfig
     from laminar_mcore.trainer.actor import MegatronActor, NonFiniteLossError
     from laminar_mcore.trainer.model import stage_full_tensors
 
@@ -87,8 +87,8 @@ def main():
                                     max_tokens_per_microbatch=budget, logprob_chunk_size=7,
                                     recompute=lever if lever in ("selective", "full") else "none",
                                     recompute_num_layers=2)
-            actor = MegatronActor(cfg, algo, trainer, full_state=full,
-                                  sequence_parallel=lever == "sp")
+            actor = MegatronActor(cfg, algo, trainer, ParallelConfig(sequence_parallel=lever == "sp"),
+                                  full_state=full)
             stats = actor.train_step(batch)
             result["stats"][f"{layout}@{budget}"] = stats
             weights = stage_full_tensors(actor.model.module, cfg)

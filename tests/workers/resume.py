@@ -21,7 +21,7 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    from laminar_mcore.config.schema import AlgoConfig, TrainerConfig
+    from laminar_mcore.config.schema import AlgoConfig, ParallelConfig, TrainerConfig
     from laminar_mcore.models import get_adapter
     from laminar_mcore.models.hf import initial_hf_state, tiny_hf_config
     from laminar_mcore.parallel import init_trainer_parallel
@@ -39,8 +39,8 @@ def main():
                           TrainerConfig(lr=1e-3, lr_warmup_steps=2, lr_decay_style="cosine",
                                         total_steps=args.steps, max_tokens_per_microbatch=80,
                                         ckpt_optim_sharding=args.sharding),
-                          full_state=full, dtype=getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[args.dtype]),
-                          use_distributed_optimizer=not args.local_optimizer)
+                          ParallelConfig(use_distributed_optimizer=not args.local_optimizer),
+                          full_state=full, dtype=getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[args.dtype]))
     start, extra = 0, None
     path = resolve_resume(args.resume, args.ckpt)
     if path:

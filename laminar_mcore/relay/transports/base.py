@@ -34,6 +34,10 @@ class Exporter:
     def close(self) -> None:
         pass
 
+    async def aclose(self) -> None:
+        """``close`` from an event loop (pullers holding HTTP sessions close them here)."""
+        self.close()
+
 
 class Puller:
     """Engine side: ``await pull(relay, engine, current_version)`` applies the relay's newest
@@ -73,3 +77,7 @@ class Puller:
 
     def close(self) -> None:
         pass
+
+    async def aclose(self) -> None:
+        """``close`` from an event loop (pullers holding HTTP sessions close them here)."""
+        self.close()
