@@ -71,3 +71,44 @@ def test_malformed_requests_get_400_and_the_controller_keeps_serving(controller)
     client.trained(1, 1, {"loss": 0.5}, 0.0, 0.1)
     assert controller.trainer_version == 1
     assert client.health()["ok"]
+
+
+def test_a_resume_restores_the_admission_budget_from_consumed_and_buffered(tmp_path):
+    """AReaL's budget after a restart counts what can still be trained on: trajectories
+    consumed and buffered, not those in flight at the save (their engines are gone: they are
+    discarded as ``restart``, their groups dropped). The books balance across the restart."""
+    from dataclasses import asdict
+
+    from laminar_mcore.config.schema import AlgoConfig
+    from laminar_mcore.data.pools import InFlight
+    from laminar_mcore.data.trajectory import Trajectory
+
+    def traj(group, k):
+        return Trajectory([1, 2], [3], [-0.5], 1, group, reward=1.0, uid=f"{group}-{k}")
+
+    state = {"prompt_pool": {"epoch": 0, "position": 6, "issued": 6},
+             "buffer": {"ready": [[traj("g0", 0).to_dict(), traj("g0", 1).to_dict()]],
+                        "open": {"g1": [traj("g1", 0).to_dict()]},
+                        "discarded": {}, "consumed": 8},
+             # g1's other member was generating when the checkpoint was taken
+             "partial": [asdict(InFlight(Trajectory([1, 2], [3], [-0.1], 1, "g1", uid="g1-1"),
+                                         "node0-engine0", max_new_tokens=8))],
+             "trainer_version": 4, "generated": 11, "accepted": 14, "max_staleness_observed": 1}
+    cfg = LaminarConfig(algo=AlgoConfig(n_samples_per_prompt=2, max_staleness=1))
+    task = TaskData(rows=[{"prompt": "ab", "answer": "ba"}] * 8, evals=[],
+                    codec=TaskCodec(lambda row: [1, 2], lambda ids: ""), model_path="/none")
+    metrics = MetricsWriter(str(tmp_path), tensorboard=False)
+    c = Controller(cfg, task, metrics, TOKEN, initial_state=state)
+    c.start()
+    try:
+        books = c.books()
+        assert c.manager.accepted == 8 + 2  # consumed + the complete group still buffered
+        assert books["trajectories_buffered"] == 2
+        assert books["discarded_reasons"] == {"restart": 1, "restart_group": 1}
+        assert books["trajectories_generated"] == (books["trajectories_consumed"]
+                                                   + books["trajectories_buffered"]
+                                                   + books["trajectories_discarded"]) == 12
+        assert c.trainer_version == 4 and c.prompts.issued == 6
+    finally:
+        c.stop()
+        metrics.close()
