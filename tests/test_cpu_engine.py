@@ -218,11 +218,13 @@ def test_weight_updates_need_a_session_wait_for_running_requests_and_flush(engin
         with pytest.raises(EngineError) as twice:
             await c.begin_weight_update()
         task = await _start_long(c, "in-flight", n=150)
+        order = []  # the update waits for the running request: it ends after it
+        task.add_done_callback(lambda _: order.append("request"))
         update = asyncio.create_task(c.update_weights_from_tensor(payload, weight_version="v2"))
-        await asyncio.sleep(0.3)
-        waited = not update.done() and not task.done()  # the update waits for the request
+        update.add_done_callback(lambda _: order.append("update"))
         unmixed = await task
         await update
+        waited = order == ["request", "update"]
         await c.end_weight_update()
         assert await c.get_weight_version() == "v2"
         after = await c.generate(prompt, {"max_new_tokens": 10, "sampling_seed": 3})
