@@ -5,6 +5,9 @@ from __future__ import annotations
 import random
 import socket
 
+# The environment variable that carries the run's token to every process of a run.
+TOKEN_ENV = "LAMINAR_RUN_TOKEN"
+
 
 def _ephemeral_range() -> tuple:
     try:
@@ -35,3 +38,25 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:  # fall back to the kernel's choice
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def token_middleware(token: str, needs_token=lambda request: True):
+    """The aiohttp middleware of our servers: a request for which ``needs_token(request)`` holds
+    must carry ``Authorization: Bearer <token>`` (else 401), and a handler's ValueError,
+    KeyError, TypeError or bad JSON is answered 400 -- the server keeps serving."""
+    import json
+
+    from aiohttp import web
+
+    @web.middleware
+    async def middleware(request, handler):
+        if needs_token(request) and request.headers.get("Authorization") != f"Bearer {token}":
+            return web.json_response({"error": "missing or wrong run token"}, status=401)
+        try:
+            return await handler(request)
+        except web.HTTPException:
+            raise
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
+            return web.json_response({"error": f"bad request: {exc}"}, status=400)
+
+    return middleware

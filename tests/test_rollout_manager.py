@@ -3,6 +3,7 @@ version, engines pull a new version between trajectories, an engine that dies ha
 trajectories resumed elsewhere, and no trajectory is lost or counted twice."""
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -60,6 +61,31 @@ def _master_relay(tmp_path, **kw):
                          str(tmp_path / "relay.log")).start()
 
 
+@contextlib.contextmanager
+def _relay_world(tmp_path, cfg):
+    """A checkpoint of ``cfg`` at tmp_path/m, a master relay and a trainer-side publisher
+    (TP = PP = 1) of a model of ``cfg``; yields (relay, model, publisher, procs) and stops every
+    process appended to ``procs`` (the tests' engines too) at the end."""
+    from laminar_mcore.parallel import destroy_trainer_parallel, init_trainer_parallel
+    from laminar_mcore.trainer.model import build_gpt_model
+    from laminar_mcore.trainer.publisher import WeightPublisher
+
+    save_hf_checkpoint(tmp_path / "m", cfg, _state(cfg, 0))
+    procs = []
+    init_trainer_parallel(tp=1, pp=1, seed=0)
+    try:
+        relay = _master_relay(tmp_path)
+        procs.append(relay)
+        model = build_gpt_model(cfg)
+        publisher = WeightPublisher(model, cfg, relay_host="127.0.0.1",
+                                    publish_port=int(relay.wait_printed("LAMINAR_RELAY_PUBLISH_PORT")))
+        yield relay, model, publisher, procs
+    finally:
+        for p in procs:
+            p.stop()
+        destroy_trainer_parallel()
+
+
 def _handle(name, url, relay_url, capacity, **client_kw):
     return EngineHandle(name, SGLangClient(url, retries=0, **client_kw),
                         RelayClient(relay_url, TOKEN), make_puller(PullSpec("shm")),
@@ -88,23 +114,13 @@ def _reference_logprobs(cfg, state, prompt, response):
 
 
 def test_manager_pulls_between_trajectories_and_survives_an_engine(tmp_path):
-    from laminar_mcore.parallel import destroy_trainer_parallel, init_trainer_parallel
-    from laminar_mcore.trainer.model import build_gpt_model, load_full_state
-    from laminar_mcore.trainer.publisher import WeightPublisher
+    from laminar_mcore.trainer.model import load_full_state
 
     cfg = tiny_hf_config("qwen2")
-    save_hf_checkpoint(tmp_path / "m", cfg, _state(cfg, 0))
-    procs = []
-    init_trainer_parallel(tp=1, pp=1, seed=0)
-    try:
-        relay = _master_relay(tmp_path)
-        procs.append(relay)
+    with _relay_world(tmp_path, cfg) as (relay, model, publisher, procs):
         engines = [EngineProcess(cpu_engine_command(str(tmp_path / "m"), seed=i, kv_capacity_tokens=4096),
                                  log_path=str(tmp_path / f"e{i}.log")).start() for i in range(2)]
         procs += engines
-        model = build_gpt_model(cfg)
-        publisher = WeightPublisher(model, cfg, relay_host="127.0.0.1",
-                                    publish_port=int(relay.wait_printed("LAMINAR_RELAY_PUBLISH_PORT")))
         rows = [{"prompt_ids": [i % 100 + 1, 7, 3], "answer": ""} for i in range(500)]
         buffer = RecordingBuffer(group_size=4)
         seen = buffer.seen
@@ -144,10 +160,6 @@ def test_manager_pulls_between_trajectories_and_survives_an_engine(tmp_path):
             return manager, handles, state
 
         manager, handles, new_state = asyncio.run(scenario())
-    finally:
-        for p in procs:
-            p.stop()
-        destroy_trainer_parallel()
 
     assert handles[0].healthy and not handles[1].healthy
     assert manager.stats.pulls >= 2 and manager.stats.resumed >= 1
@@ -171,28 +183,16 @@ def test_repack_moves_long_tail_trajectories_so_freed_engines_pull(tmp_path):
     one engine's trajectory to the other (same version), the freed engine pulls version 1 and
     starts fresh work while the long ones finish on version 0 -- each still from one version,
     with the tokens generated before the move kept."""
-    from laminar_mcore.parallel import destroy_trainer_parallel, init_trainer_parallel
-    from laminar_mcore.trainer.model import build_gpt_model
-    from laminar_mcore.trainer.publisher import WeightPublisher
-
     cfg = tiny_hf_config("qwen2", max_position_embeddings=4096)
-    state0 = _state(cfg, 0)
-    save_hf_checkpoint(tmp_path / "m", cfg, state0)
+    state0 = _state(cfg, 0)  # what _relay_world saves as the engines' checkpoint
     long_len = 1500
-    procs = []
-    init_trainer_parallel(tp=1, pp=1, seed=0)
-    try:
-        relay = _master_relay(tmp_path)
-        procs.append(relay)
+    with _relay_world(tmp_path, cfg) as (relay, _, publisher, procs):
         # Engines of a run stream incrementally (the first test reads cumulative streams).
         engines = [EngineProcess(cpu_engine_command(str(tmp_path / "m"), seed=i, kv_capacity_tokens=8192,
                                                     incremental_streaming_output=True,
                                                     stream_interval=4, deterministic=True),
                                  log_path=str(tmp_path / f"e{i}.log")).start() for i in range(2)]
         procs += engines
-        model = build_gpt_model(cfg)
-        publisher = WeightPublisher(model, cfg, relay_host="127.0.0.1",
-                                    publish_port=int(relay.wait_printed("LAMINAR_RELAY_PUBLISH_PORT")))
         rows = [{"prompt_ids": [i % 100 + 1, 7, 3], "answer": ""} for i in range(500)]
         buffer = RecordingBuffer(group_size=4)
         seen = buffer.seen
@@ -231,10 +231,6 @@ def test_repack_moves_long_tail_trajectories_so_freed_engines_pull(tmp_path):
             return manager, handles, longs_done_when_v1_seen
 
         manager, handles, longs_done_early = asyncio.run(scenario())
-    finally:
-        for p in procs:
-            p.stop()
-        destroy_trainer_parallel()
 
     assert manager.stats.repacked == 1 and manager.stats.repack_rounds == 1
     assert longs_done_early < 2  # fresh version-1 work ran while a long trajectory was going
@@ -327,22 +323,11 @@ def test_an_engine_recovers_from_a_relay_slower_than_its_timeout(tmp_path):
     """The relay answers /pull later than the client's timeout, twice: each is a RelayError
     the manager survives (no silent end of the engine's loop, the engine stays in service),
     it backs off and pulls the version once the relay answers in time."""
-    from laminar_mcore.parallel import destroy_trainer_parallel, init_trainer_parallel
-    from laminar_mcore.trainer.model import build_gpt_model
-    from laminar_mcore.trainer.publisher import WeightPublisher
-
     cfg = tiny_hf_config("qwen2")
-    save_hf_checkpoint(tmp_path / "m", cfg, _state(cfg, 0))
-    procs = []
-    init_trainer_parallel(tp=1, pp=1, seed=0)
-    try:
-        relay = _master_relay(tmp_path)
-        procs.append(relay)
+    with _relay_world(tmp_path, cfg) as (relay, _, publisher, procs):
         engine = EngineProcess(cpu_engine_command(str(tmp_path / "m"), kv_capacity_tokens=2048),
                                log_path=str(tmp_path / "e0.log")).start()
         procs.append(engine)
-        publisher = WeightPublisher(build_gpt_model(cfg), cfg, relay_host="127.0.0.1",
-                                    publish_port=int(relay.wait_printed("LAMINAR_RELAY_PUBLISH_PORT")))
         rows = [{"prompt_ids": [i % 100 + 1, 7, 3], "answer": ""} for i in range(200)]
         buffer = RecordingBuffer(group_size=4)
 
@@ -374,10 +359,6 @@ def test_an_engine_recovers_from_a_relay_slower_than_its_timeout(tmp_path):
             return manager, handle, state
 
         manager, handle, state = asyncio.run(scenario())
-    finally:
-        for p in procs:
-            p.stop()
-        destroy_trainer_parallel()
 
     assert state["delayed"] == 2 and manager.stats.pull_retries == 2
     assert handle.healthy and handle.pulls == 1 and not manager.stats.unhealthy

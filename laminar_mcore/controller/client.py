@@ -14,8 +14,7 @@ import urllib.request
 from typing import Callable, List, Optional
 
 from ..data.trajectory import Trajectory
-
-TOKEN_ENV = "LAMINAR_RUN_TOKEN"
+from ..netutil import TOKEN_ENV
 
 
 class ControllerError(RuntimeError):

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from ..config.schema import LaminarConfig
 from ..data.pools import ExperienceBuffer, PartialResponsePool, PromptPool
+from ..netutil import token_middleware
 from ..relay.client import RelayClient
 from ..relay.transports import make_puller
 from ..reward import RewardService
@@ -160,7 +161,9 @@ class Controller:
             batch_trajectories=self.batch_prompts * self.n_samples)
         if self._initial_state:
             self.load_state_dict(self._initial_state)
-        app = web.Application(middlewares=[self._auth])
+        # every endpoint but /health proves the run token; bad input is a 400
+        app = web.Application(middlewares=[token_middleware(
+            self.token, lambda request: request.path != "/health")])
         app.router.add_get("/batch", self._batch)
         app.router.add_post("/trained", self._trained)
         app.router.add_get("/state", self._state)
@@ -222,19 +225,6 @@ class Controller:
         return names
 
     # ------------------------------------------------------------------ cluster API
-    @web.middleware
-    async def _auth(self, request: web.Request, handler):
-        """Every endpoint but ``/health`` proves the run token; bad input is a 400."""
-        if request.path != "/health" and \
-                request.headers.get("Authorization") != f"Bearer {self.token}":
-            return web.json_response({"error": "missing or wrong run token"}, status=401)
-        try:
-            return await handler(request)
-        except web.HTTPException:
-            raise
-        except (ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
-            return web.json_response({"error": f"bad request: {exc!r}"}, status=400)
-
     async def _json_body(self, request: web.Request) -> Optional[dict]:
         try:
             body = await request.json()

@@ -5,9 +5,8 @@ from __future__ import annotations
 import sys
 from typing import List
 
+from ..netutil import TOKEN_ENV
 from .server import RelayConfig
-
-TOKEN_ENV = "LAMINAR_RUN_TOKEN"
 
 
 def relay_command(cfg: RelayConfig, python: str = sys.executable) -> List[str]:

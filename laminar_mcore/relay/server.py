@@ -37,6 +37,7 @@ import torch
 from aiohttp import web
 
 from ..config.schema import WeightSyncConfig
+from ..netutil import TOKEN_ENV, token_middleware
 from ..weights.transport import Channel, announce_backend, resolve_backend, stage_group
 from .chain import Forwarder, PushRefused, receive_publishes, serve_push
 from .store import VersionStore
@@ -160,7 +161,9 @@ class RelayServer:
         self.exporters: Dict[str, Exporter] = {}
         for name in enabled_at_start(cfg):
             self.exporters[name] = make_exporter(name, cfg)
-        self.app = web.Application(middlewares=[self._middleware])
+        # state-changing (POST) endpoints prove the run token; bad input is a 400
+        self.app = web.Application(middlewares=[token_middleware(
+            cfg.token, lambda request: request.method == "POST")])
         r = self.app.router
         r.add_get("/health", self.health)
         r.add_get("/latest", self.latest)
@@ -325,17 +328,6 @@ class RelayServer:
                 self.stop_event.wait(0.5)
 
     # ------------------------------------------------------------------ HTTP
-    @web.middleware
-    async def _middleware(self, request: web.Request, handler):
-        if request.method == "POST" and request.headers.get("Authorization") != f"Bearer {self.token}":
-            return web.json_response({"error": "missing or wrong run token"}, status=401)
-        try:
-            return await handler(request)
-        except web.HTTPException:
-            raise
-        except (ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
-            return web.json_response({"error": f"bad request: {exc}"}, status=400)
-
     async def _body(self, request: web.Request) -> dict:
         if not request.can_read_body:
             return {}
@@ -509,7 +501,7 @@ def _config_from_args(args) -> RelayConfig:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="laminar_mcore relay")
-    ap.add_argument("--token", default=os.environ.get("LAMINAR_RUN_TOKEN"),
+    ap.add_argument("--token", default=os.environ.get(TOKEN_ENV),
                     help="the run's token (default: $LAMINAR_RUN_TOKEN)")
     ap.add_argument("--config-json", default=None,
                     help="a RelayConfig as JSON (what the launchers pass); the flags below are "

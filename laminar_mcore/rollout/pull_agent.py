@@ -19,6 +19,7 @@ from typing import Dict, List, Optional
 import aiohttp
 from aiohttp import web
 
+from ..netutil import token_middleware
 from ..relay.client import RelayClient, RelayError, WeightApplyError
 from ..relay.transports import Puller, PullSpec, make_puller
 from .client import EngineError, SGLangClient
@@ -70,12 +71,6 @@ class PullAgent:
         pullers: List[Puller] = [make_puller(s) for s in self.specs]
         locks: Dict[int, asyncio.Lock] = {i: asyncio.Lock() for i in range(len(engines))}
 
-        @web.middleware
-        async def auth(request, handler):
-            if request.headers.get("Authorization") != f"Bearer {self.token}":
-                return web.json_response({"error": "missing or wrong run token"}, status=401)
-            return await handler(request)
-
         async def pull(request):
             try:
                 body = await request.json()
@@ -99,7 +94,7 @@ class PullAgent:
                     return web.json_response({"error": str(exc), "kind": "engine"}, status=502)
             return web.json_response({"version": version})
 
-        app = web.Application(middlewares=[auth])
+        app = web.Application(middlewares=[token_middleware(self.token)])
         app.router.add_post("/pull", pull)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
