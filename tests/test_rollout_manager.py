@@ -363,3 +363,82 @@ def test_an_engine_recovers_from_a_relay_slower_than_its_timeout(tmp_path):
     assert state["delayed"] == 2 and manager.stats.pull_retries == 2
     assert handle.healthy and handle.pulls == 1 and not manager.stats.unhealthy
     assert manager.stats.generated == buffer.consumed + buffer.buffered + sum(buffer.discarded.values())
+
+
+def test_areal_mode_interrupts_generation_for_each_new_version(tmp_path):
+    """mode=areal (AReaL's interruptible generation): when version 1 arrives, the engines are
+    paused with abort while long trajectories are running, take version 1 at once, and the
+    interrupted requests continue from their prefix on the new weights: each long trajectory
+    spans both versions, every token's behaviour log-prob is that of the version its span names,
+    and nothing is lost or counted twice."""
+    cfg = tiny_hf_config("qwen2", max_position_embeddings=4096)
+    state0, state1 = _state(cfg, 0), _state(cfg, 5)
+    long_len = 600
+    with _relay_world(tmp_path, cfg) as (relay, model, publisher, procs):
+        from laminar_mcore.trainer.model import load_full_state
+
+        engines = [EngineProcess(cpu_engine_command(str(tmp_path / "m"), seed=i, kv_capacity_tokens=8192,
+                                                    incremental_streaming_output=True,
+                                                    stream_interval=4, deterministic=True),
+                                 log_path=str(tmp_path / f"e{i}.log")).start() for i in range(2)]
+        procs += engines
+        rows = [{"prompt_ids": [i % 100 + 1, 7, 3], "answer": ""} for i in range(500)]
+        buffer = RecordingBuffer(group_size=4)
+        seen = buffer.seen
+
+        def length(group_id, k):  # the first two groups carry one long trajectory each
+            issued = int(group_id.rsplit("-", 1)[1])
+            return long_len if issued < 2 and k == 0 else 4
+
+        async def scenario():
+            handles = [_handle(f"e{i}", p.url, relay.url, 4, timeout_s=30,
+                               incremental_stream=True) for i, p in enumerate(engines)]
+            manager = _manager(handles, rows, buffer,
+                               {"max_new_tokens": long_len, "temperature": 1.0}, seed=1,
+                               length_fn=length, batch=8, mode="areal",
+                               rollout=RolloutConfig(repack=True))
+            assert manager.interrupt and not manager.repack
+            runner = asyncio.create_task(manager.run())
+            deadline = time.time() + 60
+            while not (len(seen) == 6 and all(len(h.in_flight) == 1 for h in handles)):
+                assert time.time() < deadline, (len(seen), [len(h.in_flight) for h in handles])
+                await asyncio.sleep(0.01)
+            load_full_state(model, cfg, get_adapter(cfg).hf_to_mcore(cfg, state1))
+            await asyncio.to_thread(publisher.publish, 1)
+            await asyncio.to_thread(publisher.wait)
+            while not all(h.version == 1 for h in handles):
+                assert time.time() < deadline + 60, [h.version for h in handles]
+                await asyncio.sleep(0.01)
+            longs_done_at_pull = sum(len(t.response_ids) == long_len for t in seen)
+            while sum(len(t.response_ids) == long_len for t in seen) < 2:
+                assert time.time() < deadline + 120, "the long trajectories never finished"
+                await asyncio.sleep(0.05)
+            manager.stop()
+            await runner
+            for h in handles:
+                await h.client.close()
+                await h.relay.close()
+            return manager, longs_done_at_pull
+
+        manager, longs_done_at_pull = asyncio.run(scenario())
+
+    assert longs_done_at_pull == 0  # both engines took version 1 while the long ones ran
+    assert manager.stats.interrupted >= 2 and manager.stats.pulls == 2
+    longs = [t for t in seen if len(t.response_ids) == long_len]
+    assert len(longs) == 2
+    for traj in longs:
+        assert traj.weight_version == 0  # admitted (and its staleness counted) from version 0
+        assert traj.versions_seen() == ["0", "1"], traj.version_spans
+        spans = traj.version_spans
+        assert spans[0]["start"] == 0 and spans[-1]["end"] == long_len
+        assert all(a["end"] == b["start"] for a, b in zip(spans, spans[1:]))
+        cut = spans[0]["end"]
+        assert 0 < cut < long_len
+        # every token's log-prob is that of the weights its span names (tokens, not requests)
+        ref0 = _reference_logprobs(cfg, state0, traj.prompt_ids, traj.response_ids)
+        ref1 = _reference_logprobs(cfg, state1, traj.prompt_ids, traj.response_ids)
+        behav = torch.tensor(traj.behav_logprobs)
+        assert (behav[:cut] - ref0[:cut]).abs().max().item() <= 1e-4
+        assert (behav[cut:] - ref1[cut:]).abs().max().item() <= 1e-4
+    assert manager.stats.generated == buffer.consumed + buffer.buffered + sum(buffer.discarded.values())
+    assert not buffer.discarded

@@ -1,10 +1,14 @@
 """Rollout modes: one policy object per mode, on one code base.
 
-A mode says two things: whether engines move to a new version together (a global barrier:
+A mode says three things: whether engines move to a new version together (a global barrier:
 nobody pulls until every engine is idle, and engines generate only with the trainer's current
-weights) and AReaL's admission bound eta (how many versions a trajectory admitted now may lag
-the trainer when it is consumed; None: unbounded). Laminar has no barrier and no bound;
-``algo.max_staleness`` bounds it. A new mode is one entry here (and its name in the schema's
+weights), AReaL's admission bound eta (how many versions a trajectory admitted now may lag
+the trainer when it is consumed; None: unbounded), and what an engine does with the
+trajectories it is generating when its relay has a newer version: finish them first, so each
+trajectory comes from one version (Laminar), or interrupt them (AReaL's interruptible
+generation: pause with abort, take the new weights, resubmit each request with the tokens it
+has, so one trajectory may span versions and every token records its own). Laminar has no
+barrier and no bound; ``algo.max_staleness`` bounds it, and AReaL's eta. A new mode is one entry here (and its name in the schema's
 allowed values, which are read from this table).
 """
 
@@ -22,12 +26,16 @@ class ModePolicy:
     # Whether ``algo.max_staleness`` sets the bound (modes whose bound is their definition
     # ignore it).
     configurable_bound: bool = False
+    # AReaL: on a new version, abort in-flight requests, pull, resubmit them with their prefix.
+    interrupt: bool = False
 
 
 MODES: Dict[str, ModePolicy] = {
     "laminar": ModePolicy("laminar", barrier=False, bound=None, configurable_bound=True),
     "one_step": ModePolicy("one_step", barrier=True, bound=1),
     "sync": ModePolicy("sync", barrier=True, bound=0),
+    "areal": ModePolicy("areal", barrier=False, bound=None, configurable_bound=True,
+                        interrupt=True),
 }
 
 

@@ -101,6 +101,9 @@ class InFlight:
     ignore_eos: bool = False  # a forced length (benchmarks replaying a length distribution)
     sampling_seed: Optional[int] = None  # per-trajectory sampling seed (None: the engine's)
     migrate_to: Optional[str] = None  # repack: the engine it continues on once aborted here
+    # mode=areal: aborted here for a weight update; resumes on the new weights (the engine's
+    # version when it was interrupted)
+    interrupted_at: Optional[int] = None
 
     @property
     def rid(self) -> str:

@@ -4,6 +4,11 @@
   seconds; imitating *noisy* demonstrations leaves it right only about half the time when it
   samples, which is what RL against the exact-match verifier then fixes.
 * ``addition``: ``123+456=`` -> ``579`` -- much harder for a tiny model (see trainer/warmup.py).
+* ``reverse_longtail`` (the demo default): ``reverse`` with a long-tailed length. Most strings
+  have 1 to ``digits`` digits; a fraction ``long_fraction`` has ``long_digits // 2`` to
+  ``long_digits``. With the demo's 3 / 40 / 0.08 the response (digits and EOS) has a median of
+  3 tokens and a p99 of about 38 (p99/p50 >= 10, the shape of Laminar's reasoning traces), so a
+  batch that waits for its longest member waits on a few long answers while the engines idle.
 
 The tokenizer is a fixed character map (no files, nothing downloaded).
 """
@@ -32,19 +37,45 @@ def decode(ids: Iterable[int]) -> str:
     return "".join(out)
 
 
-def make_problem(rng: random.Random, digits: int, task: str = "addition") -> Dict[str, str]:
+TASKS = ("reverse", "addition", "reverse_longtail")
+
+
+def longtail_digits(rng: random.Random, digits: int, long_digits: int,
+                    long_fraction: float) -> int:
+    """How many digits a ``reverse_longtail`` problem has (see the module docstring)."""
+    if long_digits > digits and rng.random() < long_fraction:
+        return rng.randint(max(digits + 1, long_digits // 2), long_digits)
+    return rng.randint(1, digits)
+
+
+def make_problem(rng: random.Random, digits: int, task: str = "addition", *,
+                 long_digits: int = 0, long_fraction: float = 0.0) -> Dict[str, str]:
+    if task == "reverse_longtail":
+        n = longtail_digits(rng, digits, long_digits, long_fraction)
+        x = "".join(str(rng.randrange(10)) for _ in range(n))
+        return {"prompt": f"{x}=", "answer": x[::-1]}
     if task == "reverse":
         x = "".join(str(rng.randrange(10)) for _ in range(digits))
         return {"prompt": f"{x}=", "answer": x[::-1]}
     if task != "addition":
-        raise ValueError(f"unknown task {task!r}: reverse or addition")
+        raise ValueError(f"unknown task {task!r}: one of {', '.join(TASKS)}")
     a, b = rng.randrange(10 ** digits), rng.randrange(10 ** digits)
     return {"prompt": f"{a:0{digits}d}+{b:0{digits}d}=", "answer": str(a + b)}
 
 
-def make_dataset(n: int, digits: int, task: str, seed: int) -> List[Dict[str, str]]:
+def make_dataset(n: int, digits: int, task: str, seed: int, *, long_digits: int = 0,
+                 long_fraction: float = 0.0) -> List[Dict[str, str]]:
     rng = random.Random(seed)
-    return [make_problem(rng, digits, task) for _ in range(n)]
+    return [make_problem(rng, digits, task, long_digits=long_digits, long_fraction=long_fraction)
+            for _ in range(n)]
+
+
+def max_sequence_length(digits: int, task: str, long_digits: int = 0) -> int:
+    """The longest prompt + answer + EOS of a task (the model's position budget)."""
+    n = max(digits, long_digits if task == "reverse_longtail" else 0)
+    if task == "addition":
+        return 2 * n + 2 + n + 1 + 1
+    return 2 * n + 2
 
 
 def write_dataset(path: str, rows: List[Dict[str, str]]) -> None:
@@ -75,12 +106,12 @@ def noisy_demonstrations(problems: List[Dict[str, str]], wrong_fraction: float,
     return out
 
 
-def tiny_demo_config(hidden: int = 128, layers: int = 3):
+def tiny_demo_config(hidden: int = 128, layers: int = 3, max_positions: int = 64):
     from ..models.hf import build_hf_config
 
     return build_hf_config("qwen2", hidden_size=hidden, intermediate_size=hidden * 3,
                            num_hidden_layers=layers, num_attention_heads=4,
                            num_key_value_heads=2, vocab_size=VOCAB_SIZE,
-                           max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0,
+                           max_position_embeddings=max_positions, rms_norm_eps=1e-6, rope_theta=10000.0,
                            tie_word_embeddings=False, hidden_act="silu",
                            eos_token_id=EOS, pad_token_id=PAD, bos_token_id=None)

@@ -24,7 +24,8 @@ import torch
 
 def warmup_checkpoint(out_dir: str, *, problems: List[Dict[str, str]], steps: int = 300,
                       batch_size: int = 64, lr: float = 3e-3, wrong_fraction: float = 0.4,
-                      hidden: int = 128, layers: int = 3, seed: int = 0, log=print) -> str:
+                      hidden: int = 128, layers: int = 3, seed: int = 0, max_positions: int = 64,
+                      log=print) -> str:
     """Train (or reuse) the warm-up checkpoint; returns its directory."""
     from transformers import AutoModelForCausalLM
 
@@ -34,28 +35,30 @@ def warmup_checkpoint(out_dir: str, *, problems: List[Dict[str, str]], steps: in
     recipe = {"steps": steps, "batch_size": batch_size, "lr": lr, "wrong": wrong_fraction,
               "hidden": hidden, "layers": layers, "seed": seed, "n": len(problems),
               "first": problems[0] if problems else None, "version": 2}
+    if max_positions != 64:  # (the recipes cached before it was a parameter keep their key)
+        recipe["max_positions"] = max_positions
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
     path = os.path.join(out_dir, f"warmup-{key}")
     if os.path.isfile(os.path.join(path, "model.safetensors")):
         log(f"[warm-up] reusing cached checkpoint {path}")
         return path
     torch.manual_seed(seed)
-    cfg = tiny_demo_config(hidden, layers)
+    cfg = tiny_demo_config(hidden, layers, max_positions)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     data = noisy_demonstrations(problems, wrong_fraction, seed)
-    prompt_len = len(problems[0]["prompt"])
+    prompt_lens = [len(p["prompt"]) for p in problems]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     rng = random.Random(seed)
     start = time.perf_counter()
     for step in range(steps):
-        rows = [data[rng.randrange(len(data))] for _ in range(batch_size)]
-        width = max(len(r) for r in rows)
+        picks = [rng.randrange(len(data)) for _ in range(batch_size)]
+        width = max(len(data[j]) for j in picks)
         ids = torch.full((batch_size, width), PAD)
-        for i, r in enumerate(rows):
-            ids[i, :len(r)] = torch.tensor(r)
-        labels = ids.clone()
-        labels[labels == PAD] = -100
-        labels[:, :prompt_len] = -100  # learn the answer, not the random operands
+        labels = torch.full((batch_size, width), -100)
+        for i, j in enumerate(picks):
+            ids[i, :len(data[j])] = torch.tensor(data[j])
+            # learn the answer, not the random operands
+            labels[i, prompt_lens[j]:len(data[j])] = ids[i, prompt_lens[j]:len(data[j])]
         loss = model(input_ids=ids, labels=labels).loss
         opt.zero_grad()
         loss.backward()
