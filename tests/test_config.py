@@ -29,10 +29,23 @@ def test_default_config_composes_and_is_valid():
     assert cfg.algo.eps_clip_high == 0.28 and cfg.job == "train"
     assert cfg.algo.max_staleness == 2  # the CPU demo bounds it; the algo default does not
     assert _compose("experiment=cpu_smoke").algo.max_staleness is None
+    assert cfg.data.task == "reverse_longtail" and cfg.trainer.eval_interval > 0
     validate_config(cfg)
 
 
-@pytest.mark.parametrize("experiment", ["cpu_demo", "cpu_smoke", "cpu_tp2_pp2"])
+def test_modes_tasks_and_eval_interval_are_checked():
+    validate_config(_compose("mode=areal"))
+    with pytest.raises(ConfigError, match=r"mode.*laminar.*areal"):
+        validate_config(_compose("mode=aereal"))
+    with pytest.raises(ConfigError, match=r"data.task.*reverse_longtail"):
+        validate_config(_compose("data.task=sort"))
+    with pytest.raises(ConfigError, match=r"long_digits > digits"):
+        validate_config(_compose("data.long_digits=2"))
+    with pytest.raises(ConfigError, match=r"trainer.eval_interval must be >= 0"):
+        validate_config(_compose("trainer.eval_interval=-1"))
+
+
+@pytest.mark.parametrize("experiment", ["cpu_demo", "cpu_reverse", "cpu_smoke", "cpu_tp2_pp2"])
 def test_cpu_experiments_are_valid(experiment):
     validate_config(_compose(f"experiment={experiment}"))
 

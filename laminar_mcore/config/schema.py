@@ -188,8 +188,11 @@ class DataConfig:
     # discarded with reason reward_error); a worker that dies is replaced and its calls retried.
     reward_timeout_s: float = 60.0
     # The built-in task (character tokenizer) used when train_files is empty.
-    task: str = "reverse"  # reverse | addition
-    digits: int = 5
+    task: str = "reverse"  # reverse | addition | reverse_longtail (data/tasks.py)
+    digits: int = 5  # reverse_longtail: the short strings have 1 to `digits` digits
+    # reverse_longtail: a fraction `long_fraction` of the strings has long_digits/2..long_digits
+    long_digits: int = 0
+    long_fraction: float = 0.0
     num_train: int = 4000
     num_eval: int = 128
     # Supervised warm-up that builds the starting checkpoint when model.path is null.
@@ -218,6 +221,10 @@ class TrainerConfig:
     recompute_num_layers: int = 1
     total_steps: int = 100
     save_interval: int = 0  # 0: never
+    # Evaluate the policy on the held-out set every eval_interval steps (greedy and sampled
+    # accuracy, on a rollout engine once it holds that step's version); 0: only before and
+    # after training. verl's test_freq.
+    eval_interval: int = 0
     resume: str = "none"  # none | auto | a checkpoint directory
     # Optimizer checkpoint format (Megatron's distrib_optim_sharding_type): dp_reshardable
     # (each rank writes its shard; resume at any DP size) or fully_reshardable (gathered in
@@ -234,7 +241,7 @@ class TrainerConfig:
 
 @dataclass
 class LaminarConfig:
-    """The whole run. ``mode`` picks laminar / one_step / sync on one code base."""
+    """The whole run. ``mode`` picks laminar / areal / one_step / sync on one code base."""
 
     run_name: str = "default"
     output_dir: str = "outputs"

@@ -13,6 +13,7 @@ from typing import List
 from omegaconf import DictConfig
 
 from ..controller.modes import MODES
+from ..data.tasks import TASKS
 from ..relay.transports import TRANSPORTS
 
 
@@ -26,6 +27,7 @@ _CHOICES = {
     "model.dtype": ("auto", "fp32", "bf16", "fp16"),
     "rollout.backend": ("cpu", "sglang"),
     "rollout.relay": ("local", "remote"),
+    "data.task": TASKS,
     "algo.cap_mode": ("mask", "clamp"),
     "algo.cap_level": ("token", "sequence"),
     "algo.advantage": ("grpo",),
@@ -122,6 +124,14 @@ def validate_config(cfg: DictConfig) -> None:
     if cfg.data.reward_workers < 1 or cfg.data.reward_timeout_s <= 0:
         problems.append(f"data.reward_workers={cfg.data.reward_workers} must be >= 1 and "
                         f"data.reward_timeout_s={cfg.data.reward_timeout_s} > 0")
+    d = cfg.data
+    if d.digits < 1 or (d.task == "reverse_longtail" and d.long_fraction > 0
+                        and d.long_digits <= d.digits) or not 0 <= d.long_fraction <= 1:
+        problems.append(f"data.digits={d.digits}, data.long_digits={d.long_digits} and "
+                        f"data.long_fraction={d.long_fraction}: need digits >= 1, long_fraction "
+                        "in [0, 1] and, for a long tail, long_digits > digits")
+    if cfg.trainer.eval_interval < 0:
+        problems.append("trainer.eval_interval must be >= 0 (0: evaluate only before and after)")
     if cfg.rollout.num_engines < 1:
         problems.append("rollout.num_engines must be >= 1")
     if cfg.rollout.stream_interval < 1:

@@ -14,11 +14,12 @@ import os
 import threading
 import time
 from dataclasses import asdict
-from typing import List, Optional
+from typing import Optional
 
 from ..config.schema import LaminarConfig
 from .client import ControllerError
 from .episode import TaskCodec
+from .evaluation import EvalResult, evaluate
 from .server import Controller, TaskData
 
 
@@ -41,8 +42,9 @@ def load_task(cfg: LaminarConfig, out_dir: str, log) -> TaskData:
         codec = TaskCodec(encode_prompt=lambda row: tok.encode(row[d.prompt_key]),
                           decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
         return TaskData(rows, evals, codec, cfg.model.path)
-    rows = tasks.make_dataset(d.num_train, d.digits, d.task, seed=cfg.seed)
-    evals = tasks.make_dataset(d.num_eval, d.digits, d.task, seed=cfg.seed + 10_000)
+    shape = dict(long_digits=d.long_digits, long_fraction=d.long_fraction)
+    rows = tasks.make_dataset(d.num_train, d.digits, d.task, seed=cfg.seed, **shape)
+    evals = tasks.make_dataset(d.num_eval, d.digits, d.task, seed=cfg.seed + 10_000, **shape)
     data_dir = os.path.join(out_dir, "data")
     os.makedirs(data_dir, exist_ok=True)
     tasks.write_dataset(os.path.join(data_dir, "train.jsonl"), rows)
@@ -56,28 +58,16 @@ def load_task(cfg: LaminarConfig, out_dir: str, log) -> TaskData:
         model_path = warmup_checkpoint(cache, problems=rows, steps=d.warmup_steps,
                                        wrong_fraction=d.warmup_wrong_fraction,
                                        hidden=cfg.model.arch.hidden_size,
-                                       layers=cfg.model.arch.num_hidden_layers, seed=cfg.seed, log=log)
+                                       layers=cfg.model.arch.num_hidden_layers, seed=cfg.seed,
+                                       max_positions=tasks.position_budget(
+                                           d.digits, d.task, d.long_digits,
+                                           cfg.rollout.sampling.max_new_tokens),
+                                       log=log)
     return TaskData(rows, evals, codec, model_path)
 
 
-async def evaluate(url: str, rows: List[dict], codec: TaskCodec, sampling: dict, reward_fn: str,
-                   seed: int = 0) -> float:
-    """Mean reward of the engine's samples on ``rows`` (the policy's success rate)."""
-    from ..reward import load_reward_fn
-    from ..rollout.client import SGLangClient
-
-    fn = load_reward_fn(reward_fn)
-    async with SGLangClient(url) as client:
-        outs = await asyncio.gather(*[
-            client.generate(codec.encode_prompt(row), dict(sampling, sampling_seed=seed * 100_003 + i))
-            for i, row in enumerate(rows)])
-    scores = [fn(codec.decode(o["output_ids"]), row.get("answer"),
-                 **{k: v for k, v in row.items() if k not in ("answer", "response_text")})
-              for o, row in zip(outs, rows)]
-    return sum(scores) / max(len(scores), 1)
-
-
-def evaluate_engine(cfg: LaminarConfig, task: TaskData, url: str) -> float:
+def evaluate_engine(cfg: LaminarConfig, task: TaskData, url: str) -> EvalResult:
+    """Sampled and greedy accuracy of the engine at ``url`` on the run's held-out set."""
     return asyncio.run(evaluate(url, task.evals, task.codec, asdict(cfg.rollout.sampling),
                                 cfg.data.reward_fn))
 
@@ -98,7 +88,7 @@ def resume_state(cfg: LaminarConfig, out_dir: str, log) -> Optional[dict]:
 
 
 def finish_run(controller: Controller, relay_url: str, engine_url: str, result: dict,
-               initial: float, t_start: float, out_dir: str, log) -> dict:
+               initial: EvalResult, t_start: float, out_dir: str, log) -> dict:
     """After training: bring one engine to the final version, evaluate, keep the books and
     write ``summary.json`` and the plot. Raises if the books do not balance."""
     from ..relay.client import RelayClient
@@ -125,9 +115,13 @@ def finish_run(controller: Controller, relay_url: str, engine_url: str, result: 
     controller.stop_generation()
     engine_version = asyncio.run(final_pull())
     final = evaluate_engine(cfg, task, engine_url)
-    metrics.log("eval", step=result["steps"], accuracy=final, version=engine_version)
+    metrics.log("eval", step=result["steps"], **final.record(),
+                wall_s=controller.version_wall_s(final.version))
     books = controller.books()
-    summary = {"mode": cfg.mode, "initial_accuracy": initial, "final_accuracy": final,
+    summary = {"mode": cfg.mode, "initial_accuracy": initial.accuracy,
+               "final_accuracy": final.accuracy,
+               "initial_accuracy_greedy": initial.accuracy_greedy,
+               "final_accuracy_greedy": final.accuracy_greedy, "final_engine_version": engine_version,
                "steps": result["steps"], "final_version": version, **books,
                "trajectories_in_flight_at_stop": len(controller.partial), **utilisation,
                "wall_seconds": time.time() - t_start, "model_path": task.model_path,
@@ -136,10 +130,14 @@ def finish_run(controller: Controller, relay_url: str, engine_url: str, result: 
                                                    + books["trajectories_buffered"]
                                                    + books["trajectories_discarded"])
     summary["books_balance"] = balanced
+    summary["evals"] = [{k: r[k] for k in ("step", "version", "accuracy", "accuracy_greedy",
+                                           "wall_s") if k in r}
+                        for r in metrics.records if r["kind"] == "eval"]
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     plot = metrics.plot()
-    log(f"[train] accuracy {initial:.3f} -> {final:.3f}; trajectories generated "
+    log(f"[train] accuracy {initial.accuracy:.3f} -> {final.accuracy:.3f} (greedy "
+        f"{initial.accuracy_greedy:.3f} -> {final.accuracy_greedy:.3f}); trajectories generated "
         f"{books['trajectories_generated']}, consumed {books['trajectories_consumed']}, buffered "
         f"{books['trajectories_buffered']}, discarded {books['trajectories_discarded']} "
         f"({'balanced' if balanced else 'NOT BALANCED'}); max staleness "
@@ -212,9 +210,10 @@ def run(cfg: LaminarConfig, token: str) -> dict:
             time.sleep(0.2)
         first_engine = controller.rollout_nodes[0]["engines"][0]
         initial = evaluate_engine(cfg, task, first_engine)
-        metrics.log("eval", step=0, accuracy=initial)
+        metrics.log("eval", step=0, **initial.record(), wall_s=0.0)
         log(f"[controller] {len(controller.rollout_nodes)} rollout node(s), "
-            f"{len(controller.manager.engines)} engines; initial accuracy {initial:.3f}")
+            f"{len(controller.manager.engines)} engines; initial accuracy {initial.accuracy:.3f} "
+            f"(greedy {initial.accuracy_greedy:.3f})")
         controller.ready = True
         progress = Progress(cfg.trainer.total_steps, metrics)
         try:

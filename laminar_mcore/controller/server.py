@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from aiohttp import web
 
@@ -29,6 +29,7 @@ from ..rollout.client import SGLangClient
 from ..rollout.launcher import engine_pull_spec
 from ..rollout.pull_agent import AgentPuller
 from .episode import SingleTurn, TaskCodec
+from .evaluation import evaluate
 from .manager import EngineHandle, RolloutData, RolloutManager
 from .modes import policy_for
 
@@ -95,6 +96,8 @@ class Controller:
         self.max_staleness_observed = 0
         self.last_step_time = time.time()
         self.step_marks: List[tuple] = []  # (time of /trained, tokens of the step, trainer wait s)
+        self.version_times: Dict[int, float] = {}  # version -> when /trained reported it
+        self._eval_tasks: List[asyncio.Task] = []
         self._idle_mark: Optional[tuple] = None  # (time, engine idle seconds) at the first step
         self.buffer = ExperienceBuffer(group_size=self.n_samples)
         self.partial = PartialResponsePool()
@@ -139,6 +142,7 @@ class Controller:
         async def stop_manager():
             self.manager.stop()
             await self._manager_task
+            await self._stop_evals()
 
         asyncio.run_coroutine_threadsafe(stop_manager(), self.loop).result(timeout_s)
 
@@ -184,6 +188,7 @@ class Controller:
         await self._shutdown_event.wait()
         self.manager.stop()
         await self._manager_task
+        await self._stop_evals()
         for h in self.manager.engines:
             await h.client.close()
             await h.relay.close()
@@ -312,6 +317,10 @@ class Controller:
         batch = self.consumed[-self.batch_prompts * self.n_samples:]
         tokens = sum(c["tokens"] for c in batch)
         self.step_marks.append((now, tokens, float(body.get("wait_s", 0.0))))
+        self.version_times[version] = now
+        interval = self.cfg.trainer.eval_interval
+        if interval and step % interval == 0 and step < self.cfg.trainer.total_steps:
+            self._eval_tasks.append(asyncio.create_task(self._evaluate_version(step, version)))
         if len(self.step_marks) == 1:
             self._idle_mark = (now, self.manager.engine_idle_seconds())
         stats = {k: v for k, v in dict(body.get("stats", {})).items()
@@ -325,6 +334,42 @@ class Controller:
             engine_pulls=self.manager.stats.pulls, repacked=self.manager.stats.repacked, publish_blocked_s=body.get("publish_blocked_s", 0.0),
             **stats)
         return web.json_response({"ok": True})
+
+    # ------------------------------------------------------------------ evaluation
+    def version_wall_s(self, version: Optional[int]) -> Optional[float]:
+        """Seconds from the trainer's first batch request until ``version`` was trained (0 for
+        the starting weights): the time axis of accuracy curves, the same in every mode."""
+        if version == 0:
+            return 0.0
+        if version not in self.version_times or self.first_request is None:
+            return None
+        return self.version_times[version] - self.first_request
+
+    async def _evaluate_version(self, step: int, version: int) -> None:
+        """``trainer.eval_interval``: evaluate on the least loaded healthy engine once one holds
+        ``version`` (or newer: the record names the version that served)."""
+        try:
+            while True:
+                ready = [e for e in self.manager.engines if e.healthy and e.version >= version]
+                if ready:
+                    break
+                await asyncio.sleep(0.05)
+            engine = min(ready, key=lambda e: len(e.in_flight))
+            result = await evaluate(engine.client.base_url, self.task.evals, self.task.codec,
+                                    asdict(self.cfg.rollout.sampling), self.cfg.data.reward_fn,
+                                    api_key=engine.client.api_key)
+            self.metrics.log("eval", step=step, **result.record(),
+                             wall_s=self.version_wall_s(result.version), engine=engine.name)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - an evaluation must not stop the run
+            logger.warning("evaluation at step %d failed: %r", step, exc)
+
+    async def _stop_evals(self) -> None:
+        for task in self._eval_tasks:
+            task.cancel()
+        await asyncio.gather(*self._eval_tasks, return_exceptions=True)
+        self._eval_tasks = []
 
     async def _state(self, request: web.Request):
         return web.json_response(self.state_dict())

@@ -78,6 +78,18 @@ def max_sequence_length(digits: int, task: str, long_digits: int = 0) -> int:
     return 2 * n + 2
 
 
+def position_budget(digits: int, task: str, long_digits: int = 0, max_new_tokens: int = 0,
+                    slack: int = 32) -> int:
+    """The demo model's ``max_position_embeddings``: the longest problem plus ``slack`` tokens
+    of room, and the longest prompt plus ``max_new_tokens`` (engines refuse a request whose
+    prompt and max_new_tokens exceed it), rounded up to a multiple of 64 (64 for the 5-digit
+    tasks)."""
+    longest = max_sequence_length(digits, task, long_digits)
+    answer = max(digits, long_digits if task == "reverse_longtail" else 0) + 1
+    need = max(longest + slack, longest - answer + max_new_tokens)
+    return 64 * max(1, -(-need // 64))
+
+
 def write_dataset(path: str, rows: List[Dict[str, str]]) -> None:
     with open(path, "w") as f:
         for row in rows:

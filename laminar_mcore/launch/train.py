@@ -46,8 +46,9 @@ def run_train(cfg) -> dict:
         log(f"[train] mode={cfg.mode}: relay {relay.url}, {len(engines)} {cfg.rollout.backend} "
             f"engines, {nproc} trainer processes (tp={cfg.parallel.tp} pp={cfg.parallel.pp})")
         initial = evaluate_engine(cfg, task, engines[0].url)
-        metrics.log("eval", step=0, accuracy=initial)
-        log(f"[train] initial accuracy {initial:.3f} on {len(task.evals)} eval prompts")
+        metrics.log("eval", step=0, **initial.record(), wall_s=0.0)
+        log(f"[train] initial accuracy {initial.accuracy:.3f} (greedy "
+            f"{initial.accuracy_greedy:.3f}) on {len(task.evals)} eval prompts")
         controller = Controller(cfg, task, metrics, token,
                                 initial_state=resume_state(cfg, out_dir, log))
         controller_url = controller.start()

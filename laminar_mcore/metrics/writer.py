@@ -56,7 +56,11 @@ class MetricsWriter:
         evals = [r for r in self.records if r["kind"] == "eval"]
         if evals:
             axes[0].plot([r["step"] for r in evals], [r["accuracy"] for r in evals], "o-",
-                         label="eval accuracy")
+                         label="eval accuracy (sampled)")
+            greedy = [r for r in evals if "accuracy_greedy" in r]
+            if greedy:
+                axes[0].plot([r["step"] for r in greedy], [r["accuracy_greedy"] for r in greedy],
+                             "s--", label="eval accuracy (greedy)")
         axes[0].set_title("reward")
         axes[0].legend()
         axes[1].plot(x, [r.get("staleness_mean", 0.0) for r in steps], label="mean")

@@ -1,0 +1,161 @@
+"""Learning, not only throughput: the same task, seed and budget in four modes, side by side.
+
+    python -m laminar_mcore.bench.convergence [--modes sync,one_step,areal,laminar]
+        [--steps N] [--target ACC] [--json PATH] [--plot PATH] [override ...]
+
+Runs ``experiment=cpu_demo`` (the long-tailed reversal task; any further Hydra overrides apply
+to every mode) once per mode with the same seed, prompts, warm-up checkpoint and number of
+trainer steps, evaluating every ``trainer.eval_interval`` steps. For each mode it reports the
+wall time and the consumed samples until the policy first reaches the target accuracy (default:
+sync's final accuracy minus 0.02), the final accuracy and trainer-consumed tokens/s. Wall time
+is counted from the trainer's first batch request to the end of the step whose weights reached
+the target (start-up excluded in every mode); consumed samples are that step's batches. The
+ratios favour laminar above 1:
+
+* ``laminar_time_speedup_vs_sync``: sync's wall time to target over laminar's (also ``_vs_areal``,
+  ``_vs_one_step``);
+* ``laminar_sample_efficiency_vs_sync``: sync's consumed samples to target over laminar's.
+
+A mode that never reaches the target has no time to it: its ratios are null. The plot (accuracy
+against wall time, one curve per mode) goes to ``--plot``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Dict, List, Optional
+
+MODES = ("sync", "one_step", "areal", "laminar")
+
+
+def time_to_target(evals: List[dict], target: float) -> Optional[dict]:
+    """The first evaluation (in wall time) at or above ``target``; None if none reached it."""
+    timed = sorted((e for e in evals if e.get("wall_s") is not None), key=lambda e: e["wall_s"])
+    return next((e for e in timed if e["accuracy"] >= target - 1e-12), None)
+
+
+def plot(results: Dict[str, dict], target: float, path: str) -> Optional[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:  # noqa: BLE001
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for mode, summary in results.items():
+        evals = sorted((e for e in summary["evals"] if e.get("wall_s") is not None),
+                       key=lambda e: e["wall_s"])
+        ax.plot([e["wall_s"] for e in evals], [e["accuracy"] for e in evals], "o-", label=mode,
+                linewidth=2.4 if mode == "laminar" else 1.4)
+    ax.axhline(target, color="grey", linestyle=":", label=f"target {target:.3f}")
+    ax.set_xlabel("wall time since the first batch request (s)")
+    ax.set_ylabel("held-out accuracy (sampled)")
+    ax.set_title("same task, seed and steps: accuracy against wall time")
+    ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def figures_from(results: Dict[str, dict], batch_samples: int,
+                 target: Optional[float] = None) -> Dict[str, object]:
+    """The flat JSON of the benchmark from each mode's ``summary.json``."""
+    if target is None:
+        target = results["sync"]["final_accuracy"] - 0.02
+    figures: Dict[str, object] = {"target_accuracy": target}
+    reached = {}
+    for mode, s in results.items():
+        hit = time_to_target(s["evals"], target)
+        reached[mode] = hit
+        figures[f"{mode}_time_to_target_s"] = hit["wall_s"] if hit else None
+        figures[f"{mode}_samples_to_target"] = hit["step"] * batch_samples if hit else None
+        figures[f"{mode}_final_accuracy"] = s["final_accuracy"]
+        figures[f"{mode}_final_accuracy_greedy"] = s.get("final_accuracy_greedy")
+        figures[f"{mode}_tokens_per_s"] = s["trainer_tokens_per_s"]
+        figures[f"{mode}_engine_idle_fraction"] = s["engine_idle_fraction"]
+        figures[f"{mode}_train_wall_s"] = max((e["wall_s"] for e in s["evals"]
+                                               if e.get("wall_s") is not None), default=None)
+        figures[f"{mode}_max_staleness"] = s["max_staleness_observed"]
+    lam = reached.get("laminar")
+    for other in ("sync", "areal", "one_step"):
+        if other not in results or "laminar" not in results:
+            continue
+        hit = reached[other]
+        figures[f"laminar_time_speedup_vs_{other}"] = (
+            hit["wall_s"] / lam["wall_s"] if hit and lam and lam["wall_s"] > 0 else None)
+    if "sync" in results and "laminar" in results:
+        hit = reached["sync"]
+        figures["laminar_sample_efficiency_vs_sync"] = (
+            hit["step"] / lam["step"] if hit and lam and lam["step"] > 0 else None)
+    return figures
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--steps", type=int, default=None, help="trainer steps (default: the demo's)")
+    ap.add_argument("--target", type=float, default=None,
+                    help="target accuracy (default: sync's final accuracy minus 0.02)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--output-dir", default="outputs",
+                    help="runs go to OUTPUT_DIR/convergence/<mode> (the warm-up cache is shared "
+                         "with the demo's, OUTPUT_DIR/.cache)")
+    ap.add_argument("--plot", default="outputs/convergence/convergence.png")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides applied to every mode")
+    args = ap.parse_args(argv)
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        ap.error(f"unknown modes {unknown}: choose from {', '.join(MODES)}")
+    if args.target is None and "sync" not in modes:
+        ap.error("without sync in --modes give --target")
+
+    from hydra import compose, initialize_config_dir
+
+    from ..config import register_configs, validate_config
+    from ..config.paths import conf_dir
+    from ..launch.train import run_train
+    from .common import report
+
+    register_configs()
+    results: Dict[str, dict] = {}
+    for mode in modes:
+        overrides = ["experiment=cpu_demo", f"mode={mode}", f"output_dir={args.output_dir}",
+                     f"run_name=convergence/{mode}", *args.overrides]
+        if args.steps is not None:
+            overrides.append(f"trainer.total_steps={args.steps}")
+        with initialize_config_dir(config_dir=conf_dir(), version_base=None):
+            cfg = compose(config_name="config", overrides=overrides)
+        validate_config(cfg)
+        print(f"[convergence] {mode}: {cfg.trainer.total_steps} steps", flush=True)
+        results[mode] = run_train(cfg)
+    batch_samples = cfg.trainer.train_batch_prompts * cfg.algo.n_samples_per_prompt
+    figures = figures_from(results, batch_samples, args.target)
+    figures["steps"] = cfg.trainer.total_steps
+    target = figures["target_accuracy"]
+    path = plot(results, target, args.plot) if args.plot else None
+    lines = {"target": f"accuracy {target:.3f}"
+                       f"{' (sync final - 0.02)' if args.target is None else ''}"}
+    for mode in modes:
+        t = figures[f"{mode}_time_to_target_s"]
+        n = figures[f"{mode}_samples_to_target"]
+        lines[mode] = (f"{'not reached' if t is None else f'{t:.0f} s, {n} samples'} to target; "
+                       f"final accuracy {figures[f'{mode}_final_accuracy']:.3f}, "
+                       f"{figures[f'{mode}_tokens_per_s']:.0f} tokens/s, engines idle "
+                       f"{figures[f'{mode}_engine_idle_fraction']:.0%}")
+    for key in ("laminar_time_speedup_vs_sync", "laminar_time_speedup_vs_one_step",
+                "laminar_time_speedup_vs_areal", "laminar_sample_efficiency_vs_sync"):
+        if key in figures:
+            lines[key] = "n/a" if figures[key] is None else f"{figures[key]:.2f}x"
+    if path:
+        lines["plot"] = path
+    report(figures, args.json, lines)
+    return figures
+
+
+if __name__ == "__main__":
+    main()
