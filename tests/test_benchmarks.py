@@ -66,3 +66,30 @@ def test_modes_benchmark_writes_its_keys(tmp_path):
         assert 0 <= figures[f"{mode}_trainer_idle_fraction"] <= 1
     assert figures["sync_max_staleness"] == 0
     assert figures["length_p99"] > 10 * figures["length_p50"] or figures["length_p99"] == 40
+
+
+def test_convergence_figures_read_time_and_samples_to_target_from_the_evals():
+    """The ratios of bench.convergence from four runs' summaries: the first evaluation at or
+    above the target (sync's final accuracy - 0.02) gives each mode's wall time and samples."""
+    from laminar_mcore.bench.convergence import figures_from
+
+    def summary(final, evals):
+        return {"final_accuracy": final, "final_accuracy_greedy": 1.0, "trainer_tokens_per_s": 100.0,
+                "engine_idle_fraction": 0.5, "max_staleness_observed": 1,
+                "evals": [{"step": s, "accuracy": a, "wall_s": t} for s, a, t in evals]}
+
+    results = {
+        "sync": summary(0.80, [(0, 0.5, 0.0), (10, 0.70, 40.0), (20, 0.79, 80.0), (30, 0.80, 120.0)]),
+        "one_step": summary(0.79, [(0, 0.5, 0.0), (10, 0.6, 30.0), (20, 0.78, 60.0), (30, 0.79, 90.0)]),
+        "areal": summary(0.70, [(0, 0.5, 0.0), (10, 0.6, 25.0), (20, 0.7, 50.0)]),
+        "laminar": summary(0.81, [(0, 0.5, 0.0), (20, 0.781, 40.0), (10, 0.78, 20.0), (30, 0.81, 60.0)]),
+    }
+    f = figures_from(results, batch_samples=64)
+    assert abs(f["target_accuracy"] - 0.78) < 1e-12
+    assert f["sync_time_to_target_s"] == 80.0 and f["sync_samples_to_target"] == 20 * 64
+    assert f["laminar_time_speedup_vs_sync"] == 80.0 / 20.0  # laminar reached 0.78 at step 10
+    assert f["laminar_sample_efficiency_vs_sync"] == 2.0
+    assert f["laminar_time_speedup_vs_one_step"] == 60.0 / 20.0
+    assert f["areal_time_to_target_s"] is None and f["laminar_time_speedup_vs_areal"] is None
+    assert f["laminar_train_wall_s"] == 60.0
+    assert figures_from(results, 64, target=0.9)["laminar_time_speedup_vs_sync"] is None

@@ -20,7 +20,7 @@ def _mooncake_available() -> bool:
     return mooncake.available()
 
 
-@pytest.mark.parametrize("mode", ["laminar", "sync"])
+@pytest.mark.parametrize("mode", ["laminar", "sync", "areal"])
 def test_train_job_runs_and_keeps_the_books(tmp_path, mode):
     # The laminar run's engines take every version through Mooncake's transfer engine (TCP on
     # loopback), as engines reading from a relay on another machine do; sync's through shm.
@@ -30,7 +30,8 @@ def test_train_job_runs_and_keeps_the_books(tmp_path, mode):
     out = subprocess.run(
         [sys.executable, "-m", "laminar_mcore.launch", f"mode={mode}", "output_dir=out",
          "run_name=e2e", "trainer.total_steps=3", "trainer.train_batch_prompts=4",
-         "data.num_eval=16", "data.warmup_steps=20", "rollout.num_engines=2", *extra],
+         "data.num_eval=16", "data.warmup_steps=20", "rollout.num_engines=2",
+         "trainer.eval_interval=2", *extra],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
         env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
@@ -48,6 +49,15 @@ def test_train_job_runs_and_keeps_the_books(tmp_path, mode):
         assert summary["max_staleness_observed"] == 0  # generate, train, sync: never stale
     records = [json.loads(l) for l in (tmp_path / "out" / "e2e" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3]
+    # evaluated before, at step 2 (trainer.eval_interval) on weights of version >= 2, and after
+    evals = {r["step"]: r for r in records if r["kind"] == "eval"}
+    assert sorted(evals) == [0, 2, 3], evals
+    assert evals[2]["version"] >= 2 and evals[3]["version"] == 3 and evals[0]["wall_s"] == 0
+    for r in evals.values():
+        assert 0 <= r["accuracy"] <= 1 and 0 <= r["accuracy_greedy"] <= 1
+    assert [e["step"] for e in summary["evals"]] == [0, 2, 3]
+    if mode != "areal":  # AReaL's interruptible generation lets a trajectory span versions
+        assert summary["trajectories_interrupted"] == 0
     assert (tmp_path / "out" / "e2e" / "summary.png").exists()
     assert any((tmp_path / "out" / "e2e" / "tensorboard").iterdir())
 

@@ -105,6 +105,9 @@ def main(argv=None) -> dict:
                     help="runs go to OUTPUT_DIR/convergence/<mode> (the warm-up cache is shared "
                          "with the demo's, OUTPUT_DIR/.cache)")
     ap.add_argument("--plot", default="outputs/convergence/convergence.png")
+    ap.add_argument("--save-reference", action="store_true",
+                    help="store the result as the figure make demo compares with "
+                         "(laminar_mcore/bench/cpu_demo_reference.json)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides applied to every mode")
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
@@ -153,6 +156,10 @@ def main(argv=None) -> dict:
             lines[key] = "n/a" if figures[key] is None else f"{figures[key]:.2f}x"
     if path:
         lines["plot"] = path
+    if args.save_reference:
+        from .reference import save
+
+        lines["reference"] = save(cfg, results, figures)
     report(figures, args.json, lines)
     return figures
 

@@ -112,6 +112,7 @@ def finish_run(controller: Controller, relay_url: str, engine_url: str, result: 
             return current
 
     utilisation = controller.utilisation()
+    controller.finish_evals()
     controller.stop_generation()
     engine_version = asyncio.run(final_pull())
     final = evaluate_engine(cfg, task, engine_url)

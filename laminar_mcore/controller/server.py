@@ -365,6 +365,16 @@ class Controller:
         except Exception as exc:  # noqa: BLE001 - an evaluation must not stop the run
             logger.warning("evaluation at step %d failed: %r", step, exc)
 
+    def finish_evals(self, timeout_s: float = 120.0) -> None:
+        """Let the evaluations under way end (the run's last steps may have started some)."""
+        if self.loop is None or self._stopped.is_set() or not self._eval_tasks:
+            return
+
+        async def wait():
+            await asyncio.wait(list(self._eval_tasks), timeout=timeout_s)
+
+        asyncio.run_coroutine_threadsafe(wait(), self.loop).result(timeout_s + 10)
+
     async def _stop_evals(self) -> None:
         for task in self._eval_tasks:
             task.cancel()
@@ -427,6 +437,7 @@ class Controller:
                 "max_staleness_observed": self.max_staleness_observed,
                 "engine_pulls": s.pulls if s else 0, "resumed": s.resumed if s else 0,
                 "repacked": s.repacked if s else 0, "repack_rounds": s.repack_rounds if s else 0,
+                "trajectories_interrupted": s.interrupted if s else 0,
                 "reward_worker_restarts": self.reward.restarts,
                 "engine_versions": ({e.name: e.version for e in self.manager.engines}
                                     if self.manager else {}),

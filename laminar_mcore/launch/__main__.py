@@ -36,7 +36,10 @@ def main(cfg: DictConfig) -> None:
     elif cfg.job == "train":
         from .train import run_train
 
-        run_train(cfg)
+        summary = run_train(cfg)
+        from ..bench.reference import compare  # the stored sync run of the same job, if any
+
+        compare(cfg, summary, f"{cfg.output_dir}/{cfg.run_name}")
     else:  # the multi-node roles, each its own process
         from ..rollout.node import NodeError
         from .cluster import ClusterError, run_role

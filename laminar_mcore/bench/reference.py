@@ -1,0 +1,89 @@
+"""The stored side of ``make demo``'s comparison: a ``bench.convergence`` run kept in the package.
+
+``python -m laminar_mcore.bench.convergence --save-reference`` writes ``cpu_demo_reference.json``
+beside this module: the configuration that matters for the comparison (task, seed, steps,
+batch, samples, engines, staleness bound), and per mode the evaluation curve, the final accuracy
+and the time to the target. After a train job whose configuration matches it, ``compare`` prints
+the run's result beside the stored sync figure (saying that it is stored, when and where it was
+measured) and draws both curves; a run that does not match is told how to measure its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from typing import Dict, Optional
+
+PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_demo_reference.json")
+
+
+def fingerprint(cfg) -> Dict[str, object]:
+    """What must be equal for two runs' learning curves to be comparable."""
+    d, t, a, r = cfg.data, cfg.trainer, cfg.algo, cfg.rollout
+    return {"task": d.task, "digits": d.digits, "long_digits": d.long_digits,
+            "long_fraction": d.long_fraction, "num_train": d.num_train, "num_eval": d.num_eval,
+            "warmup_steps": d.warmup_steps, "seed": cfg.seed, "total_steps": t.total_steps,
+            "train_batch_prompts": t.train_batch_prompts, "lr": t.lr,
+            "eval_interval": t.eval_interval, "n_samples_per_prompt": a.n_samples_per_prompt,
+            "max_staleness": a.max_staleness, "num_engines": r.num_engines,
+            "max_new_tokens": r.sampling.max_new_tokens, "model": cfg.model.name,
+            "model_path": cfg.model.path}
+
+
+def save(cfg, results: Dict[str, dict], figures: Dict[str, object], path: str = PATH) -> str:
+    keep = ("final_accuracy", "final_accuracy_greedy", "trainer_tokens_per_s",
+            "engine_idle_fraction", "max_staleness_observed", "evals")
+    data = {"measured": time.strftime("%Y-%m-%d"),
+            "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, Python "
+                       f"{platform.python_version()}",
+            "config": fingerprint(cfg), "figures": figures,
+            "modes": {m: {k: s.get(k) for k in keep} for m, s in results.items()}}
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    return path
+
+
+def load(path: str = PATH) -> Optional[dict]:
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def compare(cfg, summary: dict, out_dir: str, log=print, path: str = PATH) -> Optional[dict]:
+    """Print this run beside the stored sync run of the same configuration and plot both."""
+    from .convergence import plot, time_to_target
+
+    ref = load(path)
+    if ref is None or ref["config"] != fingerprint(cfg) or "sync" not in ref["modes"]:
+        if cfg.mode == "laminar":
+            log("[demo] no stored sync run of this configuration to compare with; measure one: "
+                "python -m laminar_mcore.bench.convergence")
+        return None
+    target = ref["figures"]["target_accuracy"]
+    sync = ref["modes"]["sync"]
+    mine = time_to_target(summary["evals"], target)
+    theirs = time_to_target(sync["evals"], target)
+    results = {f"sync (stored, {ref['measured']})": sync, f"{cfg.mode} (this run)": summary}
+    png = plot(results, target, os.path.join(out_dir, "demo_vs_sync.png"))
+
+    def reached(hit):
+        return f"reached {target:.3f} after {hit['wall_s']:.0f} s" if hit else \
+            f"did not reach {target:.3f}"
+
+    log(f"[demo] {cfg.mode} (this run): accuracy {summary['initial_accuracy']:.3f} -> "
+        f"{summary['final_accuracy']:.3f}, {reached(mine)} of training, "
+        f"{summary['trainer_tokens_per_s']:.0f} trainer tokens/s")
+    log(f"[demo] sync (stored figure, measured {ref['measured']} on {ref['machine']} by "
+        f"bench.convergence with this configuration): accuracy -> {sync['final_accuracy']:.3f}, "
+        f"{reached(theirs)}, {sync['trainer_tokens_per_s']:.0f} trainer tokens/s")
+    out = {"target": target}
+    if mine and theirs and mine["wall_s"] > 0:
+        out["time_speedup_vs_sync"] = theirs["wall_s"] / mine["wall_s"]
+        log(f"[demo] {cfg.mode} reached sync's accuracy {out['time_speedup_vs_sync']:.2f}x "
+            f"sooner in wall time. Plot: {png}")
+    elif png:
+        log(f"[demo] plot: {png}")
+    return out
