@@ -93,3 +93,7 @@ def test_convergence_figures_read_time_and_samples_to_target_from_the_evals():
     assert f["areal_time_to_target_s"] is None and f["laminar_time_speedup_vs_areal"] is None
     assert f["laminar_train_wall_s"] == 60.0
     assert figures_from(results, 64, target=0.9)["laminar_time_speedup_vs_sync"] is None
+    # samples count the steps behind the weights evaluated (an eval of step 10 that ran on
+    # version 14 measured 14 steps of training)
+    results["laminar"]["evals"][2]["version"] = 14
+    assert figures_from(results, 64)["laminar_samples_to_target"] == 14 * 64

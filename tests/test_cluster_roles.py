@@ -34,7 +34,7 @@ def test_controller_rollout_nodes_and_torchrun_trainer_run_a_job(tmp_path):
     # mode=sync: every engine moves to each version before generating with it, so every node's
     # engine pulls (training takes a fraction of a second here: in laminar mode an engine busy
     # with its trajectories may never get to pull before the run ends)
-    common = ["mode=sync", "output_dir=out", "run_name=cluster", "cluster.controller_addr=127.0.0.1",
+    common = ["experiment=cpu_reverse", "mode=sync", "output_dir=out", "run_name=cluster", "cluster.controller_addr=127.0.0.1",
               f"cluster.controller_port={port}", f"cluster.rollout_nodes={nodes}",
               "rollout.num_engines=1", "trainer.total_steps=3", "trainer.train_batch_prompts=4",
               "data.num_eval=8", "data.warmup_steps=20", "cluster.shutdown_grace_s=20"]

@@ -108,7 +108,7 @@ def test_unknown_keys_and_wrong_types_are_refused():
     cfg = _compose("+trainer.lr_typo=1")  # Hydra lets `+` through; validation does not
     with pytest.raises(ConfigError, match="lr_typo"):
         validate_config(cfg)
-    with pytest.raises(ConfigError, match="mode='async' is not one of laminar, one_step, sync"):
+    with pytest.raises(ConfigError, match="mode='async' is not one of laminar, one_step, sync, areal"):
         validate_config(_compose("mode=async"))
 
 

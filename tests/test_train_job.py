@@ -28,7 +28,8 @@ def test_train_job_runs_and_keeps_the_books(tmp_path, mode):
     extra = (["weight_sync.mooncake_protocol=tcp", "weight_sync.engine_transport=mooncake"]
              if transport == "mooncake" else [])
     out = subprocess.run(
-        [sys.executable, "-m", "laminar_mcore.launch", f"mode={mode}", "output_dir=out",
+        [sys.executable, "-m", "laminar_mcore.launch", "experiment=cpu_reverse", f"mode={mode}",
+         "output_dir=out",
          "run_name=e2e", "trainer.total_steps=3", "trainer.train_batch_prompts=4",
          "data.num_eval=16", "data.warmup_steps=20", "rollout.num_engines=2",
          "trainer.eval_interval=2", *extra],
@@ -65,7 +66,8 @@ def test_train_job_runs_and_keeps_the_books(tmp_path, mode):
 def test_train_job_resumes_with_its_data_module(tmp_path):
     def run(*extra):
         out = subprocess.run(
-            [sys.executable, "-m", "laminar_mcore.launch", "output_dir=out", "run_name=resume",
+            [sys.executable, "-m", "laminar_mcore.launch", "experiment=cpu_reverse", "output_dir=out",
+             "run_name=resume",
              "trainer.train_batch_prompts=4", "data.num_eval=16", "data.warmup_steps=20",
              "trainer.save_interval=2", *extra],
             cwd=tmp_path, capture_output=True, text=True, timeout=600,
@@ -90,8 +92,8 @@ def test_sync_run_resumed_at_step_k_matches_the_uninterrupted_run(tmp_path):
 
     def run(*extra):
         out = subprocess.run(
-            [sys.executable, "-m", "laminar_mcore.launch", "mode=sync", "output_dir=out",
-             "run_name=exact", "trainer.train_batch_prompts=4", "data.num_eval=8",
+            [sys.executable, "-m", "laminar_mcore.launch", "experiment=cpu_reverse", "mode=sync",
+             "output_dir=out", "run_name=exact", "trainer.train_batch_prompts=4", "data.num_eval=8",
              "trainer.save_interval=2", "trainer.total_steps=4", *extra],
             cwd=tmp_path, capture_output=True, text=True, timeout=600,
             env=dict(os.environ, PYTHONWARNINGS="ignore"))
@@ -143,7 +145,8 @@ def test_an_interrupt_or_a_dead_role_stops_every_process(tmp_path, how):
 
     shm_before = _shm_names()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "laminar_mcore.launch", "output_dir=out", "run_name=stop",
+        [sys.executable, "-m", "laminar_mcore.launch", "experiment=cpu_reverse", "output_dir=out",
+         "run_name=stop",
          "trainer.total_steps=1000", "trainer.train_batch_prompts=2", "data.num_eval=4",
          "data.warmup_steps=20", "rollout.num_engines=2"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

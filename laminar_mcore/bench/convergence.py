@@ -9,7 +9,9 @@ trainer steps, evaluating every ``trainer.eval_interval`` steps. For each mode i
 wall time and the consumed samples until the policy first reaches the target accuracy (default:
 sync's final accuracy minus 0.02), the final accuracy and trainer-consumed tokens/s. Wall time
 is counted from the trainer's first batch request to the end of the step whose weights reached
-the target (start-up excluded in every mode); consumed samples are that step's batches. The
+the target (start-up excluded in every mode); consumed samples are the batches of the steps
+behind those weights (their version: an evaluation runs once an engine holds its step's version
+or a newer one). The
 ratios favour laminar above 1:
 
 * ``laminar_time_speedup_vs_sync``: sync's wall time to target over laminar's (also ``_vs_areal``,
@@ -27,6 +29,13 @@ import os
 from typing import Dict, List, Optional
 
 MODES = ("sync", "one_step", "areal", "laminar")
+
+
+def _steps(evaluation: dict) -> int:
+    """Trainer steps behind the weights an evaluation measured (their version; an evaluation
+    scheduled at step s runs on the first engine holding version s or newer)."""
+    version = evaluation.get("version")
+    return int(version if version is not None else evaluation["step"])
 
 
 def time_to_target(evals: List[dict], target: float) -> Optional[dict]:
@@ -72,7 +81,7 @@ def figures_from(results: Dict[str, dict], batch_samples: int,
         hit = time_to_target(s["evals"], target)
         reached[mode] = hit
         figures[f"{mode}_time_to_target_s"] = hit["wall_s"] if hit else None
-        figures[f"{mode}_samples_to_target"] = hit["step"] * batch_samples if hit else None
+        figures[f"{mode}_samples_to_target"] = _steps(hit) * batch_samples if hit else None
         figures[f"{mode}_final_accuracy"] = s["final_accuracy"]
         figures[f"{mode}_final_accuracy_greedy"] = s.get("final_accuracy_greedy")
         figures[f"{mode}_tokens_per_s"] = s["trainer_tokens_per_s"]
@@ -90,7 +99,7 @@ def figures_from(results: Dict[str, dict], batch_samples: int,
     if "sync" in results and "laminar" in results:
         hit = reached["sync"]
         figures["laminar_sample_efficiency_vs_sync"] = (
-            hit["step"] / lam["step"] if hit and lam and lam["step"] > 0 else None)
+            _steps(hit) / _steps(lam) if hit and lam and _steps(lam) > 0 else None)
     return figures
 
 

@@ -47,7 +47,8 @@ def main(argv=None) -> dict:
     results = {}
     with tempfile.TemporaryDirectory(prefix="laminar-bench-modes-") as tmp:
         for mode in args.modes.split(","):
-            overrides = [f"mode={mode}", f"output_dir={tmp}", f"run_name={mode}",
+            overrides = ["experiment=cpu_reverse", f"mode={mode}", f"output_dir={tmp}",
+                         f"run_name={mode}",
                          f"trainer.total_steps={args.steps}",
                          f"trainer.train_batch_prompts={args.batch_prompts}",
                          f"algo.n_samples_per_prompt={args.samples}",

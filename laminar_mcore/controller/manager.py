@@ -52,6 +52,10 @@ class EngineHandle:
     draining: bool = False
     paused: bool = False  # mode=areal: paused with abort for a weight update
     resuming: int = 0  # interrupted trajectories that come back once it holds the new version
+    pulling: bool = False
+    # Evaluations running on it (controller/evaluation.py): it keeps its version meanwhile,
+    # so an evaluation measures exactly one version.
+    evaluating: int = 0
     pulls: int = 0
     idle_seconds: float = 0.0  # time with no trajectory in flight
     idle_since: Optional[float] = None
@@ -254,7 +258,7 @@ class RolloutManager:
             elif engine.in_flight and engine.idle_since is not None:
                 engine.idle_seconds += now - engine.idle_since
                 engine.idle_since = None
-            newer = self.relay_version(engine) > engine.version
+            newer = self.relay_version(engine) > engine.version and not engine.evaluating
             if newer and self.interrupt:
                 await self._interrupt_and_pull(engine)
                 continue
@@ -262,7 +266,8 @@ class RolloutManager:
                 engine.draining = True
                 if self.repack and 0 < len(engine.in_flight) <= self._repack_limit(engine):
                     self._repack_now.set()  # a long-tail engine: look for a destination now
-            if engine.draining and not engine.in_flight and self._barrier_ready():
+            if engine.draining and not engine.in_flight and self._barrier_ready() \
+                    and not engine.evaluating:
                 await self._pull(engine)
                 continue
             self._tasks = [t for t in self._tasks if not t.done()]
@@ -282,6 +287,13 @@ class RolloutManager:
         return all(not e.in_flight for e in self.engines if e.healthy)
 
     async def _pull(self, engine: EngineHandle) -> None:
+        engine.pulling = True
+        try:
+            await self._pull_once(engine)
+        finally:
+            engine.pulling = False
+
+    async def _pull_once(self, engine: EngineHandle) -> None:
         try:
             version = await engine.puller.pull(engine.relay, engine.client, engine.version)
         except WeightApplyError as exc:

@@ -347,14 +347,18 @@ class Controller:
 
     async def _evaluate_version(self, step: int, version: int) -> None:
         """``trainer.eval_interval``: evaluate on the least loaded healthy engine once one holds
-        ``version`` (or newer: the record names the version that served)."""
+        ``version`` (or newer: the record names the version that served). The engine keeps its
+        version until the evaluation ends (it generates meanwhile, but does not pull)."""
+        engine = None
         try:
             while True:
-                ready = [e for e in self.manager.engines if e.healthy and e.version >= version]
+                ready = [e for e in self.manager.engines if e.healthy and e.version >= version
+                         and not e.pulling and not e.paused]
                 if ready:
                     break
                 await asyncio.sleep(0.05)
-            engine = min(ready, key=lambda e: len(e.in_flight))
+            engine = min(ready, key=lambda e: (e.evaluating, len(e.in_flight)))
+            engine.evaluating += 1
             result = await evaluate(engine.client.base_url, self.task.evals, self.task.codec,
                                     asdict(self.cfg.rollout.sampling), self.cfg.data.reward_fn,
                                     api_key=engine.client.api_key)
@@ -364,6 +368,9 @@ class Controller:
             raise
         except Exception as exc:  # noqa: BLE001 - an evaluation must not stop the run
             logger.warning("evaluation at step %d failed: %r", step, exc)
+        finally:
+            if engine is not None:
+                engine.evaluating -= 1
 
     def finish_evals(self, timeout_s: float = 120.0) -> None:
         """Let the evaluations under way end (the run's last steps may have started some)."""

@@ -53,7 +53,7 @@ class MetricsWriter:
         fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
         x = [r["step"] for r in steps]
         axes[0].plot(x, [r.get("reward_mean", 0.0) for r in steps], label="batch reward")
-        evals = [r for r in self.records if r["kind"] == "eval"]
+        evals = sorted((r for r in self.records if r["kind"] == "eval"), key=lambda r: r["step"])
         if evals:
             axes[0].plot([r["step"] for r in evals], [r["accuracy"] for r in evals], "o-",
                          label="eval accuracy (sampled)")
