@@ -53,8 +53,9 @@ class EngineHandle:
     paused: bool = False  # mode=areal: paused with abort for a weight update
     resuming: int = 0  # interrupted trajectories that come back once it holds the new version
     pulling: bool = False
-    # Evaluations running on it (controller/evaluation.py): it keeps its version meanwhile,
-    # so an evaluation measures exactly one version.
+    # Evaluations running on it (controller/evaluation.py): it keeps its version meanwhile (a
+    # newer one makes it drain, as always, but it pulls only afterwards), so an evaluation
+    # measures exactly one version and no new trajectory starts on weights being left behind.
     evaluating: int = 0
     pulls: int = 0
     idle_seconds: float = 0.0  # time with no trajectory in flight
@@ -258,8 +259,9 @@ class RolloutManager:
             elif engine.in_flight and engine.idle_since is not None:
                 engine.idle_seconds += now - engine.idle_since
                 engine.idle_since = None
-            newer = self.relay_version(engine) > engine.version and not engine.evaluating
-            if newer and self.interrupt:
+            newer = self.relay_version(engine) > engine.version
+            # an engine under evaluation keeps its version (it drains, but pulls afterwards)
+            if newer and self.interrupt and not engine.evaluating:
                 await self._interrupt_and_pull(engine)
                 continue
             if newer:
