@@ -82,8 +82,9 @@ def compare(cfg, summary: dict, out_dir: str, log=print, path: str = PATH) -> Op
     out = {"target": target}
     if mine and theirs and mine["wall_s"] > 0:
         out["time_speedup_vs_sync"] = theirs["wall_s"] / mine["wall_s"]
-        log(f"[demo] {cfg.mode} reached sync's accuracy {out['time_speedup_vs_sync']:.2f}x "
-            f"sooner in wall time. Plot: {png}")
+        log(f"[demo] time to {target:.3f}: {cfg.mode} {mine['wall_s']:.0f} s, sync "
+            f"{theirs['wall_s']:.0f} s: {out['time_speedup_vs_sync']:.2f}x sync's speed. "
+            f"Plot: {png}")
     elif png:
         log(f"[demo] plot: {png}")
     return out

@@ -335,17 +335,11 @@ class RolloutManager:
             if items:
                 for item in items:
                     item.interrupted_at = engine.version
-                engine.resuming += len(items)
                 engine.paused = paused = True
+                # SGLang answers once every running request is aborted (their streams end with
+                # "abort" and resume after the update); a request that arrives while paused
+                # waits for continue_generation and runs on the new weights.
                 await engine.client.pause_generation("abort")
-                waited = 0.0
-                while engine.in_flight and engine.healthy and not self._stop.is_set():
-                    await asyncio.sleep(self.poll_s / 5)  # the streams end with "abort"
-                    waited += self.poll_s / 5
-                    if waited >= 0.5:  # a request that reached the engine after the pause
-                        waited = 0.0
-                        for rid in list(engine.in_flight):
-                            await engine.client.abort_request(rid)
             if engine.healthy and not self._stop.is_set():
                 await self._pull(engine)
         except EngineError as exc:
@@ -365,6 +359,7 @@ class RolloutManager:
         """Where an interrupted trajectory continues: its engine once that holds a newer
         version (or, if it failed, any healthy engine that is not paused)."""
         old, item.interrupted_at = item.interrupted_at, None
+        engine.resuming += 1
         try:
             while not self._stop.is_set():
                 if engine.healthy and engine.version > old and not engine.paused:
@@ -421,9 +416,7 @@ class RolloutManager:
                 reason = await self._stream(engine, item)
             except EngineError as exc:
                 engine.in_flight.pop(item.rid, None)
-                if item.interrupted_at is not None:
-                    item.interrupted_at = None
-                    engine.resuming = max(engine.resuming - 1, 0)
+                item.interrupted_at = None
                 if self._stop.is_set():
                     raise Stopped() from None
                 logger.warning("engine %s failed on %s: %s", engine.name, item.rid, exc)
@@ -438,9 +431,7 @@ class RolloutManager:
             if reason == "abort" and item.interrupted_at is not None:
                 engine = await self._resume_interrupted(item, engine)
                 continue
-            if item.interrupted_at is not None:  # it finished before the pause reached it
-                item.interrupted_at = None
-                engine.resuming = max(engine.resuming - 1, 0)
+            item.interrupted_at = None  # (it may have finished before the pause reached it)
             target, item.migrate_to = self._engine(item.migrate_to), None
             if reason == "abort" and target is not None:
                 if target.healthy and target.version == item.traj.weight_version:
