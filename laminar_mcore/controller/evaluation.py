@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import asdict, dataclass
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from ..rollout.client import SGLangClient
 from .episode import TaskCodec
@@ -38,8 +38,11 @@ async def _generate(client: SGLangClient, ids: List[int], sampling: dict, attemp
 
 
 async def evaluate(url: str, rows: List[dict], codec: TaskCodec, sampling: dict, reward_fn: str,
-                   seed: int = 0, *, greedy: bool = True, api_key: Optional[str] = None) -> EvalResult:
-    """Sampled (and, with ``greedy``, greedy) accuracy of the engine at ``url`` on ``rows``."""
+                   seed: int = 0, *, greedy: bool = True, api_key: Optional[str] = None,
+                   max_new_tokens_fn: Optional[Callable[[dict], int]] = None) -> EvalResult:
+    """Sampled (and, with ``greedy``, greedy) accuracy of the engine at ``url`` on ``rows``.
+    ``max_new_tokens_fn(row)``: the longest response the verifier can accept for ``row`` (the
+    built-in exact-match task: the answer and EOS); generation stops there."""
     from ..reward import load_reward_fn
 
     fn = load_reward_fn(reward_fn)
@@ -50,12 +53,20 @@ async def evaluate(url: str, rows: List[dict], codec: TaskCodec, sampling: dict,
                   for o, row in zip(outs, rows)]
         return sum(scores) / max(len(scores), 1)
 
+    def params(row: dict, **extra) -> dict:
+        out = dict(sampling, **extra)
+        if max_new_tokens_fn is not None:
+            out["max_new_tokens"] = min(int(out.get("max_new_tokens", 1 << 30)),
+                                        int(max_new_tokens_fn(row)))
+        return out
+
     async with SGLangClient(url, api_key=api_key) as client:
         sampled = await asyncio.gather(*[
-            _generate(client, codec.encode_prompt(row), dict(sampling, sampling_seed=seed * 100_003 + i))
+            _generate(client, codec.encode_prompt(row),
+                      params(row, sampling_seed=seed * 100_003 + i))
             for i, row in enumerate(rows)])
         argmax = await asyncio.gather(*[
-            _generate(client, codec.encode_prompt(row), dict(sampling, temperature=0.0))
+            _generate(client, codec.encode_prompt(row), params(row, temperature=0.0))
             for row in rows]) if greedy else []
     versions = sorted({int(v) for o in sampled + argmax
                        if str(v := o["meta_info"].get("weight_version", "")).isdigit()})

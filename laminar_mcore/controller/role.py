@@ -63,13 +63,16 @@ def load_task(cfg: LaminarConfig, out_dir: str, log) -> TaskData:
                                            d.digits, d.task, d.long_digits,
                                            cfg.rollout.sampling.max_new_tokens),
                                        log=log)
-    return TaskData(rows, evals, codec, model_path)
+    # exact match accepts only the answer and EOS: an evaluation need not wait for more
+    exact = d.reward_fn == "laminar_mcore.reward.builtin:exact_match"
+    return TaskData(rows, evals, codec, model_path,
+                    eval_max_new_tokens=(lambda row: len(row["answer"]) + 1) if exact else None)
 
 
 def evaluate_engine(cfg: LaminarConfig, task: TaskData, url: str) -> EvalResult:
     """Sampled and greedy accuracy of the engine at ``url`` on the run's held-out set."""
     return asyncio.run(evaluate(url, task.evals, task.codec, asdict(cfg.rollout.sampling),
-                                cfg.data.reward_fn))
+                                cfg.data.reward_fn, max_new_tokens_fn=task.eval_max_new_tokens))
 
 
 def resume_state(cfg: LaminarConfig, out_dir: str, log) -> Optional[dict]:

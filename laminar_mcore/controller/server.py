@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from aiohttp import web
 
@@ -44,6 +44,9 @@ class TaskData:
     evals: List[dict]
     codec: TaskCodec
     model_path: str
+    # The longest response the verifier can accept for an evaluation row (None: the run's
+    # max_new_tokens): evaluations stop there, since a longer answer is wrong anyway.
+    eval_max_new_tokens: Optional[Callable[[dict], int]] = None
 
 
 def length_fn_from_config(rollout_cfg):
@@ -361,7 +364,8 @@ class Controller:
             engine.evaluating += 1
             result = await evaluate(engine.client.base_url, self.task.evals, self.task.codec,
                                     asdict(self.cfg.rollout.sampling), self.cfg.data.reward_fn,
-                                    api_key=engine.client.api_key)
+                                    api_key=engine.client.api_key,
+                                    max_new_tokens_fn=self.task.eval_max_new_tokens)
             self.metrics.log("eval", step=step, **result.record(),
                              wall_s=self.version_wall_s(result.version), engine=engine.name)
         except asyncio.CancelledError:
