@@ -139,14 +139,6 @@ class RolloutManager:
         v = self.trainer_version()
         return self.accepted + n <= (self.max_staleness + v + 1) * self.batch
 
-    def fresh_enough(self, engine: EngineHandle) -> bool:
-        """With a staleness bound eta, an engine more than eta versions behind the trainer
-        starts nothing new (it finishes what it has and pulls): admission counts alone would let
-        an engine held back by a long tail start groups already staler than eta."""
-        if self.max_staleness is None:
-            return True
-        return engine.version >= self.trainer_version() - self.max_staleness
-
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> None:
         self._running = True
@@ -285,7 +277,7 @@ class RolloutManager:
             # Baselines with a global barrier generate only with the trainer's current weights.
             synced = not self.barrier or engine.version >= self.trainer_version()
             if not engine.draining and synced and room >= self.prompts.n_samples and \
-                    self.fresh_enough(engine) and self.can_admit(self.prompts.n_samples):
+                    self.can_admit(self.prompts.n_samples):
                 self._start_group(engine)
                 continue
             await asyncio.sleep(self.poll_s / 5)
