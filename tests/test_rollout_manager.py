@@ -101,6 +101,24 @@ def _manager(handles, rows, buffer, sampling, *, seed=None, length_fn=None, batc
                           trainer_version=lambda: 0, batch_trajectories=batch)
 
 
+def _incremental_engines(tmp_path, procs, n=2):
+    """``n`` CPU engines on tmp_path/m streaming incrementally, as the engines of a run do."""
+    engines = [EngineProcess(cpu_engine_command(str(tmp_path / "m"), seed=i, kv_capacity_tokens=8192,
+                                                incremental_streaming_output=True,
+                                                stream_interval=4, deterministic=True),
+                             log_path=str(tmp_path / f"e{i}.log")).start() for i in range(n)]
+    procs += engines
+    return engines
+
+
+def _first_two_groups_long(long_len):
+    """A length function: the first two groups carry one ``long_len`` trajectory each."""
+    def length(group_id, k):
+        issued = int(group_id.rsplit("-", 1)[1])
+        return long_len if issued < 2 and k == 0 else 4
+    return length
+
+
 def _reference_logprobs(cfg, state, prompt, response):
     model = DecoderLM(cfg, state)
     kv = model.new_kv_cache(max(256, len(prompt) + len(response) + 8))
@@ -188,18 +206,11 @@ def test_repack_moves_long_tail_trajectories_so_freed_engines_pull(tmp_path):
     long_len = 1500
     with _relay_world(tmp_path, cfg) as (relay, _, publisher, procs):
         # Engines of a run stream incrementally (the first test reads cumulative streams).
-        engines = [EngineProcess(cpu_engine_command(str(tmp_path / "m"), seed=i, kv_capacity_tokens=8192,
-                                                    incremental_streaming_output=True,
-                                                    stream_interval=4, deterministic=True),
-                                 log_path=str(tmp_path / f"e{i}.log")).start() for i in range(2)]
-        procs += engines
+        engines = _incremental_engines(tmp_path, procs)
         rows = [{"prompt_ids": [i % 100 + 1, 7, 3], "answer": ""} for i in range(500)]
         buffer = RecordingBuffer(group_size=4)
         seen = buffer.seen
-
-        def length(group_id, k):  # the first two groups carry one long trajectory each
-            issued = int(group_id.rsplit("-", 1)[1])
-            return long_len if issued < 2 and k == 0 else 4
+        length = _first_two_groups_long(long_len)
 
         async def scenario():
             handles = [_handle(f"e{i}", p.url, relay.url, 4, timeout_s=30,
@@ -377,18 +388,11 @@ def test_areal_mode_interrupts_generation_for_each_new_version(tmp_path):
     with _relay_world(tmp_path, cfg) as (relay, model, publisher, procs):
         from laminar_mcore.trainer.model import load_full_state
 
-        engines = [EngineProcess(cpu_engine_command(str(tmp_path / "m"), seed=i, kv_capacity_tokens=8192,
-                                                    incremental_streaming_output=True,
-                                                    stream_interval=4, deterministic=True),
-                                 log_path=str(tmp_path / f"e{i}.log")).start() for i in range(2)]
-        procs += engines
+        engines = _incremental_engines(tmp_path, procs)
         rows = [{"prompt_ids": [i % 100 + 1, 7, 3], "answer": ""} for i in range(500)]
         buffer = RecordingBuffer(group_size=4)
         seen = buffer.seen
-
-        def length(group_id, k):  # the first two groups carry one long trajectory each
-            issued = int(group_id.rsplit("-", 1)[1])
-            return long_len if issued < 2 and k == 0 else 4
+        length = _first_two_groups_long(long_len)
 
         async def scenario():
             handles = [_handle(f"e{i}", p.url, relay.url, 4, timeout_s=30,
