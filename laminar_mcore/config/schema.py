@@ -120,6 +120,15 @@ class RolloutConfig:
     forced_short_length: int = 0
     forced_long_length: int = 0
     forced_long_fraction: float = 0.0
+    # Fault isolation (rollout/supervisor.py): each node's supervisor checks its engines every
+    # engine_heartbeat_s (the process, and /health_generate, which must answer within
+    # engine_heartbeat_timeout_s); a dead or hung engine is restarted, re-registers and pulls
+    # the newest version. An engine restarted more than engine_restarts_per_hour times within
+    # an hour is evicted (the run goes on without it; the reason is in the summary). A dead
+    # relay is restarted the same way (its shared memory is reclaimed first).
+    engine_heartbeat_s: float = 2.0
+    engine_heartbeat_timeout_s: float = 60.0
+    engine_restarts_per_hour: int = 3
 
 
 @dataclass
@@ -145,6 +154,12 @@ class WeightSyncConfig:
     # through Mooncake's transfer engine, as from a relay on another machine; needs
     # mooncake_protocol), or any registered transport.
     engine_transport: str = "auto"
+    # Deadlines: a trainer's send to the master relay (forming the group, each bucket) fails
+    # after publish_timeout_s with an error naming the relay; when the master relay is gone,
+    # the publisher asks the controller for the new one (elected among the remaining relays,
+    # or the restarted one) for up to failover_timeout_s and sends the version again, whole.
+    publish_timeout_s: float = 300.0
+    failover_timeout_s: float = 180.0
 
 
 @dataclass
@@ -237,6 +252,11 @@ class TrainerConfig:
     batch_timeout_s: float = 3600.0
     # Trainer collectives (NCCL/gloo) fail after this long: a hung rank ends the run.
     collective_timeout_s: float = 600.0
+    # A trainer process that dies restarts the trainer world (job=train on one machine: the
+    # launcher does it, up to max_restarts times; on a cluster the scheduler re-runs torchrun)
+    # from the newest complete checkpoint, while the engines keep generating. The restarted
+    # trainer publishes a version newer than any the relays hold.
+    max_restarts: int = 2
 
 
 @dataclass

@@ -77,6 +77,15 @@ class ControllerClient:
     def done(self, result: dict) -> None:
         self._call("POST", "/done", result)
 
+    def resumed(self, step: int, version: int, restarts: int) -> None:
+        """The trainer world (re)started from step ``step`` and published ``version``."""
+        self._call("POST", "/resumed", {"step": step, "version": version, "restarts": restarts})
+
+    def call_post(self, path: str, body: dict) -> Optional[dict]:
+        """A rollout node's report (``/engine_down``, ``/engine_replaced``,
+        ``/relay_replaced``)."""
+        return self._call("POST", path, body, timeout=30)[1]
+
     # ------------------------------------------------------------------ cluster roles
     def health(self, timeout: float = 10.0) -> dict:
         return self._call("GET", "/health", timeout=timeout)[1]

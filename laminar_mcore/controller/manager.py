@@ -60,6 +60,12 @@ class EngineHandle:
     pulls: int = 0
     idle_seconds: float = 0.0  # time with no trajectory in flight
     idle_since: Optional[float] = None
+    # Fault isolation: a node's supervisor restarts a dead engine (``restarting`` meanwhile)
+    # and the handle then stands for the new process (``epoch`` + 1): a failure seen through
+    # the old one never marks the new one down. ``evicted``: out of the run for good.
+    epoch: int = 0
+    restarting: bool = False
+    evicted: Optional[str] = None
 
 
 @dataclass
@@ -75,6 +81,8 @@ class ManagerStats:
     interrupted: int = 0  # mode=areal: requests aborted for a weight update and resubmitted
     unhealthy: List[str] = field(default_factory=list)
     discarded: Dict[str, int] = field(default_factory=dict)
+    engine_restarts: int = 0
+    evicted: Dict[str, str] = field(default_factory=dict)  # engine -> why
 
 
 class Stopped(Exception):
@@ -178,10 +186,12 @@ class RolloutManager:
         self._stop.set()
 
     def _engine_failed(self, engine: EngineHandle):
+        epoch = engine.epoch
+
         def on_error(what: str, exc: BaseException) -> None:
             logger.error("%s failed: %r; engine %s is taken out of service", what, exc,
                          engine.name, exc_info=exc)
-            self._mark_unhealthy(engine)
+            self._mark_unhealthy(engine, epoch)
         return on_error
 
     def _trajectory_failed(self, item: InFlight):
@@ -250,8 +260,9 @@ class RolloutManager:
         return (self.engine_idle_seconds() - idle0) / max(time.time() - t0, 1e-9)
 
     async def _engine_loop(self, engine: EngineHandle) -> None:
+        epoch = engine.epoch
         while not self._stop.is_set():
-            if not engine.healthy:
+            if not engine.healthy or engine.epoch != epoch:
                 return
             now = time.time()
             if not engine.in_flight and engine.idle_since is None:
@@ -296,12 +307,13 @@ class RolloutManager:
             engine.pulling = False
 
     async def _pull_once(self, engine: EngineHandle) -> None:
+        epoch = engine.epoch
         try:
             version = await engine.puller.pull(engine.relay, engine.client, engine.version)
         except WeightApplyError as exc:
             logger.warning("engine %s could not take new weights: %s", engine.name, exc)
             if exc.mixed:  # it may hold part of two versions: it must not generate
-                self._mark_unhealthy(engine)
+                self._mark_unhealthy(engine, epoch)
             else:
                 await asyncio.sleep(self.poll_s)  # still on its version; try again later
             return
@@ -315,8 +327,10 @@ class RolloutManager:
             return
         except EngineError as exc:
             logger.warning("engine %s could not pull: %s", engine.name, exc)
-            self._mark_unhealthy(engine)
+            self._mark_unhealthy(engine, epoch)
             return
+        if engine.epoch != epoch:
+            return  # the engine was replaced while this pull ran: the new one pulls itself
         if version is not None:
             engine.version = version
             engine.pulls += 1
@@ -366,7 +380,7 @@ class RolloutManager:
                     target = engine
                 elif not engine.healthy:
                     others = [e for e in self.engines if e.healthy and not e.paused]
-                    if not any(e.healthy for e in self.engines):
+                    if not any(e.healthy or e.restarting for e in self.engines):
                         raise Discard("no_engine")
                     target = min(others, key=lambda e: len(e.in_flight)) if others else None
                 else:
@@ -412,6 +426,7 @@ class RolloutManager:
         finish reason type. Raises ``Discard`` or ``Stopped`` when it cannot finish."""
         engine = self._engine(item.engine)
         while True:
+            epoch = engine.epoch
             try:
                 reason = await self._stream(engine, item)
             except EngineError as exc:
@@ -420,7 +435,7 @@ class RolloutManager:
                 if self._stop.is_set():
                     raise Stopped() from None
                 logger.warning("engine %s failed on %s: %s", engine.name, item.rid, exc)
-                self._mark_unhealthy(engine)
+                self._mark_unhealthy(engine, epoch)
                 engine = await self._engine_of_version(item)
                 self.stats.resumed += 1
                 continue
@@ -584,11 +599,55 @@ class RolloutManager:
             self.accepted = max(self.accepted - self.prompts.n_samples, 0)
         self.stats.discarded[reason] = self.stats.discarded.get(reason, 0) + count + dropped
 
-    def _mark_unhealthy(self, engine: EngineHandle) -> None:
+    def _mark_unhealthy(self, engine: EngineHandle, epoch: Optional[int] = None) -> None:
+        """Take ``engine`` out of service (``epoch``: the process the failure was seen on; a
+        failure of a process already replaced says nothing of the new one)."""
+        if epoch is not None and epoch != engine.epoch:
+            return
         if engine.healthy:
             engine.healthy = False
             self.stats.unhealthy.append(engine.name)
             logger.warning("engine %s marked unhealthy", engine.name)
+
+    # ------------------------------------------------------------------ fault isolation
+    def engine_down(self, engine: EngineHandle, reason: str, evict: bool) -> None:
+        """Its node's supervisor found it dead or hung: no more work for it. Unless
+        ``evict``, a replacement is on its way (``replace_engine``)."""
+        self._mark_unhealthy(engine)
+        if evict:
+            engine.restarting, engine.evicted = False, reason
+            self.stats.evicted[engine.name] = reason
+        else:
+            engine.restarting = True
+
+    def replace_engine(self, engine: EngineHandle, client: SGLangClient) -> SGLangClient:
+        """The restarted engine takes ``engine``'s place: it holds the starting weights
+        (version 0) and pulls the newest version before it takes work, like an engine that
+        joins. Returns the old client (the caller closes it). Call on the manager's loop."""
+        old, engine.client = engine.client, client
+        engine.epoch += 1
+        engine.version, engine.pulls = 0, 0
+        engine.healthy, engine.restarting, engine.evicted = True, False, None
+        engine.draining = engine.paused = engine.pulling = False
+        engine.resuming = 0
+        engine.in_flight = {}  # its trajectories moved on when it failed
+        engine.idle_since = None
+        self.stats.engine_restarts += 1
+        if getattr(self, "_running", False) and not self._stop.is_set():
+            self._spawn(self._engine_loop(engine), f"engine loop {engine.name}",
+                        self._engine_failed(engine))
+        return old
+
+    def replace_relay(self, old_url: str, relay: RelayClient) -> List[RelayClient]:
+        """A relay restarted (or its engines now pull from another): engines that pulled from
+        ``old_url`` pull from ``relay``. Returns the old clients (the caller closes them)."""
+        old = []
+        for e in self.engines:
+            if e.relay.url == old_url:
+                old.append(e.relay)
+                e.relay = relay
+        self._relay_versions.pop(old_url, None)
+        return old
 
     async def _engine_of_version(self, item: InFlight) -> EngineHandle:
         """A healthy engine of ``item``'s version to continue on (the least loaded), waiting
@@ -602,8 +661,13 @@ class RolloutManager:
                 item.engine = target.name
                 target.in_flight[item.rid] = item
                 return target
-            if not any(e.healthy for e in self.engines) or not self.interrupt and all(
-                    e.version > item.traj.weight_version for e in self.engines if e.healthy):
+            # a restarting engine comes back at version 0 and pulls the newest: it can take
+            # the trajectory only if that is its version
+            may_come = any(e.restarting for e in self.engines) and (
+                self.interrupt or item.traj.weight_version in (0, self._latest_relay_version))
+            if not may_come and (not any(e.healthy for e in self.engines) or not self.interrupt
+                                 and all(e.version > item.traj.weight_version
+                                         for e in self.engines if e.healthy)):
                 raise Discard("no_engine_of_its_version")
             await asyncio.sleep(self.poll_s)
         raise Stopped()

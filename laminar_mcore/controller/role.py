@@ -90,7 +90,8 @@ def resume_state(cfg: LaminarConfig, out_dir: str, log) -> Optional[dict]:
     return None
 
 
-def finish_run(controller: Controller, relay_url: str, engine_url: str, result: dict,
+def finish_run(controller: Controller, relay_url: Optional[str], engine_url: Optional[str],
+               result: dict,
                initial: EvalResult, t_start: float, out_dir: str, log) -> dict:
     """After training: bring one engine to the final version, evaluate, keep the books and
     write ``summary.json`` and the plot. Raises if the books do not balance."""
@@ -101,6 +102,10 @@ def finish_run(controller: Controller, relay_url: str, engine_url: str, result: 
 
     cfg, metrics, task = controller.cfg, controller.metrics, controller.task
     version = result["version"]
+    if engine_url is None:  # the first engine in service (after faults, maybe a restarted one)
+        handle = next((e for e in controller.manager.engines if e.healthy),
+                      controller.manager.engines[0])
+        engine_url, relay_url = handle.client.base_url, handle.relay.url
 
     async def final_pull():
         spec = engine_pull_spec(cfg.rollout, 0, cfg.weight_sync)
@@ -226,8 +231,8 @@ def run(cfg: LaminarConfig, token: str) -> dict:
                     raise ControllerError(f"controller failed: {controller.error}")
         finally:
             progress.close()
-        return finish_run(controller, controller.master_relay["url"], first_engine,
-                          controller.trainer_done, initial, t_start, out_dir, log)
+        return finish_run(controller, None, None, controller.trainer_done, initial, t_start,
+                          out_dir, log)
     finally:
         if controller is not None:
             controller.finished = True

@@ -14,6 +14,8 @@ import json
 import logging
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -22,7 +24,7 @@ from aiohttp import web
 from ..config.schema import LaminarConfig
 from ..data.pools import ExperienceBuffer, PartialResponsePool, PromptPool
 from ..netutil import token_middleware
-from ..relay.client import RelayClient
+from ..relay.client import RelayClient, RelayError
 from ..relay.transports import make_puller
 from ..reward import RewardService
 from ..rollout.client import SGLangClient
@@ -101,6 +103,10 @@ class Controller:
         self.step_marks: List[tuple] = []  # (time of /trained, tokens of the step, trainer wait s)
         self.version_times: Dict[int, float] = {}  # version -> when /trained reported it
         self._eval_tasks: List[asyncio.Task] = []
+        # fault isolation: what failed and came back (books, metrics "fault" records)
+        self.faults: List[dict] = []
+        self.trainer_restarts = 0
+        self.relay_failovers = 0
         self._idle_mark: Optional[tuple] = None  # (time, engine idle seconds) at the first step
         self.buffer = ExperienceBuffer(group_size=self.n_samples)
         self.partial = PartialResponsePool()
@@ -180,6 +186,11 @@ class Controller:
         app.router.add_post("/register", self._register)
         app.router.add_get("/cluster", self._cluster)
         app.router.add_post("/done", self._done)
+        app.router.add_post("/resumed", self._resumed)
+        app.router.add_post("/register_relay", self._register_relay)
+        app.router.add_post("/engine_down", self._engine_down)
+        app.router.add_post("/engine_replaced", self._engine_replaced)
+        app.router.add_post("/relay_replaced", self._relay_replaced)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.port)
@@ -187,8 +198,12 @@ class Controller:
         port = site._server.sockets[0].getsockname()[1]
         self.url = f"http://{self.host}:{port}"
         self._manager_task = asyncio.create_task(self.manager.run())
+        self._election = asyncio.Lock()
+        master_watch = asyncio.create_task(self._watch_master())
         self._ready.set()
         await self._shutdown_event.wait()
+        master_watch.cancel()
+        await asyncio.gather(master_watch, return_exceptions=True)
         self.manager.stop()
         await self._manager_task
         await self._stop_evals()
@@ -199,11 +214,17 @@ class Controller:
         await runner.cleanup()
 
     # ------------------------------------------------------------------ engines
-    def add_node(self, relay_url: str, engine_urls: List[str]) -> List[str]:
+    def add_node(self, relay_url: str, engine_urls: List[str],
+                 publish: Optional[dict] = None) -> List[str]:
         """Register a rollout node's relay and engines (from any thread); returns the engines'
         names. They start on their own weights and pull from ``relay_url`` between
-        trajectories, through ``weight_sync.engine_transport``."""
+        trajectories, through ``weight_sync.engine_transport``. ``publish`` ({host, port}):
+        the relay is the master, trainers publish there."""
         async def add():
+            if publish is not None:
+                self._master_claimed = True
+                self.master_relay = {"url": relay_url, "publish_host": str(publish["host"]),
+                                     "publish_port": int(publish["port"])}
             return self._add_node(relay_url, engine_urls)
 
         return asyncio.run_coroutine_threadsafe(add(), self.loop).result(60)
@@ -251,8 +272,172 @@ class Controller:
             await asyncio.sleep(0.2)
         if self.master_relay is None:
             return web.json_response({"error": "the master relay has not registered"}, status=503)
+        async with self._election:
+            # A relay restarting after a crash: join the master if it lives; else one of the
+            # other relays is elected; if none is left, the asker becomes the master.
+            if await self._relay_health(self.master_relay["url"]) is None and \
+                    await self._elect() is None:
+                return web.json_response({"master": True, **self.info})
         return web.json_response({"master": False, "master_url": self.master_relay["url"],
                                   **self.info})
+
+    # ------------------------------------------------------------------ fault isolation
+    async def _relay_health(self, url: str) -> Optional[dict]:
+        """A relay's /health answer, or None if it does not answer within 2 s."""
+        def get():
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2.0) as resp:
+                    return json.loads(resp.read())
+            except (urllib.error.URLError, OSError, ValueError):
+                return None
+        return await asyncio.to_thread(get)
+
+    async def _relay_post(self, url: str, path: str, body: dict, timeout: float = 40.0) -> dict:
+        relay = RelayClient(url, self.token, timeout_s=timeout)
+        try:
+            return await relay._call("POST", path, body)
+        finally:
+            await relay.close()
+
+    async def _elect(self) -> Optional[dict]:
+        """The master relay is dead: promote the first live relay of the others (in the order
+        they registered), point the rest at it; returns the new ``master_relay`` or None when
+        no relay is left. Call holding ``self._election``."""
+        dead = self.master_relay["url"] if self.master_relay else None
+        live = []
+        for node in self.rollout_nodes:
+            url = node["relay_url"]
+            if url != dead:
+                info = await self._relay_health(url)
+                if info is not None:
+                    live.append((url, info))
+        for url, info in live:
+            t0 = time.time()
+            entries = [{k: i[k] for k in ("relay_id", "control_url", "data_host", "data_port")}
+                       for u, i in live if u != url]
+            try:
+                answer = await self._relay_post(url, "/promote", {"relays": entries})
+            except RelayError as exc:
+                logger.warning("relay %s could not be promoted: %s", url, exc)
+                continue
+            self.master_relay = {"url": url, "publish_host": str(info["data_host"]),
+                                 "publish_port": int(answer["publish_port"])}
+            await self._tell_master(exclude=url)
+            self.relay_failovers += 1
+            self._fault("master_relay", "elected", url=url, dead=dead,
+                        seconds=round(time.time() - t0, 3))
+            return self.master_relay
+        return None
+
+    async def _tell_master(self, exclude: str) -> None:
+        """Every other live relay chains from the current master from now on."""
+        for node in self.rollout_nodes:
+            url = node["relay_url"]
+            if url in (exclude, self.master_relay["url"]):
+                continue
+            try:
+                await self._relay_post(url, "/set_master", {"master_url": self.master_relay["url"]},
+                                       timeout=5.0)
+            except RelayError as exc:
+                logger.info("relay %s did not take the new master: %s", url, exc)
+
+    async def _watch_master(self) -> None:
+        """Elect a new master relay when the master stops answering (twice in a row) while
+        other relays live (a lone master is restarted by its node's supervisor instead)."""
+        misses = 0
+        while True:
+            await asyncio.sleep(1.0)
+            master = self.master_relay
+            if master is None or len(self.rollout_nodes) < 2:
+                continue
+            if await self._relay_health(master["url"]) is not None:
+                misses = 0
+                continue
+            misses += 1
+            if misses >= 2:
+                async with self._election:
+                    if self.master_relay is master and \
+                            await self._relay_health(master["url"]) is None:
+                        await self._elect()
+                misses = 0
+
+    def _fault(self, kind: str, what: str, **info) -> None:
+        event = {"kind": kind, "what": what, "time": time.time(), **info}
+        self.faults.append(event)
+        self.metrics.log("fault", fault=kind, event=what,
+                         **{k: v for k, v in info.items() if isinstance(v, (int, float, str))})
+        logger.warning("fault %s: %s %s", kind, what, info)
+
+    def _handle_by_url(self, url: str) -> Optional[EngineHandle]:
+        return next((e for e in self.manager.engines if e.client.base_url == url.rstrip("/")),
+                    None)
+
+    async def _engine_down(self, request: web.Request):
+        body = await self._json_body(request)
+        if body is None or not isinstance(body.get("url"), str):
+            return web.json_response({"error": "expected {url, reason, evict}"}, status=400)
+        engine = self._handle_by_url(body["url"])
+        if engine is None:
+            return web.json_response({"error": f"no engine at {body['url']}"}, status=404)
+        evict = bool(body.get("evict"))
+        self.manager.engine_down(engine, str(body.get("reason", "")), evict)
+        self._fault("engine", "evicted" if evict else "down", engine=engine.name,
+                    reason=str(body.get("reason", ""))[:300])
+        return web.json_response({"ok": True, "engine": engine.name})
+
+    async def _engine_replaced(self, request: web.Request):
+        body = await self._json_body(request)
+        if body is None or not all(isinstance(body.get(k), str) for k in ("old_url", "new_url")):
+            return web.json_response({"error": "expected {old_url, new_url}"}, status=400)
+        engine = self._handle_by_url(body["old_url"])
+        if engine is None:
+            return web.json_response({"error": f"no engine at {body['old_url']}"}, status=404)
+        old = self.manager.replace_engine(engine, SGLangClient(
+            body["new_url"], retries=0, timeout_s=10, incremental_stream=True,
+            api_key=engine.client.api_key))
+        await old.close()
+        for node in self.rollout_nodes:
+            node["engines"] = [body["new_url"] if u == body["old_url"] else u
+                               for u in node["engines"]]
+        self._fault("engine", "restarted", engine=engine.name, url=body["new_url"])
+        return web.json_response({"ok": True, "engine": engine.name})
+
+    async def _relay_replaced(self, request: web.Request):
+        """A node's supervisor restarted its relay (``publish``: as the master)."""
+        body = await self._json_body(request)
+        if body is None or not all(isinstance(body.get(k), str) for k in ("old_url", "new_url")):
+            return web.json_response({"error": "expected {old_url, new_url, publish?}"},
+                                     status=400)
+        old_url, new_url = body["old_url"].rstrip("/"), body["new_url"].rstrip("/")
+        for node in self.rollout_nodes:
+            if node["relay_url"] == old_url:
+                node["relay_url"] = new_url
+        for client in self.manager.replace_relay(old_url, RelayClient(new_url, self.token)):
+            await client.close()
+        publish = body.get("publish")
+        if isinstance(publish, dict):
+            async with self._election:
+                self.master_relay = {"url": new_url, "publish_host": str(publish["host"]),
+                                     "publish_port": int(publish["port"])}
+                await self._tell_master(exclude=new_url)
+            self.relay_failovers += 1
+            self._fault("master_relay", "restarted", url=new_url)
+        else:
+            self._fault("relay", "restarted", url=new_url)
+        return web.json_response({"ok": True})
+
+    async def _resumed(self, request: web.Request):
+        """Trainer rank 0: the trainer world (re)started from a checkpoint and published."""
+        body = await self._json_body(request)
+        if body is None or "version" not in body:
+            return web.json_response({"error": "expected {step, version, restarts}"}, status=400)
+        self.trainer_version = max(self.trainer_version, int(body["version"]))
+        restarts = int(body.get("restarts", 0))
+        if restarts:
+            self.trainer_restarts = max(self.trainer_restarts, restarts)
+            self._fault("trainer", "resumed", step=int(body.get("step", 0)),
+                        version=int(body["version"]), restarts=restarts)
+        return web.json_response({"ok": True})
 
     async def _register(self, request: web.Request):
         body = await self._json_body(request)
@@ -265,7 +450,7 @@ class Controller:
                                      status=400)
         publish = body.get("publish")
         if publish is not None:
-            if self.master_relay is not None:
+            if self.master_relay is not None and self.master_relay["url"] != body["relay_url"]:
                 return web.json_response({"error": "a master relay is already registered"},
                                          status=409)
             self.master_relay = {"url": body["relay_url"], "publish_host": str(publish["host"]),
@@ -274,11 +459,31 @@ class Controller:
         names = self._add_node(body["relay_url"], body["engines"], body.get("pull_agent"))
         return web.json_response({"ok": True, "node": node, "engines": names})
 
+    async def _register_relay(self, request: web.Request):
+        """A master relay, before its node's engines register (trainers may connect now)."""
+        body = await self._json_body(request)
+        publish = (body or {}).get("publish")
+        if body is None or not isinstance(body.get("relay_url"), str) or \
+                not isinstance(publish, dict):
+            return web.json_response({"error": "expected {relay_url: str, publish: {host, port}}"},
+                                     status=400)
+        if self.master_relay is not None and \
+                await self._relay_health(self.master_relay["url"]) is not None:
+            return web.json_response({"error": "a master relay is already registered"},
+                                     status=409)
+        self._master_claimed = True
+        self.master_relay = {"url": body["relay_url"].rstrip("/"),
+                             "publish_host": str(publish["host"]),
+                             "publish_port": int(publish["port"])}
+        return web.json_response({"ok": True})
+
     async def _cluster(self, request: web.Request):
         ready = self.ready and self.master_relay is not None
+        # the newest version anyone holds: a restarted trainer numbers its weights above it
+        newest = max([self.trainer_version] + [e.version for e in self.manager.engines])
         return web.json_response({"ready": ready, "master_relay": self.master_relay,
                                   "rollout_nodes": len(self.rollout_nodes), "done": self.finished,
-                                  **self.info})
+                                  "trainer_version": newest, **self.info})
 
     async def _done(self, request: web.Request):
         """Trainer rank 0: training finished (``{"steps", "version"}``)."""
@@ -313,7 +518,7 @@ class Controller:
         if body is None:
             return web.json_response({"error": "expected {step, version, stats?}"}, status=400)
         step, version = int(body["step"]), int(body["version"])
-        self.trainer_version = version
+        self.trainer_version = max(self.trainer_version, version)
         self.trainer_wait_s += float(body.get("wait_s", 0.0))
         now = time.time()
         elapsed, self.last_step_time = now - self.last_step_time, now
@@ -452,4 +657,9 @@ class Controller:
                 "reward_worker_restarts": self.reward.restarts,
                 "engine_versions": ({e.name: e.version for e in self.manager.engines}
                                     if self.manager else {}),
-                "unhealthy_engines": list(s.unhealthy) if s else []}
+                "unhealthy_engines": list(s.unhealthy) if s else [],
+                "engine_restarts": s.engine_restarts if s else 0,
+                "evicted_engines": dict(s.evicted) if s else {},
+                "relay_failovers": self.relay_failovers,
+                "trainer_restarts": self.trainer_restarts,
+                "faults": len(self.faults)}

@@ -14,14 +14,16 @@ from ..netutil import free_port
 
 
 def launch_trainer_world(entrypoint: Callable, args: tuple, nproc: int,
-                         log_dir: str | None = None) -> Dict[int, Any]:
-    """Run ``entrypoint(*args)`` in ``nproc`` processes; return each rank's return value."""
+                         log_dir: str | None = None, max_restarts: int = 0) -> Dict[int, Any]:
+    """Run ``entrypoint(*args)`` in ``nproc`` processes; return each rank's return value. A
+    process that fails restarts the whole world, up to ``max_restarts`` times (the processes
+    see ``TORCHELASTIC_RESTART_COUNT``; trainer/loop.py then resumes from a checkpoint)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"laminar-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        rdzv_configs={"is_host": True}, max_restarts=0, monitor_interval=0.5,
+        rdzv_configs={"is_host": True}, max_restarts=max_restarts, monitor_interval=0.5,
         start_method="spawn", logs_specs=None, local_addr="127.0.0.1",
     )
     return elastic_launch(config, entrypoint)(*args)

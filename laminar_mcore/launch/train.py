@@ -20,10 +20,11 @@ from ..config import as_dict, typed
 
 
 def run_train(cfg) -> dict:
+    from ..controller.client import ControllerClient
     from ..controller.role import Progress, evaluate_engine, finish_run, load_task, resume_state
     from ..controller.server import Controller
     from ..metrics import MetricsWriter
-    from ..rollout.node import start_rollout_node
+    from ..rollout.supervisor import NodeSupervisor
     from .local import launch_trainer_world, trainer_nproc
 
     cfg = typed(cfg)
@@ -38,36 +39,46 @@ def run_train(cfg) -> dict:
     nproc = trainer_nproc(cfg)
     task = load_task(cfg, out_dir, log)
     token = secrets.token_hex(16)
-    procs: list = []
+    nodes: list = []
     controller = None
     metrics = MetricsWriter(out_dir)
     try:
-        relay, engines, publish_port = start_rollout_node(cfg, task.model_path, token, logs, procs)
-        log(f"[train] mode={cfg.mode}: relay {relay.url}, {len(engines)} {cfg.rollout.backend} "
-            f"engines, {nproc} trainer processes (tp={cfg.parallel.tp} pp={cfg.parallel.pp})")
+        controller = Controller(cfg, task, metrics, token,
+                                initial_state=resume_state(cfg, out_dir, log))
+        controller_url = controller.start()
+        client = ControllerClient(controller_url, token)
+        # cluster.rollout_nodes supervised rollout nodes on this machine: the first hosts the
+        # master relay, the others chain from it (rollout/supervisor.py)
+        for k in range(cfg.cluster.rollout_nodes):
+            node = NodeSupervisor(cfg, client, task.model_path, logs, f"node{k}", log=log)
+            nodes.append(node)
+            node.start()
+        engines = [e for node in nodes for e in node.engines]
+        log(f"[train] mode={cfg.mode}: {len(nodes)} relay(s) (master {nodes[0].relay.url}), "
+            f"{len(engines)} {cfg.rollout.backend} engines, {nproc} trainer processes "
+            f"(tp={cfg.parallel.tp} pp={cfg.parallel.pp})")
         initial = evaluate_engine(cfg, task, engines[0].url)
         metrics.log("eval", step=0, **initial.record(), wall_s=0.0)
         log(f"[train] initial accuracy {initial.accuracy:.3f} (greedy "
             f"{initial.accuracy_greedy:.3f}) on {len(task.evals)} eval prompts")
-        controller = Controller(cfg, task, metrics, token,
-                                initial_state=resume_state(cfg, out_dir, log))
-        controller_url = controller.start()
-        controller.add_node(relay.url, [e.url for e in engines])
+        for node in nodes:
+            node.register()
+            node.watch()
         progress = Progress(cfg.trainer.total_steps, metrics)
         try:
             results = launch_trainer_world(
-                _trainer_entry, (as_dict(cfg), task.model_path, controller_url, token, relay.host,
-                                 publish_port, os.path.join(out_dir, "checkpoints")),
-                nproc)
+                _trainer_entry, (as_dict(cfg), task.model_path, controller_url, token,
+                                 nodes[0].relay.host, nodes[0].publish_port,
+                                 os.path.join(out_dir, "checkpoints")),
+                nproc, max_restarts=cfg.trainer.max_restarts)
         finally:
             progress.close()
-        return finish_run(controller, relay.url, engines[0].url, results[0], initial, t_start,
-                          out_dir, log)
+        return finish_run(controller, None, None, results[0], initial, t_start, out_dir, log)
     finally:
         if controller is not None:
             controller.stop()
-        for p in reversed(procs):
-            p.stop()
+        for node in reversed(nodes):
+            node.stop()
         metrics.close()
 
 

@@ -59,6 +59,13 @@ def wait_for_rank0(ready: bool, timeout_s: float = 24 * 3600.0) -> bool:
     return bool(flag.item())
 
 
+def broadcast_int(value: int, timeout_s: float = 24 * 3600.0) -> int:
+    """Every rank calls it; returns rank 0's ``value`` (through ``wait_group``)."""
+    t = torch.tensor([int(value)], dtype=torch.int64)
+    dist.broadcast(t, src=0, group=wait_group(timeout_s))
+    return int(t.item())
+
+
 def init_trainer_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234,
                           timeout_s: float = 600.0) -> None:
     """Initialise torch.distributed (from torchrun's env) and Megatron's parallel state."""

@@ -312,27 +312,37 @@ class Forwarder:
 def receive_publishes(channel, store: VersionStore, stop: threading.Event,
                       on_version: Callable[[int], None]) -> None:
     """Master relay: receive buckets from one trainer stage lead over its publish ``channel``
-    (a ``weights.transport.Channel``) until the trainer closes it or ``stop``."""
-    while not stop.is_set():
-        header = channel.recv_header()
-        if header.get("type") == "close":
-            return
-        version, stage = int(header["version"]), int(header["stage"])
-        nbytes, chunk = int(header["nbytes"]), int(header["chunk_bytes"])
-        try:
-            sv = store.begin(version, int(header["num_stages"]), owner="trainer")
-        except VersionError:
-            sv = None  # an old version: drain it without storing
-        if sv is None:
-            sink = torch.empty(min(nbytes, chunk), dtype=torch.uint8)
+    (a ``weights.transport.Channel``) until the trainer closes it or ``stop``. If the stream
+    breaks (the trainer died mid-publish), the version it was sending is failed: a pull never
+    sees part of it, and the restarted trainer sends a newer one whole."""
+    sv = None
+    try:
+        while not stop.is_set():
+            header = channel.recv_header()
+            if header.get("type") == "close":
+                return
+            version, stage = int(header["version"]), int(header["stage"])
+            nbytes, chunk = int(header["nbytes"]), int(header["chunk_bytes"])
+            try:
+                sv = store.begin(version, int(header["num_stages"]), owner="trainer")
+            except VersionError:
+                sv = None  # an old version (or one sent again after a relay failover): drain it
+            if sv is None:
+                sink = torch.empty(min(nbytes, chunk), dtype=torch.uint8)
+                for start in range(0, nbytes, chunk):
+                    channel.recv_into(sink[:min(chunk, nbytes - start)])
+                continue
+            bucket = store.add_bucket(sv, (stage, int(header["index"])), nbytes,
+                                      metas_from_dicts(header["metas"]),
+                                      bool(header["last_of_stage"]))
             for start in range(0, nbytes, chunk):
-                channel.recv_into(sink[:min(chunk, nbytes - start)])
-            continue
-        bucket = store.add_bucket(sv, (stage, int(header["index"])), nbytes,
-                                  metas_from_dicts(header["metas"]), bool(header["last_of_stage"]))
-        for start in range(0, nbytes, chunk):
-            end = min(nbytes, start + chunk)
-            channel.recv_into(bucket.shm.buffer[start:end])
-            store.progress(sv, bucket, end)
-        if store.try_complete(sv):
-            on_version(version)
+                end = min(nbytes, start + chunk)
+                channel.recv_into(bucket.shm.buffer[start:end])
+                store.progress(sv, bucket, end)
+            if store.try_complete(sv):
+                on_version(version)
+                sv = None
+    except BaseException:
+        if sv is not None and not sv.complete:
+            store.fail(sv, "the trainer's publish stream broke")
+        raise

@@ -38,7 +38,9 @@ from aiohttp import web
 
 from ..config.schema import WeightSyncConfig
 from ..netutil import TOKEN_ENV, token_middleware
-from ..weights.transport import Channel, announce_backend, resolve_backend, stage_group
+from ..weights.bucket import reclaim_segments
+from ..weights.transport import (Channel, announce_backend, resolve_backend, session_key,
+                                 stage_group)
 from .chain import Forwarder, PushRefused, receive_publishes, serve_push
 from .store import VersionStore
 from .transports import (TRANSPORTS, Exporter, TransportUnavailable, enabled_at_start,
@@ -155,6 +157,7 @@ class RelayServer:
         self.chain_lock = threading.Lock()
         self.chain_rebuilds = 0
         self.publish_threads: List[threading.Thread] = []
+        self.publish_ready = threading.Event()
         self.pulls: Dict[str, PullState] = {}  # lease id -> how its buckets are being served
         # the weight transports' relay halves; those a config enables start now (Mooncake
         # registers its buffers), the others on their first /pull
@@ -174,6 +177,8 @@ class RelayServer:
         r.add_post("/register", self.register)
         r.add_post("/report_failure", self.report_failure)
         r.add_get("/chain", self.chain)
+        r.add_post("/promote", self.promote)
+        r.add_post("/set_master", self.set_master)
 
     # ------------------------------------------------------------------ lifecycle
     def start_background(self, control_url: str) -> None:
@@ -230,18 +235,38 @@ class RelayServer:
                               timeout=datetime.timedelta(days=30), wait_for_workers=False)
         announce_backend(store, self.publish_backend)
         self.publish_port = store.port
+        self.publish_ready.set()
         print(f"LAMINAR_RELAY_PUBLISH_PORT={self.publish_port}", flush=True)
         for stage in range(self.trainer_stages):
-            t = threading.Thread(target=self._receive_stage, args=(store, stage), daemon=True)
+            t = threading.Thread(target=self._serve_stage_sessions, args=(store, stage),
+                                 name=f"laminar-relay-publish-{stage}", daemon=True)
             t.start()
             self.publish_threads.append(t)
 
-    def _receive_stage(self, store, stage: int) -> None:
+    def _serve_stage_sessions(self, store, stage: int) -> None:
+        """Every trainer process that connects for ``stage`` (the first, or one restarted after
+        a crash) takes a session number; each session gets its own group and receiver."""
+        served = 0
+        key = session_key(stage)
+        while not self.stop_event.wait(0.1):
+            try:
+                wanted = store.add(key, 0)
+            except Exception:  # noqa: BLE001 - the store is closing with the relay
+                return
+            while served < wanted:
+                served += 1
+                threading.Thread(target=self._receive_stage, args=(store, stage, served),
+                                 name=f"laminar-relay-publish-{stage}-s{served}",
+                                 daemon=True).start()
+
+    def _receive_stage(self, store, stage: int, session: int) -> None:
         """One trainer stage's publish stream, over that stage's own two-rank group."""
         try:
-            pg = stage_group(store, stage, 0, self.publish_backend, datetime.timedelta(days=30))
-            logger.info("publish group of trainer stage %d formed (%s)", stage,
-                        self.publish_backend)
+            pg = stage_group(store, stage, 0, self.publish_backend,
+                             datetime.timedelta(seconds=self.cfg.weight_sync.publish_timeout_s),
+                             session=session)
+            logger.info("publish group of trainer stage %d formed (%s, session %d)", stage,
+                        self.publish_backend, session)
             channel = Channel(pg, 1, self.publish_backend, 8 * 2**20,
                               device=torch.device(self.relay_device)
                               if self.publish_backend == "nccl" else None)
@@ -249,7 +274,8 @@ class RelayServer:
                               lambda v: logger.info("version %d complete", v))
         except Exception as exc:  # noqa: BLE001 - the trainer went away
             if not self.stop_event.is_set():
-                logger.warning("publish stream from stage %d ended: %s", stage, exc)
+                logger.warning("publish stream from stage %d (session %d) ended: %s", stage,
+                               session, exc)
 
     # ------------------------------------------------------------------ chain management
     def _downstream_failed(self, data_addr: str) -> None:
@@ -318,10 +344,11 @@ class RelayServer:
     def _register_loop(self) -> None:
         body = {"relay_id": self.relay_id, "control_url": self.control_url,
                 "data_host": self.host, "data_port": self.data_port}
-        while not self.stop_event.is_set():
+        url = self.master_url
+        while not self.stop_event.is_set() and not self.master and url == self.master_url:
             try:
-                _http("POST", self.master_url + "/register", body, self.token)
-                logger.info("registered with the master relay %s", self.master_url)
+                _http("POST", url + "/register", body, self.token)
+                logger.info("registered with the master relay %s", url)
                 return
             except (urllib.error.URLError, OSError) as exc:
                 logger.info("master relay not reachable yet (%s); retrying", exc)
@@ -337,7 +364,57 @@ class RelayServer:
         return body
 
     async def health(self, request):
-        return web.json_response({"ok": True, "relay_id": self.relay_id})
+        """Alive, and what a controller electing a new master needs to know of this relay."""
+        return web.json_response({"ok": True, "relay_id": self.relay_id, "master": self.master,
+                                  "master_url": self.master_url,
+                                  "control_url": self.control_url, "data_host": self.host,
+                                  "data_port": self.data_port,
+                                  "version": self.store.latest_version,
+                                  "publish_port": self.publish_port if self.master else None})
+
+    async def promote(self, request):
+        """The controller elected this relay master (the old one is dead): host the trainers'
+        publish group and order the chain of ``relays`` (the other live relays), which the
+        controller tells to register here. Answers once trainers can connect."""
+        body = await self._body(request)
+        others = body.get("relays", [])
+        if not isinstance(others, list):
+            raise web.HTTPBadRequest(text="expected {relays: [{relay_id, control_url, "
+                                          "data_host, data_port}]}")
+        if not self.master:
+            self.publish_backend = resolve_backend(self.cfg.weight_sync.publish_backend)
+            self.master, self.master_url, self.publish_port = True, None, 0
+            with self.chain_lock:
+                self.relays.clear()
+                for r in others:
+                    if r.get("relay_id") != self.relay_id:
+                        self.relays[str(r["relay_id"])] = {
+                            "relay_id": str(r["relay_id"]), "control_url": str(r["control_url"]),
+                            "data_host": str(r["data_host"]), "data_port": int(r["data_port"])}
+            threading.Thread(target=self._host_publish_group, name="laminar-relay-publish",
+                             daemon=True).start()
+            threading.Thread(target=self._heartbeat_loop, name="laminar-relay-heartbeat",
+                             daemon=True).start()
+            await asyncio.to_thread(self._rebuild)
+            logger.warning("promoted to master relay (chain: %s)", list(self.relays))
+        if not await asyncio.to_thread(self.publish_ready.wait, 30.0):
+            raise web.HTTPServiceUnavailable(text="the publish group did not start in 30 s")
+        return web.json_response({"ok": True, "publish_port": self.publish_port,
+                                  "version": self.store.latest_version})
+
+    async def set_master(self, request):
+        """A new master was elected or restarted: chain from it (register there)."""
+        body = await self._body(request)
+        url = body.get("master_url")
+        if not isinstance(url, str) or not url.startswith("http"):
+            raise web.HTTPBadRequest(text="expected {master_url: 'http://host:port'}")
+        if self.master:
+            raise web.HTTPConflict(text="this relay is the master")
+        if url != self.master_url:
+            self.master_url = url
+            threading.Thread(target=self._register_loop, name="laminar-relay-register",
+                             daemon=True).start()
+        return web.json_response({"ok": True})
 
     async def latest(self, request):
         s = self.store
@@ -532,6 +609,10 @@ def main(argv=None) -> None:
         ap.error("--token (or LAMINAR_RUN_TOKEN) is required")
     try:
         cfg = _config_from_args(args)
+        # Buckets of relays (or readers) killed with -9 on this machine: nobody else frees them.
+        stale = reclaim_segments()
+        if stale:
+            logger.warning("reclaimed %d shared-memory buckets of dead processes", len(stale))
         server = RelayServer(cfg)
     except (TransportUnavailable, ValueError, TypeError) as exc:
         ap.exit(2, f"relay: {exc}\n")

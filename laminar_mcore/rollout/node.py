@@ -1,9 +1,9 @@
 """A rollout node: this machine's relay and engines.
 
-``start_rollout_node`` starts them (the local launcher and the cluster role share it);
-``run(cfg, client)`` is the rollout role of a multi-node run (``job=rollout``): it asks the
+``run(cfg, client)`` is the rollout role of a multi-node run (``job=rollout``): a
+``NodeSupervisor`` (rollout/supervisor.py, which the single-machine launcher uses too) asks the
 controller whether it hosts the master relay, starts its relay and engines, registers them and
-stops when the run is done or its controller is gone. With ``rollout.relay=remote`` the node
+restarts what dies; the role stops when the run is done or its controller is gone. With ``rollout.relay=remote`` the node
 runs no relay: its engines read every version from the master relay through Mooncake, by a
 pull agent in this process (rollout/pull_agent.py).
 """
@@ -14,28 +14,8 @@ import os
 import socket
 import time
 import urllib.error
-from typing import Optional
-
 from ..config.schema import LaminarConfig
-from ..relay.launch import relay_process
-from ..relay.server import RelayConfig
 from .launcher import EngineProcess, engine_command_from_config, free_port
-
-
-def start_rollout_node(cfg: LaminarConfig, model_path: str, token: str, logs: str, procs: list,
-                       *, master_url: Optional[str] = None, relay_id: str = "master"):
-    """A relay (the master, which trainers publish to, unless ``master_url`` names one to
-    chain from) and ``rollout.num_engines`` engines, bound to ``rollout.host``. Started
-    processes are appended to ``procs`` as they start (the caller stops them). Returns
-    (relay, engines, publish port or None)."""
-    host = cfg.rollout.host
-    relay_cfg = RelayConfig(token=token, host=host, relay_id=relay_id, master=master_url is None,
-                            master_url=master_url, trainer_stages=cfg.parallel.pp,
-                            weight_sync=cfg.weight_sync)
-    relay = relay_process(relay_cfg, os.path.join(logs, f"relay-{relay_id}.log"))
-    procs.append(relay.start())
-    publish_port = int(relay.wait_printed("LAMINAR_RELAY_PUBLISH_PORT")) if master_url is None else None
-    return relay, start_engines(cfg, model_path, logs, procs, relay_id), publish_port
 
 
 def start_engines(cfg: LaminarConfig, model_path: str, logs: str, procs: list,
@@ -70,29 +50,36 @@ def run(cfg: LaminarConfig, client) -> None:
                     cfg.cluster.join_timeout_s)
     procs: list = []
     agent = None
+    supervisor = None
     try:
         if cfg.rollout.relay == "remote":
             agent = _run_remote_node(cfg, client, name, logs, procs, log)
+            _watch(cfg, client, procs, log)
         else:
-            _run_relay_node(cfg, client, name, logs, procs, log)
-        _watch(cfg, client, procs, log)
+            supervisor = _run_relay_node(cfg, client, name, logs, log)
+            _watch(cfg, client, [], log)
     finally:
         if agent is not None:
             agent.stop()
+        if supervisor is not None:
+            supervisor.stop()
         for p in reversed(procs):
             p.stop()
 
 
-def _run_relay_node(cfg, client, name, logs, procs, log) -> None:
-    role = client.relay_role(cfg.cluster.join_timeout_s)
-    relay, engines, publish_port = start_rollout_node(
-        cfg, role["model_path"], client.token, logs, procs,
-        master_url=None if role["master"] else role["master_url"],
-        relay_id="master" if role["master"] else name)
-    client.register(relay.url, [e.url for e in engines],
-                    publish={"host": relay.host, "port": publish_port} if role["master"] else None)
-    log(f"registered: {'master ' if role['master'] else ''}relay {relay.url}, "
-        f"{len(engines)} {cfg.rollout.backend} engines")
+def _run_relay_node(cfg, client, name, logs, log):
+    """A relay and engines under a ``NodeSupervisor``: what dies is restarted."""
+    from .supervisor import NodeSupervisor
+
+    info = client.wait_for("the model path", client.cluster, lambda a: a.get("model_path"),
+                           cfg.cluster.join_timeout_s)
+    supervisor = NodeSupervisor(cfg, client, info["model_path"], logs, name, log=log)
+    supervisor.start()
+    supervisor.register()
+    supervisor.watch()
+    log(f"registered: {'master ' if supervisor.master else ''}relay {supervisor.relay.url}, "
+        f"{len(supervisor.engines)} {cfg.rollout.backend} engines (supervised)")
+    return supervisor
 
 
 def _run_remote_node(cfg, client, name, logs, procs, log):

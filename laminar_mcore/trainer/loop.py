@@ -22,6 +22,7 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
     from ..controller.client import ControllerClient
     from ..models.hf import SafetensorsReader, load_hf_config
     from ..parallel import destroy_trainer_parallel, init_trainer_parallel, wait_for_rank0
+    from ..parallel.groups import broadcast_int
     from .publisher import WeightPublisher
     from .actor import MegatronActor
     from .checkpoint import load_checkpoint, resolve_resume, save_checkpoint
@@ -40,16 +41,39 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
         reader = SafetensorsReader(model_path)
         actor = MegatronActor(hf_config, algo, trainer, p, dtype=resolve_dtype(cfg.model.dtype),
                               init_weights=lambda model: load_hf_checkpoint(model, hf_config, reader))
+        ws = cfg.weight_sync
+        # The master relay may have changed since this world was started (elected or
+        # restarted after a failure): the controller knows the current one.
+        relay_host, publish_port = _current_master(controller, (relay_host, publish_port))
         publisher = WeightPublisher(actor.model, hf_config, relay_host=relay_host,
                                     publish_port=publish_port,
-                                    bucket_bytes=cfg.weight_sync.bucket_mb * 2**20,
-                                    chunk_bytes=cfg.weight_sync.chunk_mb * 2**20)
+                                    bucket_bytes=ws.bucket_mb * 2**20,
+                                    chunk_bytes=ws.chunk_mb * 2**20,
+                                    timeout_s=ws.publish_timeout_s,
+                                    locate_master=lambda failed: _next_master(controller, failed),
+                                    failover_timeout_s=ws.failover_timeout_s)
         start = 0
-        path = resolve_resume(trainer.resume, ckpt_dir)
+        rank = dist.get_rank()
+        # A restart of this world after a crash (torchrun counts them) resumes from the newest
+        # complete checkpoint even when the run started with trainer.resume=none.
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        resume = trainer.resume if trainer.resume not in (None, "", "none") or not restarts \
+            else "auto"
+        path = resolve_resume(resume, ckpt_dir)
         if path:
             start, _ = load_checkpoint(path, actor)
+        if path or restarts:
+            # AReaL's recovery of the version counter: versions published before the crash
+            # (after the checkpoint) are held by relays and engines; the resumed weights get a
+            # newer number, so every engine pulls them and versions stay monotone.
+            floor = broadcast_int(_version_floor(controller) if rank == 0 else 0)
+            if floor > actor.version:
+                actor.version = floor + 1
             publisher.publish(actor.version)  # engines catch up to the resumed weights
-        rank = dist.get_rank()
+            if rank == 0:
+                controller.resumed(start, actor.version, restarts)
+                print(f"[trainer] resumed at step {start} ({path or 'initial weights'}) as "
+                      f"version {actor.version} (restart {restarts})", flush=True)
         steps_done = start
         for step in range(start + 1, trainer.total_steps + 1):
             waited = time.perf_counter()
@@ -76,6 +100,48 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
         return {"steps": steps_done, "version": actor.version}
     finally:
         destroy_trainer_parallel()
+
+
+def _current_master(controller, fallback):
+    """The master relay's publish address as the controller knows it (or ``fallback``)."""
+    try:
+        relay = controller.cluster().get("master_relay")
+    except Exception:  # noqa: BLE001 - an older controller, or none yet: the launcher's address
+        return fallback
+    if not relay or not relay.get("publish_port"):
+        return fallback
+    return str(relay["publish_host"]), int(relay["publish_port"])
+
+
+def _next_master(controller, failed, wait_s: float = 15.0):
+    """The publish address of the master relay that replaced ``failed`` (waits up to
+    ``wait_s`` for the controller to learn of one; else the newest it knows)."""
+    deadline = time.time() + wait_s
+    current = failed
+    while time.time() < deadline:
+        current = _current_master(controller, failed)
+        if current != tuple(failed):
+            return current
+        time.sleep(0.5)
+    return current
+
+
+def _version_floor(controller) -> int:
+    """The newest version anyone may hold: the controller's record of the trainer's and the
+    master relay's newest complete version."""
+    import json
+    import urllib.request
+
+    info = controller.cluster()
+    floor = int(info.get("trainer_version") or 0)
+    relay = info.get("master_relay") or {}
+    if relay.get("url"):
+        try:
+            with urllib.request.urlopen(relay["url"] + "/latest", timeout=10) as resp:
+                floor = max(floor, int(json.loads(resp.read()).get("version") or 0))
+        except (OSError, ValueError):
+            pass  # a relay being replaced: the controller's figure stands
+    return floor
 
 
 def run(cfg, token: str) -> dict:

@@ -22,12 +22,12 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 
 from ..weights.bucket import BucketPacker
-from ..weights.transport import Channel, announced_backend, stage_group
+from ..weights.transport import Channel, announced_backend, session_key, stage_group
 from .export import iter_stage_hf_tensors
 
 
@@ -40,16 +40,27 @@ class PublishStats:
     waited_previous_s: float = 0.0
 
 
+class PublishError(RuntimeError):
+    """The master relay could not be reached (or no new one came) before a deadline."""
+
+
 class WeightPublisher:
     def __init__(self, model, hf_config, *, relay_host: str, publish_port: int,
                  bucket_bytes: int = 512 * 2**20, chunk_bytes: int = 64 * 2**20,
-                 dtype: Optional[torch.dtype] = None, timeout_s: float = 600.0):
+                 dtype: Optional[torch.dtype] = None, timeout_s: float = 300.0,
+                 locate_master: Optional[Callable[[Tuple[str, int]], Tuple[str, int]]] = None,
+                 failover_timeout_s: float = 180.0):
+        """``locate_master(failed)``: the publish address of the master relay that replaced
+        ``failed`` (the controller knows; None: a lost master relay fails the publish)."""
         from megatron.core import parallel_state as ps
 
         self.model = model
         self.hf_config = hf_config
         self.ps = ps
         self.chunk_bytes = chunk_bytes
+        self.timeout_s = timeout_s
+        self.locate_master = locate_master
+        self.failover_timeout_s = failover_timeout_s
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.num_stages = ps.get_pipeline_model_parallel_world_size()
         self.exports = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
@@ -59,6 +70,8 @@ class WeightPublisher:
         self.pg = None
         self.channel: Optional[Channel] = None
         self.backend: Optional[str] = None
+        self.master: Optional[Tuple[str, int]] = None
+        self.failovers = 0
         self.error: Optional[BaseException] = None
         self._queue: "queue.Queue" = queue.Queue()
         self._idle = threading.Event()
@@ -66,21 +79,36 @@ class WeightPublisher:
         self.last_send_s = 0.0
         self._reported = False
         if self.is_lead:
-            import torch.distributed as dist
-
-            timeout = datetime.timedelta(seconds=timeout_s)
-            store = dist.TCPStore(relay_host, publish_port, 1 + self.num_stages, is_master=False,
-                                  timeout=timeout)
-            self.backend = announced_backend(store)
-            if self.backend == "nccl" and not torch.cuda.is_available():
-                raise RuntimeError("the master relay publishes over NCCL but this trainer has no "
-                                   "GPU: start the relay with --publish-backend gloo "
-                                   "(weight_sync.publish_backend=gloo)")
-            self.pg = stage_group(store, self.stage, 1, self.backend, timeout)
-            self.channel = Channel(self.pg, 0, self.backend, chunk_bytes)
+            self._connect(relay_host, publish_port)
             self._sender = threading.Thread(target=self._send_loop, name="laminar-publisher",
                                             daemon=True)
             self._sender.start()
+
+    def _connect(self, host: str, port: int) -> None:
+        """Join stage ``self.stage``'s publish group on the relay's store (a new session: a
+        restarted trainer gets a fresh group on the same relay)."""
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        try:
+            store = dist.TCPStore(host, port, 1 + self.num_stages, is_master=False,
+                                  timeout=timeout, wait_for_workers=False)
+            backend = announced_backend(store)
+            if backend == "nccl" and not torch.cuda.is_available():
+                raise RuntimeError("the master relay publishes over NCCL but this trainer has "
+                                   "no GPU: start the relay with --publish-backend gloo "
+                                   "(weight_sync.publish_backend=gloo)")
+            session = store.add(session_key(self.stage), 1)
+            pg = stage_group(store, self.stage, 1, backend, timeout, session=session)
+        except RuntimeError as exc:
+            if "no GPU" in str(exc):
+                raise
+            raise PublishError(
+                f"stage {self.stage}: could not join the master relay's publish group at "
+                f"{host}:{port} within {self.timeout_s:.0f} s (weight_sync.publish_timeout_s): "
+                f"{exc}. Is the relay alive? Its log is relay-*.log in the run's logs/") from exc
+        self.backend, self.pg, self.master = backend, pg, (host, port)
+        self.channel = Channel(pg, 0, backend, self.chunk_bytes)
 
     def wait(self) -> None:
         """Block until the previous publish has been sent (raises if the send failed)."""
@@ -134,6 +162,7 @@ class WeightPublisher:
         self._queue.put((header, bucket.buffer))
 
     def _send_loop(self) -> None:
+        sent = []  # the items of the version being sent: sent again, whole, after a failover
         while True:
             item = self._queue.get()
             if item == "close":
@@ -146,24 +175,60 @@ class WeightPublisher:
             if item is None:
                 try:
                     self.channel.flush()
-                except Exception as exc:  # noqa: BLE001 - surfaced by the next publish / wait
-                    self.error = exc
+                except Exception as exc:  # noqa: BLE001 - a lost master: send it again there
+                    self._failover(sent, exc)
+                sent = []
                 self._idle.set()
                 if self.error is not None:
                     return
                 continue
-            header, buffer = item
+            sent.append(item)
             start = time.perf_counter()
             try:
-                self.channel.send_header(header)
-                for off in range(0, header["nbytes"], self.chunk_bytes):
-                    end = min(header["nbytes"], off + self.chunk_bytes)
-                    self.channel.send(buffer[off:end])
+                self._send(item)
             except Exception as exc:  # noqa: BLE001 - surfaced by the next publish / wait
-                self.error = exc
-                self._idle.set()
-                return
+                if not self._failover(sent, exc):
+                    self._idle.set()
+                    return
             self.last_send_s += time.perf_counter() - start
+
+    def _send(self, item) -> None:
+        header, buffer = item
+        self.channel.send_header(header)
+        for off in range(0, header["nbytes"], self.chunk_bytes):
+            end = min(header["nbytes"], off + self.chunk_bytes)
+            self.channel.send(buffer[off:end])
+
+    def _failover(self, items, exc: BaseException) -> bool:
+        """The master relay is gone: ask where its successor is (``locate_master``), join its
+        publish group and send this version's buckets so far again (the rest follow as usual).
+        Sets ``self.error`` and returns False when there is no successor in time."""
+        failed = self.master
+        if self.locate_master is None:
+            self.error = exc
+            return False
+        deadline = time.time() + self.failover_timeout_s
+        last: BaseException = exc
+        while time.time() < deadline:
+            try:
+                host, port = self.locate_master(failed)
+                self._connect(host, port)
+                for item in items:
+                    self._send(item)
+                self.channel.flush()
+            except Exception as retry_exc:  # noqa: BLE001 - try again until the deadline
+                last = retry_exc
+                time.sleep(1.0)
+                continue
+            self.failovers += 1
+            print(f"[publish] stage {self.stage}: master relay {failed[0]}:{failed[1]} lost "
+                  f"({exc}); publishing to {host}:{port} now", flush=True)
+            return True
+        self.error = PublishError(
+            f"stage {self.stage}: the master relay {failed[0]}:{failed[1]} was lost ({exc}) and "
+            f"no successor took the publish within {self.failover_timeout_s:.0f} s "
+            f"(weight_sync.failover_timeout_s); last error: {last}")
+        return False
 
     def close(self) -> None:
         if self.is_lead and self.error is None:

@@ -13,6 +13,7 @@ import base64
 import contextlib
 import json
 import os
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Mapping, Optional, Tuple
@@ -100,6 +101,44 @@ class ShmBucket:
         self.buffer = None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+
+
+_SEGMENT = re.compile(r"^(laminar-[a-z]+(?:-[a-z]+)*)-(\d+)-([0-9a-f]{12})$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive, and not ours to reclaim
+        return True
+    return True
+
+
+def reclaim_segments(pid: Optional[int] = None) -> List[str]:
+    """Unlink the shared-memory buckets (``laminar-<kind>-<pid>-<id>`` in /dev/shm) of process
+    ``pid``, or with no ``pid`` of every process that no longer exists. A process killed with
+    -9 cannot unlink its own segments; its supervisor (which knows its pid) or a successor
+    calls this. Mappings that readers still hold stay valid; only the names go. Returns the
+    paths removed."""
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        match = _SEGMENT.match(name)
+        if match is None:
+            continue
+        owner = int(match.group(2))
+        if (owner != pid) if pid is not None else (owner == os.getpid() or _pid_alive(owner)):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        with contextlib.suppress(FileNotFoundError, PermissionError):
+            os.unlink(path)
+            removed.append(path)
+    return removed
 
 
 def encode_handle(handle: dict) -> str:

@@ -44,11 +44,20 @@ def announced_backend(store) -> str:
     return store.get(BACKEND_KEY).decode()
 
 
-def stage_group(store, stage: int, rank: int, backend: str, timeout: datetime.timedelta):
-    """The two-rank publish group of pipeline stage ``stage``: rank 0 relay, rank 1 trainer."""
+def session_key(stage: int) -> str:
+    """The store counter of stage ``stage``'s publish sessions: each trainer process that
+    connects (the first, or one restarted after a crash) takes the next number with
+    ``store.add(key, 1)`` and the relay forms a fresh group for it."""
+    return f"{PUBLISH_GROUP_PREFIX}-stage{stage}-sessions"
+
+
+def stage_group(store, stage: int, rank: int, backend: str, timeout: datetime.timedelta,
+                session: int = 1):
+    """The two-rank publish group of pipeline stage ``stage``'s session ``session`` (see
+    ``session_key``): rank 0 relay, rank 1 trainer."""
     import torch.distributed as dist
 
-    prefixed = dist.PrefixStore(f"{PUBLISH_GROUP_PREFIX}-stage{stage}", store)
+    prefixed = dist.PrefixStore(f"{PUBLISH_GROUP_PREFIX}-stage{stage}-s{session}", store)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout

@@ -1,0 +1,229 @@
+"""A rollout node's supervisor: its relay and engines, kept alive.
+
+Laminar isolates failures: a rollout machine that loses an engine or its relay recovers on its
+own while the trainer and the other machines go on. ``NodeSupervisor`` starts this node's relay
+(the master, which trainers publish to, or one that chains from it: the controller says which
+in ``/relay_role``) and ``rollout.num_engines`` engines, registers them with the controller and
+then watches them:
+
+* an engine whose process ends, or whose ``/health_generate`` does not answer within
+  ``rollout.engine_heartbeat_timeout_s``, is killed, reported down (the controller stops giving
+  it work; its trajectories resume on engines of their version) and started again; the new one
+  registers in its place and pulls the newest version before it takes work. An engine restarted
+  more than ``rollout.engine_restarts_per_hour`` times in an hour is evicted, with the reason.
+* a relay whose process ends is started again in the role the controller gives it now: a
+  chained relay rejoins the chain (its master catches it up); a dead master is replaced by a
+  relay the controller elected among the others, or, when it was the only one, by the restarted
+  relay, which hosts the trainers' publish group again. Trainers find the new master through
+  the controller and send the version in flight again, whole.
+* a process killed with -9 cannot free its shared memory: its buckets are reclaimed here (the
+  supervisor knows its pid) before anything restarts.
+
+Every transition is printed and reported to the controller, which records it in the run's
+books (``restarts``, ``evicted_engines``) and metrics (``fault`` records).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from typing import Callable, Dict, List, Optional
+
+from ..relay.launch import relay_process
+from ..relay.server import RelayConfig
+from ..weights.bucket import reclaim_segments
+from .launcher import EngineProcess, engine_command_from_config, free_port
+
+
+class NodeSupervisor:
+    def __init__(self, cfg, client, model_path: str, logs: str, name: str,
+                 log: Callable[[str], None] = print):
+        """``client``: a ``ControllerClient`` of the run's controller."""
+        self.cfg = cfg
+        self.client = client
+        self.model_path = model_path
+        self.logs = logs
+        self.name = name
+        self.log = log
+        self.relay = None
+        self.master = False
+        self.publish_port: Optional[int] = None
+        self.engines: List[EngineProcess] = []
+        self.restarts: Dict[str, deque] = {}  # engine slot -> times of its restarts
+        self.evicted: Dict[int, str] = {}
+        self.events: List[dict] = []  # what happened, for tests and benchmarks
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads: List[threading.Thread] = []
+
+    # ------------------------------------------------------------------ start
+    def start(self) -> "NodeSupervisor":
+        """Start the relay (in the role the controller gives) and the engines."""
+        self._start_relay()
+        for i in range(self.cfg.rollout.num_engines):
+            self.engines.append(self._new_engine(i).start())
+        return self
+
+    def register(self) -> dict:
+        """Register the engines: they take work from now on."""
+        return self.client.register(self.relay.url, [e.url for e in self.engines])
+
+    def watch(self) -> None:
+        """Start watching (background threads; ``stop`` ends them)."""
+        for i in range(len(self.engines)):
+            self._spawn(self._watch_engine, i, name=f"laminar-supervise-engine{i}")
+        self._spawn(self._watch_relay, name="laminar-supervise-relay")
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=30)
+        with self._lock:
+            procs = list(self.engines) + ([self.relay] if self.relay else [])
+        for p in reversed(procs):
+            pid = p.proc.pid if p.proc is not None else None
+            p.stop()
+            if pid is not None:
+                reclaim_segments(pid)
+
+    @property
+    def procs(self) -> list:
+        return list(self.engines) + ([self.relay] if self.relay else [])
+
+    def _spawn(self, fn, *args, name: str) -> None:
+        t = threading.Thread(target=fn, args=args, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _new_engine(self, index: int) -> EngineProcess:
+        r = self.cfg.rollout
+        port = 0 if r.backend == "cpu" else free_port()
+        return EngineProcess(
+            engine_command_from_config(r, self.model_path, port=port, index=index,
+                                       seed=self.cfg.seed),
+            log_path=os.path.join(self.logs, f"engine-{self.name}-{index}.log"), host=r.host,
+            port=port or None)
+
+    def _start_relay(self) -> None:
+        role = self.client.relay_role(self.cfg.cluster.join_timeout_s)
+        self.master = bool(role["master"])
+        relay_cfg = RelayConfig(token=self.client.token, host=self.cfg.rollout.host,
+                                relay_id=self.name, master=self.master,
+                                master_url=None if self.master else role["master_url"],
+                                trainer_stages=self.cfg.parallel.pp,
+                                weight_sync=self.cfg.weight_sync)
+        relay = relay_process(relay_cfg, os.path.join(self.logs, f"relay-{self.name}.log"))
+        relay.start()
+        self.publish_port = int(relay.wait_printed("LAMINAR_RELAY_PUBLISH_PORT")) \
+            if self.master else None
+        self.relay = relay
+        if self.master:  # trainers may connect from now on
+            self._report("/register_relay", {"relay_url": relay.url, "publish": {
+                "host": relay.host, "port": self.publish_port}})
+
+    # ------------------------------------------------------------------ watch
+    def _event(self, kind: str, what: str, **info) -> None:
+        event = {"time": time.time(), "kind": kind, "what": what, "node": self.name, **info}
+        self.events.append(event)
+        self.log(f"[supervisor {self.name}] {kind} {what}: "
+                 + ", ".join(f"{k}={v}" for k, v in info.items()))
+
+    def _health_generate(self, url: str) -> bool:
+        try:
+            with urllib.request.urlopen(url + "/health_generate",
+                                        timeout=self.cfg.rollout.engine_heartbeat_timeout_s) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def _watch_engine(self, index: int) -> None:
+        r = self.cfg.rollout
+        while not self._stop.wait(r.engine_heartbeat_s):
+            if index in self.evicted:
+                return
+            engine = self.engines[index]
+            if not engine.alive():
+                reason = f"the process exited with {engine.proc.returncode}"
+            elif not self._health_generate(engine.url):
+                if self._stop.is_set() or not engine.alive():
+                    continue  # stopping, or it died meanwhile: the next round says so
+                reason = (f"/health_generate did not answer within "
+                          f"{r.engine_heartbeat_timeout_s:g} s (rollout.engine_heartbeat_timeout_s)")
+            else:
+                continue
+            try:
+                self._restart_engine(index, reason)
+            except Exception as exc:  # noqa: BLE001 - keep supervising; the next round retries
+                self._event("restart_failed", f"engine{index}", error=str(exc)[:500])
+
+    def _restart_engine(self, index: int, reason: str) -> None:
+        t0 = time.time()
+        old = self.engines[index]
+        pid = old.proc.pid
+        old.stop(grace_s=2.0)
+        reclaimed = len(reclaim_segments(pid))
+        window = self.restarts.setdefault(index, deque())
+        while window and window[0] < t0 - 3600:
+            window.popleft()
+        budget = self.cfg.rollout.engine_restarts_per_hour
+        if len(window) >= budget:
+            why = (f"{reason}; restarted {len(window)} times in the last hour "
+                   f"(rollout.engine_restarts_per_hour={budget}); see {old.log_path}")
+            self.evicted[index] = why
+            self._event("evicted", f"engine{index}", url=old.url, reason=why)
+            self._report("/engine_down", {"url": old.url, "reason": why, "evict": True})
+            return
+        window.append(t0)
+        self._event("down", f"engine{index}", url=old.url, reason=reason, reclaimed=reclaimed)
+        self._report("/engine_down", {"url": old.url, "reason": reason, "evict": False})
+        new = self._new_engine(index)
+        new.start()
+        with self._lock:
+            if self._stop.is_set():  # the node stopped meanwhile
+                new.stop()
+                return
+            self.engines[index] = new
+        self._report("/engine_replaced", {"old_url": old.url, "new_url": new.url})
+        self._event("restarted", f"engine{index}", url=new.url, seconds=round(time.time() - t0, 3))
+
+    def _watch_relay(self) -> None:
+        while not self._stop.wait(self.cfg.rollout.engine_heartbeat_s / 2):
+            if self.relay.alive():
+                continue
+            try:
+                self._restart_relay(f"the process exited with {self.relay.proc.returncode}")
+            except Exception as exc:  # noqa: BLE001 - keep supervising; the next round retries
+                self._event("restart_failed", "relay", error=str(exc)[:500])
+
+    def _restart_relay(self, reason: str) -> None:
+        t0 = time.time()
+        old = self.relay
+        was_master = self.master
+        pid = old.proc.pid
+        old.stop(grace_s=2.0)
+        reclaimed = len(reclaim_segments(pid))
+        self._event("down", "relay", url=old.url, master=was_master, reason=reason,
+                    reclaimed=reclaimed)
+        self._start_relay()
+        publish = {"host": self.relay.host, "port": self.publish_port} if self.master else None
+        self._report("/relay_replaced", {"old_url": old.url, "new_url": self.relay.url,
+                                        "publish": publish})
+        self._event("restarted", "relay", url=self.relay.url, master=self.master,
+                    seconds=round(time.time() - t0, 3))
+
+    def _report(self, path: str, body: dict) -> None:
+        """Tell the controller (retried: it may be busy; a controller that is gone ends the
+        node anyway)."""
+        deadline = time.time() + 60
+        while True:
+            try:
+                self.client.call_post(path, body)
+                return
+            except Exception:  # noqa: BLE001
+                if time.time() > deadline or self._stop.is_set():
+                    raise
+                time.sleep(0.5)
