@@ -135,6 +135,8 @@ class RolloutManager:
         self._stop = asyncio.Event()
         self._tasks: List[asyncio.Task] = []
         self.error: Optional[BaseException] = None  # why a supervised task stopped the run
+        # (kind, event, info) of fault-isolation events, for the controller's records
+        self.on_event: Optional[Callable[[str, str, dict], None]] = None
 
     # ------------------------------------------------------------------ admission
     def running(self) -> int:
@@ -335,6 +337,9 @@ class RolloutManager:
             engine.version = version
             engine.pulls += 1
             self.stats.pulls += 1
+            if engine.epoch > 0 and engine.pulls == 1 and self.on_event is not None:
+                # a restarted engine holds the newest version: it is back in service
+                self.on_event("engine", "serving", {"engine": engine.name, "version": version})
         else:  # nothing newer after all (its relay lost it?): back off instead of spinning
             await asyncio.sleep(self.poll_s)
         engine.draining = self.relay_version(engine) > engine.version

@@ -95,7 +95,7 @@ def finish_run(controller: Controller, relay_url: Optional[str], engine_url: Opt
                initial: EvalResult, t_start: float, out_dir: str, log) -> dict:
     """After training: bring one engine to the final version, evaluate, keep the books and
     write ``summary.json`` and the plot. Raises if the books do not balance."""
-    from ..relay.client import RelayClient
+    from ..relay.client import RelayClient, RelayError
     from ..relay.transports import pull_latest_into_engine
     from ..rollout.client import SGLangClient
     from ..rollout.launcher import engine_pull_spec, engine_transport
@@ -107,22 +107,57 @@ def finish_run(controller: Controller, relay_url: Optional[str], engine_url: Opt
                       controller.manager.engines[0])
         engine_url, relay_url = handle.client.base_url, handle.relay.url
 
-    async def final_pull():
-        spec = engine_pull_spec(cfg.rollout, 0, cfg.weight_sync)
-        async with RelayClient(relay_url, controller.token) as rc, SGLangClient(engine_url) as ec:
+    def relay_of(engine_url, fallback):
+        """The relay an engine pulls from now (a relay restarted meanwhile has a new URL)."""
+        h = next((e for e in controller.manager.engines
+                  if e.client.base_url == engine_url.rstrip("/")), None)
+        return h.relay.url if h is not None else fallback
+
+    async def final_pull(relay_url, engine_url, index=0):
+        spec = engine_pull_spec(cfg.rollout, index, cfg.weight_sync)
+        async with SGLangClient(engine_url) as ec:
             deadline = time.time() + 120
             served = await ec.get_weight_version()  # SGLang says "default" before any update
             current = int(served) if served.isdigit() else 0
             while current < version and time.time() < deadline:
-                pulled = await pull_latest_into_engine(rc, ec, current, spec=spec)
+                async with RelayClient(relay_of(engine_url, relay_url), controller.token) as rc:
+                    try:
+                        pulled = await pull_latest_into_engine(rc, ec, current, spec=spec)
+                    except RelayError:  # its relay is being restarted: wait for the new one
+                        pulled = None
+                        await asyncio.sleep(0.5)
                 current = pulled if pulled is not None else current
                 await asyncio.sleep(0.05)
             return current
 
+    async def probe(engine_url):
+        """Greedy log-probs of a fixed prompt: engines holding the same weights agree exactly."""
+        async with SGLangClient(engine_url) as ec:
+            out = await ec.generate(task.codec.encode_prompt(task.evals[0]),
+                                    {"max_new_tokens": 8, "temperature": 0.0})
+            return [round(float(x[0]), 7) for x in out["meta_info"]["output_token_logprobs"]]
+
+    async def bring_all_engines():
+        """Every engine in service to the final version (the summary says which it holds)."""
+        versions, probes = {}, {}
+        for h in [e for e in controller.manager.engines if e.healthy]:
+            if h.client.base_url == engine_url:
+                continue
+            try:
+                index = int(h.name.rsplit("engine", 1)[-1])  # its slot on its node
+                versions[h.name] = await final_pull(h.relay.url, h.client.base_url, index)
+                probes[h.name] = await probe(h.client.base_url)
+            except Exception as exc:  # noqa: BLE001 - reported, the run's result stands
+                versions[h.name] = f"error: {exc}"
+        return versions, probes
+
     utilisation = controller.utilisation()
     controller.finish_evals()
     controller.stop_generation()
-    engine_version = asyncio.run(final_pull())
+    engine_version = asyncio.run(final_pull(relay_url, engine_url))
+    others, probes = asyncio.run(bring_all_engines())
+    if probes:
+        probes[engine_url] = asyncio.run(probe(engine_url))
     final = evaluate_engine(cfg, task, engine_url)
     metrics.log("eval", step=result["steps"], **final.record(),
                 wall_s=controller.version_wall_s(final.version))
@@ -132,6 +167,9 @@ def finish_run(controller: Controller, relay_url: Optional[str], engine_url: Opt
                "initial_accuracy_greedy": initial.accuracy_greedy,
                "final_accuracy_greedy": final.accuracy_greedy, "final_engine_version": engine_version,
                "steps": result["steps"], "final_version": version, **books,
+               "final_engine_versions": {_name_of(controller, engine_url): engine_version,
+                                         **others},
+               "engines_agree": len({json.dumps(p) for p in probes.values()}) <= 1,
                "trajectories_in_flight_at_stop": len(controller.partial), **utilisation,
                "wall_seconds": time.time() - t_start, "model_path": task.model_path,
                "engine_transport": engine_transport(cfg.rollout, cfg.weight_sync)}
@@ -155,6 +193,11 @@ def finish_run(controller: Controller, relay_url: Optional[str], engine_url: Opt
     if not balanced:
         raise RuntimeError("trajectory accounting does not balance; see summary.json")
     return summary
+
+
+def _name_of(controller: Controller, engine_url: str) -> str:
+    return next((e.name for e in controller.manager.engines
+                 if e.client.base_url == engine_url.rstrip("/")), engine_url)
 
 
 class Progress:

@@ -106,6 +106,9 @@ class Controller:
         # fault isolation: what failed and came back (books, metrics "fault" records)
         self.faults: List[dict] = []
         self.trainer_restarts = 0
+        # consumed trajectories whose tokens came from more than their one version (only
+        # mode=areal's interruptible generation may make such)
+        self.mixed_version_consumed = 0
         self.relay_failovers = 0
         self._idle_mark: Optional[tuple] = None  # (time, engine idle seconds) at the first step
         self.buffer = ExperienceBuffer(group_size=self.n_samples)
@@ -172,6 +175,7 @@ class Controller:
             [], RolloutData(self.prompts, self.partial, self.buffer), self.episode, self.policy,
             self.cfg.rollout, trainer_version=lambda: self.trainer_version,
             batch_trajectories=self.batch_prompts * self.n_samples)
+        self.manager.on_event = lambda kind, what, info: self._fault(kind, what, **info)
         if self._initial_state:
             self.load_state_dict(self._initial_state)
         # every endpoint but /health proves the run token; bad input is a 400
@@ -506,6 +510,9 @@ class Controller:
         staleness = [self.trainer_version - t.weight_version for t in batch]
         for t in batch:
             t.timings["consumed"] = now
+            seen = t.versions_seen()
+            if seen and seen != [str(t.weight_version)]:
+                self.mixed_version_consumed += 1
             self.consumed.append({"uid": t.uid, "version": t.weight_version,
                                   "staleness": self.trainer_version - t.weight_version,
                                   "reward": t.reward, "tokens": len(t.response_ids)})
@@ -662,4 +669,5 @@ class Controller:
                 "evicted_engines": dict(s.evicted) if s else {},
                 "relay_failovers": self.relay_failovers,
                 "trainer_restarts": self.trainer_restarts,
-                "faults": len(self.faults)}
+                "faults": len(self.faults),
+                "trajectories_mixed_versions": self.mixed_version_consumed}

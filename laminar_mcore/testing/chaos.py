@@ -1,0 +1,228 @@
+"""Kill -9 the roles of a running ``job=train`` at chosen training steps and watch it recover.
+
+``ChaosRun`` starts the single-machine train job as a subprocess (its own session), follows its
+``metrics.jsonl`` and, at each planned step, kills one process of a kind:
+
+* ``engine``: an engine server (a ``laminar_mcore.rollout.cpu_engine`` process);
+* ``relay``: a relay that is not the master (needs ``cluster.rollout_nodes`` >= 2);
+* ``master_relay``: the relay the trainers publish to (its ``/health`` says ``master``);
+* ``trainer``: a trainer rank (a torchrun worker: its environment has ``TORCHELASTIC_RUN_ID``).
+
+After each kill it waits for the controller's ``fault`` record that says the role is back
+(``engine`` serving again, ``relay`` restarted, ``master_relay`` elected or restarted, ``trainer``
+resumed) before the next one, and reports when each happened. The chaos test and
+``bench.faults`` use it; nothing here is a stand-in for a component.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import psutil
+
+KINDS = ("engine", "relay", "master_relay", "trainer")
+# the controller's ``fault`` record that says a kind has recovered
+RECOVERED = {"engine": ("engine", "serving"), "relay": ("relay", "restarted"),
+             "master_relay": ("master_relay", ("elected", "restarted")),
+             "trainer": ("trainer", "resumed")}
+
+
+@dataclass
+class Kill:
+    kind: str
+    at_step: int
+    pid: Optional[int] = None
+    time: Optional[float] = None
+    recovered_at: Optional[float] = None
+
+    @property
+    def recovery_s(self) -> Optional[float]:
+        if self.time is None or self.recovered_at is None:
+            return None
+        return self.recovered_at - self.time
+
+
+@dataclass
+class ChaosResult:
+    returncode: int
+    kills: List[Kill]
+    summary: Optional[dict]
+    records: List[dict]
+    output: str
+    leftover_processes: List[str] = field(default_factory=list)
+    leftover_segments: List[str] = field(default_factory=list)
+
+
+def _records(path: Path) -> List[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass  # a line being written
+    return out
+
+
+def _descendants(pid: int) -> List[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return ""
+
+
+def _relay_is_master(p: psutil.Process) -> Optional[bool]:
+    """Ask each port the relay listens on for /health (the control port answers)."""
+    try:
+        conns = p.net_connections(kind="tcp")
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+    for c in conns:
+        if c.status != psutil.CONN_LISTEN:
+            continue
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{c.laddr.port}/health",
+                                        timeout=1.0) as resp:
+                return bool(json.loads(resp.read()).get("master"))
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def find_victim(root_pid: int, kind: str, rng) -> Optional[psutil.Process]:
+    """A live process of ``kind`` under ``root_pid`` (chosen with ``rng`` among several)."""
+    candidates = []
+    for p in _descendants(root_pid):
+        cmd = _cmdline(p)
+        if kind == "engine" and "laminar_mcore.rollout.cpu_engine" in cmd:
+            candidates.append(p)
+        elif kind in ("relay", "master_relay") and "-m laminar_mcore.relay" in cmd:
+            master = _relay_is_master(p)
+            if master is not None and master == (kind == "master_relay"):
+                candidates.append(p)
+        elif kind == "trainer":
+            try:
+                if "TORCHELASTIC_RUN_ID" in p.environ() and "multiprocessing" in cmd:
+                    candidates.append(p)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                pass
+    return rng.choice(candidates) if candidates else None
+
+
+def plan(seed: int, kinds: Sequence[str] = KINDS, first_step: int = 2,
+         spacing: int = 2) -> List[Kill]:
+    """The kinds in a seeded order: the first at step ``first_step``, each next one ``spacing``
+    training steps after the previous fault has recovered (``Kill.at_step`` is relative to
+    that)."""
+    import random
+
+    order = list(kinds)
+    random.Random(seed).shuffle(order)
+    return [Kill(kind, first_step if i == 0 else spacing) for i, kind in enumerate(order)]
+
+
+class ChaosRun:
+    def __init__(self, workdir: Path, overrides: Sequence[str], kills: List[Kill], *,
+                 seed: int = 0, run_name: str = "chaos", recovery_timeout_s: float = 240.0,
+                 log=print):
+        self.workdir = Path(workdir)
+        self.overrides = list(overrides)
+        self.kills = kills
+        self.seed = seed
+        self.run_name = run_name
+        self.recovery_timeout_s = recovery_timeout_s
+        self.log = log
+        self.out_dir = self.workdir / "out" / run_name
+
+    def run(self, timeout_s: float = 900.0) -> ChaosResult:
+        import random
+
+        rng = random.Random(self.seed)
+        metrics = self.out_dir / "metrics.jsonl"
+        if metrics.exists():
+            metrics.unlink()
+        cmd = [sys.executable, "-m", "laminar_mcore.launch", "job=train", "output_dir=out",
+               f"run_name={self.run_name}", *self.overrides]
+        out_path = self.workdir / f"{self.run_name}.log"
+        segments_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+        with open(out_path, "w") as out:
+            proc = subprocess.Popen(cmd, cwd=self.workdir, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True,
+                                    env=dict(os.environ, PYTHONWARNINGS="ignore"))
+        pending = list(self.kills)
+        deadline = time.time() + timeout_s
+        descendants: Dict[int, str] = {}
+        base_step = 0  # the step at which the previous fault had recovered
+        try:
+            while proc.poll() is None and time.time() < deadline:
+                for p in _descendants(proc.pid):
+                    descendants.setdefault(p.pid, _cmdline(p)[:120])
+                records = _records(metrics)
+                steps = [r["step"] for r in records if r.get("kind") == "train"]
+                step = max(steps, default=0)
+                current = next((k for k in self.kills if k.time is not None
+                                and k.recovered_at is None), None)
+                if current is not None:
+                    self._check_recovered(current, records)
+                    if current.recovered_at is not None:
+                        base_step = step
+                        self.log(f"[chaos] step {step}: {current.kind} recovered after "
+                                 f"{current.recovery_s:.2f} s")
+                    if current.recovered_at is None and \
+                            time.time() - current.time > self.recovery_timeout_s:
+                        self.log(f"[chaos] {current.kind} did not recover within "
+                                 f"{self.recovery_timeout_s:.0f} s")
+                        break
+                elif pending and step >= base_step + pending[0].at_step:
+                    kill = pending[0]
+                    victim = find_victim(proc.pid, kill.kind, rng)
+                    if victim is not None:
+                        kill.pid, kill.time = victim.pid, time.time()
+                        victim.send_signal(signal.SIGKILL)
+                        pending.pop(0)
+                        self.log(f"[chaos] step {step}: kill -9 {kill.kind} (pid {victim.pid})")
+                time.sleep(0.2)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        time.sleep(1.0)
+        leftover = [f"{pid} {cmd}" for pid, cmd in descendants.items() if psutil.pid_exists(pid)
+                    and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        segments_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+        new_segments = sorted(n for n in segments_after - segments_before
+                              if n.startswith("laminar-"))
+        summary_path = self.out_dir / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+        return ChaosResult(proc.returncode, self.kills, summary, _records(metrics),
+                           out_path.read_text(), leftover, new_segments)
+
+    @staticmethod
+    def _check_recovered(kill: Kill, records: List[dict]) -> None:
+        kind, events = RECOVERED[kill.kind]
+        events = events if isinstance(events, tuple) else (events,)
+        for r in records:
+            if r.get("kind") == "fault" and r.get("fault") == kind and r.get("event") in events \
+                    and r.get("time", 0) >= kill.time:
+                kill.recovered_at = r["time"]
+                return
