@@ -136,8 +136,8 @@ def _shm_names():
 @pytest.mark.parametrize("how", ["ctrl_c", "trainer_dies"])
 def test_an_interrupt_or_a_dead_role_stops_every_process(tmp_path, how):
     """Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it) or a trainer
-    process killed mid-run: the launcher exits non-zero and leaves no process and no shared
-    memory behind."""
+    process killed mid-run with no restart left (trainer.max_restarts=0; test_faults.py has the
+    restart): the launcher exits non-zero and leaves no process and no shared memory behind."""
     import signal
     import time
 
@@ -148,7 +148,7 @@ def test_an_interrupt_or_a_dead_role_stops_every_process(tmp_path, how):
         [sys.executable, "-m", "laminar_mcore.launch", "experiment=cpu_reverse", "output_dir=out",
          "run_name=stop",
          "trainer.total_steps=1000", "trainer.train_batch_prompts=2", "data.num_eval=4",
-         "data.warmup_steps=20", "rollout.num_engines=2"],
+         "data.warmup_steps=20", "rollout.num_engines=2", "trainer.max_restarts=0"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
     metrics = tmp_path / "out" / "stop" / "metrics.jsonl"

@@ -21,6 +21,9 @@ class ControllerError(RuntimeError):
     pass
 
 
+STOP = "stop"  # what ``ControllerClient.batch`` returns once the run's STOP file exists
+
+
 def controller_url(cfg) -> str:
     """Where the controller of a multi-node run listens (``cluster.controller_addr``:
     ``cluster.controller_port``)."""
@@ -55,12 +58,15 @@ class ControllerClient:
                                   f"{exc.read()[:300].decode(errors='replace')}") from None
 
     # ------------------------------------------------------------------ trainer rank 0
-    def batch(self, deadline_s: float, poll_s: float = 5.0) -> Optional[List[Trajectory]]:
-        """The next batch of trajectories, or None if none came before the deadline."""
+    def batch(self, deadline_s: float, poll_s: float = 5.0):
+        """The next batch of trajectories, None if none came before the deadline, or ``STOP``
+        when the run was asked to stop (its STOP file)."""
         end = time.time() + deadline_s
         while time.time() < end:
             status, body = self._call("GET", f"/batch?timeout={poll_s:g}",
                                       timeout=poll_s + self.timeout_s)
+            if status == 200 and body.get("stop"):
+                return STOP
             if status == 200:
                 return [Trajectory.from_dict(t) for t in body["trajectories"]]
         return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
 import time
 import urllib.error
@@ -87,6 +88,11 @@ class Controller:
         self.host, self.port = listen
         # cluster bookkeeping (multi-node roles find each other here)
         self.info = dict(info or {})
+        # ``touch outputs/<run>/STOP``: the trainer stops after its current step and the run
+        # ends as if trainer.total_steps were reached (evaluation, summary, books)
+        self.stop_file = os.path.join(cfg.output_dir, cfg.run_name, "STOP")
+        if os.path.exists(self.stop_file):  # left by an earlier run of this name
+            os.unlink(self.stop_file)
         self.ready = False  # set by the launcher when training may start
         self.finished = False  # set by the launcher when the run's summary is written
         self.master_relay: Optional[dict] = None
@@ -503,6 +509,9 @@ class Controller:
         timeout = float(request.query.get("timeout", "30"))
         if self.first_request is None:
             self.first_request = time.time()
+        if self.stop_file and os.path.exists(self.stop_file):
+            # a graceful stop: the trainer ends after the step it finished (summary as usual)
+            return web.json_response({"stop": True})
         batch = await asyncio.to_thread(self.buffer.take, self.batch_prompts, timeout)
         if batch is None:
             return web.Response(status=204)

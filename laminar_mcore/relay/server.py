@@ -297,13 +297,21 @@ class RelayServer:
         self._remove(victim)
 
     def _alive(self, relay: dict) -> bool:
+        return self._probe(relay) == "alive"
+
+    def _probe(self, relay: dict) -> str:
+        """alive, gone (nothing listens: the process is dead) or silent (no answer in 1 s)."""
         if not relay:
-            return False
+            return "gone"
         try:
             with urllib.request.urlopen(relay["control_url"] + "/health", timeout=1.0) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+                return "alive" if resp.status == 200 else "silent"
+        except urllib.error.URLError as exc:
+            return "gone" if isinstance(exc.reason, ConnectionRefusedError) else "silent"
+        except ConnectionRefusedError:
+            return "gone"
+        except OSError:
+            return "silent"
 
     def _remove(self, relay_id: str) -> None:
         with self.chain_lock:
@@ -334,11 +342,15 @@ class RelayServer:
             with self.chain_lock:
                 relays = list(self.relays.values())
             for relay in relays:
-                if self._alive(relay):
+                state = self._probe(relay)
+                if state == "alive":
                     misses[relay["relay_id"]] = 0
                     continue
+                # a refused connection is a dead process: cut it out now; a relay that does
+                # not answer may be busy: after two heartbeats
                 misses[relay["relay_id"]] = misses.get(relay["relay_id"], 0) + 1
-                if misses[relay["relay_id"]] >= 2:
+                if state == "gone" or misses[relay["relay_id"]] >= 2:
+                    misses.pop(relay["relay_id"], None)
                     self._remove(relay["relay_id"])
 
     def _register_loop(self) -> None:

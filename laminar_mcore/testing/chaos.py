@@ -39,10 +39,19 @@ RECOVERED = {"engine": ("engine", "serving"), "relay": ("relay", "restarted"),
 @dataclass
 class Kill:
     kind: str
-    at_step: int
+    at_step: int = 0
+    at_time_s: Optional[float] = None  # or: seconds after the first training step
     pid: Optional[int] = None
     time: Optional[float] = None
     recovered_at: Optional[float] = None
+    # a relay: when the master relay's chain no longer held it (the chain rebuilt around it)
+    chain_rebuilt_at: Optional[float] = None
+
+    @property
+    def chain_rebuild_s(self) -> Optional[float]:
+        if self.time is None or self.chain_rebuilt_at is None:
+            return None
+        return self.chain_rebuilt_at - self.time
 
     @property
     def recovery_s(self) -> Optional[float]:
@@ -88,7 +97,7 @@ def _cmdline(p: psutil.Process) -> str:
         return ""
 
 
-def _relay_is_master(p: psutil.Process) -> Optional[bool]:
+def _relay_health(p: psutil.Process) -> Optional[dict]:
     """Ask each port the relay listens on for /health (the control port answers)."""
     try:
         conns = p.net_connections(kind="tcp")
@@ -100,7 +109,7 @@ def _relay_is_master(p: psutil.Process) -> Optional[bool]:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{c.laddr.port}/health",
                                         timeout=1.0) as resp:
-                return bool(json.loads(resp.read()).get("master"))
+                return json.loads(resp.read())
         except (OSError, ValueError):
             continue
     return None
@@ -114,8 +123,9 @@ def find_victim(root_pid: int, kind: str, rng) -> Optional[psutil.Process]:
         if kind == "engine" and "laminar_mcore.rollout.cpu_engine" in cmd:
             candidates.append(p)
         elif kind in ("relay", "master_relay") and "-m laminar_mcore.relay" in cmd:
-            master = _relay_is_master(p)
-            if master is not None and master == (kind == "master_relay"):
+            health = _relay_health(p)
+            if health is not None and bool(health.get("master")) == (kind == "master_relay"):
+                p.laminar_health = health
                 candidates.append(p)
         elif kind == "trainer":
             try:
@@ -141,7 +151,10 @@ def plan(seed: int, kinds: Sequence[str] = KINDS, first_step: int = 2,
 class ChaosRun:
     def __init__(self, workdir: Path, overrides: Sequence[str], kills: List[Kill], *,
                  seed: int = 0, run_name: str = "chaos", recovery_timeout_s: float = 240.0,
-                 log=print):
+                 stop_after_s: Optional[float] = None, log=print):
+        """``stop_after_s``: once every kill has recovered and this long has passed since
+        the last one, stop the run gracefully (its STOP file; the summary is written)."""
+        self.stop_after_s = stop_after_s
         self.workdir = Path(workdir)
         self.overrides = list(overrides)
         self.kills = kills
@@ -190,14 +203,20 @@ class ChaosRun:
                         self.log(f"[chaos] {current.kind} did not recover within "
                                  f"{self.recovery_timeout_s:.0f} s")
                         break
-                elif pending and step >= base_step + pending[0].at_step:
+                elif pending and self._due(pending[0], step, base_step, records):
                     kill = pending[0]
                     victim = find_victim(proc.pid, kill.kind, rng)
                     if victim is not None:
+                        watcher = self._chain_watcher(proc.pid, kill, victim, rng)
                         kill.pid, kill.time = victim.pid, time.time()
                         victim.send_signal(signal.SIGKILL)
+                        if watcher is not None:
+                            watcher.start()
                         pending.pop(0)
                         self.log(f"[chaos] step {step}: kill -9 {kill.kind} (pid {victim.pid})")
+                elif not pending and self.stop_after_s is not None and self.kills and \
+                        time.time() > self.kills[-1].time + self.stop_after_s:
+                    (self.out_dir / "STOP").touch()
                 time.sleep(0.2)
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -210,12 +229,52 @@ class ChaosRun:
         leftover = [f"{pid} {cmd}" for pid, cmd in descendants.items() if psutil.pid_exists(pid)
                     and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
         segments_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+        # segments of this run's processes (their names carry the owner's pid); other runs on
+        # the machine may create their own meanwhile
+        pids = {str(pid) for pid in descendants}
         new_segments = sorted(n for n in segments_after - segments_before
-                              if n.startswith("laminar-"))
+                              if n.startswith("laminar-") and any(
+                                  f"-{pid}-" in n for pid in pids))
         summary_path = self.out_dir / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
         return ChaosResult(proc.returncode, self.kills, summary, _records(metrics),
                            out_path.read_text(), leftover, new_segments)
+
+    @staticmethod
+    def _due(kill: Kill, step: int, base_step: int, records: List[dict]) -> bool:
+        if kill.at_time_s is not None:
+            first = next((r["time"] for r in records if r.get("kind") == "train"), None)
+            return first is not None and time.time() - first >= kill.at_time_s
+        return step >= base_step + kill.at_step
+
+    @staticmethod
+    def _chain_watcher(root_pid: int, kill: Kill, victim, rng):
+        """For a relay that is not the master: a thread that notes when the master's chain
+        no longer holds it."""
+        import threading
+
+        if kill.kind != "relay":
+            return None
+        master = find_victim(root_pid, "master_relay", rng)
+        health = getattr(victim, "laminar_health", None)
+        if master is None or health is None:
+            return None
+        url = master.laminar_health["control_url"]
+
+        def watch():
+            deadline = time.time() + 30
+            while time.time() < deadline:
+                try:
+                    with urllib.request.urlopen(url + "/chain", timeout=1.0) as resp:
+                        chain = json.loads(resp.read())["chain"]
+                    if health["relay_id"] not in chain:
+                        kill.chain_rebuilt_at = time.time()
+                        return
+                except (OSError, ValueError, KeyError):
+                    pass
+                time.sleep(0.02)
+
+        return threading.Thread(target=watch, daemon=True)
 
     @staticmethod
     def _check_recovered(kill: Kill, records: List[dict]) -> None:

@@ -19,9 +19,9 @@ import torch.distributed as dist
 def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: str,
                  relay_host: str, publish_port: int, ckpt_dir: str) -> dict:
     from ..config import typed
-    from ..controller.client import ControllerClient
+    from ..controller.client import STOP, ControllerClient
     from ..models.hf import SafetensorsReader, load_hf_config
-    from ..parallel import destroy_trainer_parallel, init_trainer_parallel, wait_for_rank0
+    from ..parallel import destroy_trainer_parallel, init_trainer_parallel
     from ..parallel.groups import broadcast_int
     from .publisher import WeightPublisher
     from .actor import MegatronActor
@@ -81,7 +81,14 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
             batch = controller.batch(deadline_s=limit) if rank == 0 else None
             # The other ranks wait on a gloo group with a longer timeout than the batch's, so a
             # long rollout never trips the world's collective timeout (or NCCL's watchdog).
-            if not wait_for_rank0(batch is not None, timeout_s=limit + 600.0):
+            code = broadcast_int(0 if batch is None else 2 if batch == STOP else 1,
+                                 timeout_s=limit + 600.0)
+            if code == 2:  # the run's STOP file: end here, as if total_steps were reached
+                if rank == 0:
+                    print(f"[trainer] stopping after step {steps_done}: the run's STOP file",
+                          flush=True)
+                break
+            if code == 0:
                 raise RuntimeError(f"no batch from the controller for {limit:.0f} s "
                                    "(trainer.batch_timeout_s); are the engines alive?")
             waited = time.perf_counter() - waited
