@@ -45,6 +45,17 @@ def test_modes_tasks_and_eval_interval_are_checked():
         validate_config(_compose("trainer.eval_interval=-1"))
 
 
+def test_fault_isolation_settings_are_checked():
+    cfg = _compose()
+    assert cfg.trainer.max_restarts >= 1 and cfg.rollout.engine_restarts_per_hour >= 1
+    for override, message in (("rollout.engine_heartbeat_s=0", "engine_heartbeat_s=0.0 must be > 0"),
+                              ("weight_sync.publish_timeout_s=-1", "publish_timeout_s=-1.0"),
+                              ("trainer.max_restarts=-1", "max_restarts=-1 must be >= 0"),
+                              ("cluster.rollout_nodes=0", "rollout_nodes=0 must be >= 1")):
+        with pytest.raises(ConfigError, match=message):
+            validate_config(_compose(override))
+
+
 @pytest.mark.parametrize("experiment", ["cpu_demo", "cpu_reverse", "cpu_smoke", "cpu_tp2_pp2"])
 def test_cpu_experiments_are_valid(experiment):
     validate_config(_compose(f"experiment={experiment}"))

@@ -132,6 +132,19 @@ def validate_config(cfg: DictConfig) -> None:
                         "in [0, 1] and, for a long tail, long_digits > digits")
     if cfg.trainer.eval_interval < 0:
         problems.append("trainer.eval_interval must be >= 0 (0: evaluate only before and after)")
+    r, ws = cfg.rollout, cfg.weight_sync
+    for key, value in (("rollout.engine_heartbeat_s", r.engine_heartbeat_s),
+                       ("rollout.engine_heartbeat_timeout_s", r.engine_heartbeat_timeout_s),
+                       ("weight_sync.publish_timeout_s", ws.publish_timeout_s),
+                       ("weight_sync.failover_timeout_s", ws.failover_timeout_s)):
+        if value <= 0:
+            problems.append(f"{key}={value} must be > 0 (seconds)")
+    for key, value in (("rollout.engine_restarts_per_hour", r.engine_restarts_per_hour),
+                       ("trainer.max_restarts", cfg.trainer.max_restarts)):
+        if value < 0:
+            problems.append(f"{key}={value} must be >= 0 (0: never restart)")
+    if cfg.cluster.rollout_nodes < 1:
+        problems.append(f"cluster.rollout_nodes={cfg.cluster.rollout_nodes} must be >= 1")
     if cfg.rollout.num_engines < 1:
         problems.append("rollout.num_engines must be >= 1")
     if cfg.rollout.stream_interval < 1:

@@ -214,6 +214,9 @@ class RelayServer:
             threading.Thread(target=self._serve_conn, args=(conn,), daemon=True).start()
 
     def _serve_conn(self, conn: socket.socket) -> None:
+        # an upstream relay that vanishes mid-push (its machine gone, no RST) fails this
+        # version after a minute of silence instead of holding its buffers forever
+        conn.settimeout(60.0)
         with conn:
             try:
                 peer = "%s:%s" % conn.getpeername()[:2]
