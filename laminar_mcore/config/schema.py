@@ -129,6 +129,11 @@ class RolloutConfig:
     engine_heartbeat_s: float = 2.0
     engine_heartbeat_timeout_s: float = 60.0
     engine_restarts_per_hour: int = 3
+    # Engines start no new trajectory while this many batches (train_batch_prompts x
+    # n_samples) wait in the experience buffer: a trainer that is down or restarting does not
+    # make the buffer grow without end (with algo.max_staleness set, that bound usually binds
+    # first). 0: no cap.
+    max_buffered_batches: int = 8
 
 
 @dataclass

@@ -140,9 +140,10 @@ def validate_config(cfg: DictConfig) -> None:
         if value <= 0:
             problems.append(f"{key}={value} must be > 0 (seconds)")
     for key, value in (("rollout.engine_restarts_per_hour", r.engine_restarts_per_hour),
+                       ("rollout.max_buffered_batches", r.max_buffered_batches),
                        ("trainer.max_restarts", cfg.trainer.max_restarts)):
         if value < 0:
-            problems.append(f"{key}={value} must be >= 0 (0: never restart)")
+            problems.append(f"{key}={value} must be >= 0")
     if cfg.cluster.rollout_nodes < 1:
         problems.append(f"cluster.rollout_nodes={cfg.cluster.rollout_nodes} must be >= 1")
     if cfg.rollout.num_engines < 1:

@@ -123,6 +123,7 @@ class RolloutManager:
         # all engines wait for all anyway, and interrupting engines never wait
         self.repack = bool(cfg.repack) and not self.barrier and not self.interrupt
         self.repack_interval_s = cfg.repack_interval_s
+        self.max_buffered = cfg.max_buffered_batches
         self.repack_max_requests = cfg.repack_max_requests
         self._repack_now = asyncio.Event()
         self.stats = ManagerStats()
@@ -143,7 +144,11 @@ class RolloutManager:
         return sum(len(e.in_flight) for e in self.engines)
 
     def can_admit(self, n: int) -> bool:
-        """AReaL's staleness admission: (eta + v + 1) * B >= admitted + n."""
+        """AReaL's staleness admission: (eta + v + 1) * B >= admitted + n; and, whatever the
+        bound, nothing new while ``rollout.max_buffered_batches`` batches wait in the buffer (a
+        trainer that is down, or restarting, does not make the buffer grow without end)."""
+        if self.max_buffered and self.buffer.buffered >= self.max_buffered * self.batch:
+            return False
         if self.max_staleness is None:
             return True
         v = self.trainer_version()

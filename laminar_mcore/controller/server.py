@@ -285,8 +285,13 @@ class Controller:
         async with self._election:
             # A relay restarting after a crash: join the master if it lives; else one of the
             # other relays is elected; if none is left, the asker becomes the master.
-            if await self._relay_health(self.master_relay["url"]) is None and \
-                    await self._elect() is None:
+            # (a master that is only slow is waited for: two masters would split the chain)
+            state = "silent"
+            for _ in range(15):
+                state, _info = await self._relay_probe(self.master_relay["url"])
+                if state != "silent":
+                    break
+            if state == "gone" and await self._elect() is None:
                 return web.json_response({"master": True, **self.info})
         return web.json_response({"master": False, "master_url": self.master_relay["url"],
                                   **self.info})
@@ -294,12 +299,22 @@ class Controller:
     # ------------------------------------------------------------------ fault isolation
     async def _relay_health(self, url: str) -> Optional[dict]:
         """A relay's /health answer, or None if it does not answer within 2 s."""
+        return (await self._relay_probe(url))[1]
+
+    async def _relay_probe(self, url: str):
+        """("alive", its /health), ("gone", None): nothing listens (the process is dead), or
+        ("silent", None): no answer within 2 s (maybe only busy)."""
         def get():
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2.0) as resp:
-                    return json.loads(resp.read())
-            except (urllib.error.URLError, OSError, ValueError):
-                return None
+                    return "alive", json.loads(resp.read())
+            except urllib.error.URLError as exc:
+                refused = isinstance(exc.reason, ConnectionRefusedError)
+                return ("gone" if refused else "silent"), None
+            except ConnectionRefusedError:
+                return "gone", None
+            except (OSError, ValueError):
+                return "silent", None
         return await asyncio.to_thread(get)
 
     async def _relay_post(self, url: str, path: str, body: dict, timeout: float = 40.0) -> dict:
@@ -352,24 +367,29 @@ class Controller:
                 logger.info("relay %s did not take the new master: %s", url, exc)
 
     async def _watch_master(self) -> None:
-        """Elect a new master relay when the master stops answering (twice in a row) while
-        other relays live (a lone master is restarted by its node's supervisor instead)."""
-        misses = 0
+        """Elect a new master relay when the master is gone (nothing listens on its port,
+        twice in a row) or silent for 30 s, while other relays live (a lone master is
+        restarted by its node's supervisor instead). A master that is only slow must not be
+        replaced: trainers would go on publishing to it and the chain would split."""
+        misses, silent_since = 0, None
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(0.5)
             master = self.master_relay
             if master is None or len(self.rollout_nodes) < 2:
                 continue
-            if await self._relay_health(master["url"]) is not None:
-                misses = 0
+            state, _ = await self._relay_probe(master["url"])
+            if state == "alive":
+                misses, silent_since = 0, None
                 continue
+            if state == "silent":
+                silent_since = silent_since or time.time()
             misses += 1
-            if misses >= 2:
+            if misses >= 2 and (state == "gone" or time.time() - silent_since > 30.0):
                 async with self._election:
                     if self.master_relay is master and \
-                            await self._relay_health(master["url"]) is None:
+                            (await self._relay_probe(master["url"]))[0] != "alive":
                         await self._elect()
-                misses = 0
+                misses, silent_since = 0, None
 
     def _fault(self, kind: str, what: str, **info) -> None:
         event = {"kind": kind, "what": what, "time": time.time(), **info}

@@ -58,6 +58,7 @@ class NodeSupervisor:
         self.events: List[dict] = []  # what happened, for tests and benchmarks
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._starting: List[EngineProcess] = []  # processes being (re)started right now
         self._threads: List[threading.Thread] = []
 
     # ------------------------------------------------------------------ start
@@ -80,6 +81,10 @@ class NodeSupervisor:
 
     def stop(self) -> None:
         self._stop.set()
+        with self._lock:  # a restart under way: its start fails now, its thread ends
+            starting = list(self._starting)
+        for p in starting:
+            p.stop(grace_s=2.0)
         for t in self._threads:
             t.join(timeout=30)
         with self._lock:
@@ -117,13 +122,24 @@ class NodeSupervisor:
                                 trainer_stages=self.cfg.parallel.pp,
                                 weight_sync=self.cfg.weight_sync)
         relay = relay_process(relay_cfg, os.path.join(self.logs, f"relay-{self.name}.log"))
-        relay.start()
+        self._start(relay)
         self.publish_port = int(relay.wait_printed("LAMINAR_RELAY_PUBLISH_PORT")) \
             if self.master else None
         self.relay = relay
         if self.master:  # trainers may connect from now on
             self._report("/register_relay", {"relay_url": relay.url, "publish": {
                 "host": relay.host, "port": self.publish_port}})
+
+    def _start(self, proc: EngineProcess) -> None:
+        with self._lock:
+            if self._stop.is_set():
+                raise RuntimeError("the node is stopping")
+            self._starting.append(proc)
+        try:
+            proc.start()
+        finally:
+            with self._lock:
+                self._starting.remove(proc)
 
     # ------------------------------------------------------------------ watch
     def _event(self, kind: str, what: str, **info) -> None:
@@ -181,7 +197,7 @@ class NodeSupervisor:
         self._event("down", f"engine{index}", url=old.url, reason=reason, reclaimed=reclaimed)
         self._report("/engine_down", {"url": old.url, "reason": reason, "evict": False})
         new = self._new_engine(index)
-        new.start()
+        self._start(new)
         with self._lock:
             if self._stop.is_set():  # the node stopped meanwhile
                 new.stop()
