@@ -57,16 +57,20 @@ def test_segments_of_dead_processes_are_reclaimed_without_their_pid(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_chaos_engine_relay_master_relay_and_trainer_die_and_the_run_loses_nothing(tmp_path):
+    """One run: kill -9 an engine, a chained relay, the master relay and a trainer process and
+    SIGSTOP another engine, in a seeded order (printed), each once the previous has recovered."""
     from laminar_mcore.testing.chaos import ChaosRun, plan
 
     seed = int(os.environ.get("LAMINAR_CHAOS_SEED", time.time_ns() % 1000))
-    kills = plan(seed)
+    # the four kinds of the issue, and an engine that hangs instead of dying
+    kills = plan(seed, ("engine", "relay", "master_relay", "trainer", "engine_hang"))
     print(f"chaos seed {seed}: " + ", ".join(k.kind for k in kills))
     result = ChaosRun(tmp_path, [
         "experiment=cpu_reverse", "mode=laminar", "trainer.total_steps=60",
         "trainer.train_batch_prompts=4", "data.num_eval=8", "data.warmup_steps=20",
         "rollout.num_engines=1", "cluster.rollout_nodes=2", "trainer.save_interval=2",
-        "rollout.engine_heartbeat_s=1"], kills, seed=seed).run(timeout_s=600)
+        "rollout.engine_heartbeat_s=1", "rollout.engine_heartbeat_timeout_s=5"], kills,
+        seed=seed).run(timeout_s=600)
     tail = result.output[-6000:]
     assert result.returncode == 0, tail
     for k in result.kills:
@@ -81,7 +85,10 @@ def test_chaos_engine_relay_master_relay_and_trainer_die_and_the_run_loses_nothi
     # every consumed trajectory came from exactly one version
     assert s["trajectories_mixed_versions"] == 0
     # each role came back
-    assert s["engine_restarts"] >= 1 and s["relay_failovers"] >= 1 and s["trainer_restarts"] == 1
+    assert s["engine_restarts"] >= 2 and s["relay_failovers"] >= 1 and s["trainer_restarts"] == 1
+    hung = [r for r in result.records if r["kind"] == "fault" and r["event"] == "down"
+            and "health_generate" in r.get("reason", "")]
+    assert len(hung) == 1, "the stopped engine was found by its heartbeat"
     assert s["evicted_engines"] == {}
     # versions are monotone: each step's version is newer than the last, also across the
     # trainer's restart from an older checkpoint (its first version is newer than any held)

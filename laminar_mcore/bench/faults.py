@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 KINDS = ("engine", "relay", "master_relay", "trainer")
+EXTRA_KINDS = ("engine_hang",)  # on request: an engine stopped with SIGSTOP
 
 
 def dip(records, t: float, window_s: float) -> dict:
@@ -59,9 +60,10 @@ def main(argv=None) -> dict:
     from .common import report
 
     kinds = [k for k in args.kinds.split(",") if k]
-    unknown = set(kinds) - set(KINDS)
+    unknown = set(kinds) - set(KINDS) - set(EXTRA_KINDS)
     if unknown:
-        ap.error(f"unknown fault kinds {sorted(unknown)}; choose from {', '.join(KINDS)}")
+        ap.error(f"unknown fault kinds {sorted(unknown)}; choose from "
+                 f"{', '.join(KINDS + EXTRA_KINDS)}")
     base = ["experiment=cpu_demo", "cluster.rollout_nodes=2", "rollout.num_engines=1",
             "trainer.total_steps=100000", "trainer.save_interval=10", "trainer.eval_interval=0",
             "data.num_eval=32", *args.overrides]

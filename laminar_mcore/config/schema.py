@@ -122,7 +122,8 @@ class RolloutConfig:
     forced_long_fraction: float = 0.0
     # Fault isolation (rollout/supervisor.py): each node's supervisor checks its engines every
     # engine_heartbeat_s (the process, and /health_generate, which must answer within
-    # engine_heartbeat_timeout_s); a dead or hung engine is restarted, re-registers and pulls
+    # engine_heartbeat_timeout_s; two failures in a row count); a dead or hung engine is
+    # restarted, re-registers and pulls
     # the newest version. An engine restarted more than engine_restarts_per_hour times within
     # an hour is evicted (the run goes on without it; the reason is in the summary). A dead
     # relay is restarted the same way (its shared memory is reclaimed first).

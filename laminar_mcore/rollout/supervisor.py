@@ -6,8 +6,8 @@ own while the trainer and the other machines go on. ``NodeSupervisor`` starts th
 in ``/relay_role``) and ``rollout.num_engines`` engines, registers them with the controller and
 then watches them:
 
-* an engine whose process ends, or whose ``/health_generate`` does not answer within
-  ``rollout.engine_heartbeat_timeout_s``, is killed, reported down (the controller stops giving
+* an engine whose process ends, or whose ``/health_generate`` fails (or does not answer within
+  ``rollout.engine_heartbeat_timeout_s``) twice in a row, is killed, reported down (the controller stops giving
   it work; its trajectories resume on engines of their version) and started again; the new one
   registers in its place and pulls the newest version before it takes work. An engine restarted
   more than ``rollout.engine_restarts_per_hour`` times in an hour is evicted, with the reason.
@@ -158,6 +158,7 @@ class NodeSupervisor:
 
     def _watch_engine(self, index: int) -> None:
         r = self.cfg.rollout
+        failures = 0
         while not self._stop.wait(r.engine_heartbeat_s):
             if index in self.evicted:
                 return
@@ -167,10 +168,16 @@ class NodeSupervisor:
             elif not self._health_generate(engine.url):
                 if self._stop.is_set() or not engine.alive():
                     continue  # stopping, or it died meanwhile: the next round says so
-                reason = (f"/health_generate did not answer within "
-                          f"{r.engine_heartbeat_timeout_s:g} s (rollout.engine_heartbeat_timeout_s)")
+                failures += 1
+                if failures < 2:  # one failed check may be a busy moment: ask again
+                    continue
+                reason = (f"/health_generate failed or did not answer within "
+                          f"{r.engine_heartbeat_timeout_s:g} s twice in a row "
+                          f"(rollout.engine_heartbeat_timeout_s)")
             else:
+                failures = 0
                 continue
+            failures = 0
             try:
                 self._restart_engine(index, reason)
             except Exception as exc:  # noqa: BLE001 - keep supervising; the next round retries

@@ -6,7 +6,9 @@
 * ``engine``: an engine server (a ``laminar_mcore.rollout.cpu_engine`` process);
 * ``relay``: a relay that is not the master (needs ``cluster.rollout_nodes`` >= 2);
 * ``master_relay``: the relay the trainers publish to (its ``/health`` says ``master``);
-* ``trainer``: a trainer rank (a torchrun worker: its environment has ``TORCHELASTIC_RUN_ID``).
+* ``trainer``: a trainer rank (a torchrun worker: its environment has ``TORCHELASTIC_RUN_ID``);
+* ``engine_hang``: an engine stopped with SIGSTOP (alive, but it answers nothing: its
+  supervisor's ``/health_generate`` heartbeat must find it).
 
 After each kill it waits for the controller's ``fault`` record that says the role is back
 (``engine`` serving again, ``relay`` restarted, ``master_relay`` elected or restarted, ``trainer``
@@ -31,7 +33,8 @@ import psutil
 
 KINDS = ("engine", "relay", "master_relay", "trainer")
 # the controller's ``fault`` record that says a kind has recovered
-RECOVERED = {"engine": ("engine", "serving"), "relay": ("relay", "restarted"),
+RECOVERED = {"engine": ("engine", "serving"), "engine_hang": ("engine", "serving"),
+             "relay": ("relay", "restarted"),
              "master_relay": ("master_relay", ("elected", "restarted")),
              "trainer": ("trainer", "resumed")}
 
@@ -120,7 +123,7 @@ def find_victim(root_pid: int, kind: str, rng) -> Optional[psutil.Process]:
     candidates = []
     for p in _descendants(root_pid):
         cmd = _cmdline(p)
-        if kind == "engine" and "laminar_mcore.rollout.cpu_engine" in cmd:
+        if kind in ("engine", "engine_hang") and "laminar_mcore.rollout.cpu_engine" in cmd:
             candidates.append(p)
         elif kind in ("relay", "master_relay") and "-m laminar_mcore.relay" in cmd:
             health = _relay_health(p)
@@ -209,11 +212,13 @@ class ChaosRun:
                     if victim is not None:
                         watcher = self._chain_watcher(proc.pid, kill, victim, rng)
                         kill.pid, kill.time = victim.pid, time.time()
-                        victim.send_signal(signal.SIGKILL)
+                        victim.send_signal(signal.SIGSTOP if kill.kind == "engine_hang"
+                                           else signal.SIGKILL)
                         if watcher is not None:
                             watcher.start()
                         pending.pop(0)
-                        self.log(f"[chaos] step {step}: kill -9 {kill.kind} (pid {victim.pid})")
+                        how = "kill -STOP" if kill.kind == "engine_hang" else "kill -9"
+                        self.log(f"[chaos] step {step}: {how} {kill.kind} (pid {victim.pid})")
                 elif not pending and self.stop_after_s is not None and self.kills and \
                         time.time() > self.kills[-1].time + self.stop_after_s:
                     (self.out_dir / "STOP").touch()
