@@ -123,10 +123,10 @@ class RolloutConfig:
     # Fault isolation (rollout/supervisor.py): each node's supervisor checks its engines every
     # engine_heartbeat_s (the process, and /health_generate, which must answer within
     # engine_heartbeat_timeout_s; two failures in a row count); a dead or hung engine is
-    # restarted, re-registers and pulls
-    # the newest version. An engine restarted more than engine_restarts_per_hour times within
-    # an hour is evicted (the run goes on without it; the reason is in the summary). A dead
-    # relay is restarted the same way (its shared memory is reclaimed first).
+    # restarted, re-registers and pulls the newest version. An engine restarted more than
+    # engine_restarts_per_hour times within an hour is evicted (the run goes on without it;
+    # the reason is in the summary). A dead relay is restarted the same way (its shared
+    # memory is reclaimed first).
     engine_heartbeat_s: float = 2.0
     engine_heartbeat_timeout_s: float = 60.0
     engine_restarts_per_hour: int = 3
