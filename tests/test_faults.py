@@ -66,11 +66,11 @@ def test_chaos_engine_relay_master_relay_and_trainer_die_and_the_run_loses_nothi
     kills = plan(seed, ("engine", "relay", "master_relay", "trainer", "engine_hang"))
     print(f"chaos seed {seed}: " + ", ".join(k.kind for k in kills))
     result = ChaosRun(tmp_path, [
-        "experiment=cpu_reverse", "mode=laminar", "trainer.total_steps=60",
+        "experiment=cpu_reverse", "mode=laminar", "trainer.total_steps=1000",
         "trainer.train_batch_prompts=4", "data.num_eval=8", "data.warmup_steps=20",
         "rollout.num_engines=1", "cluster.rollout_nodes=2", "trainer.save_interval=2",
         "rollout.engine_heartbeat_s=1", "rollout.engine_heartbeat_timeout_s=5"], kills,
-        seed=seed).run(timeout_s=600)
+        seed=seed, stop_after_s=5.0).run(timeout_s=600)  # then its STOP file ends it
     tail = result.output[-6000:]
     assert result.returncode == 0, tail
     for k in result.kills:

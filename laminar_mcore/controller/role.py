@@ -97,15 +97,24 @@ def finish_run(controller: Controller, relay_url: Optional[str], engine_url: Opt
     write ``summary.json`` and the plot. Raises if the books do not balance."""
     from ..relay.client import RelayClient, RelayError
     from ..relay.transports import pull_latest_into_engine
-    from ..rollout.client import SGLangClient
+    from ..rollout.client import EngineError, SGLangClient
     from ..rollout.launcher import engine_pull_spec, engine_transport
 
     cfg, metrics, task = controller.cfg, controller.metrics, controller.task
     version = result["version"]
-    if engine_url is None:  # the first engine in service (after faults, maybe a restarted one)
-        handle = next((e for e in controller.manager.engines if e.healthy),
-                      controller.manager.engines[0])
-        engine_url, relay_url = handle.client.base_url, handle.relay.url
+    chosen = engine_url is not None
+
+    def pick():
+        """The first engine in service (after faults, maybe a restarted one); waits a while
+        for one that is being restarted."""
+        deadline = time.time() + 240
+        while True:
+            handle = next((e for e in controller.manager.engines if e.healthy), None)
+            if handle is not None or time.time() > deadline:
+                break
+            time.sleep(1.0)
+        handle = handle or controller.manager.engines[0]
+        return handle.client.base_url, handle.relay.url
 
     def relay_of(engine_url, fallback):
         """The relay an engine pulls from now (a relay restarted meanwhile has a new URL)."""
@@ -154,11 +163,22 @@ def finish_run(controller: Controller, relay_url: Optional[str], engine_url: Opt
     utilisation = controller.utilisation()
     controller.finish_evals()
     controller.stop_generation()
-    engine_version = asyncio.run(final_pull(relay_url, engine_url))
+    for attempt in range(3):
+        # an engine may fail now too: its supervisor restarts it and another one serves
+        if not chosen:
+            engine_url, relay_url = pick()
+        try:
+            engine_version = asyncio.run(final_pull(relay_url, engine_url))
+            final = evaluate_engine(cfg, task, engine_url)
+            break
+        except EngineError as exc:
+            if chosen or attempt == 2:
+                raise
+            log(f"[train] the final evaluation's engine failed ({exc}); trying another")
+            time.sleep(2 * cfg.rollout.engine_heartbeat_s + 1.0)
     others, probes = asyncio.run(bring_all_engines())
     if probes:
         probes[engine_url] = asyncio.run(probe(engine_url))
-    final = evaluate_engine(cfg, task, engine_url)
     metrics.log("eval", step=result["steps"], **final.record(),
                 wall_s=controller.version_wall_s(final.version))
     books = controller.books()
