@@ -241,7 +241,7 @@ class RolloutManager:
             for url, relay in relays.items():
                 try:
                     latest = (await relay.latest()).get("version")
-                except RelayError as exc:
+                except (RelayError, RuntimeError) as exc:  # (a client replaced meanwhile)
                     logger.debug("relay %s: %s", url, exc)
                     continue
                 if latest is not None and latest > self._relay_versions.get(url, 0):

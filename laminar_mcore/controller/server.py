@@ -116,6 +116,7 @@ class Controller:
         # mode=areal's interruptible generation may make such)
         self.mixed_version_consumed = 0
         self.relay_failovers = 0
+        self._retired_clients: list = []
         self._idle_mark: Optional[tuple] = None  # (time, engine idle seconds) at the first step
         self.buffer = ExperienceBuffer(group_size=self.n_samples)
         self.partial = PartialResponsePool()
@@ -221,6 +222,8 @@ class Controller:
             await h.client.close()
             await h.relay.close()
             await h.puller.aclose()
+        for client in self._retired_clients:
+            await client.close()
         await runner.cleanup()
 
     # ------------------------------------------------------------------ engines
@@ -425,7 +428,7 @@ class Controller:
         old = self.manager.replace_engine(engine, SGLangClient(
             body["new_url"], retries=0, timeout_s=10, incremental_stream=True,
             api_key=engine.client.api_key))
-        await old.close()
+        self._close_later(old)
         for node in self.rollout_nodes:
             node["engines"] = [body["new_url"] if u == body["old_url"] else u
                                for u in node["engines"]]
@@ -443,7 +446,7 @@ class Controller:
             if node["relay_url"] == old_url:
                 node["relay_url"] = new_url
         for client in self.manager.replace_relay(old_url, RelayClient(new_url, self.token)):
-            await client.close()
+            self._close_later(client)
         publish = body.get("publish")
         if isinstance(publish, dict):
             async with self._election:
@@ -455,6 +458,11 @@ class Controller:
         else:
             self._fault("relay", "restarted", url=new_url)
         return web.json_response({"ok": True})
+
+    def _close_later(self, client) -> None:
+        """A replaced client is closed when the controller stops: calls still under way on it
+        fail on their own (the process behind it is gone), never on a closed session."""
+        self._retired_clients.append(client)
 
     async def _resumed(self, request: web.Request):
         """Trainer rank 0: the trainer world (re)started from a checkpoint and published."""
