@@ -265,8 +265,8 @@ class RelayServer:
     def _receive_stage(self, store, stage: int, session: int) -> None:
         """One trainer stage's publish stream, over that stage's own two-rank group."""
         try:
-            pg = stage_group(store, stage, 0, self.publish_backend,
-                             datetime.timedelta(seconds=self.cfg.weight_sync.publish_timeout_s),
+            # the relay waits for the trainer's next publish, however long a step takes
+            pg = stage_group(store, stage, 0, self.publish_backend, datetime.timedelta(days=30),
                              session=session)
             logger.info("publish group of trainer stage %d formed (%s, session %d)", stage,
                         self.publish_backend, session)
