@@ -225,9 +225,18 @@ class RolloutManager:
         if any(e.name == engine.name for e in self.engines):
             raise ValueError(f"an engine named {engine.name!r} is already registered")
         self.engines.append(engine)
+        self._start_engine_loop(engine)
+
+    def _start_engine_loop(self, engine: EngineHandle) -> None:
+        """Run ``engine``'s loop if the manager runs (``run`` starts the first ones)."""
         if getattr(self, "_running", False) and not self._stop.is_set():
             self._spawn(self._engine_loop(engine), f"engine loop {engine.name}",
                         self._engine_failed(engine))
+
+    @property
+    def latest_relay_version(self) -> int:
+        """The newest version any relay holds (as the relay watcher last saw)."""
+        return self._latest_relay_version
 
     def relay_version(self, engine: EngineHandle) -> int:
         """The newest version the relay of ``engine`` holds (what it can pull)."""
@@ -643,9 +652,7 @@ class RolloutManager:
         engine.in_flight = {}  # its trajectories moved on when it failed
         engine.idle_since = None
         self.stats.engine_restarts += 1
-        if getattr(self, "_running", False) and not self._stop.is_set():
-            self._spawn(self._engine_loop(engine), f"engine loop {engine.name}",
-                        self._engine_failed(engine))
+        self._start_engine_loop(engine)
         return old
 
     def replace_relay(self, old_url: str, relay: RelayClient) -> List[RelayClient]:

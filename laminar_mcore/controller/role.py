@@ -90,11 +90,11 @@ def resume_state(cfg: LaminarConfig, out_dir: str, log) -> Optional[dict]:
     return None
 
 
-def finish_run(controller: Controller, relay_url: Optional[str], engine_url: Optional[str],
-               result: dict,
-               initial: EvalResult, t_start: float, out_dir: str, log) -> dict:
-    """After training: bring one engine to the final version, evaluate, keep the books and
-    write ``summary.json`` and the plot. Raises if the books do not balance."""
+def finish_run(controller: Controller, result: dict, initial: EvalResult, t_start: float,
+               out_dir: str, log) -> dict:
+    """After training: bring the engines in service to the final version, evaluate on the
+    first, keep the books and write ``summary.json`` and the plot. Raises if the books do not
+    balance."""
     from ..relay.client import RelayClient, RelayError
     from ..relay.transports import pull_latest_into_engine
     from ..rollout.client import EngineError, SGLangClient
@@ -102,7 +102,6 @@ def finish_run(controller: Controller, relay_url: Optional[str], engine_url: Opt
 
     cfg, metrics, task = controller.cfg, controller.metrics, controller.task
     version = result["version"]
-    chosen = engine_url is not None
 
     def pick():
         """The first engine in service (after faults, maybe a restarted one); waits a while
@@ -111,25 +110,20 @@ def finish_run(controller: Controller, relay_url: Optional[str], engine_url: Opt
         while True:
             handle = next((e for e in controller.manager.engines if e.healthy), None)
             if handle is not None or time.time() > deadline:
-                break
+                return handle or controller.manager.engines[0]
             time.sleep(1.0)
-        handle = handle or controller.manager.engines[0]
-        return handle.client.base_url, handle.relay.url
 
-    def relay_of(engine_url, fallback):
-        """The relay an engine pulls from now (a relay restarted meanwhile has a new URL)."""
-        h = next((e for e in controller.manager.engines
-                  if e.client.base_url == engine_url.rstrip("/")), None)
-        return h.relay.url if h is not None else fallback
-
-    async def final_pull(relay_url, engine_url, index=0):
-        spec = engine_pull_spec(cfg.rollout, index, cfg.weight_sync)
-        async with SGLangClient(engine_url) as ec:
+    async def final_pull(handle):
+        """Bring ``handle``'s engine to the final version through its relay (read again on
+        every try: a relay restarted meanwhile has a new URL)."""
+        spec = engine_pull_spec(cfg.rollout, int(handle.name.rsplit("engine", 1)[-1]),
+                                cfg.weight_sync)  # its slot on its node
+        async with SGLangClient(handle.client.base_url) as ec:
             deadline = time.time() + 120
             served = await ec.get_weight_version()  # SGLang says "default" before any update
             current = int(served) if served.isdigit() else 0
             while current < version and time.time() < deadline:
-                async with RelayClient(relay_of(engine_url, relay_url), controller.token) as rc:
+                async with RelayClient(handle.relay.url, controller.token) as rc:
                     try:
                         pulled = await pull_latest_into_engine(rc, ec, current, spec=spec)
                     except RelayError:  # its relay is being restarted: wait for the new one
@@ -139,23 +133,21 @@ def finish_run(controller: Controller, relay_url: Optional[str], engine_url: Opt
                 await asyncio.sleep(0.05)
             return current
 
-    async def probe(engine_url):
+    async def probe(handle):
         """Greedy log-probs of a fixed prompt: engines holding the same weights agree exactly."""
-        async with SGLangClient(engine_url) as ec:
+        async with SGLangClient(handle.client.base_url) as ec:
             out = await ec.generate(task.codec.encode_prompt(task.evals[0]),
                                     {"max_new_tokens": 8, "temperature": 0.0})
             return [round(float(x[0]), 7) for x in out["meta_info"]["output_token_logprobs"]]
 
-    async def bring_all_engines():
-        """Every engine in service to the final version (the summary says which it holds)."""
+    async def bring_all_engines(first):
+        """Every other engine in service to the final version (the summary says which it
+        holds)."""
         versions, probes = {}, {}
-        for h in [e for e in controller.manager.engines if e.healthy]:
-            if h.client.base_url == engine_url:
-                continue
+        for h in [e for e in controller.manager.engines if e.healthy and e is not first]:
             try:
-                index = int(h.name.rsplit("engine", 1)[-1])  # its slot on its node
-                versions[h.name] = await final_pull(h.relay.url, h.client.base_url, index)
-                probes[h.name] = await probe(h.client.base_url)
+                versions[h.name] = await final_pull(h)
+                probes[h.name] = await probe(h)
             except Exception as exc:  # noqa: BLE001 - reported, the run's result stands
                 versions[h.name] = f"error: {exc}"
         return versions, probes
@@ -165,20 +157,19 @@ def finish_run(controller: Controller, relay_url: Optional[str], engine_url: Opt
     controller.stop_generation()
     for attempt in range(3):
         # an engine may fail now too: its supervisor restarts it and another one serves
-        if not chosen:
-            engine_url, relay_url = pick()
+        first = pick()
         try:
-            engine_version = asyncio.run(final_pull(relay_url, engine_url))
-            final = evaluate_engine(cfg, task, engine_url)
+            engine_version = asyncio.run(final_pull(first))
+            final = evaluate_engine(cfg, task, first.client.base_url)
             break
         except EngineError as exc:
-            if chosen or attempt == 2:
+            if attempt == 2:
                 raise
             log(f"[train] the final evaluation's engine failed ({exc}); trying another")
             time.sleep(2 * cfg.rollout.engine_heartbeat_s + 1.0)
-    others, probes = asyncio.run(bring_all_engines())
+    others, probes = asyncio.run(bring_all_engines(first))
     if probes:
-        probes[engine_url] = asyncio.run(probe(engine_url))
+        probes[first.name] = asyncio.run(probe(first))
     metrics.log("eval", step=result["steps"], **final.record(),
                 wall_s=controller.version_wall_s(final.version))
     books = controller.books()
@@ -187,8 +178,7 @@ def finish_run(controller: Controller, relay_url: Optional[str], engine_url: Opt
                "initial_accuracy_greedy": initial.accuracy_greedy,
                "final_accuracy_greedy": final.accuracy_greedy, "final_engine_version": engine_version,
                "steps": result["steps"], "final_version": version, **books,
-               "final_engine_versions": {_name_of(controller, engine_url): engine_version,
-                                         **others},
+               "final_engine_versions": {first.name: engine_version, **others},
                "engines_agree": len({json.dumps(p) for p in probes.values()}) <= 1,
                "trajectories_in_flight_at_stop": len(controller.partial), **utilisation,
                "wall_seconds": time.time() - t_start, "model_path": task.model_path,
@@ -213,11 +203,6 @@ def finish_run(controller: Controller, relay_url: Optional[str], engine_url: Opt
     if not balanced:
         raise RuntimeError("trajectory accounting does not balance; see summary.json")
     return summary
-
-
-def _name_of(controller: Controller, engine_url: str) -> str:
-    return next((e.name for e in controller.manager.engines
-                 if e.client.base_url == engine_url.rstrip("/")), engine_url)
 
 
 class Progress:
@@ -294,8 +279,7 @@ def run(cfg: LaminarConfig, token: str) -> dict:
                     raise ControllerError(f"controller failed: {controller.error}")
         finally:
             progress.close()
-        return finish_run(controller, None, None, controller.trainer_done, initial, t_start,
-                          out_dir, log)
+        return finish_run(controller, controller.trainer_done, initial, t_start, out_dir, log)
     finally:
         if controller is not None:
             controller.finished = True

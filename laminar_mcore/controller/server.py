@@ -15,8 +15,6 @@ import logging
 import os
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -25,7 +23,7 @@ from aiohttp import web
 from ..config.schema import LaminarConfig
 from ..data.pools import ExperienceBuffer, PartialResponsePool, PromptPool
 from ..netutil import token_middleware
-from ..relay.client import RelayClient, RelayError
+from ..relay.client import RelayClient, RelayError, probe_relay
 from ..relay.transports import make_puller
 from ..reward import RewardService
 from ..rollout.client import SGLangClient
@@ -227,25 +225,13 @@ class Controller:
         await runner.cleanup()
 
     # ------------------------------------------------------------------ engines
-    def add_node(self, relay_url: str, engine_urls: List[str],
-                 publish: Optional[dict] = None) -> List[str]:
-        """Register a rollout node's relay and engines (from any thread); returns the engines'
-        names. They start on their own weights and pull from ``relay_url`` between
-        trajectories, through ``weight_sync.engine_transport``. ``publish`` ({host, port}):
-        the relay is the master, trainers publish there."""
-        async def add():
-            if publish is not None:
-                self._master_claimed = True
-                self.master_relay = {"url": relay_url, "publish_host": str(publish["host"]),
-                                     "publish_port": int(publish["port"])}
-            return self._add_node(relay_url, engine_urls)
-
-        return asyncio.run_coroutine_threadsafe(add(), self.loop).result(60)
-
     def _add_node(self, relay_url: str, engine_urls: List[str],
                   pull_agent: Optional[str] = None) -> List[str]:
-        """``pull_agent``: the URL of the node's pull agent when its engines pull from a relay
-        on another node (``rollout.relay=remote``): pulls then run there, not here."""
+        """Register a rollout node's relay and engines (``POST /register``); returns the
+        engines' names. They start on their own weights and pull from ``relay_url`` between
+        trajectories, through ``weight_sync.engine_transport``. ``pull_agent``: the URL of the
+        node's pull agent when its engines pull from a relay on another node
+        (``rollout.relay=remote``): pulls then run there, not here."""
         node = len(self.rollout_nodes)
         names = []
         for i, url in enumerate(engine_urls):
@@ -305,20 +291,8 @@ class Controller:
         return (await self._relay_probe(url))[1]
 
     async def _relay_probe(self, url: str):
-        """("alive", its /health), ("gone", None): nothing listens (the process is dead), or
-        ("silent", None): no answer within 2 s (maybe only busy)."""
-        def get():
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2.0) as resp:
-                    return "alive", json.loads(resp.read())
-            except urllib.error.URLError as exc:
-                refused = isinstance(exc.reason, ConnectionRefusedError)
-                return ("gone" if refused else "silent"), None
-            except ConnectionRefusedError:
-                return "gone", None
-            except (OSError, ValueError):
-                return "silent", None
-        return await asyncio.to_thread(get)
+        """``relay.client.probe_relay`` (alive / gone / silent within 2 s), off the loop."""
+        return await asyncio.to_thread(probe_relay, url, 2.0)
 
     async def _relay_post(self, url: str, path: str, body: dict, timeout: float = 40.0) -> dict:
         relay = RelayClient(url, self.token, timeout_s=timeout)
@@ -428,7 +402,7 @@ class Controller:
         old = self.manager.replace_engine(engine, SGLangClient(
             body["new_url"], retries=0, timeout_s=10, incremental_stream=True,
             api_key=engine.client.api_key))
-        self._close_later(old)
+        self._retire(old)
         for node in self.rollout_nodes:
             node["engines"] = [body["new_url"] if u == body["old_url"] else u
                                for u in node["engines"]]
@@ -446,7 +420,7 @@ class Controller:
             if node["relay_url"] == old_url:
                 node["relay_url"] = new_url
         for client in self.manager.replace_relay(old_url, RelayClient(new_url, self.token)):
-            self._close_later(client)
+            self._retire(client)
         publish = body.get("publish")
         if isinstance(publish, dict):
             async with self._election:
@@ -459,7 +433,7 @@ class Controller:
             self._fault("relay", "restarted", url=new_url)
         return web.json_response({"ok": True})
 
-    def _close_later(self, client) -> None:
+    def _retire(self, client) -> None:
         """A replaced client is closed when the controller stops: calls still under way on it
         fail on their own (the process behind it is gone), never on a closed session."""
         self._retired_clients.append(client)
@@ -517,8 +491,10 @@ class Controller:
 
     async def _cluster(self, request: web.Request):
         ready = self.ready and self.master_relay is not None
-        # the newest version anyone holds: a restarted trainer numbers its weights above it
-        newest = max([self.trainer_version] + [e.version for e in self.manager.engines])
+        # the newest version anyone holds (trainer, engines, relays): a restarted trainer
+        # numbers its weights above it
+        newest = max([self.trainer_version, self.manager.latest_relay_version]
+                     + [e.version for e in self.manager.engines])
         return web.json_response({"ready": ready, "master_relay": self.master_relay,
                                   "rollout_nodes": len(self.rollout_nodes), "done": self.finished,
                                   "trainer_version": newest, **self.info})

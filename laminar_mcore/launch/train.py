@@ -73,7 +73,7 @@ def run_train(cfg) -> dict:
                 nproc, max_restarts=cfg.trainer.max_restarts)
         finally:
             progress.close()
-        return finish_run(controller, None, None, results[0], initial, t_start, out_dir, log)
+        return finish_run(controller, results[0], initial, t_start, out_dir, log)
     finally:
         if controller is not None:
             controller.stop()

@@ -52,18 +52,16 @@ def wait_group(timeout_s: float = 24 * 3600.0):
     return _WAIT_GROUP
 
 
-def wait_for_rank0(ready: bool, timeout_s: float = 24 * 3600.0) -> bool:
-    """Every rank calls it; returns rank 0's ``ready`` flag (broadcast through ``wait_group``)."""
-    flag = torch.tensor([1 if ready else 0], dtype=torch.int32)
-    dist.broadcast(flag, src=0, group=wait_group(timeout_s))
-    return bool(flag.item())
-
-
 def broadcast_int(value: int, timeout_s: float = 24 * 3600.0) -> int:
     """Every rank calls it; returns rank 0's ``value`` (through ``wait_group``)."""
     t = torch.tensor([int(value)], dtype=torch.int64)
     dist.broadcast(t, src=0, group=wait_group(timeout_s))
     return int(t.item())
+
+
+def wait_for_rank0(ready: bool, timeout_s: float = 24 * 3600.0) -> bool:
+    """Every rank calls it; returns rank 0's ``ready`` flag (broadcast through ``wait_group``)."""
+    return bool(broadcast_int(1 if ready else 0, timeout_s))
 
 
 def init_trainer_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234,

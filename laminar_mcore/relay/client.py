@@ -45,6 +45,24 @@ class Lease:
     nbytes: int
 
 
+def probe_relay(url: str, timeout_s: float = 2.0) -> Tuple[str, Optional[dict]]:
+    """A relay's liveness from its ``/health``: ("alive", the answer), ("gone", None) when
+    nothing listens (the process is dead) or ("silent", None) when it does not answer within
+    ``timeout_s`` (maybe only busy). Synchronous (for threads; wrap in ``asyncio.to_thread``)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout_s) as resp:
+            return ("alive", json.loads(resp.read())) if resp.status == 200 else ("silent", None)
+    except urllib.error.URLError as exc:
+        return ("gone" if isinstance(exc.reason, ConnectionRefusedError) else "silent"), None
+    except ConnectionRefusedError:
+        return "gone", None
+    except (OSError, ValueError):
+        return "silent", None
+
+
 class RelayClient:
     def __init__(self, url: str, token: str, timeout_s: float = 30.0):
         self.url = url.rstrip("/")

@@ -42,6 +42,7 @@ from ..weights.bucket import reclaim_segments
 from ..weights.transport import (Channel, announce_backend, resolve_backend, session_key,
                                  stage_group)
 from .chain import Forwarder, PushRefused, receive_publishes, serve_push
+from .client import probe_relay
 from .store import VersionStore
 from .transports import (TRANSPORTS, Exporter, TransportUnavailable, enabled_at_start,
                          make_exporter)
@@ -107,6 +108,12 @@ def resolve_relay_device(name: str) -> Optional[str]:
 
 
 MAX_BUCKETS_OUTSTANDING = 2
+
+
+def _chain_entry(body: dict) -> dict:
+    """A relay's place in the master's chain, from its registration (or its /health)."""
+    return {"relay_id": str(body["relay_id"]), "control_url": str(body["control_url"]),
+            "data_host": str(body["data_host"]), "data_port": int(body["data_port"])}
 
 
 @dataclass
@@ -304,17 +311,7 @@ class RelayServer:
 
     def _probe(self, relay: dict) -> str:
         """alive, gone (nothing listens: the process is dead) or silent (no answer in 1 s)."""
-        if not relay:
-            return "gone"
-        try:
-            with urllib.request.urlopen(relay["control_url"] + "/health", timeout=1.0) as resp:
-                return "alive" if resp.status == 200 else "silent"
-        except urllib.error.URLError as exc:
-            return "gone" if isinstance(exc.reason, ConnectionRefusedError) else "silent"
-        except ConnectionRefusedError:
-            return "gone"
-        except OSError:
-            return "silent"
+        return probe_relay(relay["control_url"], 1.0)[0] if relay else "gone"
 
     def _remove(self, relay_id: str) -> None:
         with self.chain_lock:
@@ -403,9 +400,8 @@ class RelayServer:
                 self.relays.clear()
                 for r in others:
                     if r.get("relay_id") != self.relay_id:
-                        self.relays[str(r["relay_id"])] = {
-                            "relay_id": str(r["relay_id"]), "control_url": str(r["control_url"]),
-                            "data_host": str(r["data_host"]), "data_port": int(r["data_port"])}
+                        entry = _chain_entry(r)
+                        self.relays[entry["relay_id"]] = entry
             threading.Thread(target=self._host_publish_group, name="laminar-relay-publish",
                              daemon=True).start()
             threading.Thread(target=self._heartbeat_loop, name="laminar-relay-heartbeat",
@@ -554,9 +550,7 @@ class RelayServer:
     async def register(self, request):
         if not self.master:
             raise web.HTTPNotFound(text="only the master relay keeps the chain")
-        body = await self._body(request)
-        entry = {k: body[k] for k in ("relay_id", "control_url", "data_host", "data_port")}
-        entry["data_port"] = int(entry["data_port"])
+        entry = _chain_entry(await self._body(request))
         with self.chain_lock:
             self.relays.pop(entry["relay_id"], None)  # a restarted relay rejoins at the end
             self.relays[entry["relay_id"]] = entry

@@ -140,6 +140,15 @@ def engine_pull_spec(rollout_cfg, index: int, weight_sync=None) -> PullSpec:
     return transport_module(name).spec_for(rollout_cfg, weight_sync, devices)
 
 
+def engine_process(cfg, model_path: str, log_path: str, index: int) -> "EngineProcess":
+    """Engine ``index`` of a rollout node of run ``cfg`` (not started): the CPU engine picks
+    its own port, SGLang gets a free one."""
+    port = 0 if cfg.rollout.backend == "cpu" else free_port()
+    return EngineProcess(engine_command_from_config(cfg.rollout, model_path, port=port,
+                                                    index=index, seed=cfg.seed),
+                         log_path=log_path, host=cfg.rollout.host, port=port or None)
+
+
 class EngineProcess:
     """One engine server process. Use as a context manager, or call ``start``/``stop``."""
 

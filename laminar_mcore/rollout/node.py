@@ -15,20 +15,15 @@ import socket
 import time
 import urllib.error
 from ..config.schema import LaminarConfig
-from .launcher import EngineProcess, engine_command_from_config, free_port
+from .launcher import engine_process
 
 
 def start_engines(cfg: LaminarConfig, model_path: str, logs: str, procs: list,
                   name: str = "master") -> list:
     """``rollout.num_engines`` engines of this node (appended to ``procs`` as they start)."""
-    host = cfg.rollout.host
     engines = []
     for i in range(cfg.rollout.num_engines):
-        port = 0 if cfg.rollout.backend == "cpu" else free_port()
-        engine = EngineProcess(engine_command_from_config(cfg.rollout, model_path, port=port, index=i,
-                                                          seed=cfg.seed),
-                               log_path=os.path.join(logs, f"engine-{name}-{i}.log"), host=host,
-                               port=port or None)
+        engine = engine_process(cfg, model_path, os.path.join(logs, f"engine-{name}-{i}.log"), i)
         procs.append(engine.start())
         engines.append(engine)
     return engines

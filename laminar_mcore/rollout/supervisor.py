@@ -36,7 +36,7 @@ from typing import Callable, Dict, List, Optional
 from ..relay.launch import relay_process
 from ..relay.server import RelayConfig
 from ..weights.bucket import reclaim_segments
-from .launcher import EngineProcess, engine_command_from_config, free_port
+from .launcher import EngineProcess, engine_process
 
 
 class NodeSupervisor:
@@ -53,9 +53,8 @@ class NodeSupervisor:
         self.master = False
         self.publish_port: Optional[int] = None
         self.engines: List[EngineProcess] = []
-        self.restarts: Dict[str, deque] = {}  # engine slot -> times of its restarts
+        self.restarts: Dict[int, deque] = {}  # engine slot -> times of its restarts
         self.evicted: Dict[int, str] = {}
-        self.events: List[dict] = []  # what happened, for tests and benchmarks
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._starting: List[EngineProcess] = []  # processes being (re)started right now
@@ -105,13 +104,8 @@ class NodeSupervisor:
         self._threads.append(t)
 
     def _new_engine(self, index: int) -> EngineProcess:
-        r = self.cfg.rollout
-        port = 0 if r.backend == "cpu" else free_port()
-        return EngineProcess(
-            engine_command_from_config(r, self.model_path, port=port, index=index,
-                                       seed=self.cfg.seed),
-            log_path=os.path.join(self.logs, f"engine-{self.name}-{index}.log"), host=r.host,
-            port=port or None)
+        return engine_process(self.cfg, self.model_path,
+                              os.path.join(self.logs, f"engine-{self.name}-{index}.log"), index)
 
     def _start_relay(self) -> None:
         role = self.client.relay_role(self.cfg.cluster.join_timeout_s)
@@ -143,8 +137,7 @@ class NodeSupervisor:
 
     # ------------------------------------------------------------------ watch
     def _event(self, kind: str, what: str, **info) -> None:
-        event = {"time": time.time(), "kind": kind, "what": what, "node": self.name, **info}
-        self.events.append(event)
+        """Printed; the controller records what it is told (``_report``)."""
         self.log(f"[supervisor {self.name}] {kind} {what}: "
                  + ", ".join(f"{k}={v}" for k, v in info.items()))
 

@@ -66,7 +66,8 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
             # AReaL's recovery of the version counter: versions published before the crash
             # (after the checkpoint) are held by relays and engines; the resumed weights get a
             # newer number, so every engine pulls them and versions stay monotone.
-            floor = broadcast_int(_version_floor(controller) if rank == 0 else 0)
+            floor = broadcast_int(int(controller.cluster().get("trainer_version") or 0)
+                                  if rank == 0 else 0)
             if floor > actor.version:
                 actor.version = floor + 1
             publisher.publish(actor.version)  # engines catch up to the resumed weights
@@ -131,24 +132,6 @@ def _next_master(controller, failed, wait_s: float = 15.0):
             return current
         time.sleep(0.5)
     return current
-
-
-def _version_floor(controller) -> int:
-    """The newest version anyone may hold: the controller's record of the trainer's and the
-    master relay's newest complete version."""
-    import json
-    import urllib.request
-
-    info = controller.cluster()
-    floor = int(info.get("trainer_version") or 0)
-    relay = info.get("master_relay") or {}
-    if relay.get("url"):
-        try:
-            with urllib.request.urlopen(relay["url"] + "/latest", timeout=10) as resp:
-                floor = max(floor, int(json.loads(resp.read()).get("version") or 0))
-        except (OSError, ValueError):
-            pass  # a relay being replaced: the controller's figure stands
-    return floor
 
 
 def run(cfg, token: str) -> dict:

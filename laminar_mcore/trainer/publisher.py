@@ -94,15 +94,18 @@ class WeightPublisher:
             store = dist.TCPStore(host, port, 1 + self.num_stages, is_master=False,
                                   timeout=timeout, wait_for_workers=False)
             backend = announced_backend(store)
-            if backend == "nccl" and not torch.cuda.is_available():
-                raise RuntimeError("the master relay publishes over NCCL but this trainer has "
-                                   "no GPU: start the relay with --publish-backend gloo "
-                                   "(weight_sync.publish_backend=gloo)")
+        except RuntimeError as exc:
+            raise PublishError(f"stage {self.stage}: the master relay's store at {host}:{port} "
+                               f"did not answer within {self.timeout_s:.0f} s "
+                               f"(weight_sync.publish_timeout_s): {exc}") from exc
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise RuntimeError("the master relay publishes over NCCL but this trainer has no "
+                               "GPU: start the relay with --publish-backend gloo "
+                               "(weight_sync.publish_backend=gloo)")
+        try:
             session = store.add(session_key(self.stage), 1)
             pg = stage_group(store, self.stage, 1, backend, timeout, session=session)
         except RuntimeError as exc:
-            if "no GPU" in str(exc):
-                raise
             raise PublishError(
                 f"stage {self.stage}: could not join the master relay's publish group at "
                 f"{host}:{port} within {self.timeout_s:.0f} s (weight_sync.publish_timeout_s): "
