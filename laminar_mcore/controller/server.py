@@ -444,6 +444,7 @@ class Controller:
         if body is None or "version" not in body:
             return web.json_response({"error": "expected {step, version, restarts}"}, status=400)
         self.trainer_version = max(self.trainer_version, int(body["version"]))
+        self.manager.notify()
         restarts = int(body.get("restarts", 0))
         if restarts:
             self.trainer_restarts = max(self.trainer_restarts, restarts)
@@ -519,6 +520,7 @@ class Controller:
         batch = await asyncio.to_thread(self.buffer.take, self.batch_prompts, timeout)
         if batch is None:
             return web.Response(status=204)
+        self.manager.notify()  # the buffer has room again
         now = time.time()
         staleness = [self.trainer_version - t.weight_version for t in batch]
         for t in batch:
@@ -539,6 +541,7 @@ class Controller:
             return web.json_response({"error": "expected {step, version, stats?}"}, status=400)
         step, version = int(body["step"]), int(body["version"])
         self.trainer_version = max(self.trainer_version, version)
+        self.manager.notify()  # barrier modes follow the trainer; admission grows with it
         self.trainer_wait_s += float(body.get("wait_s", 0.0))
         now = time.time()
         elapsed, self.last_step_time = now - self.last_step_time, now
@@ -600,6 +603,7 @@ class Controller:
         finally:
             if engine is not None:
                 engine.evaluating -= 1
+                self.manager.notify(engine)
 
     def finish_evals(self, timeout_s: float = 120.0) -> None:
         """Let the evaluations under way end (the run's last steps may have started some)."""

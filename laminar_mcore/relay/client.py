@@ -82,13 +82,14 @@ class RelayClient:
             await self._session.close()
             self._session = None
 
-    async def _call(self, method: str, path: str, body: Optional[dict] = None) -> dict:
+    async def _call(self, method: str, path: str, body: Optional[dict] = None,
+                    extra_s: float = 0.0) -> dict:
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 headers={"Authorization": f"Bearer {self.token}"})
         try:
             async with self._session.request(method, self.url + path, json=body,
-                                             timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
+                                             timeout=aiohttp.ClientTimeout(total=self.timeout_s + extra_s)) as r:
                 text = await r.text()
                 if r.status >= 400:
                     raise RelayError(f"{path}: HTTP {r.status}: {text[:300]}")
@@ -99,8 +100,13 @@ class RelayClient:
         except aiohttp.ClientError as exc:
             raise RelayError(f"{path}: relay {self.url} unreachable: {exc!r}") from None
 
-    async def latest(self) -> dict:
-        return await self._call("GET", "/latest")
+    async def latest(self, after: Optional[int] = None, wait_s: float = 0.0) -> dict:
+        """The relay's newest version and state; with ``after``, a long poll that answers once
+        it holds a version newer than ``after`` (or after ``wait_s``)."""
+        if after is None or wait_s <= 0:
+            return await self._call("GET", "/latest")
+        return await self._call("GET", f"/latest?after={int(after)}&wait_s={wait_s:g}",
+                                extra_s=wait_s)
 
     async def lease(self, min_version: int = -1, ttl_s: Optional[float] = None,
                     fmt: str = "shm", device: Optional[str] = None,

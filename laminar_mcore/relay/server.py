@@ -428,6 +428,18 @@ class RelayServer:
         return web.json_response({"ok": True})
 
     async def latest(self, request):
+        """The newest version and this relay's state. ``?after=V&wait_s=T``: a long poll,
+        answered as soon as a version newer than V is complete here (or after T s, at most
+        60), so a rollout manager learns of new versions at once without polling."""
+        try:
+            after = request.query.get("after")
+            after = int(after) if after is not None else None
+            wait_s = min(max(float(request.query.get("wait_s", 0)), 0.0), 60.0)
+        except ValueError:
+            return web.json_response({"error": "after must be an integer and wait_s a number "
+                                               "of seconds"}, status=400)
+        if after is not None and wait_s > 0:
+            await self._wait_newer(after, wait_s)
         s = self.store
         with s.cond:
             latest = s.latest
@@ -439,6 +451,29 @@ class RelayServer:
                     "transports": {name: e.info() for name, e in self.exporters.items()},
                     "last_push": self.forwarder.stats}
         return web.json_response(info)
+
+    async def _wait_newer(self, after: int, wait_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        if getattr(self, "_newer", None) is None:  # the first long poll: hook the store
+            self._newer = asyncio.Event()
+
+            def completed(version: int) -> None:  # on the receiving thread, under the lock
+                loop.call_soon_threadsafe(self._announce)
+            self.store.on_complete.append(completed)
+        deadline = loop.time() + wait_s
+        while self.store.latest_version <= after:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            try:
+                await asyncio.wait_for(self._newer.wait(), remaining)
+            except asyncio.TimeoutError:
+                return
+
+    def _announce(self) -> None:
+        """Wake every waiting long poll (a fresh event for the next version)."""
+        event, self._newer = self._newer, asyncio.Event()
+        event.set()
 
     async def pull(self, request):
         """Lease the newest complete version; its buckets are then fetched one at a time with

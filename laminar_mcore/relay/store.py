@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from ..weights.bucket import ShmBucket, TensorMeta
 
@@ -74,6 +74,8 @@ class VersionStore:
         self.leases: Dict[str, Tuple[StoredVersion, float]] = {}
         self.lease_ttl_s = lease_ttl_s
         self._pool: Dict[int, List[ShmBucket]] = {}
+        # called (under the lock: keep them short) with each version that becomes the newest
+        self.on_complete: List[Callable[[int], None]] = []
 
     # ------------------------------------------------------------------ writers
     @property
@@ -136,6 +138,8 @@ class VersionStore:
                 self._drop(old)
             self._recycle()
             self.cond.notify_all()
+            for listener in self.on_complete:
+                listener(sv.version)
             return True
 
     def fail(self, sv: StoredVersion, reason: str) -> None:
