@@ -24,7 +24,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Set
 
 from ..config.schema import RolloutConfig
 from ..data.pools import ExperienceBuffer, InFlight, PartialResponsePool, PromptPool
@@ -146,7 +146,7 @@ class RolloutManager:
         self._latest_relay_version = 0  # the newest version any relay holds
         self._relay_versions: Dict[str, int] = {}  # relay URL -> the newest version it holds
         self._stop = asyncio.Event()
-        self._tasks: List[asyncio.Task] = []
+        self._tasks: Set[asyncio.Task] = set()  # running; each leaves when it ends
         self.error: Optional[BaseException] = None  # why a supervised task stopped the run
         # (kind, event, info) of fault-isolation events, for the controller's records
         self.on_event: Optional[Callable[[str, str, dict], None]] = None
@@ -169,16 +169,17 @@ class RolloutManager:
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> None:
         self._running = True
-        self._tasks = []
+        self._tasks = set()
         self._spawn(self._watch_relay(), "relay watcher", self._fatal)
         if self.repack:
             self._spawn(self.repacker.run(), "repack loop", self._fatal)
         for e in self.engines:
             self._spawn(self._engine_loop(e), f"engine loop {e.name}", self._engine_failed(e))
         await self._stop.wait()
-        for task in self._tasks:
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self.error is not None:
             raise RuntimeError(f"the rollout manager stopped: {self.error}") from self.error
 
@@ -189,12 +190,13 @@ class RolloutManager:
         task = asyncio.create_task(coro, name=what)
 
         def done(t: asyncio.Task) -> None:
+            self._tasks.discard(t)
             if t.cancelled() or t.exception() is None:
                 return
             on_error(what, t.exception())
 
         task.add_done_callback(done)
-        self._tasks.append(task)
+        self._tasks.add(task)
         return task
 
     def _fatal(self, what: str, exc: BaseException) -> None:
@@ -360,7 +362,6 @@ class RolloutManager:
                     and not engine.evaluating:
                 await self._pull(engine)
                 continue
-            self._tasks = [t for t in self._tasks if not t.done()]
             room = engine.capacity - len(engine.in_flight) - engine.resuming
             # Baselines with a global barrier generate only with the trainer's current weights.
             synced = not self.barrier or engine.version >= self.trainer_version()

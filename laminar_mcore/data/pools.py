@@ -169,6 +169,7 @@ class ExperienceBuffer:
         self.consumed = 0
         self.cond = threading.Condition()
         self._dropped: Dict[str, str] = {}  # group id -> why it can never complete
+        self._held = 0  # trajectories in _ready and _open (``buffered`` in O(1))
 
     def add(self, traj: Trajectory) -> bool:
         """Keep ``traj`` until its group is complete; a member of a dropped group is counted
@@ -179,10 +180,12 @@ class ExperienceBuffer:
                 return False
             members = self._open.setdefault(traj.group_id, [])
             members.append(traj)
+            self._held += 1
             if len(members) == self.group_size:
                 self._ready.append(self._open.pop(traj.group_id))
                 while self.max_groups and len(self._ready) > self.max_groups:
                     dropped = self._ready.popleft()  # the stalest group goes first
+                    self._held -= len(dropped)
                     self.discard(len(dropped), "evicted")
                 self.cond.notify_all()
             return True
@@ -199,6 +202,7 @@ class ExperienceBuffer:
             self._dropped.setdefault(group_id, reason)
             members = self._open.pop(group_id, [])
             if members:
+                self._held -= len(members)
                 self.discard(len(members), reason)
             return len(members)
 
@@ -214,12 +218,12 @@ class ExperienceBuffer:
             chosen = self.sampler(self._ready, groups)
             batch = [t for g in chosen for t in g]
             self.consumed += len(batch)
+            self._held -= len(batch)
             return batch
 
     @property
     def buffered(self) -> int:
-        with self.cond:
-            return sum(len(g) for g in self._ready) + sum(len(g) for g in self._open.values())
+        return self._held
 
     @property
     def ready_groups(self) -> int:
@@ -238,6 +242,8 @@ class ExperienceBuffer:
                                      for k, v in state["open"].items())
             self.discarded = dict(state["discarded"])
             self.consumed = state["consumed"]
+            self._held = sum(len(g) for g in self._ready) + \
+                sum(len(g) for g in self._open.values())
 
 
 def _fifo(ready: Deque[List[Trajectory]], groups: int) -> List[List[Trajectory]]:

@@ -1,0 +1,214 @@
+"""Costs from first principles: every constant in one table, with its source.
+
+Decode: one step of a continuous batch of ``b`` requests holding ``C`` context tokens on an
+engine of ``tp`` GPUs reads the weights once and every request's KV cache, and computes
+2·N·b FLOPs plus attention; its time is the larger of bytes over achieved HBM bandwidth and
+FLOPs over achieved peak (a roofline), plus a per-step overhead (scheduling, kernel launches
+under CUDA graphs) and, for tp > 1, two all-reduces per layer. Prefill: 2·N FLOPs per prompt
+token at the prefill efficiency. Trainer: 8·N FLOPs per token (6 for forward and backward, 2
+for recomputing the proximal log-probs) over the layout's achieved FLOP/s. Weights: publish
+(trainer -> master relay), Laminar's chain T(p, k), pulls (relay host memory -> engine GPUs
+over PCIe).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Dict
+
+# ---------------------------------------------------------------- the table (value, source)
+HARDWARE: Dict[str, dict] = {
+    # NVIDIA H100 SXM datasheet: 989 TFLOP/s dense BF16, 3.35 TB/s HBM3, 80 GB; H800 is the
+    # same chip with NVLink cut to 400 GB/s (the compute and HBM figures are equal).
+    "H800": {"peak_flops": 989e12, "hbm_bytes_s": 3.35e12, "hbm_bytes": 80e9,
+             "nvlink_bytes_s": 400e9},
+    "H100": {"peak_flops": 989e12, "hbm_bytes_s": 3.35e12, "hbm_bytes": 80e9,
+             "nvlink_bytes_s": 900e9},
+}
+
+EFFICIENCY = {
+    # achieved / peak HBM bandwidth of decode GEMVs and paged attention (SGLang/vLLM decode
+    # kernels reach 70-85% of HBM bandwidth on H100: FlashInfer and vLLM's published numbers)
+    "decode_bandwidth": 0.75,
+    # achieved / peak FLOP/s of decode at large batch (small GEMMs)
+    "decode_compute": 0.5,
+    # achieved / peak FLOP/s of prefill (large GEMMs: FlashAttention-3's ~60% of peak)
+    "prefill_compute": 0.6,
+    # trainer MFU of a dense model in Megatron-Core at moderate TP inside one node (Megatron-
+    # LM's published 40-47% MFU on H100 for 7B-70B); the layout's bubble multiplies it
+    "trainer_mfu": 0.42,
+    # per-step host overhead of a decode step under CUDA graphs (SGLang: ~1-2 ms)
+    "step_overhead_s": 1.5e-3,
+    # one NVLink all-reduce of a decode step's activations (latency-bound: ~8 us each)
+    "allreduce_s": 8e-6,
+    # GPU memory SGLang gives to weights + KV cache (--mem-fraction-static default ~0.88)
+    "mem_fraction_static": 0.88,
+}
+
+LINKS = {
+    # trainer -> master relay publish. Laminar's measured actor stall: 0.64 s for 32B (65.5 GB)
+    # and 1.40 s for 72B (145 GB), both ~103 GB/s: 8 x 400 Gbps NICs (400 GB/s nominal) at
+    # 26%, the only constant here taken from the paper's own measurement.
+    "publish_bytes_s": 103e9,
+    # relay -> relay (host memory over RDMA, 8 x 400 Gbps per machine at 50%) and the start-up
+    # cost of one chunk's transfer (RDMA verbs post + completion: ~1 ms with software overhead)
+    "chain_bytes_s": 200e9,
+    "chain_start_s": 1e-3,
+    # relay host memory -> one engine GPU over PCIe Gen5 x16 (64 GB/s nominal, ~40 achieved
+    # for pinned host memory), plus SGLang's weight loading per update (~0.3 s)
+    "pull_bytes_s": 40e9,
+    "pull_fixed_s": 0.3,
+    # verl's colocated weight sync: reshard trainer -> rollout inside one GPU's memory over
+    # NVLink (all-gather of TP/PP shards), plus waking the rollout engine (~2 s, verl's logs)
+    "colocated_sync_fixed_s": 2.0,
+}
+
+MODELS: Dict[str, dict] = {
+    # Qwen2.5 configs (Hugging Face config.json): parameters, layers, hidden size, attention
+    # heads, KV heads, head dim. KV bytes per token = 2 (K, V) x layers x kv_heads x head_dim x 2.
+    "7B": {"params": 7.62e9, "layers": 28, "hidden": 3584, "heads": 28, "kv_heads": 4,
+           "head_dim": 128, "engine_tp": 1, "trainer_tp": 2, "trainer_pp": 1},
+    "32B": {"params": 32.8e9, "layers": 64, "hidden": 5120, "heads": 40, "kv_heads": 8,
+            "head_dim": 128, "engine_tp": 2, "trainer_tp": 8, "trainer_pp": 1},
+    "72B": {"params": 72.7e9, "layers": 80, "hidden": 8192, "heads": 64, "kv_heads": 8,
+            "head_dim": 128, "engine_tp": 4, "trainer_tp": 8, "trainer_pp": 2},
+}
+BYTES_PER_PARAM = 2  # BF16 weights in the engines, in the relays and on the wire
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The costs of one model on one GPU kind. Every method returns seconds (or tokens)."""
+
+    model: str
+    gpu: str = "H800"
+    # what the GPU does: None takes the table's figures (calibration replaces them)
+    decode_fixed_s: float = -1.0  # per-step time independent of batch (-1: from the roofline)
+    decode_per_request_s: float = -1.0
+    decode_per_context_token_s: float = -1.0
+    prefill_per_token_s: float = -1.0
+    trainer_per_token_s: float = -1.0  # on the whole trainer, per GPU-second: see train_s
+    engine_capacity: int = 0  # requests an engine may run at once (0: from KV capacity)
+    kv_capacity: int = 0  # KV tokens per engine (0: from memory)
+
+    # ------------------------------------------------------------- shape
+    @property
+    def spec(self) -> dict:
+        return MODELS[self.model]
+
+    @property
+    def hw(self) -> dict:
+        return HARDWARE[self.gpu]
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.spec["params"] * BYTES_PER_PARAM
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        s = self.spec
+        return 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * BYTES_PER_PARAM
+
+    @property
+    def engine_tp(self) -> int:
+        return self.spec["engine_tp"]
+
+    def kv_tokens(self) -> int:
+        """KV-cache tokens one engine holds: its GPUs' static memory less the weights."""
+        if self.kv_capacity:
+            return self.kv_capacity
+        free = self.engine_tp * self.hw["hbm_bytes"] * EFFICIENCY["mem_fraction_static"] \
+            - self.weight_bytes
+        if free <= 0:
+            raise ValueError(f"{self.model} does not fit on {self.engine_tp} x {self.gpu}")
+        return int(free / self.kv_bytes_per_token)
+
+    def capacity(self, mean_context: float, group: int) -> int:
+        """Concurrent requests per engine: what its KV cache holds at the mean context,
+        a multiple of the GRPO group (the manager admits whole groups), at most 512."""
+        if self.engine_capacity:
+            return self.engine_capacity
+        fits = int(self.kv_tokens() / max(mean_context, 1.0))
+        return max(group, min(512, fits) // group * group)
+
+    # ------------------------------------------------------------- engines
+    def decode_step_s(self, batch: int, context: float) -> float:
+        """One decode step of ``batch`` requests holding ``context`` KV tokens in all."""
+        if self.decode_fixed_s >= 0:  # measured (calibration): a linear fit
+            return self.decode_fixed_s + self.decode_per_request_s * batch + \
+                self.decode_per_context_token_s * context
+        s, hw, tp = self.spec, self.hw, self.engine_tp
+        bytes_ = self.weight_bytes + context * self.kv_bytes_per_token
+        t_mem = bytes_ / (tp * hw["hbm_bytes_s"] * EFFICIENCY["decode_bandwidth"])
+        flops = 2 * s["params"] * batch + 4 * s["layers"] * s["heads"] * s["head_dim"] * context
+        t_compute = flops / (tp * hw["peak_flops"] * EFFICIENCY["decode_compute"])
+        comm = 2 * s["layers"] * EFFICIENCY["allreduce_s"] if tp > 1 else 0.0
+        return max(t_mem, t_compute) + EFFICIENCY["step_overhead_s"] + comm
+
+    def prefill_s(self, tokens: int) -> float:
+        if tokens <= 0:
+            return 0.0
+        if self.prefill_per_token_s >= 0:
+            return self.prefill_per_token_s * tokens
+        return 2 * self.spec["params"] * tokens / (
+            self.engine_tp * self.hw["peak_flops"] * EFFICIENCY["prefill_compute"])
+
+    # ------------------------------------------------------------- trainer
+    def trainer_efficiency(self, gpus: int, tokens: int) -> float:
+        """MFU of the trainer's layout: the table's MFU times the pipeline bubble of 1F1B
+        with as many micro-batches as fit (4 per stage at least)."""
+        pp = self.spec["trainer_pp"]
+        micro = max(4 * pp, 1)
+        return EFFICIENCY["trainer_mfu"] * micro / (micro + pp - 1)
+
+    def train_s(self, tokens: int, gpus: int) -> float:
+        """One optimizer step on ``tokens`` tokens with ``gpus`` trainer GPUs."""
+        if self.trainer_per_token_s >= 0:
+            return self.trainer_per_token_s * tokens
+        flops = 8 * self.spec["params"] * tokens
+        return flops / (gpus * self.hw["peak_flops"] * self.trainer_efficiency(gpus, tokens))
+
+    def min_trainer_gpus(self) -> int:
+        s = self.spec
+        return s["trainer_tp"] * s["trainer_pp"]
+
+    # ------------------------------------------------------------- weights
+    def publish_s(self) -> float:
+        """The trainer's stall per publish (to the master relay)."""
+        return self.weight_bytes / LINKS["publish_bytes_s"]
+
+    def chain_s(self, relays: int) -> float:
+        """Laminar's T(p, k) = (p + k - 2)(M/k T_byte + T_start) at the best k, to the last
+        of ``relays`` (the master included)."""
+        p = relays
+        if p <= 1:
+            return 0.0
+        m_tbyte, t_start = self.weight_bytes / LINKS["chain_bytes_s"], LINKS["chain_start_s"]
+        k = max(1, round(math.sqrt(max(p - 2, 0) * m_tbyte / t_start))) if p > 2 else 1
+        return chain_time(p, k, m_tbyte, t_start)
+
+    def chain_hop_s(self, relays: int, position: int) -> float:
+        """When the relay at ``position`` (0: the master) holds the whole version."""
+        if position <= 0:
+            return 0.0
+        m_tbyte, t_start = self.weight_bytes / LINKS["chain_bytes_s"], LINKS["chain_start_s"]
+        p = relays
+        k = max(1, round(math.sqrt(max(p - 2, 0) * m_tbyte / t_start))) if p > 2 else 1
+        return (position + k - 1) * (m_tbyte / k + t_start)
+
+    def pull_s(self) -> float:
+        """An engine takes a version from its relay: each GPU its shard over its own PCIe."""
+        return self.weight_bytes / self.engine_tp / LINKS["pull_bytes_s"] + LINKS["pull_fixed_s"]
+
+    def colocated_sync_s(self, gpus: int) -> float:
+        """verl's update in place: reshard over NVLink inside each node and wake the engine."""
+        return self.weight_bytes / self.hw["nvlink_bytes_s"] + LINKS["colocated_sync_fixed_s"]
+
+    def with_(self, **changes) -> "CostModel":
+        return replace(self, **changes)
+
+
+def chain_time(p: int, k: int, m_tbyte: float, t_start: float) -> float:
+    """Laminar's chain broadcast of one version in k chunks through p relays."""
+    return (p + k - 2) * (m_tbyte / k + t_start)

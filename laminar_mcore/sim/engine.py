@@ -1,0 +1,291 @@
+"""A simulated SGLang engine: continuous batching with a KV-cache budget, on virtual time,
+behind the subset of ``SGLangClient`` the rollout manager calls.
+
+Every decode step advances each running request by one token and lasts
+``CostModel.decode_step_s(batch, context)``; requests join when there is a slot and KV room
+(after their prefill: the prompt once per GRPO group while the radix cache holds it, and the
+whole context of a resumed, repacked or interrupted request -- the KV recompute), and leave
+when they reach ``max_new_tokens`` or are aborted. A batch that outgrows the KV cache retracts
+its newest request (SGLang's retract), which waits and re-prefills. Work is event-driven:
+the engine computes when its next request finishes (or its cache fills) and sets one timer, so
+a request costs O(log batch) per join or leave, never per token. Streams yield one chunk at
+the end of a request (its tokens as a ``TokenCount``: the simulator never materialises ids).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Deque, Dict, Optional
+
+from ..rollout.client import EngineLoad, StreamChunk
+from .costs import CostModel
+
+MAX_SEGMENT_STEPS = 2048  # re-evaluate the step time at least this often (context grows)
+
+
+class TokenCount:
+    """A token list that only counts (``extend``, ``len``, ``+``): trajectories of the
+    simulator carry lengths, not ids."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int = 0):
+        self.n = int(n)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def extend(self, other) -> None:
+        self.n += len(other)
+
+    def __add__(self, other) -> "TokenCount":
+        return TokenCount(self.n + len(other))
+
+    def __iter__(self):
+        return iter(())
+
+    def __repr__(self) -> str:
+        return f"TokenCount({self.n})"
+
+
+@dataclass(eq=False)
+class _Request:
+    rid: str
+    group: str
+    context0: int  # tokens it held when it (re)joined the batch
+    target: int  # tokens to generate in this request
+    done0: float = 0.0  # generated before it last joined the batch (retracted requests)
+    start_steps: float = 0.0  # the engine's step counter when it joined
+    seq: int = 0
+    future: asyncio.Future = field(default=None)  # (tokens generated, finish reason)
+    prefilled: bool = False
+    prompt: int = 0  # its prompt's tokens (shared by its GRPO group in the radix cache)
+
+
+class SimEngine:
+    """One engine (``cost.engine_tp`` GPUs)."""
+
+    def __init__(self, name: str, cost: CostModel, capacity: int, kv_capacity: int):
+        self.name = name
+        self.cost = cost
+        self.capacity = capacity
+        self.kv_capacity = kv_capacity
+        self.loop = asyncio.get_running_loop()
+        self.running: Dict[str, _Request] = {}
+        self.waiting: Deque[_Request] = deque()
+        self._finish_heap: list = []  # (finish step, seq, request)
+        self._seq = itertools.count()
+        self.steps = 0.0  # decode steps done so far (fractional between events)
+        self._ctx0_sum = 0.0  # sum over running of (context0 - start_steps)
+        self.t_last = 0.0
+        self.stall_until = 0.0  # prefill or weight loading: no decode steps until then
+        self.step_s = 0.0
+        self._timer: Optional[asyncio.TimerHandle] = None
+        self.paused = False
+        self.version = 0
+        self._cached: "OrderedDict[str, None]" = OrderedDict()  # radix cache: group prompts
+        # figures
+        self.tokens = 0.0
+        self.kv_token_seconds = 0.0  # integral of KV tokens in use over time
+        self.busy_seconds = 0.0  # time with at least one request running
+        self.retracted = 0
+        self.prefill_tokens = 0
+
+    # ------------------------------------------------------------------ state
+    @property
+    def kv_used(self) -> float:
+        return self._ctx0_sum + len(self.running) * self.steps
+
+    def _done(self, r: _Request) -> float:
+        return r.done0 + self.steps - r.start_steps
+
+    def _advance(self) -> None:
+        now = self.loop.time()
+        start = max(self.t_last, self.stall_until)
+        if self.running:
+            self.kv_token_seconds += self.kv_used * (now - self.t_last)
+            self.busy_seconds += now - self.t_last
+            if now > start and self.step_s > 0:
+                steps = (now - start) / self.step_s
+                self.steps += steps
+                self.tokens += steps * len(self.running)
+        self.t_last = now
+
+    def _schedule(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self.running:
+            return
+        n = len(self.running)
+        self.step_s = self.cost.decode_step_s(n, self.kv_used)
+        while self._finish_heap and not self._current(self._finish_heap[0]):
+            heapq.heappop(self._finish_heap)  # left already (aborted, retracted)
+        to_finish = self._finish_heap[0][0] - self.steps if self._finish_heap else MAX_SEGMENT_STEPS
+        to_full = (self.kv_capacity - self.kv_used) / n
+        steps = max(min(to_finish, max(to_full, 1.0), MAX_SEGMENT_STEPS), 1e-6)
+        start = max(self.t_last, self.stall_until)
+        self._timer = self.loop.call_at(start + steps * self.step_s, self._tick)
+
+    def _current(self, entry) -> bool:
+        _, seq, r = entry
+        return r.seq == seq and self.running.get(r.rid) is r
+
+    def _tick(self) -> None:
+        self._timer = None
+        self._advance()
+        eps = 1e-6
+        while self._finish_heap and self._finish_heap[0][0] <= self.steps + eps:
+            entry = heapq.heappop(self._finish_heap)
+            if self._current(entry):
+                self._leave(entry[2], "stop")
+        while self.running and self.kv_used > self.kv_capacity + eps and len(self.running) > 1:
+            newest = max(self.running.values(), key=lambda r: r.seq)
+            self._retract(newest)
+        self._admit()
+        self._schedule()
+
+    # ------------------------------------------------------------------ requests
+    def _leave(self, r: _Request, reason: str) -> None:
+        done = self._done(r)
+        del self.running[r.rid]
+        self._ctx0_sum -= r.context0 - r.start_steps
+        if not r.future.done():
+            r.future.set_result((int(round(done)), reason))
+
+    def _retract(self, r: _Request) -> None:
+        done = self._done(r)
+        del self.running[r.rid]
+        self._ctx0_sum -= r.context0 - r.start_steps
+        r.context0 += int(done - r.done0)
+        r.done0, r.prefilled = done, False
+        self.retracted += 1
+        self.waiting.appendleft(r)
+
+    def _admit(self) -> None:
+        if self.paused:
+            return
+        prefill = 0
+        while self.waiting and len(self.running) < self.capacity:
+            r = self.waiting[0]
+            if self.running and self.kv_used + r.context0 > self.kv_capacity:
+                break
+            self.waiting.popleft()
+            if not r.prefilled:
+                prompt_cached = r.group in self._cached
+                prefill += r.context0 - (r.prompt if prompt_cached else 0)
+                self._cached[r.group] = None
+                self._cached.move_to_end(r.group)
+                while len(self._cached) > 4 * self.capacity:
+                    self._cached.popitem(last=False)
+                r.prefilled = True
+            r.start_steps = self.steps
+            r.seq = next(self._seq)
+            self.running[r.rid] = r
+            self._ctx0_sum += r.context0 - r.start_steps
+            heapq.heappush(self._finish_heap, (r.start_steps + r.target - r.done0, r.seq, r))
+        if prefill:
+            self.prefill_tokens += prefill
+            self.stall_until = max(self.stall_until, self.t_last) + self.cost.prefill_s(prefill)
+
+    def submit(self, rid: str, context: int, max_new_tokens: int, prompt: int) -> _Request:
+        self._advance()
+        r = _Request(rid, rid.rsplit("/", 1)[0], context, max(int(max_new_tokens), 0),
+                     future=self.loop.create_future(), prompt=prompt)
+        if r.target == 0:
+            r.future.set_result((0, "length"))
+            return r
+        self.waiting.append(r)
+        self._admit()
+        self._schedule()
+        return r
+
+    def abort(self, rid: str) -> bool:
+        self._advance()
+        r = self.running.get(rid)
+        if r is not None:
+            self._leave(r, "abort")
+        else:
+            r = next((w for w in self.waiting if w.rid == rid), None)
+            if r is None:
+                return False
+            self.waiting.remove(r)
+            if not r.future.done():
+                r.future.set_result((int(round(r.done0)), "abort"))
+        self._admit()
+        self._schedule()
+        return True
+
+    def abort_all(self) -> None:
+        self._advance()
+        for r in list(self.running.values()):
+            self._leave(r, "abort")
+        while self.waiting:
+            r = self.waiting.popleft()
+            if not r.future.done():
+                r.future.set_result((int(round(r.done0)), "abort"))
+        self._schedule()
+
+    def stall(self, seconds: float) -> None:
+        """No decode step for ``seconds`` from now (a weight update)."""
+        self._advance()
+        self.stall_until = max(self.stall_until, self.t_last) + seconds
+        self._schedule()
+
+    def resume(self) -> None:
+        self._advance()
+        self.paused = False
+        self._admit()
+        self._schedule()
+
+
+class SimEngineClient:
+    """What the rollout manager calls on an engine (``SGLangClient``'s methods it uses)."""
+
+    def __init__(self, engine: SimEngine):
+        self.engine = engine
+        self.base_url = f"sim://{engine.name}"
+        self.api_key = None
+
+    async def stream_tokens(self, input_ids, sampling_params: Optional[dict] = None, *,
+                            rid: Optional[str] = None) -> AsyncIterator[StreamChunk]:
+        params = sampling_params or {}
+        prompt = int(params.get("sim_prompt_tokens", 0))
+        r = self.engine.submit(rid, len(input_ids), int(params.get("max_new_tokens", 0)), prompt)
+        try:
+            n, reason = await r.future
+        except asyncio.CancelledError:
+            self.engine.abort(rid)
+            raise
+        yield StreamChunk(TokenCount(n), TokenCount(n), {"finish_reason": {"type": reason}})
+
+    async def abort_request(self, rid: Optional[str] = None, *, abort_all: bool = False) -> dict:
+        if abort_all:
+            self.engine.abort_all()
+        elif rid is not None:
+            self.engine.abort(rid)
+        return {}
+
+    async def pause_generation(self, mode: str = "abort") -> dict:
+        self.engine.paused = True
+        self.engine.abort_all()
+        return {}
+
+    async def continue_generation(self) -> dict:
+        self.engine.resume()
+        return {}
+
+    async def get_load(self) -> EngineLoad:
+        e = self.engine
+        e._advance()
+        used = int(e.kv_used)
+        return EngineLoad(num_running=len(e.running), num_waiting=len(e.waiting),
+                          kv_utilization=used / e.kv_capacity, kv_used_tokens=used,
+                          kv_capacity_tokens=e.kv_capacity)
+
+    async def close(self) -> None:
+        return None
