@@ -305,3 +305,48 @@ def test_nccl_publish_without_a_gpu_is_refused_before_serving():
     assert out.returncode == 2
     assert "needs a GPU" in out.stderr and "--publish-backend gloo" in out.stderr
     assert "LAMINAR_RELAY_PORT" not in out.stdout
+
+
+def test_latest_long_poll_answers_when_a_version_completes(tmp_path):
+    """``/latest?after=V&wait_s=T`` (the rollout manager's relay watcher) answers as soon as
+    a version newer than V is complete, waits at most T otherwise, and refuses bad input."""
+    procs, publishes = [], None
+    try:
+        master = _relay(tmp_path, "master", master=True, trainer_stages=1)
+        procs.append(master)
+        port = int(master.wait_printed("LAMINAR_RELAY_PUBLISH_PORT"))
+        t0 = time.time()
+        assert _get(master.url, "/latest?after=0&wait_s=0.5")["version"] is None
+        assert 0.4 < time.time() - t0 < 5.0  # nothing newer: it waited, then answered
+
+        answers = []
+
+        def long_poll():
+            t = time.time()
+            answers.append((_get(master.url, "/latest?after=0&wait_s=50")["version"], t))
+            answers[-1] += (time.time(),)
+
+        poller = threading.Thread(target=long_poll)
+        poller.start()
+        time.sleep(0.5)
+        assert not answers  # still waiting
+        publishes = _publish_in_process(port, [1])
+        next(publishes)
+        published = time.time()
+        poller.join(timeout=30)
+        version, started, answered = answers[0]
+        assert version == 1
+        assert answered - published < 5.0 and answered - started < 40.0  # not the 50 s
+        t0 = time.time()
+        assert _get(master.url, "/latest?after=0&wait_s=50")["version"] == 1  # already newer
+        assert time.time() - t0 < 5.0
+        for bad in ("after=x&wait_s=1", "after=0&wait_s=soon"):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                _get(master.url, f"/latest?{bad}")
+            assert err.value.code == 400
+        assert _get(master.url, "/latest")["version"] == 1  # and it keeps serving
+    finally:
+        if publishes is not None:
+            publishes.close()
+        for p in procs:
+            p.stop()

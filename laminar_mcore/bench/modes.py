@@ -15,7 +15,9 @@ the first model build excluded, in every mode) to the end of the last.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import statistics
 import tempfile
 
@@ -44,7 +46,7 @@ def main(argv=None) -> dict:
     from .common import report
 
     register_configs()
-    results = {}
+    results, steps_s = {}, {}
     with tempfile.TemporaryDirectory(prefix="laminar-bench-modes-") as tmp:
         for mode in args.modes.split(","):
             overrides = ["experiment=cpu_reverse", f"mode={mode}", f"output_dir={tmp}",
@@ -63,6 +65,7 @@ def main(argv=None) -> dict:
                 cfg = compose(config_name="config", overrides=overrides)
             validate_config(cfg)
             results[mode] = run_train(cfg)
+            steps_s[mode] = _step_seconds(os.path.join(tmp, mode, "metrics.jsonl"))
         fn = length_fn_from_config(cfg.rollout)
         lengths = sorted(fn(f"g{i}", k) for i in range(500) for k in range(args.samples))
     p50, p99 = statistics.median(lengths), lengths[math.ceil(0.99 * len(lengths)) - 1]
@@ -73,6 +76,10 @@ def main(argv=None) -> dict:
         figures[f"{mode}_trainer_idle_fraction"] = summary["trainer_idle_fraction"]
         figures[f"{mode}_max_staleness"] = summary["max_staleness_observed"]
         figures[f"{mode}_repacked"] = summary.get("repacked", 0)
+        figures[f"{mode}_span_s"] = summary["span_s"]  # the steady state's seconds
+        # the median trainer step (steady state): in laminar, where the trainer never waits,
+        # the trainer's own seconds per step (sim.calibrate's measured trainer cost)
+        figures[f"{mode}_step_s_median"] = steps_s[mode]
     lines = {}
     base = figures.get("laminar_tokens_per_s")
     for other in ("sync", "one_step"):
@@ -91,6 +98,13 @@ def main(argv=None) -> dict:
     lines["lengths"] = f"response length p50 {p50}, p99 {p99}"
     report(figures, args.json, lines)
     return figures
+
+
+def _step_seconds(metrics_path: str) -> float:
+    with open(metrics_path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    seconds = [r["step_seconds"] for r in records if r.get("kind") == "train" and r["step"] > 1]
+    return statistics.median(seconds) if seconds else float("nan")
 
 
 if __name__ == "__main__":

@@ -170,6 +170,8 @@ class ExperienceBuffer:
         self.cond = threading.Condition()
         self._dropped: Dict[str, str] = {}  # group id -> why it can never complete
         self._held = 0  # trajectories in _ready and _open (``buffered`` in O(1))
+        # called (under the lock: keep them short) whenever a group becomes ready
+        self.on_ready: List[Callable[[], None]] = []
 
     def add(self, traj: Trajectory) -> bool:
         """Keep ``traj`` until its group is complete; a member of a dropped group is counted
@@ -188,6 +190,8 @@ class ExperienceBuffer:
                     self._held -= len(dropped)
                     self.discard(len(dropped), "evicted")
                 self.cond.notify_all()
+                for listener in self.on_ready:
+                    listener()
             return True
 
     def discard(self, count: int, reason: str) -> None:

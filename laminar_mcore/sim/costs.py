@@ -13,9 +13,10 @@ over PCIe).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Dict
+
+from ..relay.chain import chain_time, optimal_chunks
 
 # ---------------------------------------------------------------- the table (value, source)
 HARDWARE: Dict[str, dict] = {
@@ -83,12 +84,14 @@ class CostModel:
 
     model: str
     gpu: str = "H800"
-    # what the GPU does: None takes the table's figures (calibration replaces them)
+    # measured costs (sim.calibrate); a negative value takes the roofline and the tables
     decode_fixed_s: float = -1.0  # per-step time independent of batch (-1: from the roofline)
     decode_per_request_s: float = -1.0
     decode_per_context_token_s: float = -1.0
     prefill_per_token_s: float = -1.0
     trainer_per_token_s: float = -1.0  # on the whole trainer, per GPU-second: see train_s
+    publish_seconds: float = -1.0  # the trainer's stall per publish (-1: from LINKS)
+    pull_seconds: float = -1.0  # an engine's pull (-1: from LINKS)
     engine_capacity: int = 0  # requests an engine may run at once (0: from KV capacity)
     kv_capacity: int = 0  # KV tokens per engine (0: from memory)
 
@@ -176,29 +179,35 @@ class CostModel:
     # ------------------------------------------------------------- weights
     def publish_s(self) -> float:
         """The trainer's stall per publish (to the master relay)."""
+        if self.publish_seconds >= 0:
+            return self.publish_seconds
         return self.weight_bytes / LINKS["publish_bytes_s"]
 
+    def _chain_chunks(self, relays: int) -> int:
+        return optimal_chunks(relays - 1, int(self.weight_bytes), 1 / LINKS["chain_bytes_s"],
+                              LINKS["chain_start_s"])
+
     def chain_s(self, relays: int) -> float:
-        """Laminar's T(p, k) = (p + k - 2)(M/k T_byte + T_start) at the best k, to the last
-        of ``relays`` (the master included)."""
-        p = relays
-        if p <= 1:
+        """Laminar's T(p, k) = (p + k - 2)(M/k T_byte + T_start) at the best k (the relay
+        chain's own model, relay/chain.py), from the master to the last of ``relays``."""
+        if relays <= 1:
             return 0.0
-        m_tbyte, t_start = self.weight_bytes / LINKS["chain_bytes_s"], LINKS["chain_start_s"]
-        k = max(1, round(math.sqrt(max(p - 2, 0) * m_tbyte / t_start))) if p > 2 else 1
-        return chain_time(p, k, m_tbyte, t_start)
+        return chain_time(relays - 1, int(self.weight_bytes), self._chain_chunks(relays),
+                          1 / LINKS["chain_bytes_s"], LINKS["chain_start_s"])
 
     def chain_hop_s(self, relays: int, position: int) -> float:
-        """When the relay at ``position`` (0: the master) holds the whole version."""
+        """When the relay at ``position`` (0: the master) holds the whole version: the chain
+        is pipelined, so hop i is done (i + k - 1) chunk times after the start."""
         if position <= 0:
             return 0.0
-        m_tbyte, t_start = self.weight_bytes / LINKS["chain_bytes_s"], LINKS["chain_start_s"]
-        p = relays
-        k = max(1, round(math.sqrt(max(p - 2, 0) * m_tbyte / t_start))) if p > 2 else 1
-        return (position + k - 1) * (m_tbyte / k + t_start)
+        k = self._chain_chunks(relays)
+        return (position + k - 1) * (self.weight_bytes / k / LINKS["chain_bytes_s"] +
+                                     LINKS["chain_start_s"])
 
     def pull_s(self) -> float:
         """An engine takes a version from its relay: each GPU its shard over its own PCIe."""
+        if self.pull_seconds >= 0:
+            return self.pull_seconds
         return self.weight_bytes / self.engine_tp / LINKS["pull_bytes_s"] + LINKS["pull_fixed_s"]
 
     def colocated_sync_s(self, gpus: int) -> float:
@@ -208,7 +217,3 @@ class CostModel:
     def with_(self, **changes) -> "CostModel":
         return replace(self, **changes)
 
-
-def chain_time(p: int, k: int, m_tbyte: float, t_start: float) -> float:
-    """Laminar's chain broadcast of one version in k chunks through p relays."""
-    return (p + k - 2) * (m_tbyte / k + t_start)

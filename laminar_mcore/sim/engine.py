@@ -66,11 +66,36 @@ class _Request:
     prompt: int = 0  # its prompt's tokens (shared by its GRPO group in the radix cache)
 
 
+class CpuShare:
+    """Engines and a trainer sharing ``cores`` CPU cores (calibration on a CPU machine):
+    while more of them are busy than there are cores, each runs ``busy / cores`` slower."""
+
+    def __init__(self, cores: float):
+        self.cores = cores
+        self.busy: set = set()
+        self.engines: list = []
+
+    def factor(self) -> float:
+        return max(1.0, len(self.busy) / self.cores)
+
+    def set_busy(self, who, busy: bool) -> None:
+        before = self.factor()
+        (self.busy.add if busy else self.busy.discard)(who)
+        if self.factor() != before:
+            for e in self.engines:  # their steps change speed from now on
+                e._advance()
+                e._schedule()
+
+
 class SimEngine:
     """One engine (``cost.engine_tp`` GPUs)."""
 
-    def __init__(self, name: str, cost: CostModel, capacity: int, kv_capacity: int):
+    def __init__(self, name: str, cost: CostModel, capacity: int, kv_capacity: int,
+                 share: Optional[CpuShare] = None):
         self.name = name
+        self.share = share
+        if share is not None:
+            share.engines.append(self)
         self.cost = cost
         self.capacity = capacity
         self.kv_capacity = kv_capacity
@@ -116,13 +141,16 @@ class SimEngine:
         self.t_last = now
 
     def _schedule(self) -> None:
+        if self.share is not None and (self in self.share.busy) != bool(self.running):
+            self.share.set_busy(self, bool(self.running))  # (reschedules the others)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         if not self.running:
             return
         n = len(self.running)
-        self.step_s = self.cost.decode_step_s(n, self.kv_used)
+        self.step_s = self.cost.decode_step_s(n, self.kv_used) * (
+            self.share.factor() if self.share is not None else 1.0)
         while self._finish_heap and not self._current(self._finish_heap[0]):
             heapq.heappop(self._finish_heap)  # left already (aborted, retracted)
         to_finish = self._finish_heap[0][0] - self.steps if self._finish_heap else MAX_SEGMENT_STEPS

@@ -1,0 +1,179 @@
+"""The cluster simulator: virtual time, continuous batching, the production manager at scale,
+the report's keys, placement sweeps and calibration against bench.modes."""
+
+import asyncio
+import json
+import os
+import time
+
+import pytest
+
+from laminar_mcore.relay.chain import chain_time
+from laminar_mcore.sim.clock import SimulationStalled, run_virtual
+from laminar_mcore.sim.cluster import SimConfig, simulate
+from laminar_mcore.sim.costs import LINKS, CostModel
+from laminar_mcore.sim.engine import SimEngine, SimEngineClient, TokenCount
+from laminar_mcore.sim.workload import Workload
+
+# a linear, exactly known decode cost: 10 ms + 1 ms per running request
+LINEAR = CostModel("7B", decode_fixed_s=0.010, decode_per_request_s=0.001,
+                   decode_per_context_token_s=0.0, prefill_per_token_s=0.0)
+
+
+def test_virtual_time_runs_hours_in_milliseconds_and_a_stall_is_an_error():
+    async def main():
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(3600)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.Event().wait(), 60)
+        return loop.time()
+
+    t0 = time.perf_counter()
+    assert run_virtual(main()) == pytest.approx(3660.0)
+    assert time.perf_counter() - t0 < 2.0
+
+    async def stuck():
+        await asyncio.Event().wait()  # nothing will ever set it
+
+    with pytest.raises(SimulationStalled):
+        run_virtual(stuck())
+
+
+def test_engine_batches_continuously_and_aborts_return_what_was_generated():
+    async def main():
+        loop = asyncio.get_running_loop()
+        engine = SimEngine("e", LINEAR, capacity=4, kv_capacity=10_000)
+        client = SimEngineClient(engine)
+
+        async def gen(rid, n):
+            chunks = [c async for c in client.stream_tokens(TokenCount(10), {"max_new_tokens": n},
+                                                            rid=rid)]
+            return len(chunks[-1].new_ids), chunks[-1].meta["finish_reason"]["type"], loop.time()
+
+        # two requests: batch 2 (12 ms a step) for 100 steps, then the long one alone (11 ms)
+        short, long_ = await asyncio.gather(gen("g/0", 100), gen("g/1", 300))
+        assert short == (100, "stop", pytest.approx(1.2))
+        assert long_ == (300, "stop", pytest.approx(1.2 + 200 * 0.011))
+        start = loop.time()
+        task = asyncio.create_task(gen("h/0", 1000))
+        await asyncio.sleep(0.55)  # 50 steps of 11 ms
+        await client.abort_request("h/0")
+        n, reason, _ = await task
+        assert (n, reason) == (50, "abort")
+        load = await client.get_load()
+        assert load.num_running == 0 and load.kv_used_tokens == 0
+        return start
+
+    run_virtual(main())
+
+
+def test_engine_retracts_when_the_kv_cache_fills_and_the_request_still_finishes():
+    async def main():
+        engine = SimEngine("e", LINEAR, capacity=4, kv_capacity=300)
+        client = SimEngineClient(engine)
+
+        async def gen(rid):
+            chunks = [c async for c in client.stream_tokens(TokenCount(50), {"max_new_tokens": 200},
+                                                            rid=rid)]
+            return len(chunks[-1].new_ids)
+
+        # two requests of 50 + 200 tokens cannot both hold their KV in 300 tokens
+        assert await asyncio.gather(gen("a/0"), gen("b/0")) == [200, 200]
+        return engine.retracted
+
+    assert run_virtual(main()) >= 1
+
+
+def test_chain_cost_is_laminars_formula_at_the_best_chunking():
+    cost = CostModel("72B")
+    m_tbyte, t_start = cost.weight_bytes / LINKS["chain_bytes_s"], LINKS["chain_start_s"]
+    best = min(chain_time(126, int(cost.weight_bytes), k, 1 / LINKS["chain_bytes_s"], t_start)
+               for k in range(1, 2000))
+    assert cost.chain_s(127) == pytest.approx(best, rel=1e-3)
+    assert cost.chain_s(127) < 1.6  # Laminar: under 1.6 s for 72B to 127 relays
+    assert cost.chain_hop_s(127, 126) == pytest.approx(cost.chain_s(127))
+    assert cost.chain_s(127) > m_tbyte  # at least one copy of the model's bytes
+    assert cost.publish_s() == pytest.approx(1.40, abs=0.05)  # the paper's actor stall
+
+
+def test_workload_has_laminars_long_tail():
+    s = Workload().stats()
+    assert s["p99"] > 10 * s["p50"]
+    assert 0 < s["capped"] < 0.02  # a few reach the 16K cap
+
+
+SMALL = Workload(batch_prompts=32, samples=8)
+
+
+def _run(mode, **kw):
+    return simulate(SimConfig(model="7B", mode=mode, gpus=32, iterations=4, workload=SMALL, **kw))
+
+
+def test_the_production_manager_runs_every_mode_with_its_invariants():
+    results = {m: _run(m) for m in ("sync", "one_step", "stream", "areal", "laminar",
+                                    "laminar_norepack")}
+    for mode, r in results.items():
+        assert r.books_balance, mode
+        assert r.consumed == 4 * SMALL.batch_trajectories, mode
+    assert set(results["sync"].staleness) == {0}
+    assert max(results["one_step"].staleness) <= 1 and max(results["stream"].staleness) <= 1
+    assert results["areal"].interrupted > 0 and results["areal"].mixed_version_trajectories > 0
+    for mode in ("sync", "one_step", "laminar", "laminar_norepack"):
+        assert results[mode].mixed_version_trajectories == 0, mode  # one version each
+    assert results["laminar"].repacked > 0 and results["laminar_norepack"].repacked == 0
+    # what a user would switch for: no barrier on the long tail
+    assert results["laminar"].tokens_per_s > 1.5 * results["sync"].tokens_per_s
+    assert results["laminar"].tokens_per_s > 1.2 * results["one_step"].tokens_per_s
+    assert results["laminar"].engine_idle_fraction < results["one_step"].engine_idle_fraction
+
+
+def test_a_simulation_is_deterministic():
+    a, b = _run("laminar"), _run("laminar")
+    assert (a.tokens_per_s, a.staleness, a.repacked) == (b.tokens_per_s, b.staleness, b.repacked)
+
+
+def test_report_and_placement_sweep_write_their_keys(tmp_path):
+    from laminar_mcore.sim.report import main as report
+
+    out = tmp_path / "report.json"
+    figures = report(["--models", "7B", "--gpus-max", "32", "--iterations", "3",
+                      "--batch-prompts", "32", "--jobs", "1", "--no-calibrate",
+                      "--plot-dir", str(tmp_path), "--json", str(out)])
+    on_disk = json.loads(out.read_text())
+    assert on_disk == figures
+    for key in ("laminar_vs_verl_avg", "laminar_vs_verl_max", "laminar_vs_areal_avg",
+                "laminar_vs_areal_max", "laminar_vs_one_step_avg", "laminar_vs_stream_avg",
+                "calibration_error", "scaling_efficiency", "repack_generation_gain",
+                "staleness_max", "chain_72b_127_relays_s"):
+        assert key in figures, key
+    assert figures["laminar_vs_verl_max"] >= figures["laminar_vs_verl_avg"] > 1.0
+    assert all(isinstance(v, (int, float, type(None))) for v in figures.values())  # flat
+    assert os.path.exists(tmp_path / "sim_tokens_per_s_7B.png")
+
+    sweep = report(["--sweep-placement", "--model", "7B", "--gpus", "32", "--iterations", "3",
+                    "--batch-prompts", "32", "--jobs", "1", "--json", str(tmp_path / "s.json")])
+    splits = [k for k in sweep if k.startswith("tokens_per_s_trainer_")]
+    assert len(splits) == 3  # 8, 16 and 24 of 32 GPUs to the trainer
+    assert sweep["best_tokens_per_s"] == max(sweep[k] for k in splits)
+    assert sweep["best_trainer_gpus"] + sweep["best_rollout_gpus"] == 32
+
+
+def test_bad_arguments_are_clear_errors():
+    from laminar_mcore.sim.report import main as report
+
+    with pytest.raises(ValueError, match="not one of"):
+        simulate(SimConfig(mode="fast"))
+    with pytest.raises(SystemExit):
+        report(["--models", "13B", "--no-calibrate"])
+    with pytest.raises(SystemExit, match="whole machines"):
+        report(["--sweep-placement", "--model", "7B", "--gpus", "8"])
+
+
+@pytest.mark.multiprocess
+def test_calibrated_simulator_predicts_bench_modes(tmp_path):
+    """Fed with this machine's measured costs, the simulator predicts bench.modes' ratios
+    within 20% (a small case: 10 steps)."""
+    from laminar_mcore.sim.calibrate import main as calibrate
+
+    figures = calibrate(["--steps", "10", "--json", str(tmp_path / "calib.json")])
+    assert figures["calibration_error"] < 0.20, figures
