@@ -102,7 +102,7 @@ def test_workload_has_laminars_long_tail():
     assert 0 < s["capped"] < 0.02  # a few reach the 16K cap
 
 
-SMALL = Workload(batch_prompts=32, samples=8)
+SMALL = Workload(batch_prompts=32, samples=16)
 
 
 def _run(mode, **kw):
@@ -125,6 +125,9 @@ def test_the_production_manager_runs_every_mode_with_its_invariants():
     assert results["laminar"].tokens_per_s > 1.5 * results["sync"].tokens_per_s
     assert results["laminar"].tokens_per_s > 1.2 * results["one_step"].tokens_per_s
     assert results["laminar"].engine_idle_fraction < results["one_step"].engine_idle_fraction
+    # event-driven: one long poll per relay and version, not one request per poll interval
+    for mode, r in results.items():
+        assert r.relay_requests <= 2 * r.relays * (4 + 2), (mode, r.relay_requests)
 
 
 def test_a_simulation_is_deterministic():

@@ -44,23 +44,32 @@ PUBLISHED = {"laminar_vs_verl": (2.56, 5.49), "laminar_vs_one_step": (1.98, 4.09
              "chain_72b_127_relays_s": 1.6, "publish_32b_s": 0.64, "publish_72b_s": 1.40,
              "staleness_max": 4}
 WHY = {
-    "laminar_vs_verl": "our verl is colocated (every GPU generates, then every GPU trains) with "
-                       "the same engines and costs; the paper's verl also pays its own "
-                       "framework overheads, which the simulator does not charge",
+    "laminar_vs_verl": "our verl is colocated (every GPU generates, then every GPU trains, then "
+                       "reshards in place) on the same engine and trainer costs; at the smallest "
+                       "placements it beats the disaggregated modes (whole machines leave too "
+                       "few rollout GPUs), at the largest it waits on one 16K-token tail per "
+                       "batch; the paper's verl also pays framework overheads we do not charge",
     "laminar_vs_one_step": "one-step keeps a global barrier per batch, so its engines idle on "
-                           "the longest trajectory of each batch, as in the paper",
-    "laminar_vs_stream": "stream generation overlaps training with the batch in mini-batches "
-                         "but keeps the barrier: close to one-step here as in the paper",
-    "laminar_vs_areal": "AReaL loses only the KV recompute of interrupted requests and its "
-                        "staleness bound; the gap depends on how often weights change",
-    "scaling_efficiency": "per-GPU tokens/s at the largest vs the smallest placement; ours "
-                          "has no network contention or stragglers beyond the length tail",
-    "repack_generation_gain": "repack frees long-tail engines to pull and start new work; the "
-                              "gain follows how many engines wait on a few long requests",
+                           "the longest trajectory of each batch; ours gives it the same "
+                           "balanced placement as laminar, which starves it of rollout GPUs",
+    "laminar_vs_stream": "stream generation trains on quarter batches as they complete but "
+                         "keeps the barrier: within 1% of one-step here, 3% in the paper",
+    "laminar_vs_areal": "AReaL's interruptible generation (eta 4) also never waits on a tail; "
+                        "it loses the KV recompute of every interrupted request and its bound, "
+                        "which costs most where weights change often (small models, many GPUs)",
+    "scaling_efficiency": "per-GPU tokens/s at the largest vs the smallest placement; ours is "
+                          "higher because the smallest placements (whole machines) are the "
+                          "least balanced, and we charge no network contention or stragglers",
+    "repack_generation_gain": "generated tokens per busy engine-second with vs without repack; "
+                              "the gain follows how many engines wait on a few long requests",
     "chain_72b_127_relays_s": "T(p, k) at the best k with 200 GB/s relay links and 1 ms per "
                               "chunk (costs.LINKS)",
-    "staleness_max": "laminar runs unbounded; the balanced placement keeps the trainer the "
-                     "bottleneck only slightly, so the buffer stays shallow",
+    "staleness_max": "laminar runs unbounded; where an iteration (26-85 s at 7B and 72B on the "
+                     "most GPUs) is much shorter than one 16K-token generation (130-450 s), "
+                     "that trajectory is 5-9 versions old when consumed; the paper's iterations "
+                     "were longer. 10 iterations are also too few for a steady state there, "
+                     "so consumed tokens/s at 7B >= 128 GPUs is a transient (repack can lower "
+                     "it while raising generation throughput)",
 }
 
 
@@ -174,14 +183,16 @@ def plot(results: List[dict], models: List[str], out_dir: str) -> List[str]:
 
 
 def sweep_placement(model: str, gpus: int, iterations: int, jobs: int, workload: Workload,
-                    staleness_limit: int, log=print) -> Dict[str, object]:
+                    staleness_limit: int, splits: int = 8, log=print) -> Dict[str, object]:
+    """Laminar at up to ``splits`` whole-machine splits of ``gpus`` (evenly spaced)."""
     cost = CostModel(model)
     machines = gpus // GPUS_PER_MACHINE
     if machines < 2:
         raise SystemExit(f"--sweep-placement splits whole machines of {GPUS_PER_MACHINE} GPUs: "
                          f"give --gpus of at least {2 * GPUS_PER_MACHINE}")
     fractions, seen = [], set()
-    for t in range(1, machines):
+    n = min(splits, machines - 1)
+    for t in sorted({round(1 + i * (machines - 2) / max(n - 1, 1)) for i in range(n)}):
         place = placement_for("laminar", gpus, cost, t / machines, workload)
         if place.rollout_gpus >= cost.engine_tp and place.trainer_gpus not in seen:
             seen.add(place.trainer_gpus)
@@ -217,6 +228,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default="32B")
     ap.add_argument("--gpus", type=int, default=256)
     ap.add_argument("--staleness-limit", type=int, default=4)
+    ap.add_argument("--splits", type=int, default=8, help="placements the sweep tries")
     args = ap.parse_args(argv)
     workload = Workload(batch_prompts=args.batch_prompts)
     t0 = time.perf_counter()
@@ -224,7 +236,7 @@ def main(argv=None) -> dict:
         if args.model not in GRID:
             ap.error(f"--model must be one of {', '.join(GRID)}")
         figures = sweep_placement(args.model, args.gpus, args.iterations, args.jobs, workload,
-                                  args.staleness_limit)
+                                  args.staleness_limit, args.splits)
         figures["wall_s"] = round(time.perf_counter() - t0, 1)
         print(f"best split for {args.model} on {args.gpus} GPUs: trainer "
               f"{figures['best_trainer_gpus']}, rollouts {figures['best_rollout_gpus']} -> "
