@@ -207,8 +207,13 @@ def sweep_placement(model: str, gpus: int, iterations: int, jobs: int, workload:
                "best_staleness_max": max(map(int, best["staleness"]), default=0),
                "balanced_trainer_gpus": placement_for("laminar", gpus, cost, None,
                                                       workload).trainer_gpus}
+    fastest = max(results, key=lambda r: r["tokens_per_s"])
+    figures["fastest_trainer_gpus"] = fastest["trainer_gpus"]
+    figures["fastest_tokens_per_s"] = round(fastest["tokens_per_s"], 1)
     for r in results:
         figures[f"tokens_per_s_trainer_{r['trainer_gpus']}"] = round(r["tokens_per_s"], 1)
+        figures[f"staleness_max_trainer_{r['trainer_gpus']}"] = max(map(int, r["staleness"]),
+                                                                    default=0)
     return figures
 
 
@@ -241,8 +246,10 @@ def main(argv=None) -> dict:
         print(f"best split for {args.model} on {args.gpus} GPUs: trainer "
               f"{figures['best_trainer_gpus']}, rollouts {figures['best_rollout_gpus']} -> "
               f"{figures['best_tokens_per_s']:,.0f} tokens/s, staleness max "
-              f"{figures['best_staleness_max']} (balanced estimate: trainer "
-              f"{figures['balanced_trainer_gpus']})")
+              f"{figures['best_staleness_max']} (<= --staleness-limit "
+              f"{args.staleness_limit}); fastest at any staleness: trainer "
+              f"{figures['fastest_trainer_gpus']} -> {figures['fastest_tokens_per_s']:,.0f} "
+              f"tokens/s; balanced estimate: trainer {figures['balanced_trainer_gpus']}")
         _write(args.json, figures)
         return figures
     models = [m for m in args.models.split(",") if m]
