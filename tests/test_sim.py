@@ -135,6 +135,7 @@ def test_a_simulation_is_deterministic():
     assert (a.tokens_per_s, a.staleness, a.repacked) == (b.tokens_per_s, b.staleness, b.repacked)
 
 
+@pytest.mark.slow
 def test_report_and_placement_sweep_write_their_keys(tmp_path):
     from laminar_mcore.sim.report import main as report
 
@@ -175,6 +176,7 @@ def test_bad_arguments_are_clear_errors():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_calibrated_simulator_predicts_bench_modes(tmp_path):
     """Fed with this machine's measured costs, the simulator predicts bench.modes' ratios
     within 20% (a small case: 10 steps)."""
