@@ -15,15 +15,13 @@ the first model build excluded, in every mode) to the end of the last.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import statistics
 import tempfile
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_run_args(ap: argparse.ArgumentParser) -> None:
+    """The runs' shape (steps, batch, replayed lengths, engines): also sim.calibrate's."""
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch-prompts", type=int, default=4)
     ap.add_argument("--samples", type=int, default=4)
@@ -31,6 +29,30 @@ def main(argv=None) -> dict:
     ap.add_argument("--long", type=int, default=160)
     ap.add_argument("--long-fraction", type=float, default=0.05)
     ap.add_argument("--engines", type=int, default=2)
+
+
+def run_args(args) -> list:
+    """``add_run_args``' values as command-line flags (sim.calibrate runs this benchmark)."""
+    return [f"--steps={args.steps}", f"--batch-prompts={args.batch_prompts}",
+            f"--samples={args.samples}", f"--short={args.short}", f"--long={args.long}",
+            f"--long-fraction={args.long_fraction}", f"--engines={args.engines}"]
+
+
+def run_overrides(args) -> list:
+    """The Hydra overrides every mode's run shares."""
+    return ["experiment=cpu_reverse", f"trainer.total_steps={args.steps}",
+            f"trainer.train_batch_prompts={args.batch_prompts}",
+            f"algo.n_samples_per_prompt={args.samples}",
+            f"rollout.num_engines={args.engines}", "data.num_eval=8",
+            f"rollout.forced_short_length={args.short}",
+            f"rollout.forced_long_length={args.long}",
+            f"rollout.forced_long_fraction={args.long_fraction}",
+            "rollout.kv_capacity_tokens=65536", f"rollout.sampling.max_new_tokens={args.long}"]
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_args(ap)
     ap.add_argument("--modes", default="sync,one_step,laminar")
     ap.add_argument("--max-staleness", default="null",
                     help="laminar's admission bound eta (null: unbounded, Laminar's default)")
@@ -46,27 +68,16 @@ def main(argv=None) -> dict:
     from .common import report
 
     register_configs()
-    results, steps_s, first_s = {}, {}, {}
+    results = {}
     with tempfile.TemporaryDirectory(prefix="laminar-bench-modes-") as tmp:
         for mode in args.modes.split(","):
-            overrides = ["experiment=cpu_reverse", f"mode={mode}", f"output_dir={tmp}",
-                         f"run_name={mode}",
-                         f"trainer.total_steps={args.steps}",
-                         f"trainer.train_batch_prompts={args.batch_prompts}",
-                         f"algo.n_samples_per_prompt={args.samples}",
-                         f"algo.max_staleness={args.max_staleness}",
-                         f"rollout.num_engines={args.engines}", "data.num_eval=8",
-                         f"rollout.forced_short_length={args.short}",
-                         f"rollout.forced_long_length={args.long}",
-                         f"rollout.forced_long_fraction={args.long_fraction}",
-                         "rollout.kv_capacity_tokens=65536",
-                         f"rollout.sampling.max_new_tokens={args.long}"]
+            overrides = run_overrides(args) + [
+                f"mode={mode}", f"output_dir={tmp}", f"run_name={mode}",
+                f"algo.max_staleness={args.max_staleness}"]
             with initialize_config_dir(config_dir=conf_dir(), version_base=None):
                 cfg = compose(config_name="config", overrides=overrides)
             validate_config(cfg)
             results[mode] = run_train(cfg)
-            steps_s[mode] = _step_seconds(os.path.join(tmp, mode, "metrics.jsonl"))
-            first_s[mode] = _step_seconds(os.path.join(tmp, mode, "metrics.jsonl"), first=True)
         fn = length_fn_from_config(cfg.rollout)
         lengths = sorted(fn(f"g{i}", k) for i in range(500) for k in range(args.samples))
     p50, p99 = statistics.median(lengths), lengths[math.ceil(0.99 * len(lengths)) - 1]
@@ -78,11 +89,6 @@ def main(argv=None) -> dict:
         figures[f"{mode}_max_staleness"] = summary["max_staleness_observed"]
         figures[f"{mode}_repacked"] = summary.get("repacked", 0)
         figures[f"{mode}_span_s"] = summary["span_s"]  # the steady state's seconds
-        # the median trainer step (steady state): in laminar, where the trainer never waits,
-        # the trainer's own seconds per step (sim.calibrate's measured trainer cost)
-        figures[f"{mode}_step_s_median"] = steps_s[mode]
-        # the first step: from the controller's start (engines generate meanwhile)
-        figures[f"{mode}_first_step_s"] = first_s[mode]
     lines = {}
     base = figures.get("laminar_tokens_per_s")
     for other in ("sync", "one_step"):
@@ -101,15 +107,6 @@ def main(argv=None) -> dict:
     lines["lengths"] = f"response length p50 {p50}, p99 {p99}"
     report(figures, args.json, lines)
     return figures
-
-
-def _step_seconds(metrics_path: str, first: bool = False) -> float:
-    """The median steady-state step (or the first step's seconds)."""
-    with open(metrics_path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    seconds = [r["step_seconds"] for r in records
-               if r.get("kind") == "train" and (r["step"] == 1 if first else r["step"] > 1)]
-    return statistics.median(seconds) if seconds else float("nan")
 
 
 if __name__ == "__main__":

@@ -286,25 +286,25 @@ class RolloutManager:
         """Track every relay's newest version (relays down a chain lag the master: an engine
         waits for its own relay to hold a version before it drains and pulls): one long poll
         per relay, answered as soon as it holds a newer version."""
-        watchers: Dict[str, asyncio.Task] = {}
+        watchers: Dict[str, tuple] = {}  # url -> (its client, the task polling it)
         try:
             while not self._stop.is_set():
                 relays = {e.relay.url: e.relay for e in self.engines if e.healthy}
-                for url in [u for u, t in watchers.items()
-                            if u not in relays or relays[u] is not t.relay or t.done()]:
-                    watchers.pop(url).cancel()
+                for url in [u for u, (client, task) in watchers.items()
+                            if relays.get(u) is not client or task.done()]:
+                    watchers.pop(url)[1].cancel()
                 for url, relay in relays.items():
                     if url not in watchers:
-                        watchers[url] = task = asyncio.create_task(
-                            self._watch_one(url, relay), name=f"relay watcher {url}")
-                        task.relay = relay
+                        watchers[url] = (relay, asyncio.create_task(
+                            self._watch_one(url, relay), name=f"relay watcher {url}"))
                 self._relays_changed.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._relays_changed.wait(), self.wake_s)
         finally:
-            for task in watchers.values():
+            tasks = [task for _, task in watchers.values()]
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*watchers.values(), return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _watch_one(self, url: str, relay: RelayClient) -> None:
         while not self._stop.is_set():

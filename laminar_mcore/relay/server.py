@@ -165,6 +165,7 @@ class RelayServer:
         self.chain_rebuilds = 0
         self.publish_threads: List[threading.Thread] = []
         self.publish_ready = threading.Event()
+        self._newer: Optional[asyncio.Event] = None  # set when a version completes (long polls)
         self.pulls: Dict[str, PullState] = {}  # lease id -> how its buckets are being served
         # the weight transports' relay halves; those a config enables start now (Mooncake
         # registers its buffers), the others on their first /pull
@@ -454,7 +455,7 @@ class RelayServer:
 
     async def _wait_newer(self, after: int, wait_s: float) -> None:
         loop = asyncio.get_running_loop()
-        if getattr(self, "_newer", None) is None:  # the first long poll: hook the store
+        if self._newer is None:  # the first long poll: hook the store
             self._newer = asyncio.Event()
 
             def completed(version: int) -> None:  # on the receiving thread, under the lock

@@ -28,9 +28,8 @@ import json
 import os
 import tempfile
 import time
-import zlib
 from dataclasses import dataclass
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 from .cluster import SimConfig, simulate, summary_line
 from .costs import CostModel
@@ -39,33 +38,20 @@ from .workload import Workload
 
 @dataclass(frozen=True)
 class ReplayWorkload(Workload):
-    """``bench.modes``' lengths: the controller's ``rollout.forced_*`` length function."""
+    """``bench.modes``' lengths: the controller's ``rollout.forced_*`` length function
+    (``length_fn_from_config``), of group ``g<key>``."""
 
-    short: int = 8
-    long: int = 160
-    long_fraction: float = 0.05
+    length_fn: Optional[Callable[[str, int], int]] = None
     prompt: int = 8
 
     def prompt_length(self, prompt: int) -> int:
         return self.prompt
 
     def response_length(self, prompt: int, sample: int) -> int:
-        u = zlib.crc32(f"g{prompt}/{sample}".encode()) / 2**32
-        if self.long and u < self.long_fraction:
-            return self.long
-        frac = (u - self.long_fraction) / max(1 - self.long_fraction, 1e-9)
-        return max(1, int(self.short * (0.5 + frac)))
+        return self.length_fn(f"g{prompt}", sample)
 
     def mean_context(self) -> float:
         return self.prompt + self.stats(500)["mean"]
-
-
-def bench_overrides(args) -> List[str]:
-    return ["experiment=cpu_reverse", f"trainer.train_batch_prompts={args.batch_prompts}",
-            f"algo.n_samples_per_prompt={args.samples}", f"rollout.num_engines={args.engines}",
-            f"rollout.forced_short_length={args.short}", f"rollout.forced_long_length={args.long}",
-            f"rollout.forced_long_fraction={args.long_fraction}",
-            "rollout.kv_capacity_tokens=65536", f"rollout.sampling.max_new_tokens={args.long}"]
 
 
 def measure_engine(cfg, model_path: str, prompt_ids: List[int], batches=(1, 2, 4, 8, 16),
@@ -141,14 +127,10 @@ def predict(cost: CostModel, workload: Workload, args, steps: int,
 
 
 def main(argv=None) -> dict:
+    from ..bench.modes import add_run_args, run_args, run_overrides
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--batch-prompts", type=int, default=4)
-    ap.add_argument("--samples", type=int, default=4)
-    ap.add_argument("--short", type=int, default=8)
-    ap.add_argument("--long", type=int, default=160)
-    ap.add_argument("--long-fraction", type=float, default=0.05)
-    ap.add_argument("--engines", type=int, default=2)
+    add_run_args(ap)
     ap.add_argument("--pull-s", type=float, default=None,
                     help="an engine's pull from its relay (default: measured, bench.weight_sync)")
     ap.add_argument("--cores", type=float, default=0.0,
@@ -165,6 +147,7 @@ def main(argv=None) -> dict:
     from ..config import register_configs, validate_config
     from ..config.paths import conf_dir
     from ..controller.role import load_task
+    from ..controller.server import length_fn_from_config
 
     t0 = time.perf_counter()
     if args.modes_json:
@@ -174,17 +157,14 @@ def main(argv=None) -> dict:
             measured = {k[6:]: v for k, v in measured.items() if k.startswith("bench_")}
     else:
         from ..bench.modes import main as bench_modes
-        measured = bench_modes([f"--steps={args.steps}", f"--batch-prompts={args.batch_prompts}",
-                                f"--samples={args.samples}", f"--short={args.short}",
-                                f"--long={args.long}", f"--long-fraction={args.long_fraction}",
-                                f"--engines={args.engines}"])
+        measured = bench_modes(run_args(args))
     steps = int(measured.get("steps", args.steps))
 
     register_configs()
     with tempfile.TemporaryDirectory(prefix="laminar-calibrate-task-") as tmp:
         with initialize_config_dir(config_dir=conf_dir(), version_base=None):
-            cfg = compose(config_name="config", overrides=bench_overrides(args) + [
-                f"output_dir={tmp}", "run_name=calibrate", "data.num_eval=8"])
+            cfg = compose(config_name="config", overrides=run_overrides(args) + [
+                f"output_dir={tmp}", "run_name=calibrate"])
         validate_config(cfg)
         task = load_task(cfg, tmp, lambda *a: None)
         prompt_ids = task.codec.encode_prompt(task.rows[0])
@@ -193,7 +173,7 @@ def main(argv=None) -> dict:
     fixed, per_request = fit_line(engine_steps)
 
     workload = ReplayWorkload(batch_prompts=args.batch_prompts, samples=args.samples,
-                              short=args.short, long=args.long, long_fraction=args.long_fraction,
+                              length_fn=length_fn_from_config(cfg.rollout),
                               prompt=len(prompt_ids), max_response=args.long)
     # the trainer's busy seconds per step in the sync run, where it runs alone (the engines
     # wait for its weights); per token over the batch's prompt + response tokens

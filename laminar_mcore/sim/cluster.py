@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import statistics
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -205,10 +204,6 @@ class SimResult:
     books_balance: bool = True  # generated = consumed + buffered + discarded
     relay_requests: int = 0  # the manager's /latest requests to all relays
 
-    @property
-    def staleness_max(self) -> int:
-        return max(self.staleness, default=0)
-
 
 def simulate(cfg: SimConfig) -> SimResult:
     """Run ``cfg`` on a fresh virtual clock."""
@@ -240,7 +235,7 @@ async def _simulate(cfg: SimConfig) -> SimResult:
     relays = [SimRelay(f"relay{i}") for i in range(machines)]
     capacity = cost.capacity(w.mean_context(), w.samples)
     kv = cost.kv_tokens()
-    pull_s = cost.colocated_sync_s(cfg.gpus) if colocated else cost.pull_s()
+    pull_s = cost.colocated_sync_s() if colocated else cost.pull_s()
     share = CpuShare(cfg.cpu_cores) if cfg.cpu_cores else None
     engines = []
     for i in range(n_engines):
@@ -392,7 +387,3 @@ def summary_line(r: SimResult) -> str:
             f"{r.engines} engines): {r.tokens_per_s:,.0f} tokens/s, iteration "
             f"{r.iteration_s:.0f} s, engines idle {r.engine_idle_fraction:.0%}, KV "
             f"{r.kv_utilisation:.0%}, staleness {{{stale}}}, {r.wall_s:.1f} s wall")
-
-
-def median(xs):
-    return statistics.median(xs) if xs else 0.0

@@ -13,7 +13,7 @@ over PCIe).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Dict
 
 from ..relay.chain import chain_time, optimal_chunks
@@ -158,7 +158,7 @@ class CostModel:
             self.engine_tp * self.hw["peak_flops"] * EFFICIENCY["prefill_compute"])
 
     # ------------------------------------------------------------- trainer
-    def trainer_efficiency(self, gpus: int, tokens: int) -> float:
+    def trainer_efficiency(self) -> float:
         """MFU of the trainer's layout: the table's MFU times the pipeline bubble of 1F1B
         with as many micro-batches as fit (4 per stage at least)."""
         pp = self.spec["trainer_pp"]
@@ -170,7 +170,7 @@ class CostModel:
         if self.trainer_per_token_s >= 0:
             return self.trainer_per_token_s * tokens
         flops = 8 * self.spec["params"] * tokens
-        return flops / (gpus * self.hw["peak_flops"] * self.trainer_efficiency(gpus, tokens))
+        return flops / (gpus * self.hw["peak_flops"] * self.trainer_efficiency())
 
     def min_trainer_gpus(self) -> int:
         s = self.spec
@@ -210,10 +210,6 @@ class CostModel:
             return self.pull_seconds
         return self.weight_bytes / self.engine_tp / LINKS["pull_bytes_s"] + LINKS["pull_fixed_s"]
 
-    def colocated_sync_s(self, gpus: int) -> float:
+    def colocated_sync_s(self) -> float:
         """verl's update in place: reshard over NVLink inside each node and wake the engine."""
         return self.weight_bytes / self.hw["nvlink_bytes_s"] + LINKS["colocated_sync_fixed_s"]
-
-    def with_(self, **changes) -> "CostModel":
-        return replace(self, **changes)
-
