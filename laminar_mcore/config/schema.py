@@ -21,7 +21,7 @@ except ImportError:  # bare GPU machines (bench.gpu) import the schemas without 
 class ArchConfig:
     """Architecture of a model built from scratch (used when ``model.path`` is null)."""
 
-    family: str = "qwen2"  # a known model_type: qwen2, llama, qwen3
+    family: str = "qwen2"  # a known model_type: qwen2, llama, qwen3, qwen3_moe
     hidden_size: int = 64
     intermediate_size: int = 128
     num_hidden_layers: int = 4
@@ -33,6 +33,13 @@ class ArchConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
+    # Mixture of experts (qwen3_moe only; 0 experts: a dense family). Qwen3-MoE's names.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: List[int] = field(default_factory=list)
 
 
 @dataclass
@@ -56,6 +63,11 @@ class ParallelConfig:
     sequence_parallel: bool = False
     # Megatron's distributed optimizer (ZeRO-1: Adam state sharded over DP), on CPU as on GPUs.
     use_distributed_optimizer: bool = True
+    # MoE models: expert parallelism (experts spread over ep ranks, tokens moved by Megatron's
+    # all-to-all dispatcher) and the experts' own tensor parallelism. Megatron lays the expert
+    # grid (expert_tp x ep x expert-DP x pp) over the same ranks as tp x cp x dp x pp.
+    ep: int = 1
+    expert_tp: int = 1
 
 
 @dataclass
@@ -75,6 +87,12 @@ class AlgoConfig:
     # AReaL's admission control eta; null: unbounded, as in Laminar.
     max_staleness: Optional[int] = None
     n_samples_per_prompt: int = 8
+    # MoE routing replay (R3): engines return the experts they routed each token to (SGLang's
+    # return_routed_experts) and the trainer routes the same way (Megatron's router replay).
+    routing_replay: bool = False
+    # Train/inference mismatch: |log pi_engine - log pi_trainer| on tokens of the trainer's own
+    # version; metrics report the fraction of such tokens above this threshold.
+    mismatch_threshold: float = 0.1
 
 
 @dataclass
@@ -252,6 +270,10 @@ class TrainerConfig:
     # model space over DP at save; resume at any TP/PP/DP, more memory and time per save).
     ckpt_optim_sharding: str = "dp_reshardable"
     max_consecutive_nonfinite: int = 3
+    # MoE: Megatron's load-balancing auxiliary loss (0: off) and router z-loss (0: off); their
+    # values are reported in the step's metrics (moe_load_balancing_loss, moe_z_loss).
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
     # How long the trainer waits for one batch before failing the run (a batch of 512 prompts x
     # 16 samples x 8k tokens can take many minutes). The other ranks wait without a timeout of
     # their own tripping (parallel/groups.py: wait_group).

@@ -52,10 +52,12 @@ def model_shape(cfg: DictConfig, arch_only: bool = False) -> dict:
         hf = load_hf_config(cfg.model.path)
         return dict(vocab=hf.vocab_size, heads=hf.num_attention_heads,
                     groups=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-                    layers=hf.num_hidden_layers, family=hf.model_type, source="model.path")
+                    layers=hf.num_hidden_layers, family=hf.model_type, source="model.path",
+                    experts=int(getattr(hf, "num_experts", 0) or 0))
     a = cfg.model.arch
     return dict(vocab=a.vocab_size, heads=a.num_attention_heads, groups=a.num_key_value_heads,
-                layers=a.num_hidden_layers, family=a.family, source="model.arch")
+                layers=a.num_hidden_layers, family=a.family, source="model.arch",
+                experts=a.num_experts)
 
 
 def validate_config(cfg: DictConfig) -> None:
@@ -77,7 +79,7 @@ def validate_config(cfg: DictConfig) -> None:
             problems.append(f"{key}={value!r} is not one of {', '.join(choices)}")
 
     p = cfg.parallel
-    for key in ("tp", "pp", "cp"):
+    for key in ("tp", "pp", "cp", "ep", "expert_tp"):
         if p[key] < 1:
             problems.append(f"parallel.{key}={p[key]} must be >= 1")
     if p.cp > 1:
@@ -99,6 +101,19 @@ def validate_config(cfg: DictConfig) -> None:
             f"cluster.trainer.nproc_per_node={t.nproc_per_node}) is not divisible by "
             f"tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {model_parallel}; change parallel.tp/pp/cp or "
             "the trainer process count")
+    elif world % (max(p.expert_tp, 1) * max(p.ep, 1) * max(p.pp, 1)):
+        problems.append(
+            f"trainer world size {world} is not divisible by expert_tp*ep*pp = "
+            f"{p.expert_tp}*{p.ep}*{p.pp} (Megatron's expert grid); change parallel.ep/"
+            "expert_tp or the trainer process count")
+    if cfg.algo.routing_replay and p.sequence_parallel:
+        problems.append("algo.routing_replay=true with parallel.sequence_parallel=true is not "
+                        "supported yet (each TP rank routes only its slice of the tokens); set "
+                        "parallel.sequence_parallel=false")
+    if cfg.algo.mismatch_threshold <= 0:
+        problems.append(f"algo.mismatch_threshold={cfg.algo.mismatch_threshold} must be > 0")
+    if cfg.trainer.moe_aux_loss_coeff < 0 or cfg.trainer.moe_z_loss_coeff < 0:
+        problems.append("trainer.moe_aux_loss_coeff and trainer.moe_z_loss_coeff must be >= 0")
 
     path = OmegaConf.select(cfg, "model.path", throw_on_missing=False)
     if OmegaConf.is_missing(cfg.model, "path"):
@@ -248,3 +263,9 @@ def _check_model_divisibility(shape: dict, p, problems: List[str]) -> None:
     if p.pp >= 1 and shape["layers"] % p.pp:
         problems.append(f"num_hidden_layers {shape['layers']} ({src}) is not divisible by "
                         f"parallel.pp={p.pp}")
+    experts = shape.get("experts", 0)
+    if experts and p.ep >= 1 and experts % p.ep:
+        problems.append(f"num_experts {experts} ({src}) is not divisible by parallel.ep={p.ep}")
+    if not experts and (p.ep > 1 or p.expert_tp > 1):
+        problems.append(f"parallel.ep={p.ep} / parallel.expert_tp={p.expert_tp} need a "
+                        f"mixture-of-experts model; {src} ({shape['family']}) has no experts")

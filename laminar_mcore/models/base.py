@@ -81,6 +81,8 @@ _TP_DIM = {
 }
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# Transformer Engine's grouped-GEMM experts: mlp.experts.linear_fc1.weight{e}
+_GROUPED_EXPERT_RE = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
 
 
 def split_layer_name(name: str) -> Tuple[Optional[int], str]:
@@ -89,6 +91,9 @@ def split_layer_name(name: str) -> Tuple[Optional[int], str]:
     if not m:
         return None, name
     suffix = m.group(2)
+    grouped = _GROUPED_EXPERT_RE.match(suffix)
+    if grouped:  # the local spec's name of the same expert tensor
+        suffix = f"mlp.experts.local_experts.{grouped.group(2)}.{grouped.group(1)}.weight"
     return int(m.group(1)), _TE_ALIASES.get(suffix, suffix)
 
 

@@ -8,3 +8,5 @@ QWEN2 = register_adapter(ModelAdapter(name="qwen2", hf_model_types=("qwen2",), q
 LLAMA = register_adapter(ModelAdapter(name="llama", hf_model_types=("llama",),
                                       supports_llama3_rope_scaling=True))
 QWEN3 = register_adapter(ModelAdapter(name="qwen3", hf_model_types=("qwen3",), qk_norm=True))
+
+from . import moe  # noqa: E402,F401  (registers qwen3_moe)

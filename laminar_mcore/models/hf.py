@@ -132,13 +132,14 @@ _TINY_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
 
 def build_hf_config(family: str, **fields):
     """A transformers config of a known family from explicit fields (nothing is downloaded)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-    classes = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config}
+    classes = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config,
+               "qwen3_moe": Qwen3MoeConfig}
     if family not in classes:
         raise AdapterError(f"unknown model family {family!r}; choose one of {sorted(classes)}")
     fields = {k: v for k, v in fields.items() if v is not None}
-    if family != "qwen3" and "head_dim" in fields:
+    if family not in ("qwen3", "qwen3_moe") and "head_dim" in fields:
         hidden, heads = fields.get("hidden_size"), fields.get("num_attention_heads")
         if hidden and heads and fields["head_dim"] != hidden // heads:
             raise AdapterError(f"{family}: head_dim must equal hidden_size/num_attention_heads")
@@ -149,8 +150,11 @@ def build_hf_config(family: str, **fields):
 def tiny_hf_config(family: str, **overrides):
     """A small config of a known family (for tests and demos)."""
     kwargs = dict(_TINY_BASE)
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         kwargs["head_dim"] = 16
+    if family == "qwen3_moe":  # 8 experts, top-2, every layer MoE
+        kwargs.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True)
     kwargs.update(overrides)
     return build_hf_config(family, **kwargs)
 
@@ -161,6 +165,16 @@ def hf_config_for(model_cfg):
         return load_hf_config(model_cfg.path)
     arch = dict(model_cfg.arch)
     family = arch.pop("family")
+    moe_keys = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                "decoder_sparse_step", "mlp_only_layers")
+    if family == "qwen3_moe":
+        arch["mlp_only_layers"] = list(arch["mlp_only_layers"])
+    else:
+        if arch.get("num_experts"):
+            raise AdapterError(f"model.arch.num_experts={arch['num_experts']} needs "
+                               f"family=qwen3_moe (family {family!r} is dense)")
+        for key in moe_keys:
+            arch.pop(key, None)
     return build_hf_config(family, hidden_act="silu", **arch)
 
 
@@ -173,7 +187,13 @@ def initial_hf_state(model_cfg, hf_config, seed: int) -> Dict[str, torch.Tensor]
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    return {k: v.detach() for k, v in model.state_dict().items()}
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    from .base import get_adapter
+
+    adapter = get_adapter(hf_config)
+    if hasattr(adapter, "from_transformers_state"):  # fused experts in memory -> per expert
+        state = adapter.from_transformers_state(hf_config, state)
+    return state
 
 
 class SafetensorsReader:

@@ -65,8 +65,12 @@ def wait_for_rank0(ready: bool, timeout_s: float = 24 * 3600.0) -> bool:
 
 
 def init_trainer_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234,
-                          timeout_s: float = 600.0) -> None:
-    """Initialise torch.distributed (from torchrun's env) and Megatron's parallel state."""
+                          timeout_s: float = 600.0, ep: int = 1, expert_tp: int = 1) -> None:
+    """Initialise torch.distributed (from torchrun's env) and Megatron's parallel state.
+
+    ``ep``/``expert_tp``: expert parallelism and the experts' own tensor parallelism (MoE
+    models); Megatron lays the expert grid (expert_tp x ep x expert-DP x pp) over the same
+    world as the dense one (tp x cp x dp x pp)."""
     from megatron.core import parallel_state, tensor_parallel
 
     apply_cpu_compat()
@@ -85,11 +89,15 @@ def init_trainer_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 123
     if world % (tp * pp * cp):
         raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}; "
                          "change parallel.* or the number of trainer processes")
+    if world % (expert_tp * ep * pp):
+        raise ValueError(f"world size {world} is not divisible by expert_tp*ep*pp = "
+                         f"{expert_tp}*{ep}*{pp}; change parallel.ep / parallel.expert_tp")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        context_parallel_size=cp)
+        context_parallel_size=cp, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=expert_tp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
 

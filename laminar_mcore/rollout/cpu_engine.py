@@ -65,6 +65,7 @@ class ServerArgs:
     incremental_streaming_output: bool = False
     stream_interval: int = 1
     served_model_name: Optional[str] = None
+    enable_return_routed_experts: bool = False
 
 
 class CpuEngineServer(WeightUpdateRoutes):
@@ -226,6 +227,13 @@ class CpuEngineServer(WeightUpdateRoutes):
         raws = self._per_prompt(body.get("sampling_params") or {}, n, "sampling_params")
         starts = self._per_prompt(body.get("logprob_start_len"), n, "logprob_start_len")
         tops = self._per_prompt(body.get("top_logprobs_num"), n, "top_logprobs_num")
+        # SGLang captures routings only when started with --enable-return-routed-experts (and
+        # then silently returns none otherwise); the flag is per request, not per prompt
+        routed = bool(body.get("return_routed_experts")) and \
+            bool(self.server_args.get("enable_return_routed_experts"))
+        routed_start = body.get("routed_experts_start_len", 0)
+        if not isinstance(routed_start, int):
+            raise HTTPError(400, "routed_experts_start_len must be an integer")
         reqs = []
         for rid_i, prompt, raw, start, top in zip(rids, prompts, raws, starts, tops):
             if not isinstance(raw, dict):
@@ -241,7 +249,8 @@ class CpuEngineServer(WeightUpdateRoutes):
                                      f"({len(prompt)} tokens)")
             reqs.append(Request(rid=rid_i, input_ids=list(prompt), params=params,
                                 on_event=lambda *_: None, logprob_start_len=start,
-                                top_logprobs_num=int(top or 0)))
+                                top_logprobs_num=int(top or 0), return_routed_experts=routed,
+                                routed_experts_start_len=routed_start))
         return reqs, batch
 
     def _check_length(self, prompt_len: int, max_new_tokens: int) -> None:
@@ -477,6 +486,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                     help="stream chunks carry only new tokens (SGLang's flag; default cumulative)")
     ap.add_argument("--enable-deterministic-inference", action="store_true",
                     help="honour sampling_params.sampling_seed (ignored otherwise, as in SGLang)")
+    ap.add_argument("--enable-return-routed-experts", action="store_true",
+                    help="capture MoE routings so /generate can return them (SGLang's flag)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--seed", "--random-seed", dest="seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -492,7 +503,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         random_seed=args.seed, context_length=args.context_length,
         enable_deterministic_inference=args.enable_deterministic_inference,
         incremental_streaming_output=args.incremental_streaming_output,
-        stream_interval=args.stream_interval, served_model_name=args.served_model_name),
+        stream_interval=args.stream_interval, served_model_name=args.served_model_name,
+        enable_return_routed_experts=args.enable_return_routed_experts),
         tokenizer=load_tokenizer(args.model))
     # Bind first so that --port 0 works: the chosen port is printed for launchers to read.
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)

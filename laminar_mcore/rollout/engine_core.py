@@ -149,6 +149,17 @@ class Request:
     # SGLang's weight-version spans: [version, start, end) over output positions.
     spans: List[List] = field(default_factory=list)
     stop_trim: int = 0  # characters of a matched stop string to cut from the text
+    # MoE routing capture (SGLang's return_routed_experts): the experts of every position the
+    # model has run, int32 [positions, layers, top-k] per forward call
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    routed: List[torch.Tensor] = field(default_factory=list)
+
+    def routed_experts(self) -> Optional[torch.Tensor]:
+        """SGLang's ``routed_experts``: positions [start_len, seqlen - 1), int32."""
+        if not self.routed:
+            return None
+        return torch.cat(self.routed)[self.routed_experts_start_len:]
 
     @property
     def prefix(self) -> List[int]:
@@ -240,7 +251,17 @@ class EngineCore:
         if req.params.sampling_seed is not None and self.deterministic:
             req.generator = torch.Generator().manual_seed(req.params.sampling_seed)
         self.requests[req.rid] = req
-        if req.params.max_new_tokens == 0:
+        start = req.routed_experts_start_len
+        if req.return_routed_experts and not 0 <= start <= len(req.input_ids):
+            # SGLang's scheduler (handle_generate_request) finishes it with an abort
+            req.routed_experts_start_len = 0
+            bound = ("is lower than 0. Please use a non-negative routed_experts_start_len."
+                     if start < 0 else f"is higher than the number of input tokens "
+                     f"len(req.origin_input_ids)={len(req.input_ids)}. Please use a smaller "
+                     "routed_experts_start_len.")
+            self._finish(req, {"type": "abort", "message":
+                               f"recv_req.routed_experts_start_len={start} {bound}"})
+        elif req.params.max_new_tokens == 0:
             self._finish(req, {"type": "length", "length": 0})
         else:
             self.waiting.append(req)
@@ -347,8 +368,11 @@ class EngineCore:
         if not batch:
             return
         want_all = [r.logprob_start_len >= 0 and r.input_logprobs is None for r in batch]
+        routed = self._routed_out(batch)
         logits = self.model.forward([r.prefix for r in batch], [r.slots for r in batch],
-                                    [0] * len(batch), self.kv, all_logits=any(want_all))
+                                    [0] * len(batch), self.kv, all_logits=any(want_all),
+                                    routed_out=routed)
+        self._keep_routed(batch, routed, reset=True)
         if any(want_all):
             for req, rows, want in zip(batch, logits, want_all):
                 if want:
@@ -358,6 +382,22 @@ class EngineCore:
             req.cached_len = len(req.prefix)
         self.running.extend(batch)
         self._sample_and_emit(batch, logits)
+
+    def _routed_out(self, batch: List[Request]) -> Optional[list]:
+        capture = self.model.moe is not None and any(r.return_routed_experts for r in batch)
+        return [] if capture else None
+
+    @staticmethod
+    def _keep_routed(batch: List[Request], routed: Optional[list], reset: bool) -> None:
+        """Append each request's routing of this forward (a prefill, or a re-prefill after a
+        retraction, recomputes every position: it replaces what was kept)."""
+        if routed is None:
+            return
+        for req, rows in zip(batch, routed):
+            if req.return_routed_experts:
+                if reset:
+                    req.routed = []
+                req.routed.append(rows)
 
     def _input_logprobs(self, req: Request, rows: torch.Tensor) -> None:
         """Prompt log-probs from ``logprob_start_len`` (the first position has none)."""
@@ -384,8 +424,10 @@ class EngineCore:
         batch = list(self.running)
         for req in batch:
             req.slots = torch.cat([req.slots, self.pool.allocate(1)])
+        routed = self._routed_out(batch)
         logits = self.model.forward([[r.prefix[-1]] for r in batch], [r.slots for r in batch],
-                                    [r.cached_len for r in batch], self.kv)
+                                    [r.cached_len for r in batch], self.kv, routed_out=routed)
+        self._keep_routed(batch, routed, reset=False)
         for req in batch:
             req.cached_len += 1
         self.new_token_ratio = max(0.1, self.new_token_ratio - 0.001)

@@ -9,6 +9,7 @@ refuses and answers. It never imports trainer code.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import secrets
 import time
@@ -113,6 +114,11 @@ def generate_result(req: Request, *, upto: int, since: int = 0, version: str,
             "e2e_latency": time.time() - req.created}
     if spans:
         meta["weight_versions"] = spans
+    if finished and req.return_routed_experts:
+        routed = req.routed_experts()
+        if routed is not None:  # base64 of int32 [positions, layers, top-k], as SGLang sends it
+            meta["routed_experts"] = base64.b64encode(
+                routed.contiguous().numpy().tobytes()).decode("ascii")
     ids = req.output_ids[since:upto]
     if return_logprob:
         text_of = decode if return_text else None

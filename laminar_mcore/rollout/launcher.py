@@ -50,9 +50,10 @@ def sglang_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp: i
                    mem_fraction_static: float = 0.8, api_key: Optional[str] = None,
                    max_running_requests: Optional[int] = None, weight_version: Optional[str] = "0",
                    incremental_streaming_output: bool = True, stream_interval: int = 8,
-                   deterministic: bool = False,
+                   deterministic: bool = False, routed_experts: bool = False,
                    extra_args: Sequence[str] = (), python: str = sys.executable) -> List[str]:
-    """The ``sglang.launch_server`` command line for one rollout engine."""
+    """The ``sglang.launch_server`` command line for one rollout engine (``routed_experts``:
+    capture MoE routings for routing replay, ``--enable-return-routed-experts``)."""
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
            "--port", str(port), "--tp-size", str(tp), "--base-gpu-id", str(base_gpu_id),
            "--mem-fraction-static",
@@ -63,6 +64,8 @@ def sglang_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp: i
         cmd += ["--api-key", api_key]
     cmd += _protocol_args(weight_version, incremental_streaming_output, stream_interval,
                           deterministic)
+    if routed_experts:
+        cmd.append("--enable-return-routed-experts")
     return cmd + list(extra_args)
 
 
@@ -71,7 +74,8 @@ def cpu_engine_command(model_path: str, *, port: int = 0, host: str = "127.0.0.1
                        max_running_requests: int = 64, threads: int = 1, seed: int = 0,
                        weight_version: Optional[str] = "0",
                        incremental_streaming_output: bool = False, stream_interval: int = 1,
-                       deterministic: bool = False, python: str = sys.executable) -> List[str]:
+                       deterministic: bool = False, routed_experts: bool = False,
+                       python: str = sys.executable) -> List[str]:
     """The CPU engine's command line; stream style and determinism default to SGLang's
     defaults (cumulative chunks every token, ``sampling_seed`` ignored)."""
     cmd = [python, "-m", "laminar_mcore.rollout.cpu_engine", "--model", model_path, "--host", host,
@@ -80,13 +84,16 @@ def cpu_engine_command(model_path: str, *, port: int = 0, host: str = "127.0.0.1
            "--seed", str(seed)]
     if api_key:
         cmd += ["--api-key", api_key]
+    if routed_experts:
+        cmd.append("--enable-return-routed-experts")
     return cmd + _protocol_args(weight_version, incremental_streaming_output, stream_interval,
                                 deterministic)
 
 
 def engine_command_from_config(rollout_cfg, model_path: str, *, port: int,
                                api_key: Optional[str] = None, index: int = 0,
-                               seed: Optional[int] = None) -> List[str]:
+                               seed: Optional[int] = None,
+                               routed_experts: bool = False) -> List[str]:
     """The command for engine ``index`` of ``cfg.rollout`` (backend cpu or sglang). Engines of
     a run start at version 0, stream incrementally every ``rollout.stream_interval`` tokens
     (the controller's clients read them so: ``Controller._handle``) and, with a run ``seed``
@@ -96,7 +103,7 @@ def engine_command_from_config(rollout_cfg, model_path: str, *, port: int,
     common = dict(incremental_streaming_output=True,
                   stream_interval=int(rollout_cfg.stream_interval),
                   deterministic=seed is not None and bool(rollout_cfg.deterministic_inference),
-                  weight_version="0")
+                  weight_version="0", routed_experts=routed_experts)
     if rollout_cfg.backend == "sglang":
         return sglang_command(model_path, port=port, host=rollout_cfg.host, tp=rollout_cfg.engine_tp,
                               base_gpu_id=engine_gpu_ids(rollout_cfg, index)[0],
@@ -145,7 +152,8 @@ def engine_process(cfg, model_path: str, log_path: str, index: int) -> "EnginePr
     its own port, SGLang gets a free one."""
     port = 0 if cfg.rollout.backend == "cpu" else free_port()
     return EngineProcess(engine_command_from_config(cfg.rollout, model_path, port=port,
-                                                    index=index, seed=cfg.seed),
+                                                    index=index, seed=cfg.seed,
+                                                    routed_experts=bool(cfg.algo.routing_replay)),
                          log_path=log_path, host=cfg.rollout.host, port=port or None)
 
 

@@ -1,5 +1,5 @@
-"""The CPU engine's model: a plain-torch decoder for the Llama family (Qwen2, Llama 3, Qwen3)
-that reads Hugging Face weights by their own names and attends over a shared KV cache.
+"""The CPU engine's model: a plain-torch decoder for the Llama family (Qwen2, Llama 3, Qwen3) and
+Qwen3-MoE that reads Hugging Face weights by their own names and attends over a shared KV cache.
 
 Owns the forward pass of a ragged batch (each request brings its new tokens and attends to its
 cached ones) and in-place weight loading. It never imports Megatron or trainer code; the weight
@@ -61,7 +61,12 @@ class DecoderLM:
         self.params: Dict[str, torch.Tensor] = {}
         # names and shapes from the family's adapter (the trainer's exporter uses the same)
         self.expected = self.adapter.hf_shapes(hf_config)
-        self.layer_names = [self.adapter.hf_layer_names(i) for i in range(s.layers)]
+        self.moe = self.adapter.moe_shape(hf_config) if getattr(self.adapter, "is_moe", False) \
+            else None
+        self.layer_names = [self.adapter.hf_layer_names(i, hf_config) if self.moe else
+                            self.adapter.hf_layer_names(i) for i in range(s.layers)]
+        self.expert_names = {i: [self.adapter.hf_expert_names(i, e) for e in range(self.moe.experts)]
+                             for i, moe in enumerate(self.moe.moe_layers) if moe} if self.moe else {}
         self.load_weights(state, strict=True)
 
     @torch.no_grad()
@@ -96,9 +101,13 @@ class DecoderLM:
     @torch.no_grad()
     def forward(self, new_tokens: Sequence[Sequence[int]], slot_tables: Sequence[torch.Tensor],
                 cached_lens: Sequence[int], kv: Tuple[torch.Tensor, torch.Tensor],
-                all_logits: bool = False):
+                all_logits: bool = False, routed_out: Optional[list] = None):
         """Logits (fp32) of the last new token of each request, [R, vocab]; with
         ``all_logits`` a list of [new tokens, vocab] per request (prompt log-probs).
+
+        ``routed_out`` (MoE models): receives, per request, the experts each new token was
+        routed to, int32 [new tokens, layers, top-k] (-1 in dense layers), SGLang's
+        ``routed_experts`` layout.
 
         Request r's KV lives in the cache slots ``slot_tables[r]`` (a paged layout: position i
         in slot ``slot_tables[r][i]``); its first ``cached_lens[r]`` positions hold its past,
@@ -133,6 +142,8 @@ class DecoderLM:
         a = self.adapter
         x = F.embedding(tokens, p[a.HF_EMBED])
         rep = s.heads // s.groups
+        routed = torch.full((len(tokens), s.layers, self.moe.topk), -1, dtype=torch.int32) \
+            if self.moe is not None and routed_out is not None else None
         for i in range(s.layers):
             n = self.layer_names[i]
             h = _rms_norm(x, p[n["input_norm"]], self.eps)
@@ -160,16 +171,47 @@ class DecoderLM:
             out = out.transpose(1, 2)[row_of, col_of].reshape(-1, s.heads * s.head_dim)
             x = x + F.linear(out, p[n["o_proj"]])
             h = _rms_norm(x, p[n["post_attention_norm"]], self.eps)
+            if "router" in n:
+                out, top = self._moe_mlp(i, h)
+                if routed is not None:
+                    routed[:, i] = top.to(torch.int32)
+                x = x + out
+                continue
             gate = F.linear(h, p[n["gate_proj"]])
             up = F.linear(h, p[n["up_proj"]])
             x = x + F.linear(F.silu(gate) * up, p[n["down_proj"]])
         head = p[a.HF_EMBED] if self.tied else p[a.HF_LM_HEAD]
+        if routed is not None:
+            routed_out.extend(torch.split(routed, n_new))
         if all_logits:
             logits = F.linear(_rms_norm(x, p[a.HF_FINAL_NORM], self.eps), head).float()
             return list(torch.split(logits, n_new))
         last = torch.tensor(n_new).cumsum(0) - 1
         h = _rms_norm(x[last], p[a.HF_FINAL_NORM], self.eps)
         return F.linear(h, head).float()
+
+
+    def _moe_mlp(self, i: int, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3-MoE's sparse block: softmax router (fp32), top-k, renormalised when
+        ``norm_topk_prob``; each expert runs on the tokens routed to it. Returns the output and
+        the chosen experts [tokens, k] (in descending score order)."""
+        p, m = self.params, self.moe
+        logits = F.linear(h.float(), p[self.layer_names[i]["router"]].float())
+        probs = torch.softmax(logits, dim=-1)
+        weights, top = torch.topk(probs, m.topk, dim=-1)
+        if m.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(h.dtype)
+        out = torch.zeros_like(h)
+        for e, names in enumerate(self.expert_names[i]):
+            rows, slot = torch.nonzero(top == e, as_tuple=True)
+            if rows.numel() == 0:
+                continue
+            x = h[rows]
+            y = F.linear(F.silu(F.linear(x, p[names["gate_proj"]])) * F.linear(x, p[names["up_proj"]]),
+                         p[names["down_proj"]])
+            out.index_add_(0, rows, y * weights[rows, slot].unsqueeze(-1))
+        return out, top
 
 
 def load_decoder(model_dir: str, dtype=torch.float32) -> DecoderLM:

@@ -7,12 +7,13 @@ tensor- and pipeline-parallel shards, checking every parameter and shape.
 
 from __future__ import annotations
 
-from typing import Dict, Mapping, Optional
+from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 
 from ..models import get_adapter
 from ..models.base import AdapterError, split_layer_name
+from ..models.moe import is_expert_param, parse_expert
 from ..parallel import apply_cpu_compat
 
 
@@ -66,6 +67,13 @@ def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, use_te=
     on_gpu = torch.cuda.is_available()
     use_te = te_available() if use_te is None else use_te
     kwargs = adapter.transformer_config_kwargs(hf_config)
+    if getattr(adapter, "is_moe", False):
+        kwargs.update(
+            expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+            expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
+            # Transformer Engine's grouped GEMM on GPUs; SequentialMLP (a loop of experts) on CPU
+            moe_grouped_gemm=bool(on_gpu and use_te),
+        )
     kwargs.update(
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
@@ -113,9 +121,13 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32,
     if hf_config.num_hidden_layers % pp:
         raise AdapterError(f"num_hidden_layers {hf_config.num_hidden_layers} is not divisible "
                            f"by pp={pp}")
+    moe = getattr(adapter, "is_moe", False)
+    if moe and adapter.num_experts(hf_config) % config.expert_model_parallel_size:
+        raise AdapterError(f"num_experts {adapter.num_experts(hf_config)} is not divisible by "
+                           f"ep={config.expert_model_parallel_size}")
     model = GPTModel(
         config=config,
-        transformer_layer_spec=adapter.layer_spec(use_te),
+        transformer_layer_spec=adapter.layer_spec(use_te, config) if moe else adapter.layer_spec(use_te),
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=True,
@@ -127,13 +139,36 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32,
     return model
 
 
+def _expert_layout(model) -> Tuple[int, int]:
+    """(first global expert of this rank, experts per rank) under expert parallelism."""
+    from megatron.core import parallel_state
+
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    per_rank = (model.config.num_moe_experts or 0) // ep
+    return parallel_state.get_expert_model_parallel_rank() * per_rank, per_rank
+
+
 def global_param_name(model, local_name: str) -> str:
-    """``decoder.layers.{local}.x`` -> ``decoder.layers.{global}.x`` using each layer's number."""
+    """``decoder.layers.{local}.x`` -> ``decoder.layers.{global}.x`` using each layer's number;
+    an expert's local number becomes its global one (its EP rank's first expert + local)."""
     local, suffix = split_layer_name(local_name)
     if local is None:
         return local_name
     layer_number = model.decoder.layers[local].layer_number  # 1-based, global
+    expert = parse_expert(suffix)
+    if expert is not None:
+        first, _ = _expert_layout(model)
+        suffix = f"mlp.experts.local_experts.{first + expert[0]}.{expert[1]}"
     return f"decoder.layers.{layer_number - 1}.{suffix}"
+
+
+def _tp_layout(name: str) -> Tuple[int, int]:
+    """(rank, size) of the group that splits ``name``: expert TP for experts, TP otherwise."""
+    from megatron.core import parallel_state as ps
+
+    if is_expert_param(name):
+        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
 
 
 def local_full_names(model, hf_config) -> Dict[str, str]:
@@ -151,16 +186,13 @@ def local_full_names(model, hf_config) -> Dict[str, str]:
 @torch.no_grad()
 def load_full_state(model, hf_config, full_state: Mapping[str, torch.Tensor]) -> None:
     """Copy this rank's shards of full Megatron tensors into ``model``; every shape is checked."""
-    from megatron.core import parallel_state
 
     adapter = get_adapter(hf_config)
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
     params = dict(model.named_parameters())
     for local, full_name in local_full_names(model, hf_config).items():
         if full_name not in full_state:
             raise AdapterError(f"no source tensor for parameter {local!r} ({full_name!r})")
-        shard = adapter.shard(full_name, full_state[full_name], tp_rank, tp_size)
+        shard = adapter.shard(full_name, full_state[full_name], *_tp_layout(full_name))
         param = params[local]
         if tuple(shard.shape) != tuple(param.shape):
             raise AdapterError(f"{local}: source shard has shape {tuple(shard.shape)}, the model "
@@ -173,12 +205,14 @@ def stage_full_tensors(model, hf_config, *, grads: bool = False) -> Dict[str, to
     """This pipeline stage's parameters (or their gradients) as full tensors, gathered over TP.
 
     Returned on every rank of the tensor-parallel group, keyed by full Megatron names with
-    global layer numbers. The last stage's copy of a tied embedding is left out (the first
-    stage holds it). Collective over the TP group.
+    global layer numbers; experts are gathered over expert parallelism too (every expert of
+    the stage). The last stage's copy of a tied embedding is left out (the first stage holds
+    it). Collective over the TP, expert-TP and EP groups.
     """
     adapter = get_adapter(hf_config)
     tied = adapter.tied_embeddings(hf_config)
     out: Dict[str, torch.Tensor] = {}
+    experts: Dict[str, torch.Tensor] = {}
     for local, param in model.named_parameters():
         if tied and local == "output_layer.weight":
             continue
@@ -186,8 +220,40 @@ def stage_full_tensors(model, hf_config, *, grads: bool = False) -> Dict[str, to
         tensor = param.grad if grads else param
         if tensor is None:
             tensor = torch.zeros_like(param)
-        out[full_name] = gather_tp(adapter, full_name, tensor.detach()).cpu().clone()
+        gathered = gather_tp(adapter, full_name, tensor.detach()).cpu().clone()
+        (experts if is_expert_param(full_name) else out)[full_name] = gathered
+    out.update(gather_ep(model, experts))
     return out
+
+
+def gather_ep(model, experts: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Every EP rank's experts from this rank's ``experts`` (full names, global numbers, each
+    already whole over expert TP). Every rank of the EP group calls it with the same layers
+    (the same structure), so the gathers line up. Collective over the EP group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    ep = ps.get_expert_model_parallel_world_size()
+    if ep == 1 or not experts:
+        return dict(experts)
+    first, per_rank = _expert_layout(model)
+    out: Dict[str, torch.Tensor] = {}
+    for name in sorted(experts, key=_expert_sort_key):
+        layer, suffix = split_layer_name(name)
+        e, which = parse_expert(suffix)
+        t = experts[name].contiguous()
+        parts = [torch.empty_like(t) for _ in range(ep)]
+        dist.all_gather(parts, t, group=ps.get_expert_model_parallel_group())
+        for r, part in enumerate(parts):
+            out[f"decoder.layers.{layer}.mlp.experts.local_experts."
+                f"{r * per_rank + e - first}.{which}"] = part
+    return out
+
+
+def _expert_sort_key(name: str):
+    layer, suffix = split_layer_name(name)
+    e, which = parse_expert(suffix)
+    return layer, e, which
 
 
 def gather_tp(adapter, name: str, shard: torch.Tensor) -> torch.Tensor:
@@ -197,12 +263,16 @@ def gather_tp(adapter, name: str, shard: torch.Tensor) -> torch.Tensor:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+    expert = is_expert_param(name)
+    tp = parallel_state.get_expert_tensor_parallel_world_size() if expert else \
+        parallel_state.get_tensor_model_parallel_world_size()
     if adapter.tp_dim(name) is None or tp == 1:
         return shard
     shard = shard.contiguous()
     shards = [torch.empty_like(shard) for _ in range(tp)]
-    dist.all_gather(shards, shard, group=parallel_state.get_tensor_model_parallel_group())
+    group = parallel_state.get_expert_tensor_parallel_group() if expert else \
+        parallel_state.get_tensor_model_parallel_group()
+    dist.all_gather(shards, shard, group=group)
     return adapter.unshard(name, shards)
 
 
@@ -210,12 +280,9 @@ def gather_tp(adapter, name: str, shard: torch.Tensor) -> torch.Tensor:
 def load_hf_checkpoint(model, hf_config, reader) -> int:
     """Load this rank's shards straight from a Hugging Face checkpoint, unit by unit (at most one
     layer's tensors in memory). ``reader``: a ``SafetensorsReader``. Returns bytes read."""
-    from megatron.core import parallel_state
 
     adapter = get_adapter(hf_config)
     adapter.check_hf_names(hf_config, reader.names())
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
     params = dict(model.named_parameters())
     wanted = {}  # full name -> local param names (the tied embedding can have two)
     for local, full in local_full_names(model, hf_config).items():
@@ -228,7 +295,7 @@ def load_hf_checkpoint(model, hf_config, reader) -> int:
         nbytes += sum(t.numel() * t.element_size() for t in hf.values())
         for full, tensor in adapter.convert_unit_from_hf(hf_config, unit, hf).items():
             for local in wanted.get(full, []):
-                shard = adapter.shard(full, tensor, tp_rank, tp_size)
+                shard = adapter.shard(full, tensor, *_tp_layout(full))
                 if tuple(shard.shape) != tuple(params[local].shape):
                     raise AdapterError(f"{local}: checkpoint shard {tuple(shard.shape)} does not "
                                        f"match the model's {tuple(params[local].shape)}")

@@ -1,0 +1,181 @@
+"""Qwen3-MoE: the adapter (names, layouts, every expert tensor checked), Megatron-Core's MoE
+GPTModel and the CPU engine against transformers, and the engine's routed experts over HTTP
+(SGLang 0.5.23's return_routed_experts)."""
+
+import asyncio
+import base64
+
+import numpy as np
+import pytest
+import torch
+
+from laminar_mcore.models import AdapterError, get_adapter
+from laminar_mcore.models.hf import initial_hf_state, save_hf_checkpoint, tiny_hf_config
+from laminar_mcore.rollout.model import DecoderLM
+
+MOE_CASES = {
+    "norm_topk": dict(norm_topk_prob=True),
+    "softmax_then_topk_with_a_dense_layer": dict(norm_topk_prob=False, mlp_only_layers=[1]),
+    "sparse_step_2": dict(decoder_sparse_step=2),
+}
+
+
+def _cfg(case="norm_topk"):
+    return tiny_hf_config("qwen3_moe", **MOE_CASES[case])
+
+
+def _state(cfg, seed=3):
+    return initial_hf_state(type("M", (), {"path": None})(), cfg, seed)
+
+
+@pytest.mark.parametrize("case", sorted(MOE_CASES))
+def test_hf_to_mcore_to_hf_is_bit_identical_and_names_every_expert(case):
+    cfg = _cfg(case)
+    hf = _state(cfg)
+    adapter = get_adapter(cfg)
+    assert set(hf) == set(adapter.hf_shapes(cfg))
+    mcore = adapter.hf_to_mcore(cfg, hf)
+    back = adapter.mcore_to_hf(cfg, mcore)
+    assert set(back) == set(hf)
+    for name, tensor in hf.items():
+        assert torch.equal(back[name], tensor), name
+    moe_layers = adapter.moe_shape(cfg).moe_layers
+    for i, moe in enumerate(moe_layers):
+        has_router = f"decoder.layers.{i}.mlp.router.weight" in mcore
+        assert has_router == moe
+        if moe:
+            fc1 = mcore[f"decoder.layers.{i}.mlp.experts.local_experts.7.linear_fc1.weight"]
+            gate = hf[f"model.layers.{i}.mlp.experts.7.gate_proj.weight"]
+            up = hf[f"model.layers.{i}.mlp.experts.7.up_proj.weight"]
+            assert torch.equal(fc1, torch.cat([gate, up]))
+        else:
+            assert f"decoder.layers.{i}.mlp.linear_fc1.weight" in mcore
+    if case == "sparse_step_2":
+        assert moe_layers == (False, True, False, True)
+
+
+def test_a_missing_extra_or_misnamed_expert_tensor_is_a_named_error():
+    cfg = _cfg()
+    adapter = get_adapter(cfg)
+    hf = _state(cfg)
+    missing = dict(hf)
+    missing.pop("model.layers.2.mlp.experts.5.up_proj.weight")
+    with pytest.raises(AdapterError, match=r"model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight.*missing"):
+        adapter.hf_to_mcore(cfg, missing)
+    extra = dict(hf, **{"model.layers.0.mlp.experts.8.down_proj.weight": torch.zeros(64, 32)})
+    with pytest.raises(AdapterError, match=r"no Megatron counterpart.*experts\.8\.down_proj"):
+        adapter.hf_to_mcore(cfg, extra)
+    misnamed = dict(hf)
+    misnamed["model.layers.1.mlp.experts.3.w1.weight"] = misnamed.pop(
+        "model.layers.1.mlp.experts.3.gate_proj.weight")
+    with pytest.raises(AdapterError, match=r"experts\.3\.w1\.weight"):
+        adapter.hf_to_mcore(cfg, misnamed)
+    mcore = adapter.hf_to_mcore(cfg, hf)
+    mcore.pop("decoder.layers.3.mlp.experts.local_experts.0.linear_fc2.weight")
+    with pytest.raises(AdapterError, match=r"local_experts\.0\.linear_fc2\.weight.*missing"):
+        adapter.mcore_to_hf(cfg, mcore)
+    # the CPU engine's loader refuses a wrong expert shape before writing anything
+    model = DecoderLM(cfg, hf)
+    before = model.params["model.layers.0.mlp.experts.0.down_proj.weight"].clone()
+    bad = {"model.layers.0.mlp.experts.0.down_proj.weight": torch.zeros(64, 33)}
+    with pytest.raises(ValueError, match=r"experts\.0\.down_proj\.weight: shape"):
+        model.load_weights(bad)
+    assert torch.equal(model.params["model.layers.0.mlp.experts.0.down_proj.weight"], before)
+
+
+def test_expert_tp_split_and_grouped_gemm_names():
+    from laminar_mcore.models.base import split_layer_name
+
+    cfg = _cfg()
+    adapter = get_adapter(cfg)
+    mcore = adapter.hf_to_mcore(cfg, _state(cfg))
+    name = "decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight"
+    shards = [adapter.shard(name, mcore[name], r, 2) for r in range(2)]
+    assert shards[0].shape == (32, 64)  # [gate_r; up_r], 16 rows each
+    assert torch.equal(adapter.unshard(name, shards), mcore[name])
+    fc2 = name.replace("fc1", "fc2")
+    assert adapter.tp_dim(fc2) == 1 and adapter.tp_dim("decoder.layers.1.mlp.router.weight") is None
+    # Transformer Engine's grouped GEMM names the same tensor mlp.experts.linear_fc1.weight2
+    assert split_layer_name("decoder.layers.1.mlp.experts.linear_fc1.weight2") == \
+        (1, "mlp.experts.local_experts.2.linear_fc1.weight")
+
+
+@pytest.mark.parametrize("case", sorted(MOE_CASES))
+def test_megatron_moe_model_and_cpu_engine_match_transformers(case, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from laminar_mcore.parallel import destroy_trainer_parallel, init_trainer_parallel
+    from laminar_mcore.trainer.model import build_gpt_model, load_full_state
+
+    cfg = _cfg(case)
+    hf = _state(cfg)
+    save_hf_checkpoint(tmp_path, cfg, hf)
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    tokens = torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = torch.log_softmax(ref(tokens[None]).logits[0].float(), -1)
+    engine = DecoderLM(cfg, hf)
+    routed = []
+    got = engine.forward([tokens.tolist()], [torch.arange(24)], [0], engine.new_kv_cache(32),
+                         all_logits=True, routed_out=routed)[0]
+    assert (torch.log_softmax(got, -1) - expected).abs().max() < 1e-4
+    assert routed[0].shape == (24, cfg.num_hidden_layers, 2)
+    moe = get_adapter(cfg).moe_shape(cfg).moe_layers
+    for i, is_moe in enumerate(moe):
+        rows = routed[0][:, i]
+        assert ((rows >= 0).all() and (rows < 8).all()) if is_moe else (rows == -1).all()
+    init_trainer_parallel(seed=1)
+    try:
+        model = build_gpt_model(cfg)
+        load_full_state(model, cfg, get_adapter(cfg).hf_to_mcore(cfg, hf))
+        mask = torch.triu(torch.ones(1, 1, 24, 24, dtype=torch.bool), 1)
+        with torch.no_grad():
+            logits = model(tokens[None], torch.arange(24)[None], attention_mask=mask)[0]
+        assert (torch.log_softmax(logits.float(), -1) - expected).abs().max() < 1e-4
+    finally:
+        destroy_trainer_parallel()
+
+
+@pytest.mark.multiprocess
+def test_engine_returns_routed_experts_as_sglang_does(tmp_path):
+    """meta_info.routed_experts: base64 int32 [seqlen - 1 - start, layers, top-k], only when
+    the server was started with --enable-return-routed-experts; a start past the prompt is
+    an abort (SGLang's scheduler)."""
+    from laminar_mcore.rollout.client import SGLangClient
+    from laminar_mcore.rollout.launcher import EngineProcess, cpu_engine_command
+
+    cfg = _cfg()
+    hf = _state(cfg)
+    save_hf_checkpoint(tmp_path / "m", cfg, hf)
+    prompt = [5, 9, 17, 33, 2, 64]
+
+    async def generate(url, **extra):
+        async with SGLangClient(url, timeout_s=30) as c:
+            body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 7,
+                    "temperature": 0.0, "ignore_eos": True}, "return_logprob": True, **extra}
+            return await c._request("POST", "/generate", body, timeout=30)
+
+    with EngineProcess(cpu_engine_command(str(tmp_path / "m"), routed_experts=True),
+                       log_path=str(tmp_path / "e.log")) as on:
+        out = asyncio.run(generate(on.url, return_routed_experts=True))
+        part = asyncio.run(generate(on.url, return_routed_experts=True, routed_experts_start_len=4))
+        plain = asyncio.run(generate(on.url))
+        bad = asyncio.run(generate(on.url, return_routed_experts=True, routed_experts_start_len=7))
+    with EngineProcess(cpu_engine_command(str(tmp_path / "m")),
+                       log_path=str(tmp_path / "e2.log")) as off:
+        without_flag = asyncio.run(generate(off.url, return_routed_experts=True))
+    routed = np.frombuffer(base64.b64decode(out["meta_info"]["routed_experts"]), dtype=np.int32)
+    seqlen = len(prompt) + 7
+    routed = routed.reshape(seqlen - 1, cfg.num_hidden_layers, 2)
+    # the same routing as the model's own forward over the sequence (positions 0..seqlen-2)
+    engine = DecoderLM(cfg, hf)
+    ref = []
+    engine.forward([prompt + out["output_ids"][:-1]], [torch.arange(seqlen - 1)], [0],
+                   engine.new_kv_cache(32), routed_out=ref)
+    assert np.array_equal(routed, ref[0].numpy())
+    tail = np.frombuffer(base64.b64decode(part["meta_info"]["routed_experts"]), dtype=np.int32)
+    assert np.array_equal(tail.reshape(-1, cfg.num_hidden_layers, 2), routed[4:])
+    assert "routed_experts" not in plain["meta_info"]
+    assert "routed_experts" not in without_flag["meta_info"]
+    assert bad["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "routed_experts_start_len=7" in bad["meta_info"]["finish_reason"]["message"]
