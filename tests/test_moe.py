@@ -179,3 +179,66 @@ def test_engine_returns_routed_experts_as_sglang_does(tmp_path):
     assert "routed_experts" not in without_flag["meta_info"]
     assert bad["meta_info"]["finish_reason"]["type"] == "abort"
     assert "routed_experts_start_len=7" in bad["meta_info"]["finish_reason"]["message"]
+
+
+# (TP2, EP2) trains only with sequence parallelism in Megatron-Core (MoELayer refuses TP > 1
+# without it), which needs Transformer Engine; expert TP > 1 gathers token slices of uneven
+# sizes, which gloo cannot. Both are GPU layouts; on CPU EP4 (two experts per rank) stands in.
+EP_LAYOUTS = ["t1p1e1", "t1p1e2", "t1p1e4", "t1p2e2"]
+
+
+@pytest.fixture(scope="module")
+def ep_run(tmp_path_factory):
+    import os
+
+    from laminar_mcore.testing.dist import run_torchrun
+
+    from .conftest import WORKERS
+
+    out = str(tmp_path_factory.mktemp("moe_layouts"))
+    results = run_torchrun(os.path.join(WORKERS, "moe_step.py"), 4,
+                           ["--layouts", ",".join(EP_LAYOUTS)], out_dir=out, timeout=900)
+    return out, results
+
+
+def _stage_files(out, prefix, layout):
+    import glob
+
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for path in sorted(glob.glob(f"{out}/{prefix}_{layout}_pp*.safetensors")):
+        part = load_file(path)
+        assert not set(part) & set(tensors), "two stages hold the same tensor"
+        tensors.update(part)
+    return tensors
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_one_step_gives_the_same_weights_at_every_expert_layout(ep_run):
+    """EP1, EP2, EP4 and (PP2, EP2) on 4 ranks: the same updated weights (fp32, 1e-5),
+    every expert present once; the export (the publisher's HF tensors, experts gathered over
+    EP) equals the adapter's conversion of those weights."""
+    out, results = ep_run
+    cfg = tiny_hf_config("qwen3_moe", mlp_only_layers=[2])
+    adapter = get_adapter(cfg)
+    initial = adapter.hf_to_mcore(cfg, _state(cfg))
+    reference = _stage_files(out, "weights", "t1p1e1")
+    assert set(reference) == set(initial)
+    moved = [n for n in reference if not torch.equal(reference[n], initial[n])]
+    assert any("local_experts" in n for n in moved) and any("router" in n for n in moved)
+    loss = results[0]["stats"]["t1p1e1"]["loss"]
+    for layout in EP_LAYOUTS[1:]:
+        weights = _stage_files(out, "weights", layout)
+        assert set(weights) == set(reference), layout
+        for name, tensor in weights.items():
+            torch.testing.assert_close(tensor, reference[name], atol=1e-5, rtol=0,
+                                       msg=lambda m: f"{layout} {name}: {m}")
+        for r in results:
+            assert abs(r["stats"][layout]["loss"] - loss) < 1e-5, (layout, r["rank"])
+        exported = _stage_files(out, "export", layout)
+        expected = adapter.mcore_to_hf(cfg, weights)
+        assert set(exported) == set(expected), layout
+        for name, tensor in exported.items():
+            assert torch.equal(tensor, expected[name]), f"{layout} export {name}"

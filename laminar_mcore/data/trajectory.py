@@ -30,6 +30,10 @@ class Trajectory:
     # [{"version": "3", "start": 0, "end": 17}] (token offsets into response_ids). A trajectory
     # of Laminar's has one span; a resumed or repacked one has one per request, all of its version.
     version_spans: List[Dict[str, Any]] = field(default_factory=list)
+    # MoE routing replay: the experts every position [0, num_tokens - 1) was routed to by the
+    # engine, as SGLang returns them (base64 of int32 [positions, layers, top-k]), one segment
+    # per request in order (a resumed request continues where the previous one stopped).
+    routed_experts: List[str] = field(default_factory=list)
     # Seconds since the epoch: submitted, first_token, finished, rewarded, consumed, ...
     timings: Dict[str, float] = field(default_factory=dict)
     metadata: Dict[str, Any] = field(default_factory=dict)

@@ -10,6 +10,8 @@ layers, optimizer helpers and dist_checkpointing run with gloo on a machine with
 * the CUDA RNG tracker is replaced by one that forks the CPU generator, so
   ``model_parallel_cuda_manual_seed`` and ``get_cuda_rng_tracker().fork()`` keep their meaning,
   and activation recompute's save/restore of the device RNG state is empty;
+* the MoE dispatcher's host copies of its all-to-all split sizes (``maybe_move_tensor_to_cpu``,
+  which leaves CPU tensors as they are) give numpy arrays, as they do from GPU tensors;
 * gradient clipping (``clip_grad_by_total_norm_fp32``, which asserts CUDA tensors and uses an
   apex kernel) scales the CPU gradients with ``torch._foreach_mul_``;
 * the tied-embedding set-up's and the distributed optimizer's DP gather's ``tensor.cuda()``
@@ -276,6 +278,23 @@ def _patch_grad_clipping() -> None:
         module.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
 
 
+def _move_to_host_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """Megatron's ``maybe_move_tensor_to_cpu`` for a process whose tensors are already on the
+    host: the same result as the GPU path (a numpy array with ``as_numpy``: the MoE all-to-all
+    dispatcher's split sizes, which ``all_to_all_single`` takes as a sequence of ints)."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
+
+
+def _patch_moe_host_copies() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    for module in (moe_utils, token_dispatcher):
+        if hasattr(module, "maybe_move_tensor_to_cpu"):
+            module.maybe_move_tensor_to_cpu = _move_to_host_cpu
+
+
 def _wrap_tensor_cuda_callers() -> None:
     callers = [(c, _tensor_cuda_is_identity) for c in _TENSOR_CUDA_CALLERS]
     callers += [(c, _tensor_type_is_cuda) for c in _TENSOR_TYPE_CALLERS]
@@ -368,6 +387,7 @@ def apply_cpu_compat(force: bool = False) -> bool:
         _install_rng_tracker()
         _wrap_tensor_cuda_callers()
         _patch_grad_clipping()
+        _patch_moe_host_copies()
         _APPLIED = True
     _rebind_megatron_modules()
     return True

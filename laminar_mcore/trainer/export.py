@@ -15,7 +15,8 @@ from typing import Iterator, Tuple
 import torch
 
 from ..models import get_adapter
-from .model import gather_tp, global_param_name
+from ..models.moe import is_expert_param
+from .model import gather_ep, gather_tp, global_param_name
 
 
 def _unwrap(model):
@@ -38,10 +39,16 @@ def iter_stage_hf_tensors(model, hf_config) -> Iterator[Tuple[str, torch.Tensor]
             continue  # the last stage's copy of the tied embedding: the first stage exports it
         params[global_param_name(model, local)] = param
     for unit, names in adapter.export_units(hf_config):
-        if not all(n in params for n in names):
-            if any(n in params for n in names):
-                missing = [n for n in names if n not in params]
+        # experts of other EP ranks come from the EP gather below
+        own = [n for n in names if n in params or not is_expert_param(n)]
+        if not all(n in params for n in own):
+            if any(n in params for n in own):
+                missing = [n for n in own if n not in params]
                 raise RuntimeError(f"stage holds part of unit {unit}; missing {missing}")
             continue
-        full = {name: gather_tp(adapter, name, params[name].detach()) for name in names}
+        full = {name: gather_tp(adapter, name, params[name].detach())
+                for name in names if name in params}
+        experts = {n: t for n, t in full.items() if is_expert_param(n)}
+        if experts:
+            full.update(gather_ep(model, experts))
         yield from adapter.convert_unit_to_hf(hf_config, unit, full)

@@ -34,7 +34,8 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
         torch.set_num_threads(cfg.cluster.threads_per_process)
     p = cfg.parallel
     init_trainer_parallel(tp=p.tp, pp=p.pp, cp=p.cp, seed=cfg.seed,
-                          timeout_s=cfg.trainer.collective_timeout_s)
+                          timeout_s=cfg.trainer.collective_timeout_s, ep=p.ep,
+                          expert_tp=p.expert_tp)
     try:
         hf_config = load_hf_config(model_path)
         algo, trainer = cfg.algo, cfg.trainer

@@ -126,6 +126,42 @@ def pack_trajectories(trajectories: Sequence[Trajectory], advantages: Sequence[f
         cu_seqlens_padded=cu_pad, traj_indices=list(traj_indices))
 
 
+def routed_experts_rows(traj: Trajectory, layers: int, topk: int) -> torch.Tensor:
+    """The engine's routing of every position of ``traj`` as int64 [num_tokens, layers, topk];
+    the last position (which the engine never ran: it was sampled last) routes to experts
+    0..topk-1, which only its own unused logits see."""
+    import base64
+
+    import numpy as np
+
+    if not traj.routed_experts:
+        raise ValueError(f"trajectory {traj.uid} carries no routed experts; algo.routing_replay="
+                         "true needs engines started with --enable-return-routed-experts (the "
+                         "launcher adds it) and trajectories generated since")
+    flat = np.concatenate([np.frombuffer(base64.b64decode(seg), dtype=np.int32)
+                           for seg in traj.routed_experts])
+    want = (traj.num_tokens - 1) * layers * topk
+    if flat.size != want:
+        raise ValueError(f"trajectory {traj.uid}: {flat.size} routed-expert entries, expected "
+                         f"(num_tokens - 1) x layers x top-k = {traj.num_tokens - 1} x {layers} "
+                         f"x {topk} = {want}")
+    rows = torch.from_numpy(flat.astype(np.int64)).view(traj.num_tokens - 1, layers, topk)
+    last = torch.arange(topk, dtype=torch.int64).expand(1, layers, topk)
+    return torch.cat([rows, last])
+
+
+def pack_routed_experts(trajectories: Sequence[Trajectory], layers: int, topk: int,
+                        cu_seqlens_padded: torch.Tensor) -> torch.Tensor:
+    """[T, layers, topk] in the packed layout of ``pack_trajectories`` (padding routes to
+    experts 0..topk-1)."""
+    bounds = cu_seqlens_padded.tolist()
+    out = torch.arange(topk, dtype=torch.int64).expand(int(bounds[-1]), layers, topk).clone()
+    for traj, start in zip(trajectories, bounds):
+        rows = routed_experts_rows(traj, layers, topk)
+        out[start:start + len(rows)] = rows
+    return out
+
+
 def partition_balanced(lengths: Sequence[int], parts: int) -> List[List[int]]:
     """Split item indices into ``parts`` groups of near-equal total length (greedy LPT; each
     item goes to the currently lightest group, longest items first)."""

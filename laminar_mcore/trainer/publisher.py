@@ -63,8 +63,16 @@ class WeightPublisher:
         self.failover_timeout_s = failover_timeout_s
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.num_stages = ps.get_pipeline_model_parallel_world_size()
-        self.exports = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
-        self.is_lead = self.exports and ps.get_tensor_model_parallel_rank() == 0
+        from ..models import get_adapter
+
+        # Ranks that take part in the export's gathers: the stage's TP group at DP rank 0; for
+        # MoE models every rank of the stage (experts are gathered over EP, whose groups span
+        # DP ranks), layer by layer: one layer's experts at a time, never the model.
+        moe = getattr(get_adapter(hf_config), "is_moe", False)
+        self.exports = moe or (ps.get_data_parallel_rank() == 0
+                               and ps.get_context_parallel_rank() == 0)
+        self.is_lead = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0 \
+            and ps.get_tensor_model_parallel_rank() == 0
         self.packer = BucketPacker(bucket_bytes, dtype=dtype,
                                    pin_memory=torch.cuda.is_available()) if self.is_lead else None
         self.pg = None
