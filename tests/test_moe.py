@@ -242,3 +242,92 @@ def test_one_step_gives_the_same_weights_at_every_expert_layout(ep_run):
         assert set(exported) == set(expected), layout
         for name, tensor in exported.items():
             assert torch.equal(tensor, expected[name]), f"{layout} export {name}"
+
+
+def _near_tie_model(scale=1e-10):
+    """A tiny Qwen3-MoE whose routers score every expert within fp32's resolution of a
+    probability: softmax gives exact ties, so the engine (SGLang and transformers: top-k of the
+    softmax) and Megatron (norm_topk_prob: top-k of the logits) pick different experts for the
+    same weights -- the near-tie case where routing replay matters."""
+    cfg = _cfg()
+    hf = _state(cfg)
+    gen = torch.Generator().manual_seed(11)
+    for i in range(cfg.num_hidden_layers):
+        name = f"model.layers.{i}.mlp.gate.weight"
+        hf[name] = torch.randn(hf[name].shape, generator=gen) * scale
+    return cfg, hf
+
+
+def _engine_trajectories(cfg, hf, n=6):
+    """Trajectories as the engine reports them: behaviour log-probs and routed experts from
+    the CPU engine's own forward pass (SGLang's encoding)."""
+    from laminar_mcore.data.trajectory import Trajectory
+
+    engine = DecoderLM(cfg, hf)
+    gen = torch.Generator().manual_seed(4)
+    out = []
+    for k in range(n):
+        prompt = torch.randint(0, cfg.vocab_size, (5 + k,), generator=gen).tolist()
+        response = torch.randint(0, cfg.vocab_size, (7 + 2 * k,), generator=gen).tolist()
+        seq = prompt + response
+        routed = []
+        logits = engine.forward([seq[:-1]], [torch.arange(len(seq))], [0],
+                                engine.new_kv_cache(len(seq)), all_logits=True,
+                                routed_out=routed)[0]
+        lps = torch.log_softmax(logits, -1)[len(prompt) - 1:].gather(
+            1, torch.tensor(response)[:, None])[:, 0]
+        out.append(Trajectory(prompt_ids=prompt, response_ids=response,
+                              behav_logprobs=lps.tolist(), weight_version=0, group_id=f"g{k // 2}",
+                              reward=float(k % 2), uid=f"t{k}",
+                              routed_experts=[base64.b64encode(routed[0].numpy().tobytes()).decode()]))
+    return out
+
+
+def test_routing_replay_makes_the_trainer_match_the_engine_on_near_ties():
+    from laminar_mcore.config.schema import AlgoConfig, TrainerConfig
+    from laminar_mcore.parallel import destroy_trainer_parallel, init_trainer_parallel
+    from laminar_mcore.trainer.actor import MegatronActor
+
+    cfg, hf = _near_tie_model()
+    trajs = _engine_trajectories(cfg, hf)
+    full = get_adapter(cfg).hf_to_mcore(cfg, hf)
+    results = {}
+    init_trainer_parallel(seed=1)
+    try:
+        for replay in (False, True):
+            actor = MegatronActor(cfg, AlgoConfig(routing_replay=replay, mismatch_threshold=1e-3),
+                                  TrainerConfig(lr=1e-6, max_tokens_per_microbatch=64),
+                                  full_state=full)
+            mbs = actor.distribute(trajs)
+            actor.compute_logprobs(mbs)
+            diffs = torch.cat([(mb.prox_logprobs - mb.behav_logprobs)[mb.loss_mask > 0].abs()
+                               for mb in mbs])
+            stats = actor.train_step(trajs)
+            results[replay] = (diffs, stats)
+    finally:
+        destroy_trainer_parallel()
+    without, with_replay = results[False][0], results[True][0]
+    assert with_replay.max() < 1e-4, with_replay.max()
+    assert without.max() > 1e-2, without.max()  # the routers disagreed on near ties
+    # the step's metrics report it: the same numbers, from the training forward pass
+    s_off, s_on = results[False][1], results[True][1]
+    assert s_on["mismatch_tokens"] == s_off["mismatch_tokens"] == len(without)
+    assert abs(s_off["mismatch_max"] - float(without.max())) < 1e-5
+    assert s_off["mismatch_frac_above"] > 0.05 and s_on["mismatch_frac_above"] == 0.0
+    assert s_on["mismatch_max"] < 1e-4 and s_on["mismatch_p99"] <= s_on["mismatch_max"]
+    assert s_off["mismatch_mean"] <= s_off["mismatch_p99"] <= s_off["mismatch_max"]
+
+
+def test_replay_needs_the_engines_routing_and_says_so():
+    from laminar_mcore.trainer.packing import routed_experts_rows
+
+    cfg, hf = _near_tie_model()
+    traj = _engine_trajectories(cfg, hf, n=1)[0]
+    rows = routed_experts_rows(traj, cfg.num_hidden_layers, 2)
+    assert rows.shape == (traj.num_tokens, cfg.num_hidden_layers, 2)
+    traj.routed_experts = []
+    with pytest.raises(ValueError, match="--enable-return-routed-experts"):
+        routed_experts_rows(traj, cfg.num_hidden_layers, 2)
+    traj.routed_experts = [base64.b64encode(np.zeros(6, dtype=np.int32).tobytes()).decode()]
+    with pytest.raises(ValueError, match=r"6 routed-expert entries, expected"):
+        routed_experts_rows(traj, cfg.num_hidden_layers, 2)
