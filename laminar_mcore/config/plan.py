@@ -49,44 +49,74 @@ def model_arch(cfg) -> dict:
 
         return arch_of_hf_config(load_hf_config(path), source=f"model.path={path}")
     a = cfg.model.arch
+    experts = int(a.num_experts or 0) if a.family == "qwen3_moe" else 0
+    dense = set(a.mlp_only_layers or [])
+    moe_layers = sum(1 for i in range(a.num_hidden_layers) if experts and i not in dense
+                     and (i + 1) % max(a.decoder_sparse_step, 1) == 0)
     return dict(family=a.family, hidden=a.hidden_size, ffn=a.intermediate_size,
                 layers=a.num_hidden_layers, heads=a.num_attention_heads,
                 kv_heads=a.num_key_value_heads,
                 head_dim=a.head_dim or a.hidden_size // a.num_attention_heads,
-                vocab=a.vocab_size, tied=bool(a.tie_word_embeddings), source="model.arch")
+                vocab=a.vocab_size, tied=bool(a.tie_word_embeddings), source="model.arch",
+                experts=experts, topk=int(a.num_experts_per_tok), moe_ffn=a.moe_intermediate_size,
+                moe_layers=moe_layers)
 
 
 def arch_of_hf_config(hf, source: str = "config") -> dict:
     """The plan's architecture fields of a transformers config."""
     heads = hf.num_attention_heads
+    moe = {}
+    if getattr(hf, "num_experts", 0):
+        from ..models import get_adapter
+
+        m = get_adapter(hf).moe_shape(hf)
+        moe = dict(experts=m.experts, topk=m.topk, moe_ffn=m.moe_ffn,
+                   moe_layers=sum(m.moe_layers))
     return dict(family=hf.model_type, hidden=hf.hidden_size, ffn=hf.intermediate_size,
                 layers=hf.num_hidden_layers, heads=heads,
                 kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
                 head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
                 vocab=hf.vocab_size, tied=bool(getattr(hf, "tie_word_embeddings", False)),
-                source=source)
+                source=source, **{"experts": 0, "topk": 0, "moe_ffn": 0, "moe_layers": 0, **moe})
 
 
 def param_counts(arch: dict) -> Dict[str, int]:
     h, f, hd = arch["hidden"], arch["ffn"], arch["head_dim"]
     q, kv = arch["heads"] * hd, arch["kv_heads"] * hd
     layer = h * (q + 2 * kv) + (q + 2 * kv) + q * h + 3 * h * f + 2 * h  # qkv(+bias), o, mlp, norms
-    if arch["family"] == "qwen3":
+    if arch["family"] in ("qwen3", "qwen3_moe"):
         layer += 2 * hd - (q + 2 * kv)  # q/k norms, no qkv bias
     elif arch["family"] == "llama":
         layer -= q + 2 * kv
     embedding = arch["vocab"] * h
     output = 0 if arch["tied"] else arch["vocab"] * h
+    # MoE layers swap the dense MLP for a router and `experts` SwiGLU experts
+    n_moe = arch.get("moe_layers", 0)
+    expert = 3 * h * arch.get("moe_ffn", 0)
+    router = arch.get("experts", 0) * h
+    expert_total = n_moe * arch.get("experts", 0) * expert
+    dense_total = layer * arch["layers"] + n_moe * (router - 3 * h * f)
     return dict(embedding=embedding, layer=layer, final_norm=h, output=output,
-                total=embedding + layer * arch["layers"] + h + output)
+                expert=expert, router=router, moe_layers=n_moe, expert_total=expert_total,
+                dense_layers_total=dense_total,
+                total=embedding + dense_total + expert_total + h + output)
 
 
-def _activation_bytes_per_token_layer(arch: dict, tp: int, sp: bool) -> float:
+def _activation_bytes_per_token_layer(arch: dict, tp: int, sp: bool, etp: int = 1) -> float:
     h, f = arch["hidden"], arch["ffn"]
     q, kv = arch["heads"] * arch["head_dim"], arch["kv_heads"] * arch["head_dim"]
     split = 2 * (q + 2 * kv) + 2 * q + 4 * f + 2 * f  # QKV, attention out, fc1 (2f), SwiGLU (f)
     around = 5 * 2 * h  # norm inputs/outputs and the residual, h wide
-    return split / tp + around / (tp if sp else 1)
+    dense = split / tp + around / (tp if sp else 1)
+    n_moe = arch.get("moe_layers", 0)
+    if not n_moe:
+        return dense
+    # an MoE layer: each token's top-k expert copies (fc1 2f', SwiGLU f', dispatched input and
+    # combined output, h each) in place of the dense MLP's; averaged over the layers
+    fm, k = arch["moe_ffn"], arch["topk"]
+    moe = (2 * (q + 2 * kv) + 2 * q) / tp + around / (tp if sp else 1) \
+        + k * 2 * (3 * fm / etp + 2 * h)
+    return (dense * (arch["layers"] - n_moe) + moe * n_moe) / arch["layers"]
 
 
 def capacity_plan(cfg) -> dict:
@@ -106,7 +136,9 @@ def capacity_plan(cfg) -> dict:
                            * (cfg.data.max_prompt_len + r.sampling.max_new_tokens) / dp)
     microbatches = max(1, math.ceil(batch_tokens_per_dp / tokens))
     in_flight = min(pp, microbatches)
-    per_tl = _activation_bytes_per_token_layer(arch, tp, p.sequence_parallel)
+    ep, etp = max(p.ep, 1), max(p.expert_tp, 1)
+    edp = max(world // (etp * ep * pp), 1)  # the experts' data-parallel size
+    per_tl = _activation_bytes_per_token_layer(arch, tp, p.sequence_parallel, etp)
     if t.recompute == "full":
         group = max(t.recompute_num_layers, 1)
         kept = (layers_per_stage / group) * 2 * arch["hidden"] / (tp if p.sequence_parallel else 1)
@@ -116,8 +148,12 @@ def capacity_plan(cfg) -> dict:
         act_first = tokens * per_tl * layers_per_stage * in_flight
         act_last = tokens * per_tl * layers_per_stage
     weight_b, grad_b = (4, 4) if fp32 else (2, 4)
-    optim_b = (8 if fp32 else 12) / (dp if p.use_distributed_optimizer else 1)
-    body = counts["layer"] * layers_per_stage / tp
+    adam_b = 8 if fp32 else 12
+    optim_b = adam_b / (dp if p.use_distributed_optimizer else 1)
+    dense_per_layer = counts["dense_layers_total"] / arch["layers"]
+    # the stage's experts: ep ranks share them, expert TP splits each
+    experts_per_rank = counts["expert_total"] / pp / (ep * etp)
+    body = dense_per_layer * layers_per_stage / tp
     stages = {}
     for name, params, act, extra in (
             ("first", body + counts["embedding"] / tp, act_first, 0.0),
@@ -126,8 +162,11 @@ def capacity_plan(cfg) -> dict:
         if pp == 1:  # one stage holds everything
             params = body + (counts["embedding"] + counts["output"]) / tp + counts["final_norm"]
             extra = tokens * arch["vocab"] / tp * (2 + 4)
+        expert_optim = experts_per_rank * adam_b / (edp if p.use_distributed_optimizer else 1)
+        params = params + experts_per_rank
         items = {"weights_gb": params * weight_b / GB, "grads_gb": params * grad_b / GB,
-                 "optimizer_gb": params * optim_b / GB, "activations_gb": act / GB,
+                 "optimizer_gb": ((params - experts_per_rank) * optim_b + expert_optim) / GB,
+                 "activations_gb": act / GB,
                  "logits_gb": extra / GB, "overhead_gb": OVERHEAD_GB}
         stages[name] = dict(items, peak_gb=sum(items.values()), params=params)
     peak_stage = max(stages, key=lambda k: stages[k]["peak_gb"])
@@ -151,7 +190,7 @@ def capacity_plan(cfg) -> dict:
     relay_shares = relay_index is not None and relay_index < engine_gpus
 
     # -------------------------------------------------------------- host memory
-    stage_bytes = [(counts["layer"] * layers_per_stage
+    stage_bytes = [(dense_per_layer * layers_per_stage + counts["expert_total"] / pp
                     + (counts["embedding"] if s == 0 else 0)
                     + ((counts["output"] + counts["final_norm"]) if s == pp - 1 else 0))
                    * rollout_bytes for s in range(pp)]
@@ -195,7 +234,11 @@ def capacity_plan(cfg) -> dict:
                     f"{r.mem_fraction_static}: raise rollout.engine_tp")
     return {
         "model": cfg.model.name, "arch_source": arch["source"], "params_b": counts["total"] / 1e9,
-        "tp": tp, "pp": pp, "dp": dp, "sequence_parallel": bool(p.sequence_parallel),
+        "tp": tp, "pp": pp, "dp": dp, "ep": ep, "expert_tp": etp, "expert_dp": edp,
+        "experts": arch.get("experts", 0), "active_params_b": (
+            counts["total"] - counts["expert_total"] + counts["moe_layers"] * arch.get("topk", 0)
+            * counts["expert"]) / 1e9,
+        "sequence_parallel": bool(p.sequence_parallel),
         "recompute": t.recompute, "micro_batch_tokens": tokens, "microbatches_per_step": microbatches,
         "in_flight_microbatches": in_flight,
         "trainer_gpu_peak_gb": round(peak["peak_gb"], 2), "trainer_peak_stage": peak_stage,
@@ -217,7 +260,10 @@ def capacity_plan(cfg) -> dict:
 def format_plan(plan: dict) -> str:
     """A human-readable table of ``plan``."""
     lines = [f"capacity plan: {plan['model']} ({plan['params_b']:.1f} B params, "
-             f"{plan['arch_source']}), TP{plan['tp']} PP{plan['pp']} DP{plan['dp']}, "
+             f"{plan['arch_source']}), TP{plan['tp']} PP{plan['pp']} DP{plan['dp']}"
+             + (f" EP{plan['ep']} expert-TP{plan['expert_tp']} expert-DP{plan['expert_dp']} "
+                f"({plan['experts']} experts, {plan['active_params_b']:.1f} B active)"
+                if plan["experts"] else "") + ", "
              f"SP={'on' if plan['sequence_parallel'] else 'off'}, recompute={plan['recompute']}, "
              f"{plan['micro_batch_tokens']} tokens/micro-batch, "
              f"{plan['in_flight_microbatches']} in flight on stage 0",

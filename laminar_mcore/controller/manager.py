@@ -133,6 +133,9 @@ class RolloutManager:
         # all engines wait for all anyway, and interrupting engines never wait
         self.repack = bool(cfg.repack) and not self.barrier and not self.interrupt
         self.max_buffered = cfg.max_buffered_batches
+        # MoE routing replay (algo.routing_replay): every request asks for the experts it
+        # routed to; the trajectory keeps them, request by request
+        self.routed_experts = False
         self.repacker = Repacker(self, cfg.repack_interval_s, cfg.repack_max_requests)
         self.stats = ManagerStats()
         self.started = clock()
@@ -558,9 +561,15 @@ class RolloutManager:
         if item.ignore_eos:
             params["ignore_eos"] = True
         final = None
+        extra = None
+        if self.routed_experts:
+            # positions [0, L - 1) in order: a resumed request starts at the last held token
+            # (the previous request sampled it, so never ran it)
+            start = 0 if held == 0 else len(traj.prompt_ids) + held - 1
+            extra = {"return_routed_experts": True, "routed_experts_start_len": start}
         try:
             async for chunk in engine.client.stream_tokens(traj.prompt_ids + traj.response_ids,
-                                                           params, rid=item.rid):
+                                                           params, rid=item.rid, extra=extra):
                 # Only what is new is parsed and stored (O(L) for L tokens); the trajectory holds
                 # every token for a resume, also the partial output of an aborted request.
                 self.partial.append(item.rid, chunk.new_ids, chunk.new_logprobs)
@@ -568,6 +577,14 @@ class RolloutManager:
         finally:
             traj.add_version_spans((final or {}).get("weight_versions"), held,
                                    len(traj.response_ids) - held, str(engine.version))
+        if self.routed_experts and len(traj.response_ids) > held:
+            routed = final.get("routed_experts")
+            if routed is None:
+                raise EngineError("/generate", None, "the engine returned no routed_experts "
+                                  "(algo.routing_replay=true): start it with "
+                                  "--enable-return-routed-experts")
+            if routed:
+                traj.routed_experts.append(routed)
         return final["finish_reason"]["type"]
 
     def _engine(self, name: Optional[str]) -> Optional[EngineHandle]:

@@ -62,7 +62,7 @@ def load_task(cfg: LaminarConfig, out_dir: str, log) -> TaskData:
                                        max_positions=tasks.position_budget(
                                            d.digits, d.task, d.long_digits,
                                            cfg.rollout.sampling.max_new_tokens),
-                                       log=log)
+                                       moe=_moe_fields(cfg.model.arch), log=log)
     # exact match accepts only the answer and EOS: an evaluation need not wait for more
     exact = d.reward_fn == "laminar_mcore.reward.builtin:exact_match"
     return TaskData(rows, evals, codec, model_path,
@@ -287,3 +287,15 @@ def run(cfg: LaminarConfig, token: str) -> dict:
             time.sleep(min(3.0, cfg.cluster.shutdown_grace_s))
             controller.stop()
         metrics.close()
+
+
+def _moe_fields(arch) -> dict:
+    """The mixture-of-experts fields of ``model.arch`` for the warm-up model (empty: dense)."""
+    if arch.family != "qwen3_moe":
+        return {}
+    return dict(num_experts=int(arch.num_experts), num_experts_per_tok=int(arch.num_experts_per_tok),
+                moe_intermediate_size=int(arch.moe_intermediate_size),
+                norm_topk_prob=bool(arch.norm_topk_prob),
+                decoder_sparse_step=int(arch.decoder_sparse_step),
+                mlp_only_layers=[int(i) for i in arch.mlp_only_layers],
+                head_dim=int(arch.head_dim or arch.hidden_size // arch.num_attention_heads))

@@ -181,6 +181,7 @@ class Controller:
             self.cfg.rollout, trainer_version=lambda: self.trainer_version,
             batch_trajectories=self.batch_prompts * self.n_samples)
         self.manager.on_event = lambda kind, what, info: self._fault(kind, what, **info)
+        self.manager.routed_experts = bool(self.cfg.algo.routing_replay)
         if self._initial_state:
             self.load_state_dict(self._initial_state)
         # every endpoint but /health proves the run token; bad input is a 400

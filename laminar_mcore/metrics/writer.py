@@ -50,7 +50,9 @@ class MetricsWriter:
         steps = [r for r in self.records if r["kind"] == "train"]
         if not steps:
             return None
-        fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+        # the train/inference mismatch panel, on steps with tokens of the trainer's own version
+        mism = [r for r in steps if r.get("mismatch_tokens", 0) > 0]
+        fig, axes = plt.subplots(1, 4 if mism else 3, figsize=(17 if mism else 13, 3.6))
         x = [r["step"] for r in steps]
         axes[0].plot(x, [r.get("reward_mean", 0.0) for r in steps], label="batch reward")
         evals = sorted((r for r in self.records if r["kind"] == "eval"), key=lambda r: r["step"])
@@ -69,6 +71,14 @@ class MetricsWriter:
         axes[1].legend()
         axes[2].plot(x, [r.get("tokens_per_s", 0.0) for r in steps])
         axes[2].set_title("trainer-consumed tokens/s")
+        if mism:
+            mx = [r["step"] for r in mism]
+            for key, label in (("mismatch_mean", "mean"), ("mismatch_p99", "p99"),
+                               ("mismatch_max", "max")):
+                axes[3].plot(mx, [max(r.get(key, 0.0), 1e-9) for r in mism], "o-", label=label)
+            axes[3].set_yscale("log")
+            axes[3].set_title("|log pi_engine - log pi_trainer| (same version)")
+            axes[3].legend()
         for ax in axes:
             ax.set_xlabel("step")
         fig.tight_layout()

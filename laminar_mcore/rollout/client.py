@@ -114,11 +114,13 @@ class SGLangClient:
                 await asyncio.sleep(self.retry_backoff_s * attempt)
 
     # ------------------------------------------------------------------ generation
-    def _generate_body(self, input_ids, sampling_params, return_logprob, rid, stream) -> dict:
+    def _generate_body(self, input_ids, sampling_params, return_logprob, rid, stream,
+                       extra=None) -> dict:
         body = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params or {}),
                 "return_logprob": return_logprob, "stream": stream}
         if rid is not None:
             body["rid"] = rid
+        body.update(extra or {})
         return body
 
     async def generate(self, input_ids: Sequence[int], sampling_params: Optional[dict] = None, *,
@@ -129,11 +131,12 @@ class SGLangClient:
         return await self._request("POST", "/generate", body, timeout=self.generate_timeout_s)
 
     async def generate_stream(self, input_ids: Sequence[int], sampling_params: Optional[dict] = None,
-                              *, return_logprob: bool = True,
-                              rid: Optional[str] = None) -> AsyncIterator[dict]:
+                              *, return_logprob: bool = True, rid: Optional[str] = None,
+                              extra: Optional[dict] = None) -> AsyncIterator[dict]:
         """The chunks as the server sends them (cumulative or incremental); the last has a
-        ``finish_reason``. An error chunk (HTTP 200, ``{"error": ...}``) raises ``EngineError``."""
-        body = self._generate_body(input_ids, sampling_params, return_logprob, rid, True)
+        ``finish_reason``. An error chunk (HTTP 200, ``{"error": ...}``) raises ``EngineError``.
+        ``extra``: more GenerateReqInput fields (e.g. ``return_routed_experts``)."""
+        body = self._generate_body(input_ids, sampling_params, return_logprob, rid, True, extra)
         try:
             async with self._sess().post(
                     self.base_url + "/generate", json=body,
@@ -156,13 +159,14 @@ class SGLangClient:
             raise EngineError("/generate", None, f"stream broken at {self.base_url}: {exc!r}") from None
 
     async def stream_tokens(self, input_ids: Sequence[int], sampling_params: Optional[dict] = None,
-                            *, rid: Optional[str] = None) -> AsyncIterator[StreamChunk]:
+                            *, rid: Optional[str] = None,
+                            extra: Optional[dict] = None) -> AsyncIterator[StreamChunk]:
         """Only what each chunk adds (tokens and log-probs), in both stream styles; a stream that
         ends without a finish reason raises ``EngineError``. With an incremental server each
         chunk is parsed once, so a response of L tokens costs O(L)."""
         seen = 0
         finished = False
-        async for chunk in self.generate_stream(input_ids, sampling_params, rid=rid):
+        async for chunk in self.generate_stream(input_ids, sampling_params, rid=rid, extra=extra):
             meta = chunk.get("meta_info") or {}
             ids = chunk.get("output_ids") or []
             lps = [e[0] for e in meta.get("output_token_logprobs") or []]

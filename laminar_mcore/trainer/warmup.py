@@ -17,7 +17,7 @@ import json
 import os
 import random
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -25,8 +25,9 @@ import torch
 def warmup_checkpoint(out_dir: str, *, problems: List[Dict[str, str]], steps: int = 300,
                       batch_size: int = 64, lr: float = 3e-3, wrong_fraction: float = 0.4,
                       hidden: int = 128, layers: int = 3, seed: int = 0, max_positions: int = 64,
-                      log=print) -> str:
-    """Train (or reuse) the warm-up checkpoint; returns its directory."""
+                      moe: Optional[dict] = None, log=print) -> str:
+    """Train (or reuse) the warm-up checkpoint; returns its directory. ``moe``: Qwen3-MoE
+    fields (num_experts, ...) for a mixture-of-experts demo model; empty or None: Qwen2."""
     from transformers import AutoModelForCausalLM
 
     from ..data.tasks import PAD, noisy_demonstrations, tiny_demo_config
@@ -37,13 +38,15 @@ def warmup_checkpoint(out_dir: str, *, problems: List[Dict[str, str]], steps: in
               "first": problems[0] if problems else None, "version": 2}
     if max_positions != 64:  # (the recipes cached before it was a parameter keep their key)
         recipe["max_positions"] = max_positions
+    if moe:
+        recipe["moe"] = moe
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
     path = os.path.join(out_dir, f"warmup-{key}")
     if os.path.isfile(os.path.join(path, "model.safetensors")):
         log(f"[warm-up] reusing cached checkpoint {path}")
         return path
     torch.manual_seed(seed)
-    cfg = tiny_demo_config(hidden, layers, max_positions)
+    cfg = tiny_demo_config(hidden, layers, max_positions, moe=moe)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     data = noisy_demonstrations(problems, wrong_fraction, seed)
     prompt_lens = [len(p["prompt"]) for p in problems]
@@ -67,6 +70,11 @@ def warmup_checkpoint(out_dir: str, *, problems: List[Dict[str, str]], steps: in
             log(f"[warm-up] step {step + 1}/{steps} loss {loss.item():.3f} "
                 f"({time.perf_counter() - start:.0f}s)")
     tmp = path + ".tmp"
-    save_hf_checkpoint(tmp, cfg, model.state_dict())
+    state = model.state_dict()
+    if moe:  # transformers keeps the experts fused in memory; checkpoints name each one
+        from ..models import get_adapter
+
+        state = get_adapter(cfg).from_transformers_state(cfg, state)
+    save_hf_checkpoint(tmp, cfg, state)
     os.replace(tmp, path)  # never leave a half-written cache entry
     return path
