@@ -56,7 +56,8 @@ def test_fault_isolation_settings_are_checked():
             validate_config(_compose(override))
 
 
-@pytest.mark.parametrize("experiment", ["cpu_demo", "cpu_reverse", "cpu_smoke", "cpu_tp2_pp2"])
+@pytest.mark.parametrize("experiment", ["cpu_demo", "cpu_reverse", "cpu_smoke", "cpu_tp2_pp2",
+                                        "cpu_moe"])
 def test_cpu_experiments_are_valid(experiment):
     validate_config(_compose(f"experiment={experiment}"))
 
@@ -207,7 +208,8 @@ def test_engine_transport_and_remote_relay_choices_are_checked():
 def test_plan_job_needs_no_checkpoint_and_the_gpu_recipes_fit(tmp_path):
     """`job=plan` runs from the recipes' published architectures alone and writes plan.json;
     both GPU recipes fit an 8 x 80 GB node as shipped."""
-    for experiment, params in (("qwen2_5_72b_math", 72.7), ("qwen2_5_7b_math", 7.6)):
+    for experiment, params in (("qwen2_5_72b_math", 72.7), ("qwen2_5_7b_math", 7.6),
+                               ("qwen3_235b_a22b_math", 235.1)):
         proc = _launch("job=plan", f"experiment={experiment}", "output_dir=out", cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-2000:]
         plan = json.loads((tmp_path / "out" / experiment / "plan.json").read_text())
@@ -217,6 +219,32 @@ def test_plan_job_needs_no_checkpoint_and_the_gpu_recipes_fit(tmp_path):
         assert plan["engine_gpus_per_node"] <= plan["gpus_per_node"] == 8
         assert plan["params_b"] == pytest.approx(params, abs=0.1)
         assert "fits: yes" in proc.stdout
+
+
+def test_moe_plan_counts_experts_and_layouts_are_checked():
+    """Qwen3-235B-A22B: 235 B parameters, 22 B active; each trainer GPU holds 128 / EP experts
+    of its stage, and Adam for them is sharded over the experts' own DP; bad EP layouts are
+    refused with the key to change."""
+    from laminar_mcore.config.plan import capacity_plan
+
+    plan = capacity_plan(_compose("experiment=qwen3_235b_a22b_math"))
+    assert plan["active_params_b"] == pytest.approx(22.2, abs=0.1)
+    assert (plan["ep"], plan["expert_dp"], plan["dp"]) == (32, 2, 16)
+    doubled = capacity_plan(_compose("experiment=qwen3_235b_a22b_math", "parallel.ep=16"))
+    assert doubled["trainer_first_weights_gb"] > plan["trainer_first_weights_gb"] * 1.7
+    for override, message in (
+            (["parallel.ep=3"], r"num_experts 128 .* not divisible by parallel.ep=3"),
+            (["parallel.sequence_parallel=false"], r"needs parallel.sequence_parallel=true"),
+            (["cluster.trainer.nnodes=3", "parallel.ep=32"],
+             r"not divisible by expert_tp\*ep\*pp = 1\*32\*2")):
+        cfg = \
+            _compose("experiment=qwen3_235b_a22b_math", "model.path=null",
+                     "cluster.controller_addr=127.0.0.1", *override)
+        with pytest.raises(ConfigError, match=message):
+            validate_config(cfg)
+    with pytest.raises(ConfigError, match=r"parallel.ep=2 .* need a mixture-of-experts model"):
+        validate_config(_compose("experiment=cpu_demo", "parallel.ep=2",
+                                 "cluster.trainer.nproc_per_node=2"))
 
 
 def test_plan_matches_megatrons_published_memory_formulas():

@@ -183,3 +183,28 @@ def test_an_interrupt_or_a_dead_role_stops_every_process(tmp_path, how):
              and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
     assert not alive, (alive, output[-3000:])
     assert _shm_names() <= shm_before, _shm_names() - shm_before
+
+
+@pytest.mark.slow
+def test_moe_train_job_with_expert_parallelism_and_routing_replay(tmp_path):
+    """experiment=cpu_moe: a Qwen3-MoE trained by two EP ranks, served by the CPU engine with
+    routed experts returned and replayed; the books balance and every step reports the
+    mismatch (tiny on the first step, whose tokens are of the trainer's own version) and the
+    MoE auxiliary losses."""
+    out = subprocess.run(
+        [sys.executable, "-m", "laminar_mcore.launch", "experiment=cpu_moe", "output_dir=out",
+         "run_name=moe", "trainer.total_steps=3", "data.num_eval=16", "data.warmup_steps=20"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    summary = json.loads((tmp_path / "out" / "moe" / "summary.json").read_text())
+    assert summary["books_balance"] and summary["steps"] == 3 and summary["final_version"] == 3
+    records = [json.loads(l) for l in (tmp_path / "out" / "moe" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    first = train[0]
+    assert first["mismatch_tokens"] > 0 and first["mismatch_max"] < 1e-4
+    for r in train:
+        assert {"mismatch_mean", "mismatch_p99", "mismatch_max", "mismatch_frac_above",
+                "moe_load_balancing_loss", "moe_z_loss"} <= set(r)
+        assert r["moe_load_balancing_loss"] > 0
