@@ -30,7 +30,7 @@ def single(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("actor2"))
-    results = run_torchrun(SCRIPT, 2, ["--layouts", "2x1,1x2,1x1", "--budgets", "60"],
+    results = run_torchrun(SCRIPT, 2, ["--layouts", "2x1,1x2,1x1,2x1-sp", "--budgets", "60"],
                            out_dir=out, timeout=600)
     return out, results
 
@@ -77,7 +77,8 @@ def test_tp2_pp2_dp2_give_the_same_update(single, pair):
     ref = _weights(out1, "1x1@4096")
     ref_stats = result1["stats"]["1x1@4096"]
     # In a world of 2, "1x1" is DP=2 (Megatron's distributed optimizer shards Adam over it).
-    for layout in ("2x1", "1x2", "1x1"):
+    # "2x1-sp": sequence parallelism, on CPU through the compatibility layer's SP norm.
+    for layout in ("2x1", "1x2", "1x1", "2x1-sp"):
         updated = _weights(out2, f"{layout}@60")
         assert set(updated) == set(ref), layout
         for name in ref:

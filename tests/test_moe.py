@@ -123,7 +123,9 @@ def test_megatron_moe_model_and_cpu_engine_match_transformers(case, tmp_path):
     moe = get_adapter(cfg).moe_shape(cfg).moe_layers
     for i, is_moe in enumerate(moe):
         rows = routed[0][:, i]
-        assert ((rows >= 0).all() and (rows < 8).all()) if is_moe else (rows == -1).all()
+        assert ((rows >= 0).all() and (rows < 8).all()) if is_moe else (rows == 0).all()
+        if is_moe:  # two distinct experts per token
+            assert (rows[:, 0] != rows[:, 1]).all()
     init_trainer_parallel(seed=1)
     try:
         model = build_gpt_model(cfg)
@@ -182,9 +184,9 @@ def test_engine_returns_routed_experts_as_sglang_does(tmp_path):
 
 
 # (TP2, EP2) trains only with sequence parallelism in Megatron-Core (MoELayer refuses TP > 1
-# without it), which needs Transformer Engine; expert TP > 1 gathers token slices of uneven
-# sizes, which gloo cannot. Both are GPU layouts; on CPU EP4 (two experts per rank) stands in.
-EP_LAYOUTS = ["t1p1e1", "t1p1e2", "t1p1e4", "t1p2e2"]
+# without it): on CPU, torch's norm takes SP as TE's does (parallel/cpu_compat.py). Expert
+# TP > 1 gathers token slices of uneven sizes, which gloo cannot: a GPU layout.
+EP_LAYOUTS = ["t1p1e1", "t1p1e2", "t2p1e2s", "t1p2e2", "t1p1e4"]
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +199,8 @@ def ep_run(tmp_path_factory):
 
     out = str(tmp_path_factory.mktemp("moe_layouts"))
     results = run_torchrun(os.path.join(WORKERS, "moe_step.py"), 4,
-                           ["--layouts", ",".join(EP_LAYOUTS)], out_dir=out, timeout=900)
+                           ["--layouts", ",".join(EP_LAYOUTS), "--replay"], out_dir=out,
+                           timeout=900)
     return out, results
 
 
@@ -217,9 +220,10 @@ def _stage_files(out, prefix, layout):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_one_step_gives_the_same_weights_at_every_expert_layout(ep_run):
-    """EP1, EP2, EP4 and (PP2, EP2) on 4 ranks: the same updated weights (fp32, 1e-5),
+    """EP1, EP2, (TP2, EP2, sequence parallel), (PP2, EP2) and EP4 on 4 ranks: the same updated weights (fp32, 1e-5),
     every expert present once; the export (the publisher's HF tensors, experts gathered over
-    EP) equals the adapter's conversion of those weights."""
+    EP) equals the adapter's conversion of those weights; with routing replay, the recomputed
+    log-probs of near-tie trajectories equal the engine's (1e-4) at every layout."""
     out, results = ep_run
     cfg = tiny_hf_config("qwen3_moe", mlp_only_layers=[2])
     adapter = get_adapter(cfg)
@@ -229,6 +233,7 @@ def test_one_step_gives_the_same_weights_at_every_expert_layout(ep_run):
     moved = [n for n in reference if not torch.equal(reference[n], initial[n])]
     assert any("local_experts" in n for n in moved) and any("router" in n for n in moved)
     loss = results[0]["stats"]["t1p1e1"]["loss"]
+    assert sum(len(r.get("replay_gap", {})) for r in results) >= 2 * (len(EP_LAYOUTS) - 1)
     for layout in EP_LAYOUTS[1:]:
         weights = _stage_files(out, "weights", layout)
         assert set(weights) == set(reference), layout
@@ -238,49 +243,25 @@ def test_one_step_gives_the_same_weights_at_every_expert_layout(ep_run):
         for r in results:
             assert abs(r["stats"][layout]["loss"] - loss) < 1e-5, (layout, r["rank"])
         exported = _stage_files(out, "export", layout)
+        for r in results:  # routing replay through the EP dispatcher and across stages
+            gap = r.get("replay_gap", {}).get(layout)
+            assert gap is None or gap < 1e-4, (layout, r["rank"], gap)
         expected = adapter.mcore_to_hf(cfg, weights)
         assert set(exported) == set(expected), layout
         for name, tensor in exported.items():
             assert torch.equal(tensor, expected[name]), f"{layout} export {name}"
 
 
-def _near_tie_model(scale=1e-10):
-    """A tiny Qwen3-MoE whose routers score every expert within fp32's resolution of a
-    probability: softmax gives exact ties, so the engine (SGLang and transformers: top-k of the
-    softmax) and Megatron (norm_topk_prob: top-k of the logits) pick different experts for the
-    same weights -- the near-tie case where routing replay matters."""
-    cfg = _cfg()
-    hf = _state(cfg)
-    gen = torch.Generator().manual_seed(11)
-    for i in range(cfg.num_hidden_layers):
-        name = f"model.layers.{i}.mlp.gate.weight"
-        hf[name] = torch.randn(hf[name].shape, generator=gen) * scale
-    return cfg, hf
+def _near_tie_model():
+    from laminar_mcore.testing.moe import near_tie_model
+
+    return near_tie_model()
 
 
 def _engine_trajectories(cfg, hf, n=6):
-    """Trajectories as the engine reports them: behaviour log-probs and routed experts from
-    the CPU engine's own forward pass (SGLang's encoding)."""
-    from laminar_mcore.data.trajectory import Trajectory
+    from laminar_mcore.testing.moe import engine_trajectories
 
-    engine = DecoderLM(cfg, hf)
-    gen = torch.Generator().manual_seed(4)
-    out = []
-    for k in range(n):
-        prompt = torch.randint(0, cfg.vocab_size, (5 + k,), generator=gen).tolist()
-        response = torch.randint(0, cfg.vocab_size, (7 + 2 * k,), generator=gen).tolist()
-        seq = prompt + response
-        routed = []
-        logits = engine.forward([seq[:-1]], [torch.arange(len(seq))], [0],
-                                engine.new_kv_cache(len(seq)), all_logits=True,
-                                routed_out=routed)[0]
-        lps = torch.log_softmax(logits, -1)[len(prompt) - 1:].gather(
-            1, torch.tensor(response)[:, None])[:, 0]
-        out.append(Trajectory(prompt_ids=prompt, response_ids=response,
-                              behav_logprobs=lps.tolist(), weight_version=0, group_id=f"g{k // 2}",
-                              reward=float(k % 2), uid=f"t{k}",
-                              routed_experts=[base64.b64encode(routed[0].numpy().tobytes()).decode()]))
-    return out
+    return engine_trajectories(cfg, hf, n)
 
 
 def test_routing_replay_makes_the_trainer_match_the_engine_on_near_ties():

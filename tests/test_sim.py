@@ -190,3 +190,20 @@ def test_calibrated_simulator_predicts_bench_modes(tmp_path):
         if figures["calibration_error"] < 0.20:
             break
     assert min(errors) < 0.20, (errors, figures)
+
+
+def test_a_bug_that_fails_every_trajectory_stops_the_run_instead_of_spinning(caplog):
+    """The production manager asks simulated engines for routed experts, which they cannot
+    return: every trajectory fails. The run stops (after MAX_INTERNAL_ERRORS_IN_A_ROW), says
+    why once, and logs only the first few tracebacks."""
+    import logging
+
+    from laminar_mcore.controller.manager import RolloutManager
+
+    with caplog.at_level(logging.ERROR, logger="laminar_mcore.controller.manager"):
+        with pytest.raises((SimulationStalled, RuntimeError)):
+            _run("laminar", routed_experts=True)
+    stops = [r for r in caplog.records if "trajectories in a row" in r.getMessage()]
+    assert len(stops) == 1 and "GenerateReqInput extras" in stops[0].getMessage()
+    assert sum("the trajectory is discarded" in r.getMessage() for r in caplog.records) == 3
+    assert RolloutManager.MAX_INTERNAL_ERRORS_IN_A_ROW == 64

@@ -81,6 +81,47 @@ def _assert_continues(full, full_weights, resumed, resumed_dir):
         torch.testing.assert_close(full_weights[name], weights[name], atol=1e-5, rtol=0)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_moe_resume_at_ep2_matches_the_uninterrupted_run(tmp_path):
+    """Qwen3-MoE at EP2 (4 experts per rank, the experts' Adam state on their own ranks): save
+    at step 3, resume, steps 4-5 equal the uninterrupted run (losses, weights with every
+    expert, Adam's moments); a resume at EP1 from the dp_reshardable checkpoint is refused
+    naming the EP it was saved at; so is one saved fully_reshardable, whose optimizer state
+    Megatron-Core keeps in two chained optimizers (dense, experts) at EP2 and one at EP1."""
+    ckpt, anywhere = str(tmp_path / "ckpt"), str(tmp_path / "anywhere")
+    out = {name: tmp_path / name for name in ("full", "resumed", "ep1")}  # ep1: refused
+    for path in out.values():
+        path.mkdir()
+    common = ["--family", "qwen3_moe", "--tp", "1", "--steps", "5"]
+    full = run_torchrun(SCRIPT, 2, common + ["--ep", "2", "--ckpt", ckpt, "--save-at", "3",
+                                             "--also-fully-reshardable", anywhere],
+                        out_dir=str(out["full"]))
+    resumed = run_torchrun(SCRIPT, 2, common + ["--ep", "2", "--ckpt", ckpt, "--resume", "auto"],
+                           out_dir=str(out["resumed"]))
+    r = resumed[0]
+    assert r["start"] == 3 and r["version"] == 5
+    for step in ("4", "5"):
+        assert abs(full[0]["losses"][step]["loss"] - r["losses"][step]["loss"]) <= 1e-6, step
+    wa, wb = load_file(out["full"] / "final.safetensors"), load_file(out["resumed"] / "final.safetensors")
+    assert sum("local_experts" in n for n in wa) == 4 * 8 * 2
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], atol=1e-6, rtol=0, msg=name)
+    for rank in (0, 1):
+        ma = load_file(out["full"] / f"adam_rank{rank}.safetensors")
+        mb = load_file(out["resumed"] / f"adam_rank{rank}.safetensors")
+        assert ma.keys() == mb.keys()
+        for key in ma:
+            torch.testing.assert_close(ma[key], mb[key], atol=1e-7, rtol=1e-5, msg=key)
+    with pytest.raises(TorchrunError, match=r"ep=2 \(any DP size\)"):
+        run_torchrun(SCRIPT, 2, common + ["--ep", "1", "--ckpt", ckpt, "--resume", "auto"],
+                     out_dir=str(tmp_path))
+    with pytest.raises(TorchrunError, match=r"2 chained optimizers .* this run has 1 \(ep=1\)"):
+        run_torchrun(SCRIPT, 2, common + ["--ep", "1", "--ckpt", anywhere, "--resume", "auto",
+                                          "--sharding", "fully_reshardable"],
+                     out_dir=str(out["ep1"]))
+
+
 def test_resume_setting_is_checked(tmp_path):
     assert resolve_resume("none", str(tmp_path)) is None
     assert resolve_resume("auto", str(tmp_path / "missing")) is None

@@ -1,10 +1,12 @@
 #!/usr/bin/env python
 """Convert checkpoints between Hugging Face safetensors and Megatron-Core dist_checkpointing.
 
-    python tools/convert_checkpoint.py hf-to-mcore --hf DIR --out DIR --tp N --pp M
+    python tools/convert_checkpoint.py hf-to-mcore --hf DIR --out DIR --tp N --pp M [--ep E]
     python tools/convert_checkpoint.py mcore-to-hf --ckpt DIR --out DIR [--origin-hf DIR]
 
-hf-to-mcore starts its own N*M processes (torchrun, gloo on CPU) when N*M > 1; each rank reads
+hf-to-mcore starts its own M*lcm(N, E) processes (torchrun, gloo on CPU) when that is more than
+one (``--ep``: expert parallelism of a mixture-of-experts model; each rank holds its experts,
+saved with their global numbers, so the checkpoint loads at any other EP too); each rank reads
 only the tensors of its own units, one layer at a time, and the model is saved with
 dist_checkpointing (torch_dist), so it loads at any other TP/PP. mcore-to-hf loads whatever
 layout the checkpoint was saved in and writes safetensors shards with an index, config.json and
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -52,13 +55,20 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
-def check_layout(hf_config, tp: int, pp: int) -> None:
+def check_layout(hf_config, tp: int, pp: int, ep: int = 1) -> None:
     from laminar_mcore.models import get_adapter
 
-    s = get_adapter(hf_config).shape(hf_config)
+    adapter = get_adapter(hf_config)
+    s = adapter.shape(hf_config)
     problems = []
-    if tp < 1 or pp < 1:
-        problems.append("--tp and --pp must be >= 1")
+    if tp < 1 or pp < 1 or ep < 1:
+        problems.append("--tp, --pp and --ep must be >= 1")
+    experts = adapter.num_experts(hf_config) if getattr(adapter, "is_moe", False) else 0
+    if ep > 1 and not experts:
+        problems.append(f"--ep {ep} needs a mixture-of-experts model ({hf_config.model_type} "
+                        "has no experts)")
+    elif experts and ep >= 1 and experts % ep:
+        problems.append(f"num_experts={experts} is not divisible by --ep {ep}")
     for name, value in (("num_attention_heads", s.heads), ("num_key_value_heads", s.groups),
                         ("vocab_size", s.vocab)):
         if tp >= 1 and value % tp:
@@ -80,8 +90,8 @@ def hf_to_mcore(args) -> None:
         get_adapter(hf_config).check_hf_names(hf_config, reader.names())
     except AdapterError as exc:
         fail(str(exc))
-    check_layout(hf_config, args.tp, args.pp)
-    world = args.tp * args.pp
+    check_layout(hf_config, args.tp, args.pp, args.ep)
+    world = args.pp * math.lcm(args.tp, args.ep)
     if world > 1 and "RANK" not in os.environ:
         from laminar_mcore.netutil import free_port
 
@@ -100,7 +110,7 @@ def hf_to_mcore(args) -> None:
     from laminar_mcore.trainer.model import build_gpt_model, load_hf_checkpoint
 
     start = time.perf_counter()
-    init_trainer_parallel(tp=args.tp, pp=args.pp, seed=0)
+    init_trainer_parallel(tp=args.tp, pp=args.pp, ep=args.ep, seed=0)
     rank = dist.get_rank()
     model = build_gpt_model(hf_config, dtype=torch.float32 if args.dtype == "fp32" else torch.bfloat16)
     try:
@@ -116,9 +126,9 @@ def hf_to_mcore(args) -> None:
     dist.all_reduce(total)
     if rank == 0:
         write_model_meta(args.out, hf_config, tp=args.tp, pp=args.pp, dtype=args.dtype,
-                         source=os.path.abspath(args.hf), hf_files_from=args.hf)
+                         source=os.path.abspath(args.hf), hf_files_from=args.hf, ep=args.ep)
         seconds = time.perf_counter() - start
-        print(f"converted {args.hf} -> {args.out} (tp={args.tp}, pp={args.pp}): "
+        print(f"converted {args.hf} -> {args.out} (tp={args.tp}, pp={args.pp}, ep={args.ep}): "
               f"{total.item() / 1e9:.4g} GB read in {seconds:.1f}s "
               f"({total.item() / 1e9 / seconds:.3g} GB/s)", flush=True)
     destroy_trainer_parallel()
@@ -182,7 +192,8 @@ def mcore_to_hf(args) -> None:
     copy_side_files(args.origin_hf or os.path.join(args.ckpt, "hf_meta"), args.out)
     seconds = time.perf_counter() - start
     held = max(_peak_rss() - base_rss, 0)
-    print(f"converted {args.ckpt} (saved at tp={meta.get('tp')}, pp={meta.get('pp')}) -> {args.out}: "
+    print(f"converted {args.ckpt} (saved at tp={meta.get('tp')}, pp={meta.get('pp')}, "
+          f"ep={meta.get('ep', 1)}) -> {args.out}: "
           f"{count} tensors, {total / 1e9:.4g} GB in {seconds:.1f}s "
           f"({total / 1e9 / seconds:.3g} GB/s); peak memory {held / 1e9:.3g} GB above the start "
           f"(one unit and one shard of at most {args.max_shard_gb:g} GB, never the model)", flush=True)
@@ -190,10 +201,17 @@ def mcore_to_hf(args) -> None:
 
 def _expected_hf_shapes(hf_config) -> dict:
     """Name -> shape of every tensor a Hugging Face checkpoint of ``hf_config`` stores (tied
-    weights once), from a model built on the meta device (no memory)."""
+    weights once), from a model built on the meta device (no memory). Mixture-of-experts
+    models: from the adapter (transformers keeps their experts fused in memory, checkpoints
+    name each one)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from laminar_mcore.models import get_adapter
+
+    adapter = get_adapter(hf_config)
+    if getattr(adapter, "is_moe", False):
+        return dict(adapter.hf_shapes(hf_config))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
@@ -207,6 +225,7 @@ def main(argv=None) -> None:
     a.add_argument("--out", required=True)
     a.add_argument("--tp", type=int, default=1)
     a.add_argument("--pp", type=int, default=1)
+    a.add_argument("--ep", type=int, default=1, help="expert parallelism (MoE models)")
     a.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     b = sub.add_parser("mcore-to-hf", help="Megatron torch_dist -> Hugging Face safetensors")
     b.add_argument("--ckpt", required=True)

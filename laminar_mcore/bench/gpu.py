@@ -22,7 +22,12 @@ Checks, each printed as pass/fail with its figure:
    and the engine GPU's peak memory, at most two buckets (SGLang's classes when importable, a
    stand-in of the same format otherwise);
 7. ``plan``: the capacity plan's activation bytes per token and layer against a measured
-   Qwen2.5-7B-shaped layer.
+   Qwen2.5-7B-shaped layer;
+8. ``moe``: a tiny Qwen3-MoE built as the trainer builds it on this machine (Transformer
+   Engine's grouped-GEMM experts when TE is installed on a GPU, Megatron's SequentialMLP
+   otherwise): its log-probs against the CPU engine's forward of the same weights, the export's
+   Hugging Face tensors (experts under their per-expert names) equal to the source, and a
+   decoupled-PPO step with routing replay whose recomputed log-probs match the engine's.
 
 Needs torch >= 2.11, triton, transformers, megatron-core, safetensors and this package -- no
 Hydra, OmegaConf, SGLang or Transformer Engine -- so it runs on a bare GPU machine after
@@ -430,9 +435,45 @@ def check_plan(b: Bench) -> Tuple[bool, str]:
                                  "attention scores, which flash attention does not keep)")
 
 
+# ---------------------------------------------------------------------- 8. moe
+def check_moe(b: Bench) -> Tuple[bool, str]:
+    from ..config.schema import AlgoConfig, TrainerConfig
+    from ..models import get_adapter
+    from ..testing.moe import engine_trajectories, near_tie_model
+    from ..trainer.actor import MegatronActor
+    from ..trainer.export import iter_stage_hf_tensors
+    from ..trainer.model import te_available
+
+    # near-tie routers: without replay the trainer would route differently from the engine
+    cfg, hf = near_tie_model(mlp_only_layers=[1])
+    adapter = get_adapter(cfg)
+    trajs = engine_trajectories(cfg, hf, n=4)
+    full = adapter.hf_to_mcore(cfg, hf)
+    actor = MegatronActor(cfg, AlgoConfig(routing_replay=True),
+                          TrainerConfig(lr=1e-4, max_tokens_per_microbatch=64), full_state=full,
+                          dtype=torch.float32)
+    grouped = bool(actor.config.moe_grouped_gemm)
+    exported = {n: t.detach().float().cpu() for n, t in iter_stage_hf_tensors(actor.model, cfg)}
+    export_ok = set(exported) == set(hf) and all(torch.equal(exported[n], hf[n]) for n in hf)
+    mbs = actor.distribute(trajs)
+    actor.compute_logprobs(mbs)
+    gap = max(float((mb.prox_logprobs - mb.behav_logprobs)[mb.loss_mask > 0].abs().max())
+              for mb in mbs)
+    stats = actor.train_step(trajs)
+    b.figures.update({"moe_grouped_gemm": grouped, "moe_logprob_gap": gap,
+                      "moe_export_equal": export_ok, "moe_mismatch_max": stats["mismatch_max"]})
+    ok = export_ok and gap < 1e-3 and stats["skipped"] == 0.0 and \
+        grouped == bool(b.cuda and te_available())
+    return ok, (f"experts {'TE grouped GEMM' if grouped else 'SequentialMLP'}, export "
+                f"{'equal' if export_ok else 'DIFFERENT'} ({len(exported)} tensors), replayed "
+                f"log-prob gap to the engine {gap:.1e}, step mismatch max "
+                f"{stats['mismatch_max']:.1e}")
+
+
 CHECKS = [("kernels", check_kernels), ("train_step", check_train_step),
           ("checkpoint", check_checkpoint), ("publish", check_publish),
-          ("staging", check_staging), ("cuda_ipc", check_cuda_ipc), ("plan", check_plan)]
+          ("staging", check_staging), ("cuda_ipc", check_cuda_ipc), ("plan", check_plan),
+          ("moe", check_moe)]
 NEEDS = {"checkpoint": "train_step", "cuda_ipc": "publish"}
 
 

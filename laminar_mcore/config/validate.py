@@ -269,8 +269,8 @@ def _check_model_divisibility(shape: dict, p, problems: List[str]) -> None:
     if experts and p.tp > 1 and not p.sequence_parallel:
         problems.append(f"parallel.tp={p.tp} with a mixture-of-experts model needs "
                         "parallel.sequence_parallel=true (Megatron-Core's MoE layer refuses "
-                        "to train with TP > 1 without it; it needs Transformer Engine), or "
-                        "parallel.tp=1 with parallel.ep / parallel.expert_tp")
+                        "to train with TP > 1 without it; on GPUs it needs Transformer "
+                        "Engine), or parallel.tp=1 with parallel.ep / parallel.expert_tp")
     if not experts and (p.ep > 1 or p.expert_tp > 1):
         problems.append(f"parallel.ep={p.ep} / parallel.expert_tp={p.expert_tp} need a "
                         f"mixture-of-experts model; {src} ({shape['family']}) has no experts")

@@ -150,6 +150,7 @@ class RolloutManager:
         self._relay_versions: Dict[str, int] = {}  # relay URL -> the newest version it holds
         self._stop = asyncio.Event()
         self._tasks: Set[asyncio.Task] = set()  # running; each leaves when it ends
+        self._internal_errors = 0  # trajectories failed by an internal error, in a row
         self.error: Optional[BaseException] = None  # why a supervised task stopped the run
         # (kind, event, info) of fault-isolation events, for the controller's records
         self.on_event: Optional[Callable[[str, str, dict], None]] = None
@@ -218,11 +219,20 @@ class RolloutManager:
             self._mark_unhealthy(engine, epoch)
         return on_error
 
+    # internal errors in a row (no trajectory finishing in between) that stop the run: one
+    # trajectory's bad luck is isolated, a bug that fails every trajectory is not a state to
+    # spin in
+    MAX_INTERNAL_ERRORS_IN_A_ROW = 64
+
     def _trajectory_failed(self, item: InFlight):
         def on_error(what: str, exc: BaseException) -> None:
-            logger.error("%s failed: %r; the trajectory is discarded", what, exc, exc_info=exc)
+            self._internal_errors += 1
+            if self._internal_errors <= 3:
+                logger.error("%s failed: %r; the trajectory is discarded", what, exc, exc_info=exc)
             self._drop(item)
             self._discard(item.group_id, 1, "internal_error")
+            if self._internal_errors >= self.MAX_INTERNAL_ERRORS_IN_A_ROW and self.error is None:
+                self._fatal(f"{self._internal_errors} trajectories in a row ({what})", exc)
         return on_error
 
     def _drop(self, item: InFlight) -> None:
@@ -502,6 +512,7 @@ class RolloutManager:
             return
         except Stopped:
             return  # still in the partial pool: counted as in flight at the stop
+        self._internal_errors = 0
         self._drop(item)
         self.stats.generated += 1
         self.buffer.add(item.traj)  # a member of a dropped group is counted as discarded
@@ -568,8 +579,9 @@ class RolloutManager:
             start = 0 if held == 0 else len(traj.prompt_ids) + held - 1
             extra = {"return_routed_experts": True, "routed_experts_start_len": start}
         try:
+            more = {"extra": extra} if extra else {}
             async for chunk in engine.client.stream_tokens(traj.prompt_ids + traj.response_ids,
-                                                           params, rid=item.rid, extra=extra):
+                                                           params, rid=item.rid, **more):
                 # Only what is new is parsed and stored (O(L) for L tokens); the trajectory holds
                 # every token for a resume, also the partial output of an aborted request.
                 self.partial.append(item.rid, chunk.new_ids, chunk.new_logprobs)

@@ -10,6 +10,8 @@ layers, optimizer helpers and dist_checkpointing run with gloo on a machine with
 * the CUDA RNG tracker is replaced by one that forks the CPU generator, so
   ``model_parallel_cuda_manual_seed`` and ``get_cuda_rng_tracker().fork()`` keep their meaning,
   and activation recompute's save/restore of the device RNG state is empty;
+* Megatron's torch norm takes sequence parallelism as Transformer Engine's does (its weights
+  marked ``sequence_parallel``, their gradients summed over TP);
 * the MoE dispatcher's host copies of its all-to-all split sizes (``maybe_move_tensor_to_cpu``,
   which leaves CPU tensors as they are) give numpy arrays, as they do from GPU tensors;
 * gradient clipping (``clip_grad_by_total_norm_fp32``, which asserts CUDA tensors and uses an
@@ -287,6 +289,35 @@ def _move_to_host_cpu(tensor, as_numpy: bool = False, record_stream: bool = Fals
     return tensor
 
 
+def _patch_torch_norm_sequence_parallel() -> None:
+    """Megatron's local-spec norm (``WrappedTorchNorm``, torch's RMSNorm/LayerNorm) refuses
+    sequence parallelism, which on GPUs comes with Transformer Engine's ``TENorm``. Under SP a
+    norm is per token, so the only thing TE adds is marking its weights ``sequence_parallel``
+    (each TP rank sees a slice of the tokens; ``finalize_model_grads`` sums those gradients over
+    TP). This does the same with torch's norm, so CPU runs train the SP code path -- Megatron's
+    sequence scatter/gather, reduce-scatter linears and MoE layers with TP > 1 -- as GPUs do."""
+    import copy
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original = WrappedTorchNorm.__new__
+    if getattr(original, "_laminar_cpu", False):
+        return
+
+    def __new__(cls, config, hidden_size, *args, **kwargs):
+        sp = bool(getattr(config, "sequence_parallel", False))
+        if sp:
+            config = copy.copy(config)
+            config.sequence_parallel = False
+        norm = original(cls, config, hidden_size, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = sp
+        return norm
+
+    __new__._laminar_cpu = True
+    WrappedTorchNorm.__new__ = staticmethod(__new__)
+
+
 def _patch_moe_host_copies() -> None:
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
@@ -388,6 +419,7 @@ def apply_cpu_compat(force: bool = False) -> bool:
         _wrap_tensor_cuda_callers()
         _patch_grad_clipping()
         _patch_moe_host_copies()
+        _patch_torch_norm_sequence_parallel()
         _APPLIED = True
     _rebind_megatron_modules()
     return True

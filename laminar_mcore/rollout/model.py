@@ -106,8 +106,8 @@ class DecoderLM:
         ``all_logits`` a list of [new tokens, vocab] per request (prompt log-probs).
 
         ``routed_out`` (MoE models): receives, per request, the experts each new token was
-        routed to, int32 [new tokens, layers, top-k] (-1 in dense layers), SGLang's
-        ``routed_experts`` layout.
+        routed to, int32 [new tokens, layers, top-k], SGLang's ``routed_experts`` layout (0 in
+        dense layers: SGLang's capture buffer is zero-filled and only MoE layers write it).
 
         Request r's KV lives in the cache slots ``slot_tables[r]`` (a paged layout: position i
         in slot ``slot_tables[r][i]``); its first ``cached_lens[r]`` positions hold its past,
@@ -142,7 +142,7 @@ class DecoderLM:
         a = self.adapter
         x = F.embedding(tokens, p[a.HF_EMBED])
         rep = s.heads // s.groups
-        routed = torch.full((len(tokens), s.layers, self.moe.topk), -1, dtype=torch.int32) \
+        routed = torch.zeros((len(tokens), s.layers, self.moe.topk), dtype=torch.int32) \
             if self.moe is not None and routed_out is not None else None
         for i in range(s.layers):
             n = self.layer_names[i]

@@ -99,6 +99,9 @@ class SimConfig:
     trainer_gpus: Optional[int] = None
     # CPU machines: engines and trainer share this many cores (None: each has its own GPUs)
     cpu_cores: Optional[float] = None
+    # the manager asks engines for routed experts (algo.routing_replay), which simulated
+    # engines cannot return: every trajectory fails (tests a run that must stop, not spin)
+    routed_experts: bool = False
 
 
 # ---------------------------------------------------------------------- relays and pulls
@@ -258,6 +261,7 @@ async def _simulate(cfg: SimConfig) -> SimResult:
                              batch_trajectories=w.batch_trajectories, poll_s=0.05, wake_s=30.0,
                              relay_wait_s=3600.0, clock=loop.time)
     trainer.manager = manager
+    manager.routed_experts = cfg.routed_experts
     run = asyncio.create_task(manager.run())
     try:
         await trainer.run()

@@ -280,7 +280,10 @@ class SimEngineClient:
         self.api_key = None
 
     async def stream_tokens(self, input_ids, sampling_params: Optional[dict] = None, *,
-                            rid: Optional[str] = None) -> AsyncIterator[StreamChunk]:
+                            rid: Optional[str] = None,
+                            extra: Optional[dict] = None) -> AsyncIterator[StreamChunk]:
+        if extra:  # the simulator counts tokens; it has no routings to return
+            raise ValueError(f"the simulated engine takes no GenerateReqInput extras: {sorted(extra)}")
         params = sampling_params or {}
         prompt = int(params.get("sim_prompt_tokens", 0))
         r = self.engine.submit(rid, len(input_ids), int(params.get("max_new_tokens", 0)), prompt)

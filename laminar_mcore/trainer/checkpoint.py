@@ -47,7 +47,8 @@ def _layout() -> dict:
 
     return {"world": dist.get_world_size(), "tp": ps.get_tensor_model_parallel_world_size(),
             "pp": ps.get_pipeline_model_parallel_world_size(),
-            "dp": ps.get_data_parallel_world_size()}
+            "dp": ps.get_data_parallel_world_size(),
+            "ep": ps.get_expert_model_parallel_world_size()}
 
 
 def _rank_key() -> str:
@@ -192,7 +193,14 @@ def _trainer_state(actor) -> dict:
             "total_nonfinite": actor.total_nonfinite, "layout": _layout(),
             "optimizer_step": _adam_step(actor.optimizer),
             "optim_sharding": _sharding_metadata(actor)["distrib_optim_sharding_type"],
-            "distributed_optimizer": actor.use_distributed_optimizer}
+            "distributed_optimizer": actor.use_distributed_optimizer,
+            "optimizers": _optimizer_count(actor.optimizer)}
+
+
+def _optimizer_count(optimizer) -> int:
+    """How many optimizers Megatron chains: one, or (MoE with expert parallelism, when the
+    experts' DP group differs from the dense one) one for dense and one for expert weights."""
+    return len(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def save_checkpoint(root: str, step: int, actor, extra_state: Optional[dict] = None,
@@ -229,7 +237,8 @@ def save_checkpoint(root: str, step: int, actor, extra_state: Optional[dict] = N
         layout = _layout()
         dtype = next(model.parameters()).dtype
         write_model_meta(partial, actor.hf_config, tp=layout["tp"], pp=layout["pp"],
-                         dtype="fp32" if dtype == torch.float32 else "bf16", source="trainer")
+                         dtype="fp32" if dtype == torch.float32 else "bf16", source="trainer",
+                         ep=layout["ep"])
     dist.barrier()
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -251,6 +260,7 @@ def _prune(root: str, keep: int) -> None:
 
 def _check_layout(path: str, saved: dict, state: dict) -> None:
     now = _layout()
+    saved = {"ep": 1, **saved}  # checkpoints from before expert parallelism
     if saved == now:
         return
     if os.path.isfile(os.path.join(path, "rank_00000.pt")):
@@ -259,11 +269,11 @@ def _check_layout(path: str, saved: dict, state: dict) -> None:
     sharding = state.get("optim_sharding", "dp_reshardable")
     if sharding == "fully_reshardable":
         return
-    if (saved["tp"], saved["pp"]) != (now["tp"], now["pp"]):
+    if (saved["tp"], saved["pp"], saved["ep"]) != (now["tp"], now["pp"], now["ep"]):
         raise RuntimeError(
             f"checkpoint {path} was saved at layout {saved}, this run is {now}: its optimizer "
             "state (trainer.ckpt_optim_sharding=dp_reshardable) reshards over DP only. Resume at "
-            f"tp={saved['tp']} pp={saved['pp']} (any DP size), save with "
+            f"tp={saved['tp']} pp={saved['pp']} ep={saved['ep']} (any DP size), save with "
             "trainer.ckpt_optim_sharding=fully_reshardable, or convert the model with "
             "tools/convert_checkpoint.py and start a new run from it")
 
@@ -288,6 +298,15 @@ def load_checkpoint(path: str, actor) -> Tuple[int, Optional[dict]]:
             f"checkpoint {path} was saved with parallel.use_distributed_optimizer="
             f"{state.get('distributed_optimizer')}, this run has "
             f"{actor.use_distributed_optimizer}; resume with the same setting")
+    saved_optimizers, optimizers = int(state.get("optimizers", 1)), _optimizer_count(actor.optimizer)
+    if saved_optimizers != optimizers:
+        raise RuntimeError(
+            f"checkpoint {path} holds the state of {saved_optimizers} chained optimizers (dense "
+            f"and expert weights at ep={marker['layout'].get('ep', 1)}), this run has "
+            f"{optimizers} (ep={_layout()['ep']}); Megatron-Core cannot load an optimizer state "
+            "across that change, even fully_reshardable. Resume at an EP with the same split "
+            "(ep > 1 keeps experts apart), or convert the model with tools/convert_checkpoint.py "
+            "and start a new run from it")
     model = _module(actor)
     metadata = _sharding_metadata(actor)
     metadata["distrib_optim_sharding_type"] = state.get("optim_sharding",
@@ -324,7 +343,7 @@ MODEL_META = "laminar_checkpoint.json"
 
 
 def write_model_meta(ckpt_dir: str, hf_config, *, tp: int, pp: int, dtype: str, source: str,
-                     hf_files_from: Optional[str] = None) -> None:
+                     hf_files_from: Optional[str] = None, ep: int = 1) -> None:
     """What ``tools/convert_checkpoint.py mcore-to-hf`` needs beside ``model/``: the Hugging Face
     config (and tokenizer files when ``hf_files_from`` has them) under ``hf_meta/`` and a
     ``laminar_checkpoint.json`` that names the format and the layout it was saved at."""
@@ -335,7 +354,7 @@ def write_model_meta(ckpt_dir: str, hf_config, *, tp: int, pp: int, dtype: str, 
         copy_side_files(hf_files_from, meta_dir)
     with open(os.path.join(ckpt_dir, MODEL_META), "w") as f:
         json.dump({"format": "laminar-mcore/torch_dist", "model_type": hf_config.model_type,
-                   "tp": tp, "pp": pp, "dtype": dtype, "source": source}, f, indent=2)
+                   "tp": tp, "pp": pp, "ep": ep, "dtype": dtype, "source": source}, f, indent=2)
 
 
 class CheckpointMismatch(ValueError):
@@ -388,32 +407,24 @@ def iter_checkpoint_hf_tensors(model_dir: str, hf_config):
         raise CheckpointMismatch(f"{model_dir} is not a readable torch_dist checkpoint "
                                  f"(missing or truncated .metadata): {exc}") from exc
     for unit, names in adapter.export_units(hf_config):
-        buffers, chunks, keys = {}, {}, {}
-        for name in names:
-            index, suffix = _split_layer(name)
-            key = name
-            if index is not None:  # Megatron saves the norms under their fused (TE) names
-                key = f"decoder.layers.{_CKPT_KEYS.get(suffix, suffix)}"
-                if key not in stored:
-                    key = f"decoder.layers.{suffix}"
-            meta = stored.get(key)
-            if meta is None or not hasattr(meta, "size"):
-                raise CheckpointMismatch(f"{model_dir} has no tensor {key!r} (needed for {name}); "
-                                         "a checkpoint of another model or architecture?")
-            size = tuple(meta.size)
-            if index is not None:
-                if not size or size[0] != layers:
-                    raise CheckpointMismatch(f"{key} holds {size[0] if size else 0} layers, the "
-                                             f"config says {layers}: a checkpoint of another model")
-                offsets, sizes = (index,) + (0,) * (len(size) - 1), (1,) + size[1:]
-            else:
-                offsets, sizes = (0,) * len(size), size
-            buffers[key] = torch.empty(sizes, dtype=meta.properties.dtype)
-            chunks[key] = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-            keys[name] = key
+        # one region per stored key: a layer's slice of a layer-stacked tensor, or a layer's
+        # whole expert stack (the unit needs all of them), read once
+        where = {name: _locate(stored, name, layers, model_dir) for name in names}
+        buffers, chunks = {}, {}
+        for key, lead, _ in where.values():
+            if key in buffers:
+                continue
+            size = tuple(stored[key].size)
+            buffers[key] = torch.empty((1,) * len(lead) + size[len(lead):],
+                                       dtype=stored[key].properties.dtype)
+            chunks[key] = ChunkStorageMetadata(
+                offsets=torch.Size(lead + (0,) * (len(size) - len(lead))),
+                sizes=torch.Size(buffers[key].shape))
         dcp.load(buffers, storage_reader=reader, planner=_slice_planner(chunks), no_dist=True)
-        full = {name: buffers[key][0] if _split_layer(name)[0] is not None else buffers[key]
-                for name, key in keys.items()}
+        full = {}
+        for name, (key, lead, expert) in where.items():
+            tensor = buffers[key].reshape(buffers[key].shape[len(lead):])
+            full[name] = tensor[expert] if expert is not None else tensor
         try:
             pairs = adapter.convert_unit_to_hf(hf_config, unit, full)
         except (RuntimeError, ValueError) as exc:
@@ -422,6 +433,44 @@ def iter_checkpoint_hf_tensors(model_dir: str, hf_config):
         for hf_name, tensor in pairs:
             yield hf_name, tensor
         del buffers, full, pairs
+
+
+def _locate(stored, name: str, layers: int, model_dir: str):
+    """Where full Megatron tensor ``name`` lives in a torch_dist checkpoint: (stored key, the
+    indices of the leading dimensions it takes one slice of, its expert number or None).
+
+    Dense models stack each tensor over layers (``decoder.layers.<suffix>`` [L, ...]); models
+    with MoE layers keep one key per layer (``decoder.layers.{i}.<suffix>``) and stack a layer's
+    experts (``decoder.layers.{i}.mlp.experts.experts.linear_fc1.weight`` [E, ...], whatever
+    the EP layout). Norms are stored under their fused (Transformer Engine) names."""
+    from ..models.moe import parse_expert
+
+    index, suffix = _split_layer(name)
+    expert = parse_expert(suffix) if index is not None else None
+    if index is None:
+        candidates = [(name, ())]
+    elif expert is not None:
+        candidates = [(f"decoder.layers.{index}.mlp.experts.experts.{expert[1]}", ()),
+                      (f"decoder.layers.mlp.experts.experts.{expert[1]}", (index,))]
+    else:
+        candidates = []
+        for sfx in (_CKPT_KEYS.get(suffix, suffix), suffix):
+            candidates += [(f"decoder.layers.{index}.{sfx}", ()),
+                           (f"decoder.layers.{sfx}", (index,))]
+    for key, lead in candidates:
+        meta = stored.get(key)
+        if meta is None or not hasattr(meta, "size"):
+            continue
+        size = tuple(meta.size)
+        if lead and (not size or size[0] != layers):
+            raise CheckpointMismatch(f"{key} holds {size[0] if size else 0} layers, the config "
+                                     f"says {layers}: a checkpoint of another model")
+        if expert is not None and (len(size) <= len(lead) or size[len(lead)] <= expert[0]):
+            raise CheckpointMismatch(f"{key} has shape {size}: no expert {expert[0]} (a "
+                                     "checkpoint of another model?)")
+        return key, lead, (expert[0] if expert is not None else None)
+    raise CheckpointMismatch(f"{model_dir} has no tensor {candidates[0][0]!r} (needed for "
+                             f"{name}); a checkpoint of another model or architecture?")
 
 
 def _split_layer(name: str):

@@ -111,11 +111,11 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32,
     config = transformer_config(hf_config, dtype=dtype, use_te=use_te, **config_overrides)
     tp = config.tensor_model_parallel_size
     pp = config.pipeline_model_parallel_size
-    if config.sequence_parallel and not use_te:
-        raise AdapterError("parallel.sequence_parallel=true needs Transformer Engine: Megatron's "
-                           "local layer spec has no sequence-parallel norm. Install "
-                           "transformer-engine on the trainer nodes, or set it false (and use "
-                           "trainer.recompute to save activation memory)")
+    if config.sequence_parallel and not use_te and torch.cuda.is_available():
+        raise AdapterError("parallel.sequence_parallel=true needs Transformer Engine on GPUs: "
+                           "Megatron's local layer spec has no sequence-parallel norm there. "
+                           "Install transformer-engine on the trainer nodes, or set it false "
+                           "(and use trainer.recompute to save activation memory)")
     if hf_config.vocab_size % tp:
         raise AdapterError(f"vocab_size {hf_config.vocab_size} is not divisible by tp={tp}")
     if hf_config.num_hidden_layers % pp:

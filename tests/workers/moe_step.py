@@ -1,7 +1,7 @@
 """Worker (under torchrun): one decoupled-PPO step of a tiny Qwen3-MoE at several layouts.
 
-Layout "tXpYeZ[xW]": TP X, PP Y, EP Z, expert TP W (default 1); DP and the experts' DP take
-the rest of the world. For
+Layout "tXpYeZ[xW][s]": TP X, PP Y, EP Z, expert TP W (default 1), "s": sequence parallelism;
+DP and the experts' DP take the rest of the world. For
 each it builds the actor from the same weights, trains one step on the same batch, saves the
 updated full weights of its stage (experts gathered over EP) and the stage's export as the
 publisher sends it (Hugging Face names, experts gathered layer by layer)."""
@@ -16,6 +16,8 @@ import torch
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layouts", default="t1p1e1")
+    ap.add_argument("--replay", action="store_true",
+                    help="also recompute near-tie trajectories' log-probs with routing replay")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -35,17 +37,37 @@ def main():
     cfg = tiny_hf_config("qwen3_moe", mlp_only_layers=[2])
     full = get_adapter(cfg).hf_to_mcore(cfg, initial_hf_state(type("M", (), {"path": None})(), cfg, 3))
     batch = random_trajectories(4, 4, cfg.vocab_size, seed=5)
+    if args.replay:
+        from laminar_mcore.testing.moe import engine_trajectories, near_tie_model
+
+        tcfg, thf = near_tie_model()
+        tfull = get_adapter(tcfg).hf_to_mcore(tcfg, thf)
+        tbatch = engine_trajectories(tcfg, thf, n=8)
     result = {"rank": int(os.environ["RANK"]), "stats": {}}
     for layout in args.layouts.split(","):
-        tp, pp, ep, etp = (int(x or 1) for x in
-                           re.fullmatch(r"t(\d+)p(\d+)e(\d+)(?:x(\d+))?", layout).groups())
+        m = re.fullmatch(r"t(\d+)p(\d+)e(\d+)(?:x(\d+))?(s?)", layout)
+        tp, pp, ep, etp = (int(x or 1) for x in m.groups()[:4])
+        sp = m.group(5) == "s"
         init_trainer_parallel(tp=tp, pp=pp, ep=ep, expert_tp=etp, seed=1)
         from megatron.core import parallel_state as ps
 
         algo = AlgoConfig(eps_clip=0.2, eps_clip_high=0.28)
         trainer = TrainerConfig(lr=1e-3, adam_eps=1e-6, grad_clip=1.0,
                                 max_tokens_per_microbatch=60, logprob_chunk_size=7)
-        actor = MegatronActor(cfg, algo, trainer, ParallelConfig(), full_state=full)
+        actor = MegatronActor(cfg, algo, trainer, ParallelConfig(sequence_parallel=sp),
+                              full_state=full)
+        if args.replay and not sp:
+            # routing replay at this layout: the engine's routing of near-tie routers, replayed
+            # through the EP dispatcher and across pipeline stages
+            ractor = MegatronActor(tcfg, AlgoConfig(routing_replay=True), trainer,
+                                   ParallelConfig(), full_state=tfull)
+            mbs = ractor.distribute(tbatch if torch.distributed.get_rank() == 0 else None)
+            ractor.compute_logprobs(mbs)
+            if ps.is_pipeline_last_stage():
+                gaps = [float((mb.prox_logprobs - mb.behav_logprobs)[mb.loss_mask > 0].abs().max())
+                        for mb in mbs if mb.loss_mask.sum() > 0]
+                result.setdefault("replay_gap", {})[layout] = max(gaps) if gaps else 0.0
+            ractor = None
         result["stats"][layout] = actor.train_step(batch)
         weights = stage_full_tensors(actor.model.module, cfg)
         exported = {n: t.contiguous().clone() for n, t in iter_stage_hf_tensors(actor.model, cfg)}

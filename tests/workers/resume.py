@@ -9,6 +9,8 @@ import torch
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--family", default="qwen2", help="qwen2, or qwen3_moe (8 experts, top-2)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--save-at", type=int, default=0)
     ap.add_argument("--resume", default="none")
@@ -32,8 +34,8 @@ def main():
     from laminar_mcore.trainer.model import stage_full_tensors
 
     torch.set_num_threads(1)
-    init_trainer_parallel(tp=args.tp, pp=1, seed=1)
-    cfg = tiny_hf_config("qwen2")
+    init_trainer_parallel(tp=args.tp, pp=1, ep=args.ep, seed=1)
+    cfg = tiny_hf_config(args.family)
     full = get_adapter(cfg).hf_to_mcore(cfg, initial_hf_state(type("M", (), {"path": None})(), cfg, 3))
     actor = MegatronActor(cfg, AlgoConfig(eps_clip_high=0.28),
                           TrainerConfig(lr=1e-3, lr_warmup_steps=2, lr_decay_style="cosine",
