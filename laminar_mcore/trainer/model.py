@@ -222,14 +222,15 @@ def stage_full_tensors(model, hf_config, *, grads: bool = False) -> Dict[str, to
             tensor = torch.zeros_like(param)
         gathered = gather_tp(adapter, full_name, tensor.detach()).cpu().clone()
         (experts if is_expert_param(full_name) else out)[full_name] = gathered
-    out.update(gather_ep(model, experts))
+    out.update({n: t.clone() for n, t in gather_ep(model, experts).items()})  # own memory each
     return out
 
 
 def gather_ep(model, experts: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """Every EP rank's experts from this rank's ``experts`` (full names, global numbers, each
-    already whole over expert TP). Every rank of the EP group calls it with the same layers
-    (the same structure), so the gathers line up. Collective over the EP group."""
+    already whole over expert TP). One all-gather per layer and tensor kind (a layer's local
+    fc1s stacked, then its fc2s), not one per expert. Every rank of the EP group calls it with
+    the same layers (the same structure), so the gathers line up. Collective over EP."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -237,16 +238,20 @@ def gather_ep(model, experts: Mapping[str, torch.Tensor]) -> Dict[str, torch.Ten
     if ep == 1 or not experts:
         return dict(experts)
     first, per_rank = _expert_layout(model)
-    out: Dict[str, torch.Tensor] = {}
+    groups: Dict[Tuple[int, str], list] = {}
     for name in sorted(experts, key=_expert_sort_key):
         layer, suffix = split_layer_name(name)
         e, which = parse_expert(suffix)
-        t = experts[name].contiguous()
-        parts = [torch.empty_like(t) for _ in range(ep)]
-        dist.all_gather(parts, t, group=ps.get_expert_model_parallel_group())
+        groups.setdefault((layer, which), []).append((e - first, experts[name]))
+    out: Dict[str, torch.Tensor] = {}
+    for (layer, which), local in groups.items():
+        stacked = torch.stack([t for _, t in local]).contiguous()
+        parts = [torch.empty_like(stacked) for _ in range(ep)]
+        dist.all_gather(parts, stacked, group=ps.get_expert_model_parallel_group())
         for r, part in enumerate(parts):
-            out[f"decoder.layers.{layer}.mlp.experts.local_experts."
-                f"{r * per_rank + e - first}.{which}"] = part
+            for j, (offset, _) in enumerate(local):
+                out[f"decoder.layers.{layer}.mlp.experts.local_experts."
+                    f"{r * per_rank + offset}.{which}"] = part[j]
     return out
 
 
