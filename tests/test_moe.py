@@ -12,6 +12,7 @@ import torch
 from laminar_mcore.models import AdapterError, get_adapter
 from laminar_mcore.models.hf import initial_hf_state, save_hf_checkpoint, tiny_hf_config
 from laminar_mcore.rollout.model import DecoderLM
+from laminar_mcore.testing.moe import engine_trajectories, near_tie_model
 
 MOE_CASES = {
     "norm_topk": dict(norm_topk_prob=True),
@@ -252,25 +253,13 @@ def test_one_step_gives_the_same_weights_at_every_expert_layout(ep_run):
             assert torch.equal(tensor, expected[name]), f"{layout} export {name}"
 
 
-def _near_tie_model():
-    from laminar_mcore.testing.moe import near_tie_model
-
-    return near_tie_model()
-
-
-def _engine_trajectories(cfg, hf, n=6):
-    from laminar_mcore.testing.moe import engine_trajectories
-
-    return engine_trajectories(cfg, hf, n)
-
-
 def test_routing_replay_makes_the_trainer_match_the_engine_on_near_ties():
     from laminar_mcore.config.schema import AlgoConfig, TrainerConfig
     from laminar_mcore.parallel import destroy_trainer_parallel, init_trainer_parallel
     from laminar_mcore.trainer.actor import MegatronActor
 
-    cfg, hf = _near_tie_model()
-    trajs = _engine_trajectories(cfg, hf)
+    cfg, hf = near_tie_model()
+    trajs = engine_trajectories(cfg, hf)
     full = get_adapter(cfg).hf_to_mcore(cfg, hf)
     results = {}
     init_trainer_parallel(seed=1)
@@ -302,8 +291,8 @@ def test_routing_replay_makes_the_trainer_match_the_engine_on_near_ties():
 def test_replay_needs_the_engines_routing_and_says_so():
     from laminar_mcore.trainer.packing import routed_experts_rows
 
-    cfg, hf = _near_tie_model()
-    traj = _engine_trajectories(cfg, hf, n=1)[0]
+    cfg, hf = near_tie_model()
+    traj = engine_trajectories(cfg, hf, n=1)[0]
     rows = routed_experts_rows(traj, cfg.num_hidden_layers, 2)
     assert rows.shape == (traj.num_tokens, cfg.num_hidden_layers, 2)
     traj.routed_experts = []

@@ -63,7 +63,7 @@ def check_layout(hf_config, tp: int, pp: int, ep: int = 1) -> None:
     problems = []
     if tp < 1 or pp < 1 or ep < 1:
         problems.append("--tp, --pp and --ep must be >= 1")
-    experts = adapter.num_experts(hf_config) if getattr(adapter, "is_moe", False) else 0
+    experts = adapter.num_experts(hf_config)
     if ep > 1 and not experts:
         problems.append(f"--ep {ep} needs a mixture-of-experts model ({hf_config.model_type} "
                         "has no experts)")
@@ -210,7 +210,7 @@ def _expected_hf_shapes(hf_config) -> dict:
     from laminar_mcore.models import get_adapter
 
     adapter = get_adapter(hf_config)
-    if getattr(adapter, "is_moe", False):
+    if adapter.is_moe:
         return dict(adapter.hf_shapes(hf_config))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)

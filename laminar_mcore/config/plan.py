@@ -49,35 +49,40 @@ def model_arch(cfg) -> dict:
 
         return arch_of_hf_config(load_hf_config(path), source=f"model.path={path}")
     a = cfg.model.arch
-    experts = int(a.num_experts or 0) if a.family == "qwen3_moe" else 0
-    dense = set(a.mlp_only_layers or [])
-    moe_layers = sum(1 for i in range(a.num_hidden_layers) if experts and i not in dense
-                     and (i + 1) % max(a.decoder_sparse_step, 1) == 0)
+    moe = {}
+    if a.family == "qwen3_moe":  # which layers are sparse: the adapter's rule
+        from ..models.hf import hf_config_from_arch
+
+        moe = _moe_arch(hf_config_from_arch(a))
     return dict(family=a.family, hidden=a.hidden_size, ffn=a.intermediate_size,
                 layers=a.num_hidden_layers, heads=a.num_attention_heads,
                 kv_heads=a.num_key_value_heads,
                 head_dim=a.head_dim or a.hidden_size // a.num_attention_heads,
                 vocab=a.vocab_size, tied=bool(a.tie_word_embeddings), source="model.arch",
-                experts=experts, topk=int(a.num_experts_per_tok), moe_ffn=a.moe_intermediate_size,
-                moe_layers=moe_layers)
+                **{**_NO_EXPERTS, **moe})
+
+
+_NO_EXPERTS = {"experts": 0, "topk": 0, "moe_ffn": 0, "moe_layers": 0}
+
+
+def _moe_arch(hf) -> dict:
+    """The plan's expert fields of a mixture-of-experts transformers config."""
+    from ..models import get_adapter
+
+    m = get_adapter(hf).moe_shape(hf)
+    return dict(experts=m.experts, topk=m.topk, moe_ffn=m.moe_ffn, moe_layers=sum(m.moe_layers))
 
 
 def arch_of_hf_config(hf, source: str = "config") -> dict:
     """The plan's architecture fields of a transformers config."""
     heads = hf.num_attention_heads
-    moe = {}
-    if getattr(hf, "num_experts", 0):
-        from ..models import get_adapter
-
-        m = get_adapter(hf).moe_shape(hf)
-        moe = dict(experts=m.experts, topk=m.topk, moe_ffn=m.moe_ffn,
-                   moe_layers=sum(m.moe_layers))
+    moe = _moe_arch(hf) if getattr(hf, "num_experts", 0) else {}
     return dict(family=hf.model_type, hidden=hf.hidden_size, ffn=hf.intermediate_size,
                 layers=hf.num_hidden_layers, heads=heads,
                 kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
                 head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
                 vocab=hf.vocab_size, tied=bool(getattr(hf, "tie_word_embeddings", False)),
-                source=source, **{"experts": 0, "topk": 0, "moe_ffn": 0, "moe_layers": 0, **moe})
+                source=source, **{**_NO_EXPERTS, **moe})
 
 
 def param_counts(arch: dict) -> Dict[str, int]:

@@ -579,9 +579,8 @@ class RolloutManager:
             start = 0 if held == 0 else len(traj.prompt_ids) + held - 1
             extra = {"return_routed_experts": True, "routed_experts_start_len": start}
         try:
-            more = {"extra": extra} if extra else {}
             async for chunk in engine.client.stream_tokens(traj.prompt_ids + traj.response_ids,
-                                                           params, rid=item.rid, **more):
+                                                           params, rid=item.rid, extra=extra):
                 # Only what is new is parsed and stored (O(L) for L tokens); the trajectory holds
                 # every token for a resume, also the partial output of an aborted request.
                 self.partial.append(item.rid, chunk.new_ids, chunk.new_logprobs)

@@ -123,14 +123,8 @@ def tiny_demo_config(hidden: int = 128, layers: int = 3, max_positions: int = 64
     """The demo model: Qwen2, or Qwen3-MoE with the ``moe`` fields (num_experts, ...)."""
     from ..models.hf import build_hf_config
 
-    if moe:
-        return build_hf_config("qwen3_moe", hidden_size=hidden, intermediate_size=hidden * 3,
-                               num_hidden_layers=layers, num_attention_heads=4,
-                               num_key_value_heads=2, vocab_size=VOCAB_SIZE,
-                               max_position_embeddings=max_positions, rms_norm_eps=1e-6,
-                               rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu",
-                               eos_token_id=EOS, pad_token_id=PAD, bos_token_id=None, **moe)
-    return build_hf_config("qwen2", hidden_size=hidden, intermediate_size=hidden * 3,
+    return build_hf_config("qwen3_moe" if moe else "qwen2", **(moe or {}),
+                           hidden_size=hidden, intermediate_size=hidden * 3,
                            num_hidden_layers=layers, num_attention_heads=4,
                            num_key_value_heads=2, vocab_size=VOCAB_SIZE,
                            max_position_embeddings=max_positions, rms_norm_eps=1e-6, rope_theta=10000.0,

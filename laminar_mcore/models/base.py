@@ -97,6 +97,11 @@ def split_layer_name(name: str) -> Tuple[Optional[int], str]:
     return int(m.group(1)), _TE_ALIASES.get(suffix, suffix)
 
 
+def _stacks_gate_up(name: str) -> bool:
+    """A SwiGLU ``linear_fc1`` (the dense MLP's, or an expert's): [gate; up] stacked."""
+    return split_layer_name(name)[1].endswith("linear_fc1.weight")
+
+
 def _flatten_groups(t: Tensor, rest) -> Tensor:
     """[groups, rows, *rest] -> [groups*rows, *rest], a view when the groups are one row-block
     each (q of one group, or k, or v), otherwise a copy."""
@@ -128,6 +133,7 @@ class ModelAdapter:
     qkv_bias: bool = False
     qk_norm: bool = False
     supports_llama3_rope_scaling: bool = False
+    is_moe: bool = False  # mixture-of-experts families (models/moe.py) set it
 
     HF_LAYER: ClassVar[str] = "model.layers.{i}."
 
@@ -225,8 +231,13 @@ class ModelAdapter:
             rope_scaling_factor=factor or 8.0,
         )
 
-    def layer_spec(self, use_te: bool):
-        """Transformer-Engine spec on GPUs when TE is installed, the local spec otherwise."""
+    def num_experts(self, hf_config) -> int:
+        """Routed experts per MoE layer (0: a dense family)."""
+        return 0
+
+    def layer_spec(self, use_te: bool, config=None):
+        """Transformer-Engine spec on GPUs when TE is installed, the local spec otherwise
+        (``config``, the TransformerConfig, is what per-layer MoE specs need)."""
         from megatron.core.models.gpt import gpt_layer_specs
 
         if use_te:
@@ -240,9 +251,10 @@ class ModelAdapter:
     HF_FINAL_NORM: ClassVar[str] = "model.norm.weight"
     HF_LM_HEAD: ClassVar[str] = "lm_head.weight"
 
-    def hf_layer_names(self, i: int) -> Dict[str, str]:
+    def hf_layer_names(self, i: int, hf_config=None) -> Dict[str, str]:
         """Role -> Hugging Face name of layer ``i``'s tensors (for engines that run the
-        checkpoint's layout directly, as the CPU engine does)."""
+        checkpoint's layout directly, as the CPU engine does; ``hf_config`` tells an MoE
+        family which layers are sparse)."""
         p = self.HF_LAYER.format(i=i)
         names = {"input_norm": "input_layernorm.weight",
                  "post_attention_norm": "post_attention_layernorm.weight",
@@ -419,6 +431,11 @@ class ModelAdapter:
                                f"{extra[:8]}{' ...' if len(extra) > 8 else ''}")
         return out
 
+    def from_transformers_state(self, hf_config, state: Mapping[str, Tensor]) -> Dict[str, Tensor]:
+        """A transformers model's ``state_dict()`` in checkpoint layout (the same for dense
+        families; MoE families unfuse their experts)."""
+        return dict(state)
+
     @staticmethod
     def merge_qkv(s: Shape, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Megatron interleaves QKV by query group: [q_g (heads/groups rows), k_g, v_g] per group."""
@@ -453,7 +470,7 @@ class ModelAdapter:
         if full.shape[dim] % tp_size:
             raise AdapterError(f"{name}: dimension {dim} of size {full.shape[dim]} does not "
                                f"divide by tensor parallel size {tp_size}")
-        if split_layer_name(name)[1] == _FC1_W:
+        if _stacks_gate_up(name):
             # Each rank holds [gate_r; up_r], not a contiguous slice of [gate; up].
             gate, up = torch.chunk(full, 2, dim=0)
             return torch.cat([torch.chunk(gate, tp_size, 0)[tp_rank],
@@ -465,7 +482,7 @@ class ModelAdapter:
         dim = self.tp_dim(name)
         if dim is None or len(shards) == 1:
             return shards[0]
-        if split_layer_name(name)[1] == _FC1_W:
+        if _stacks_gate_up(name):
             pairs = [torch.chunk(t, 2, dim=0) for t in shards]
             return torch.cat([p[0] for p in pairs] + [p[1] for p in pairs], dim=0)
         return torch.cat(shards, dim=dim)

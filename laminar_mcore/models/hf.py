@@ -163,7 +163,12 @@ def hf_config_for(model_cfg):
     """The transformers config of ``cfg.model``: from ``path`` if set, else from ``arch``."""
     if model_cfg.path is not None:
         return load_hf_config(model_cfg.path)
-    arch = dict(model_cfg.arch)
+    return hf_config_from_arch(model_cfg.arch)
+
+
+def hf_config_from_arch(arch_cfg):
+    """The transformers config of a ``model.arch`` section."""
+    arch = dict(arch_cfg)
     family = arch.pop("family")
     moe_keys = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                 "decoder_sparse_step", "mlp_only_layers")
@@ -187,13 +192,10 @@ def initial_hf_state(model_cfg, hf_config, seed: int) -> Dict[str, torch.Tensor]
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    state = {k: v.detach() for k, v in model.state_dict().items()}
     from .base import get_adapter
 
-    adapter = get_adapter(hf_config)
-    if hasattr(adapter, "from_transformers_state"):  # fused experts in memory -> per expert
-        state = adapter.from_transformers_state(hf_config, state)
-    return state
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    return get_adapter(hf_config).from_transformers_state(hf_config, state)
 
 
 class SafetensorsReader:

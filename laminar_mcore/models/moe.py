@@ -32,6 +32,8 @@ from .base import (_FC1_W, _FC2_W, AdapterError, ModelAdapter, Tensor, register_
 
 ROUTER_W = "mlp.router.weight"
 _EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
+# transformers >= 5 in memory: one layer's experts fused
+_FUSED_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
 def expert_suffix(e: int, which: str) -> str:
@@ -238,16 +240,15 @@ class MoeAdapter(ModelAdapter):
         each layer's experts fused in memory (``mlp.experts.gate_up_proj`` [E, 2 I, H],
         ``mlp.experts.down_proj`` [E, H, I]); checkpoints (and SGLang) name every expert."""
         out: Dict[str, Tensor] = {}
-        fused = re.compile(r"^(model\.layers\.(\d+)\.mlp\.experts)\.(gate_up_proj|down_proj)$")
         for name, tensor in state.items():
-            m = fused.match(name)
+            m = _FUSED_RE.match(name)
             if not m:
                 out[name] = tensor
                 continue
-            i = int(m.group(2))
+            i = int(m.group(1))
             for e in range(tensor.shape[0]):
                 n = self.hf_expert_names(i, e)
-                if m.group(3) == "down_proj":
+                if m.group(2) == "down_proj":
                     out[n["down_proj"]] = tensor[e].contiguous()
                 else:
                     gate, up = torch.chunk(tensor[e], 2, dim=0)
@@ -261,31 +262,12 @@ class MoeAdapter(ModelAdapter):
         expert = parse_expert(suffix)
         if expert is not None:
             return 0 if expert[1] == "linear_fc1.weight" else 1
-        if suffix == ROUTER_W:
-            return None
-        return ModelAdapter.tp_dim(name)
-
-    def shard(self, name: str, full: Tensor, tp_rank: int, tp_size: int) -> Tensor:
-        expert = parse_expert(split_layer_name(name)[1])
-        if expert is not None and expert[1] == "linear_fc1.weight" and tp_size > 1:
-            gate, up = torch.chunk(full, 2, dim=0)
-            return torch.cat([torch.chunk(gate, tp_size, 0)[tp_rank],
-                              torch.chunk(up, tp_size, 0)[tp_rank]], dim=0)
-        return super().shard(name, full, tp_rank, tp_size)
-
-    def unshard(self, name: str, shards: list) -> Tensor:
-        expert = parse_expert(split_layer_name(name)[1])
-        if expert is not None and expert[1] == "linear_fc1.weight" and len(shards) > 1:
-            pairs = [torch.chunk(t, 2, dim=0) for t in shards]
-            return torch.cat([p[0] for p in pairs] + [p[1] for p in pairs], dim=0)
-        return super().unshard(name, shards)
+        return ModelAdapter.tp_dim(name)  # the router is replicated (no entry)
 
 
 def is_expert_param(name: str) -> bool:
     """Whether a (full or local) Megatron name is an expert tensor (split over expert TP and
     distributed over expert parallelism)."""
-    from .base import split_layer_name
-
     return parse_expert(split_layer_name(name)[1]) is not None
 
 

@@ -61,10 +61,8 @@ class DecoderLM:
         self.params: Dict[str, torch.Tensor] = {}
         # names and shapes from the family's adapter (the trainer's exporter uses the same)
         self.expected = self.adapter.hf_shapes(hf_config)
-        self.moe = self.adapter.moe_shape(hf_config) if getattr(self.adapter, "is_moe", False) \
-            else None
-        self.layer_names = [self.adapter.hf_layer_names(i, hf_config) if self.moe else
-                            self.adapter.hf_layer_names(i) for i in range(s.layers)]
+        self.moe = self.adapter.moe_shape(hf_config) if self.adapter.is_moe else None
+        self.layer_names = [self.adapter.hf_layer_names(i, hf_config) for i in range(s.layers)]
         self.expert_names = {i: [self.adapter.hf_expert_names(i, e) for e in range(self.moe.experts)]
                              for i, moe in enumerate(self.moe.moe_layers) if moe} if self.moe else {}
         self.load_weights(state, strict=True)
@@ -189,7 +187,6 @@ class DecoderLM:
         last = torch.tensor(n_new).cumsum(0) - 1
         h = _rms_norm(x[last], p[a.HF_FINAL_NORM], self.eps)
         return F.linear(h, head).float()
-
 
     def _moe_mlp(self, i: int, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Qwen3-MoE's sparse block: softmax router (fp32), top-k, renormalised when

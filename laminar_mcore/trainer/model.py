@@ -67,7 +67,7 @@ def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, use_te=
     on_gpu = torch.cuda.is_available()
     use_te = te_available() if use_te is None else use_te
     kwargs = adapter.transformer_config_kwargs(hf_config)
-    if getattr(adapter, "is_moe", False):
+    if adapter.is_moe:
         kwargs.update(
             expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
             expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
@@ -121,13 +121,12 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32,
     if hf_config.num_hidden_layers % pp:
         raise AdapterError(f"num_hidden_layers {hf_config.num_hidden_layers} is not divisible "
                            f"by pp={pp}")
-    moe = getattr(adapter, "is_moe", False)
-    if moe and adapter.num_experts(hf_config) % config.expert_model_parallel_size:
+    if adapter.num_experts(hf_config) % config.expert_model_parallel_size:
         raise AdapterError(f"num_experts {adapter.num_experts(hf_config)} is not divisible by "
                            f"ep={config.expert_model_parallel_size}")
     model = GPTModel(
         config=config,
-        transformer_layer_spec=adapter.layer_spec(use_te, config) if moe else adapter.layer_spec(use_te),
+        transformer_layer_spec=adapter.layer_spec(use_te, config),
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=True,
@@ -162,13 +161,16 @@ def global_param_name(model, local_name: str) -> str:
     return f"decoder.layers.{layer_number - 1}.{suffix}"
 
 
-def _tp_layout(name: str) -> Tuple[int, int]:
-    """(rank, size) of the group that splits ``name``: expert TP for experts, TP otherwise."""
+def _tp_layout(name: str) -> Tuple[int, int, object]:
+    """(rank, size, group) of the group that splits ``name``: expert TP for experts, TP
+    otherwise."""
     from megatron.core import parallel_state as ps
 
     if is_expert_param(name):
-        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
-    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        return (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(),
+                ps.get_expert_tensor_parallel_group())
+    return (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_group())
 
 
 def local_full_names(model, hf_config) -> Dict[str, str]:
@@ -192,7 +194,7 @@ def load_full_state(model, hf_config, full_state: Mapping[str, torch.Tensor]) ->
     for local, full_name in local_full_names(model, hf_config).items():
         if full_name not in full_state:
             raise AdapterError(f"no source tensor for parameter {local!r} ({full_name!r})")
-        shard = adapter.shard(full_name, full_state[full_name], *_tp_layout(full_name))
+        shard = adapter.shard(full_name, full_state[full_name], *_tp_layout(full_name)[:2])
         param = params[local]
         if tuple(shard.shape) != tuple(param.shape):
             raise AdapterError(f"{local}: source shard has shape {tuple(shard.shape)}, the model "
@@ -266,17 +268,12 @@ def gather_tp(adapter, name: str, shard: torch.Tensor) -> torch.Tensor:
     row and vocab-parallel; per-rank gate/up of linear_fc1), laid out as one unsharded
     Megatron tensor; a replicated parameter as it is. Collective over the TP group."""
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
-    expert = is_expert_param(name)
-    tp = parallel_state.get_expert_tensor_parallel_world_size() if expert else \
-        parallel_state.get_tensor_model_parallel_world_size()
+    _, tp, group = _tp_layout(name)
     if adapter.tp_dim(name) is None or tp == 1:
         return shard
     shard = shard.contiguous()
     shards = [torch.empty_like(shard) for _ in range(tp)]
-    group = parallel_state.get_expert_tensor_parallel_group() if expert else \
-        parallel_state.get_tensor_model_parallel_group()
     dist.all_gather(shards, shard, group=group)
     return adapter.unshard(name, shards)
 
@@ -300,7 +297,7 @@ def load_hf_checkpoint(model, hf_config, reader) -> int:
         nbytes += sum(t.numel() * t.element_size() for t in hf.values())
         for full, tensor in adapter.convert_unit_from_hf(hf_config, unit, hf).items():
             for local in wanted.get(full, []):
-                shard = adapter.shard(full, tensor, *_tp_layout(full))
+                shard = adapter.shard(full, tensor, *_tp_layout(full)[:2])
                 if tuple(shard.shape) != tuple(params[local].shape):
                     raise AdapterError(f"{local}: checkpoint shard {tuple(shard.shape)} does not "
                                        f"match the model's {tuple(params[local].shape)}")

@@ -68,11 +68,9 @@ class WeightPublisher:
         # Ranks that take part in the export's gathers: the stage's TP group at DP rank 0; for
         # MoE models every rank of the stage (experts are gathered over EP, whose groups span
         # DP ranks), layer by layer: one layer's experts at a time, never the model.
-        moe = getattr(get_adapter(hf_config), "is_moe", False)
-        self.exports = moe or (ps.get_data_parallel_rank() == 0
-                               and ps.get_context_parallel_rank() == 0)
-        self.is_lead = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0 \
-            and ps.get_tensor_model_parallel_rank() == 0
+        first_replica = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+        self.exports = first_replica or get_adapter(hf_config).is_moe
+        self.is_lead = first_replica and ps.get_tensor_model_parallel_rank() == 0
         self.packer = BucketPacker(bucket_bytes, dtype=dtype,
                                    pin_memory=torch.cuda.is_available()) if self.is_lead else None
         self.pg = None

@@ -70,11 +70,9 @@ def warmup_checkpoint(out_dir: str, *, problems: List[Dict[str, str]], steps: in
             log(f"[warm-up] step {step + 1}/{steps} loss {loss.item():.3f} "
                 f"({time.perf_counter() - start:.0f}s)")
     tmp = path + ".tmp"
-    state = model.state_dict()
-    if moe:  # transformers keeps the experts fused in memory; checkpoints name each one
-        from ..models import get_adapter
+    from ..models import get_adapter
 
-        state = get_adapter(cfg).from_transformers_state(cfg, state)
-    save_hf_checkpoint(tmp, cfg, state)
+    # checkpoint layout (transformers keeps an MoE layer's experts fused in memory)
+    save_hf_checkpoint(tmp, cfg, get_adapter(cfg).from_transformers_state(cfg, model.state_dict()))
     os.replace(tmp, path)  # never leave a half-written cache entry
     return path
