@@ -16,7 +16,8 @@ setup(
     packages=packages,
     # Top-level kernels/ and conf/ are installed as laminar_mcore.kernels / laminar_mcore.conf.
     package_dir={"laminar_mcore.kernels": "kernels", "laminar_mcore.conf": "conf"},
-    package_data={"laminar_mcore.conf": ["*.yaml", "*/*.yaml"]},
+    package_data={"laminar_mcore.conf": ["*.yaml", "*/*.yaml"], "laminar_mcore.bench": ["*.json"],
+                  "laminar_mcore.sim": ["*.json"]},
     install_requires=[
         "torch==2.13.0",
         "triton==3.7.1",

@@ -317,7 +317,7 @@ def test_latest_long_poll_answers_when_a_version_completes(tmp_path):
         port = int(master.wait_printed("LAMINAR_RELAY_PUBLISH_PORT"))
         t0 = time.time()
         assert _get(master.url, "/latest?after=0&wait_s=0.5")["version"] is None
-        assert 0.4 < time.time() - t0 < 5.0  # nothing newer: it waited, then answered
+        assert 0.4 < time.time() - t0 < 25.0  # nothing newer: it waited, then answered
 
         answers = []
 
@@ -336,10 +336,11 @@ def test_latest_long_poll_answers_when_a_version_completes(tmp_path):
         poller.join(timeout=30)
         version, started, answered = answers[0]
         assert version == 1
-        assert answered - published < 5.0 and answered - started < 40.0  # not the 50 s
+        # it answered on the publish, not at the end of its 50 s (bounds far from both)
+        assert answered - published < 25.0 and answered - started < 40.0
         t0 = time.time()
         assert _get(master.url, "/latest?after=0&wait_s=50")["version"] == 1  # already newer
-        assert time.time() - t0 < 5.0
+        assert time.time() - t0 < 25.0  # at once, not after 50 s
         for bad in ("after=x&wait_s=1", "after=0&wait_s=soon"):
             with pytest.raises(urllib.error.HTTPError) as err:
                 _get(master.url, f"/latest?{bad}")

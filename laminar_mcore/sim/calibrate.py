@@ -1,6 +1,7 @@
 """The simulator against what this machine can measure: ``bench.modes``.
 
     python -m laminar_mcore.sim.calibrate [--steps 20] [--json PATH] [--modes-json PATH]
+    python -m laminar_mcore.sim.calibrate --costs-json laminar_mcore/sim/calibration_reference.json
 
 1. Measures the costs of this machine's components alone: a CPU engine's decode step time at
    batch 1-16 on the bench's model (a live engine over HTTP; a linear fit), and the trainer's
@@ -18,6 +19,11 @@ the trainer's busy seconds per step in one_step (overlapping generation) are no 
 sync (alone): 88 against 99 ms in one run. So by default the simulated components do not slow
 each other; ``--cores N`` models N shared cores (busy / N slower while more are busy), which
 made the predictions worse here (errors 14% at N=2 against 6% without).
+
+``--costs-json`` replays a calibration's JSON (this module's ``--json``): its measured costs
+and ``bench_*`` figures stand in for steps 1 and 2, so only the simulation runs. It is
+deterministic, which is how the test suite checks the simulator against stored measurements
+(``calibration_reference.json``) without timing anything on the machine that runs it.
 """
 
 from __future__ import annotations
@@ -113,6 +119,24 @@ def fit_line(points: Dict[int, float]):
     return max(my - b * mx, 0.0), max(b, 0.0)
 
 
+# the runs' shape (bench.modes' add_run_args but --steps), kept in the JSON for --costs-json
+RUN_SHAPE = ("batch_prompts", "samples", "short", "long", "long_fraction", "engines")
+
+
+def _load_costs(path: str) -> dict:
+    """A calibration's JSON, checked for the keys ``--costs-json`` replays."""
+    with open(path) as f:
+        stored = json.load(f)
+    need = ["prompt_tokens", "engine_step_ms_b1", "pull_ms", "bench_steps", "bench_sync_span_s",
+            "bench_sync_trainer_idle_fraction", "bench_laminar_vs_sync",
+            "bench_laminar_vs_one_step", *RUN_SHAPE]
+    missing = [k for k in need if k not in stored]
+    if missing:
+        raise SystemExit(f"--costs-json {path}: missing {', '.join(missing)}; it must be the "
+                         "JSON of a `python -m laminar_mcore.sim.calibrate --json PATH` run")
+    return stored
+
+
 def predict(cost: CostModel, workload: Workload, args, steps: int,
             log: Callable[[str], None] = print) -> Dict[str, float]:
     out = {}
@@ -138,8 +162,15 @@ def main(argv=None) -> dict:
                          "slow each other, as measured here: see the module's docstring)")
     ap.add_argument("--modes-json", default=None, help="a bench.modes JSON of the same settings "
                     "(with its *_span_s keys) instead of running it")
+    ap.add_argument("--costs-json", default=None,
+                    help="a calibration's JSON (this module's --json): its measured costs and "
+                         "bench_* figures instead of measuring; only the simulation runs")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    stored = _load_costs(args.costs_json) if args.costs_json else None
+    if stored is not None:  # the stored run's shape, not the command line's defaults
+        for key in RUN_SHAPE:
+            setattr(args, key, type(getattr(args, key))(stored[key]))
 
     from hydra import compose, initialize_config_dir
 
@@ -150,7 +181,9 @@ def main(argv=None) -> dict:
     from ..controller.server import length_fn_from_config
 
     t0 = time.perf_counter()
-    if args.modes_json:
+    if stored is not None:
+        measured = {k[6:]: v for k, v in stored.items() if k.startswith("bench_")}
+    elif args.modes_json:
         with open(args.modes_json) as f:  # bench.modes' JSON, or a calibration's (bench_*)
             measured = json.load(f)
         if "bench_steps" in measured:
@@ -166,21 +199,30 @@ def main(argv=None) -> dict:
             cfg = compose(config_name="config", overrides=run_overrides(args) + [
                 f"output_dir={tmp}", "run_name=calibrate"])
         validate_config(cfg)
-        task = load_task(cfg, tmp, lambda *a: None)
-        prompt_ids = task.codec.encode_prompt(task.rows[0])
-        engine_steps = measure_engine(cfg, task.model_path, prompt_ids)
-    pull_s = measure_pull(cfg) if args.pull_s is None else args.pull_s
+        if stored is not None:
+            prompt_tokens = int(stored["prompt_tokens"])
+            engine_steps = {int(k[len("engine_step_ms_b"):]): ms / 1e3
+                            for k, ms in stored.items() if k.startswith("engine_step_ms_b")}
+        else:
+            task = load_task(cfg, tmp, lambda *a: None)
+            prompt_ids = task.codec.encode_prompt(task.rows[0])
+            prompt_tokens = len(prompt_ids)
+            engine_steps = measure_engine(cfg, task.model_path, prompt_ids)
+    if stored is not None:
+        pull_s = stored["pull_ms"] / 1e3
+    else:
+        pull_s = measure_pull(cfg) if args.pull_s is None else args.pull_s
     fixed, per_request = fit_line(engine_steps)
 
     workload = ReplayWorkload(batch_prompts=args.batch_prompts, samples=args.samples,
                               length_fn=length_fn_from_config(cfg.rollout),
-                              prompt=len(prompt_ids), max_response=args.long)
+                              prompt=prompt_tokens, max_response=args.long)
     # the trainer's busy seconds per step in the sync run, where it runs alone (the engines
     # wait for its weights); per token over the batch's prompt + response tokens
     span = measured["sync_span_s"]
     busy_per_step = (1.0 - measured["sync_trainer_idle_fraction"]) * span / max(steps - 1, 1)
     stats = workload.stats(2000)
-    tokens_per_step = workload.batch_trajectories * (stats["mean"] + len(prompt_ids))
+    tokens_per_step = workload.batch_trajectories * (stats["mean"] + prompt_tokens)
     cost = CostModel("7B", decode_fixed_s=fixed, decode_per_request_s=per_request,
                      decode_per_context_token_s=0.0, prefill_per_token_s=0.0,
                      trainer_per_token_s=busy_per_step / tokens_per_step,
@@ -193,7 +235,10 @@ def main(argv=None) -> dict:
         "pull": f"pull {pull_s * 1e3:.1f} ms"}
     predicted = predict(cost, workload, args, steps)
     figures = {**{f"bench_{k}": v for k, v in measured.items() if not k.startswith("bench_")},
-               "pull_ms": round(pull_s * 1e3, 2), "engine_step_fixed_ms": round(fixed * 1e3, 3),
+               "pull_ms": round(pull_s * 1e3, 4), "prompt_tokens": prompt_tokens,
+               **{f"engine_step_ms_b{b}": round(s * 1e3, 6) for b, s in engine_steps.items()},
+               **{key: getattr(args, key) for key in RUN_SHAPE},
+               "engine_step_fixed_ms": round(fixed * 1e3, 3),
                "engine_step_per_request_ms": round(per_request * 1e3, 4),
                "trainer_busy_s_per_step": round(busy_per_step, 3), "steps": steps}
     errors = []
