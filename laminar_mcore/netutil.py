@@ -1,12 +1,24 @@
-"""Loopback networking helpers shared by launchers, servers and tests."""
+"""Loopback networking helpers and the engine protocol's error, shared by launchers, servers,
+clients and tests (every role may import it; it imports no role)."""
 
 from __future__ import annotations
 
 import random
 import socket
+from typing import Optional
 
 # The environment variable that carries the run's token to every process of a run.
 TOKEN_ENV = "LAMINAR_RUN_TOKEN"
+
+
+class EngineError(RuntimeError):
+    """An engine answered with an error or could not be reached (raised by
+    ``rollout.client.SGLangClient``; relays and the controller catch it without importing
+    engine code)."""
+
+    def __init__(self, endpoint: str, status: Optional[int], message: str):
+        super().__init__(f"{endpoint}: {message}" + (f" (HTTP {status})" if status else ""))
+        self.endpoint, self.status, self.message = endpoint, status, message
 
 
 def _ephemeral_range() -> tuple:

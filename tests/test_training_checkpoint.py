@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from laminar_mcore.data.checkpoints import latest_complete, resolve_resume
 from laminar_mcore.testing.dist import TorchrunError, run_torchrun
-from laminar_mcore.trainer.checkpoint import latest_complete, resolve_resume
 
 from .conftest import WORKERS
 

@@ -25,8 +25,9 @@ against wall time, one curve per mode) goes to ``--plot``.
 from __future__ import annotations
 
 import argparse
-import os
-from typing import Dict, List, Optional
+from typing import Dict, Optional
+
+from .common import plot_accuracy, report, time_to_target
 
 MODES = ("sync", "one_step", "areal", "laminar")
 
@@ -36,38 +37,6 @@ def _steps(evaluation: dict) -> int:
     scheduled at step s runs on the first engine holding version s or newer)."""
     version = evaluation.get("version")
     return int(version if version is not None else evaluation["step"])
-
-
-def time_to_target(evals: List[dict], target: float) -> Optional[dict]:
-    """The first evaluation (in wall time) at or above ``target``; None if none reached it."""
-    timed = sorted((e for e in evals if e.get("wall_s") is not None), key=lambda e: e["wall_s"])
-    return next((e for e in timed if e["accuracy"] >= target - 1e-12), None)
-
-
-def plot(results: Dict[str, dict], target: float, path: str) -> Optional[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:  # noqa: BLE001
-        return None
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for mode, summary in results.items():
-        evals = sorted((e for e in summary["evals"] if e.get("wall_s") is not None),
-                       key=lambda e: e["wall_s"])
-        ax.plot([e["wall_s"] for e in evals], [e["accuracy"] for e in evals], "o-", label=mode,
-                linewidth=2.4 if mode == "laminar" else 1.4)
-    ax.axhline(target, color="grey", linestyle=":", label=f"target {target:.3f}")
-    ax.set_xlabel("wall time since the first batch request (s)")
-    ax.set_ylabel("held-out accuracy (sampled)")
-    ax.set_title("same task, seed and steps: accuracy against wall time")
-    ax.legend()
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
 
 
 def figures_from(results: Dict[str, dict], batch_samples: int,
@@ -131,7 +100,6 @@ def main(argv=None) -> dict:
     from ..config import register_configs, validate_config
     from ..config.paths import conf_dir
     from ..launch.train import run_train
-    from .common import report
 
     register_configs()
     results: Dict[str, dict] = {}
@@ -149,7 +117,7 @@ def main(argv=None) -> dict:
     figures = figures_from(results, batch_samples, args.target)
     figures["steps"] = cfg.trainer.total_steps
     target = figures["target_accuracy"]
-    path = plot(results, target, args.plot) if args.plot else None
+    path = plot_accuracy(results, target, args.plot) if args.plot else None
     lines = {"target": f"accuracy {target:.3f}"
                        f"{' (sync final - 0.02)' if args.target is None else ''}"}
     for mode in modes:

@@ -54,7 +54,7 @@ def load(path: str = PATH) -> Optional[dict]:
 
 def compare(cfg, summary: dict, out_dir: str, log=print, path: str = PATH) -> Optional[dict]:
     """Print this run beside the stored sync run of the same configuration and plot both."""
-    from .convergence import plot, time_to_target
+    from .common import plot_accuracy, time_to_target
 
     ref = load(path)
     if ref is None or ref["config"] != fingerprint(cfg) or "sync" not in ref["modes"]:
@@ -67,7 +67,7 @@ def compare(cfg, summary: dict, out_dir: str, log=print, path: str = PATH) -> Op
     mine = time_to_target(summary["evals"], target)
     theirs = time_to_target(sync["evals"], target)
     results = {f"sync (stored, {ref['measured']})": sync, f"{cfg.mode} (this run)": summary}
-    png = plot(results, target, os.path.join(out_dir, "demo_vs_sync.png"))
+    png = plot_accuracy(results, target, os.path.join(out_dir, "demo_vs_sync.png"))
 
     def reached(hit):
         return f"reached {target:.3f} after {hit['wall_s']:.0f} s" if hit else \

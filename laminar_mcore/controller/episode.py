@@ -30,6 +30,10 @@ class Discard(Exception):
         self.reason = reason
 
 
+class Stopped(Exception):
+    """The run stopped while a trajectory was generating: it stays in the partial pool."""
+
+
 @dataclass
 class TaskCodec:
     """Prompt row -> token ids, token ids -> text (the run's tokenizer or the built-in task's)."""
@@ -43,7 +47,8 @@ class EpisodeContext(Protocol):
 
     async def generate(self, item: InFlight) -> str:
         """Generate ``item`` to its end on weights of its own version; returns SGLang's finish
-        reason type ("stop" or "length"). Raises ``Discard`` when it cannot finish."""
+        reason type ("stop" or "length"). Raises ``Discard`` when it cannot finish, ``Stopped``
+        when the run stops first."""
 
 
 class Episode:

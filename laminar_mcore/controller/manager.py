@@ -15,6 +15,10 @@ partial response pool, as they are generated. An engine that stops
 answering is marked unhealthy; its in-flight trajectories resume on healthy engines of the same
 version from the tokens the pool holds. Finished trajectories are rewarded in the reward
 service and land in the experience buffer; everything dropped is counted with its reason.
+
+Beside it: what it knows of each engine (controller/engines.py), how engines take new versions
+(controller/pulls.py), the versions relays hold (controller/relays.py) and Laminar's repack
+(controller/repack.py).
 """
 
 from __future__ import annotations
@@ -23,83 +27,23 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Set
 
 from ..config.schema import RolloutConfig
-from ..data.pools import ExperienceBuffer, InFlight, PartialResponsePool, PromptPool
-from ..relay.client import RelayClient, RelayError, WeightApplyError
-from ..relay.transports import Puller
+from ..data.pools import InFlight
+from ..relay.client import RelayClient
 from ..rollout.client import EngineError, SGLangClient
-from .episode import Discard, Episode
+from .engines import EngineHandle, ManagerStats, RolloutData
+from .episode import Discard, Episode, Stopped
 from .modes import ModePolicy
+from .pulls import WeightPulls
+from .relays import RelayVersions
 from .repack import Repacker
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class EngineHandle:
-    name: str
-    client: SGLangClient
-    relay: RelayClient
-    # How it takes a version from its relay (relay/transports: shared memory for the CPU
-    # engine, CUDA IPC to its GPUs for SGLang, Mooncake from a relay on another machine).
-    puller: Puller
-    version: int = 0
-    capacity: int = 16
-    in_flight: Dict[str, InFlight] = field(default_factory=dict)
-    healthy: bool = True
-    draining: bool = False
-    paused: bool = False  # mode=areal: paused with abort for a weight update
-    resuming: int = 0  # interrupted trajectories that come back once it holds the new version
-    pulling: bool = False
-    # Evaluations running on it (controller/evaluation.py): it keeps its version meanwhile (a
-    # newer one makes it drain, as always, but it pulls only afterwards), so an evaluation
-    # measures exactly one version and no new trajectory starts on weights being left behind.
-    evaluating: int = 0
-    pulls: int = 0
-    idle_seconds: float = 0.0  # time with no trajectory in flight
-    idle_since: Optional[float] = None
-    # Fault isolation: a node's supervisor restarts a dead engine (``restarting`` meanwhile)
-    # and the handle then stands for the new process (``epoch`` + 1): a failure seen through
-    # the old one never marks the new one down. ``evicted``: out of the run for good.
-    epoch: int = 0
-    restarting: bool = False
-    evicted: Optional[str] = None
-
-
-@dataclass
-class ManagerStats:
-    # Trajectories whose generation ended, kept or not: generated = consumed + buffered +
-    # discarded (with a reason) holds at every moment.
-    generated: int = 0
-    resumed: int = 0
-    pulls: int = 0
-    repacked: int = 0  # trajectories moved off a long-tail engine (Laminar's repack)
-    repack_rounds: int = 0
-    pull_retries: int = 0  # pulls that failed on the relay's side and were tried again
-    interrupted: int = 0  # mode=areal: requests aborted for a weight update and resubmitted
-    unhealthy: List[str] = field(default_factory=list)
-    discarded: Dict[str, int] = field(default_factory=dict)
-    engine_restarts: int = 0
-    evicted: Dict[str, str] = field(default_factory=dict)  # engine -> why
-
-
-class Stopped(Exception):
-    """The run stopped while a trajectory was generating: it stays in the partial pool."""
-
-
-@dataclass
-class RolloutData:
-    """The controller's data module as the manager sees it."""
-
-    prompts: PromptPool
-    partial: PartialResponsePool
-    buffer: ExperienceBuffer
-
-
-class RolloutManager:
+class RolloutManager(WeightPulls):
     def __init__(self, engines: List[EngineHandle], data: RolloutData, episode: Episode,
                  policy: ModePolicy, cfg: RolloutConfig, *, trainer_version: Callable[[], int],
                  batch_trajectories: int, poll_s: float = 0.05, wake_s: float = 1.0,
@@ -136,19 +80,22 @@ class RolloutManager:
         # MoE routing replay (algo.routing_replay): every request asks for the experts it
         # routed to; the trajectory keeps them, request by request
         self.routed_experts = False
-        self.repacker = Repacker(self, cfg.repack_interval_s, cfg.repack_max_requests)
         self.stats = ManagerStats()
+        self._stop = asyncio.Event()
+        self.repacker = Repacker(engines, self.stats, cfg.repack_interval_s,
+                                 cfg.repack_max_requests, poll_s=poll_s,
+                                 stopping=self._stop.is_set)
+        self.relay_versions = RelayVersions(
+            lambda: {e.relay.url: e.relay for e in self.engines if e.healthy},
+            self._relay_newer, self._stop.is_set, wake_s=wake_s, poll_s=poll_s,
+            wait_s=relay_wait_s)
         self.started = clock()
         # engine name -> the event its loop waits on; set (and dropped) on every change that
         # may let it act, so a wait that starts after the check never misses one
         self._wakes: Dict[str, asyncio.Event] = {}
-        self._relays_changed = asyncio.Event()
         # AReaL's admission budget: trajectories admitted so far that can still be trained on
         # (running, buffered or consumed); a dropped group gives its capacity back.
         self.accepted = 0
-        self._latest_relay_version = 0  # the newest version any relay holds
-        self._relay_versions: Dict[str, int] = {}  # relay URL -> the newest version it holds
-        self._stop = asyncio.Event()
         self._tasks: Set[asyncio.Task] = set()  # running; each leaves when it ends
         self._internal_errors = 0  # trajectories failed by an internal error, in a row
         self.error: Optional[BaseException] = None  # why a supervised task stopped the run
@@ -174,7 +121,7 @@ class RolloutManager:
     async def run(self) -> None:
         self._running = True
         self._tasks = set()
-        self._spawn(self._watch_relay(), "relay watcher", self._fatal)
+        self._spawn(self.relay_versions.run(), "relay watcher", self._fatal)
         if self.repack:
             self._spawn(self.repacker.run(), "repack loop", self._fatal)
         for e in self.engines:
@@ -277,7 +224,7 @@ class RolloutManager:
         if any(e.name == engine.name for e in self.engines):
             raise ValueError(f"an engine named {engine.name!r} is already registered")
         self.engines.append(engine)
-        self._relays_changed.set()
+        self.relay_versions.changed.set()
         self._start_engine_loop(engine)
 
     def _start_engine_loop(self, engine: EngineHandle) -> None:
@@ -289,52 +236,16 @@ class RolloutManager:
     @property
     def latest_relay_version(self) -> int:
         """The newest version any relay holds (as the relay watcher last saw)."""
-        return self._latest_relay_version
+        return self.relay_versions.latest
 
     def relay_version(self, engine: EngineHandle) -> int:
         """The newest version the relay of ``engine`` holds (what it can pull)."""
-        return self._relay_versions.get(engine.relay.url, 0)
+        return self.relay_versions.of(engine.relay.url)
 
-    async def _watch_relay(self) -> None:
-        """Track every relay's newest version (relays down a chain lag the master: an engine
-        waits for its own relay to hold a version before it drains and pulls): one long poll
-        per relay, answered as soon as it holds a newer version."""
-        watchers: Dict[str, tuple] = {}  # url -> (its client, the task polling it)
-        try:
-            while not self._stop.is_set():
-                relays = {e.relay.url: e.relay for e in self.engines if e.healthy}
-                for url in [u for u, (client, task) in watchers.items()
-                            if relays.get(u) is not client or task.done()]:
-                    watchers.pop(url)[1].cancel()
-                for url, relay in relays.items():
-                    if url not in watchers:
-                        watchers[url] = (relay, asyncio.create_task(
-                            self._watch_one(url, relay), name=f"relay watcher {url}"))
-                self._relays_changed.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._relays_changed.wait(), self.wake_s)
-        finally:
-            tasks = [task for _, task in watchers.values()]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _watch_one(self, url: str, relay: RelayClient) -> None:
-        while not self._stop.is_set():
-            known = self._relay_versions.get(url, 0)
-            try:
-                latest = (await relay.latest(after=known, wait_s=self.relay_wait_s)).get("version")
-            except (RelayError, RuntimeError) as exc:  # (a client replaced meanwhile)
-                logger.debug("relay %s: %s", url, exc)
-                await asyncio.sleep(max(self.poll_s, 0.05))
-                continue
-            if latest is None or latest <= known:
-                continue
-            self._relay_versions[url] = latest
-            if latest > self._latest_relay_version:
-                self._latest_relay_version = latest
-                self.repacker.now.set()  # Laminar checks after each trainer update
-            self.notify()
+    def _relay_newer(self, newest: bool) -> None:
+        if newest:
+            self.repacker.now.set()  # Laminar checks after each trainer update
+        self.notify()
 
     # ------------------------------------------------------------------ per engine
     def engine_idle_seconds(self) -> float:
@@ -389,108 +300,6 @@ class RolloutManager:
         if not self.barrier:
             return True
         return all(not e.in_flight for e in self.engines if e.healthy)
-
-    async def _pull(self, engine: EngineHandle) -> None:
-        engine.pulling = True
-        try:
-            await self._pull_once(engine)
-        finally:
-            engine.pulling = False
-            self.notify(engine)  # its version moved: interrupted trajectories wait on it
-
-    async def _pull_once(self, engine: EngineHandle) -> None:
-        epoch = engine.epoch
-        try:
-            version = await engine.puller.pull(engine.relay, engine.client, engine.version)
-        except WeightApplyError as exc:
-            logger.warning("engine %s could not take new weights: %s", engine.name, exc)
-            if exc.mixed:  # it may hold part of two versions: it must not generate
-                self._mark_unhealthy(engine, epoch)
-            else:
-                await asyncio.sleep(self.poll_s)  # still on its version; try again later
-            return
-        except RelayError as exc:
-            # A slow or restarting relay: the engine still serves its version untouched (no
-            # tensor was sent, or apply_version would have said so). Back off and try again.
-            logger.warning("engine %s could not pull from its relay: %s; retrying", engine.name,
-                           exc)
-            self.stats.pull_retries += 1
-            await asyncio.sleep(max(self.poll_s * 10, 0.5))
-            return
-        except EngineError as exc:
-            logger.warning("engine %s could not pull: %s", engine.name, exc)
-            self._mark_unhealthy(engine, epoch)
-            return
-        if engine.epoch != epoch:
-            return  # the engine was replaced while this pull ran: the new one pulls itself
-        if version is not None:
-            engine.version = version
-            engine.pulls += 1
-            self.stats.pulls += 1
-            if engine.epoch > 0 and engine.pulls == 1 and self.on_event is not None:
-                # a restarted engine holds the newest version: it is back in service
-                self.on_event("engine", "serving", {"engine": engine.name, "version": version})
-        else:  # nothing newer after all (its relay lost it?): back off instead of spinning
-            await asyncio.sleep(self.poll_s)
-        engine.draining = self.relay_version(engine) > engine.version
-
-    async def _interrupt_and_pull(self, engine: EngineHandle) -> None:
-        """AReaL's weight update: pause generation with abort (every running request returns
-        what it has), take the new version, continue; the interrupted trajectories are then
-        resubmitted with their prefix (``generate``) on the new weights."""
-        items = [i for i in engine.in_flight.values() if i.migrate_to is None]
-        paused = False
-        try:
-            if items:
-                for item in items:
-                    item.interrupted_at = engine.version
-                engine.paused = paused = True
-                # SGLang answers once every running request is aborted (their streams end with
-                # "abort" and resume after the update); a request that arrives while paused
-                # waits for continue_generation and runs on the new weights.
-                await engine.client.pause_generation("abort")
-            if engine.healthy and not self._stop.is_set():
-                await self._pull(engine)
-        except EngineError as exc:
-            logger.warning("engine %s could not be paused for an update: %s", engine.name, exc)
-            self._mark_unhealthy(engine)
-        finally:
-            if paused and engine.healthy:
-                try:
-                    await engine.client.continue_generation()
-                except EngineError as exc:
-                    logger.warning("engine %s did not continue after an update: %s",
-                                   engine.name, exc)
-                    self._mark_unhealthy(engine)
-            engine.paused = False
-            self.notify(engine)
-
-    async def _resume_interrupted(self, item: InFlight, engine: EngineHandle) -> EngineHandle:
-        """Where an interrupted trajectory continues: its engine once that holds a newer
-        version (or, if it failed, any healthy engine that is not paused)."""
-        old, item.interrupted_at = item.interrupted_at, None
-        engine.resuming += 1
-        try:
-            while not self._stop.is_set():
-                if engine.healthy and engine.version > old and not engine.paused:
-                    target = engine
-                elif not engine.healthy:
-                    others = [e for e in self.engines if e.healthy and not e.paused]
-                    if not any(e.healthy or e.restarting for e in self.engines):
-                        raise Discard("no_engine")
-                    target = min(others, key=lambda e: len(e.in_flight)) if others else None
-                else:
-                    target = None
-                if target is not None:
-                    item.engine = target.name
-                    target.in_flight[item.rid] = item
-                    self.stats.interrupted += 1
-                    return target
-                await self._sleep_until_woken(engine, self.wake_s)
-            raise Stopped()
-        finally:
-            engine.resuming = max(engine.resuming - 1, 0)
-            self.notify(engine)
 
     def _start_group(self, engine: EngineHandle) -> None:
         group = self.prompts.next_group()
@@ -632,7 +441,7 @@ class RolloutManager:
             self.stats.unhealthy.append(engine.name)
             logger.warning("engine %s marked unhealthy", engine.name)
             self.notify()  # its loop ends; with a barrier, the others need not wait for it
-            self._relays_changed.set()
+            self.relay_versions.changed.set()
 
     # ------------------------------------------------------------------ fault isolation
     def engine_down(self, engine: EngineHandle, reason: str, evict: bool) -> None:
@@ -658,7 +467,7 @@ class RolloutManager:
         engine.in_flight = {}  # its trajectories moved on when it failed
         engine.idle_since = None
         self.stats.engine_restarts += 1
-        self._relays_changed.set()
+        self.relay_versions.changed.set()
         self._start_engine_loop(engine)
         return old
 
@@ -670,8 +479,7 @@ class RolloutManager:
             if e.relay.url == old_url:
                 old.append(e.relay)
                 e.relay = relay
-        self._relay_versions.pop(old_url, None)
-        self._relays_changed.set()
+        self.relay_versions.forget(old_url)
         return old
 
     async def _engine_of_version(self, item: InFlight) -> EngineHandle:
@@ -689,7 +497,7 @@ class RolloutManager:
             # a restarting engine comes back at version 0 and pulls the newest: it can take
             # the trajectory only if that is its version
             may_come = any(e.restarting for e in self.engines) and (
-                self.interrupt or item.traj.weight_version in (0, self._latest_relay_version))
+                self.interrupt or item.traj.weight_version in (0, self.relay_versions.latest))
             if not may_come and (not any(e.healthy for e in self.engines) or not self.interrupt
                                  and all(e.version > item.traj.weight_version
                                          for e in self.engines if e.healthy)):

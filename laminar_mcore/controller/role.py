@@ -52,7 +52,7 @@ def load_task(cfg: LaminarConfig, out_dir: str, log) -> TaskData:
     codec = TaskCodec(encode_prompt=lambda row: tasks.encode(row["prompt"]), decode=tasks.decode)
     model_path = cfg.model.path
     if model_path is None:
-        from ..trainer.warmup import warmup_checkpoint
+        from ..data.warmup import warmup_checkpoint
 
         cache = os.path.join(cfg.output_dir, ".cache")
         model_path = warmup_checkpoint(cache, problems=rows, steps=d.warmup_steps,
@@ -77,13 +77,13 @@ def evaluate_engine(cfg: LaminarConfig, task: TaskData, url: str) -> EvalResult:
 
 def resume_state(cfg: LaminarConfig, out_dir: str, log) -> Optional[dict]:
     """The controller's saved state when ``trainer.resume`` picks a checkpoint, else None."""
-    from ..trainer.checkpoint import resolve_resume
+    from ..data.checkpoints import EXTRA_STATE, resolve_resume
 
     resume_from = resolve_resume(cfg.trainer.resume, os.path.join(out_dir, "checkpoints"))
     if not resume_from:
         return None
     log(f"[train] resuming from {resume_from}")
-    extra = os.path.join(resume_from, "extra_state.json")
+    extra = os.path.join(resume_from, EXTRA_STATE)
     if os.path.isfile(extra):
         with open(extra) as f:
             return json.load(f)

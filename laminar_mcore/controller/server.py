@@ -4,7 +4,8 @@ Runs an asyncio loop (in its own thread of the launcher, or as its own process o
 the RolloutManager keeps engines busy and fills the experience buffer; trainer rank 0 takes
 batches with ``GET /batch`` and reports each step with ``POST /trained``. The controller records
 per trajectory its version and staleness at consumption, and keeps the books:
-generated = consumed + buffered + discarded (with reasons).
+generated = consumed + buffered + discarded (with reasons). What rollout nodes, relays and their
+supervisors call (registration, failures, the master relay's election) is controller/cluster.py.
 """
 
 from __future__ import annotations
@@ -23,15 +24,12 @@ from aiohttp import web
 from ..config.schema import LaminarConfig
 from ..data.pools import ExperienceBuffer, PartialResponsePool, PromptPool
 from ..netutil import token_middleware
-from ..relay.client import RelayClient, RelayError, probe_relay
-from ..relay.transports import make_puller
 from ..reward import RewardService
-from ..rollout.client import SGLangClient
-from ..rollout.launcher import engine_pull_spec
-from ..rollout.pull_agent import AgentPuller
+from .cluster import ClusterAPI
+from .engines import RolloutData
 from .episode import SingleTurn, TaskCodec
 from .evaluation import evaluate
-from .manager import EngineHandle, RolloutData, RolloutManager
+from .manager import RolloutManager
 from .modes import policy_for
 
 logger = logging.getLogger(__name__)
@@ -68,7 +66,7 @@ def length_fn_from_config(rollout_cfg):
     return length
 
 
-class Controller:
+class Controller(ClusterAPI):
     def __init__(self, cfg: LaminarConfig, task: TaskData, metrics, token: str, *,
                  listen: Tuple[str, int] = ("127.0.0.1", 0), info: Optional[dict] = None,
                  initial_state: Optional[dict] = None):
@@ -93,9 +91,7 @@ class Controller:
             os.unlink(self.stop_file)
         self.ready = False  # set by the launcher when training may start
         self.finished = False  # set by the launcher when the run's summary is written
-        self.master_relay: Optional[dict] = None
-        self.rollout_nodes: List[dict] = []
-        self._master_claimed = False
+        self._init_cluster()  # rollout nodes, the master relay, faults (controller/cluster.py)
         self.trainer_done: Optional[dict] = None
         self.trainer_done_event = threading.Event()
         self.trainer_version = 0
@@ -107,14 +103,9 @@ class Controller:
         self.step_marks: List[tuple] = []  # (time of /trained, tokens of the step, trainer wait s)
         self.version_times: Dict[int, float] = {}  # version -> when /trained reported it
         self._eval_tasks: List[asyncio.Task] = []
-        # fault isolation: what failed and came back (books, metrics "fault" records)
-        self.faults: List[dict] = []
-        self.trainer_restarts = 0
         # consumed trajectories whose tokens came from more than their one version (only
         # mode=areal's interruptible generation may make such)
         self.mixed_version_consumed = 0
-        self.relay_failovers = 0
-        self._retired_clients: list = []
         self._idle_mark: Optional[tuple] = None  # (time, engine idle seconds) at the first step
         self.buffer = ExperienceBuffer(group_size=self.n_samples)
         self.partial = PartialResponsePool()
@@ -192,15 +183,8 @@ class Controller:
         app.router.add_get("/state", self._state)
         app.router.add_get("/health", lambda r: web.json_response({"ok": True,
                                                                    "done": self.finished}))
-        app.router.add_post("/relay_role", self._relay_role)
-        app.router.add_post("/register", self._register)
-        app.router.add_get("/cluster", self._cluster)
         app.router.add_post("/done", self._done)
-        app.router.add_post("/resumed", self._resumed)
-        app.router.add_post("/register_relay", self._register_relay)
-        app.router.add_post("/engine_down", self._engine_down)
-        app.router.add_post("/engine_replaced", self._engine_replaced)
-        app.router.add_post("/relay_replaced", self._relay_replaced)
+        self._add_cluster_routes(app.router)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.port)
@@ -225,281 +209,13 @@ class Controller:
             await client.close()
         await runner.cleanup()
 
-    # ------------------------------------------------------------------ engines
-    def _add_node(self, relay_url: str, engine_urls: List[str],
-                  pull_agent: Optional[str] = None) -> List[str]:
-        """Register a rollout node's relay and engines (``POST /register``); returns the
-        engines' names. They start on their own weights and pull from ``relay_url`` between
-        trajectories, through ``weight_sync.engine_transport``. ``pull_agent``: the URL of the
-        node's pull agent when its engines pull from a relay on another node
-        (``rollout.relay=remote``): pulls then run there, not here."""
-        node = len(self.rollout_nodes)
-        names = []
-        for i, url in enumerate(engine_urls):
-            if pull_agent:
-                puller = AgentPuller(pull_agent, i, self.token)
-            else:
-                puller = make_puller(engine_pull_spec(self.cfg.rollout, i, self.cfg.weight_sync))
-            # engines of a run stream incrementally (rollout.launcher.engine_command_from_config)
-            handle = EngineHandle(
-                f"node{node}-engine{i}",
-                SGLangClient(url, retries=0, timeout_s=10, incremental_stream=True),
-                RelayClient(relay_url, self.token), puller,
-                capacity=self.cfg.rollout.max_running_requests)
-            self.manager.add_engine(handle)
-            names.append(handle.name)
-        self.rollout_nodes.append({"relay_url": relay_url, "engines": list(engine_urls)})
-        logger.info("rollout node %d registered: relay %s, engines %s", node, relay_url,
-                    engine_urls)
-        return names
-
-    # ------------------------------------------------------------------ cluster API
+    # ------------------------------------------------------------------ trainer API
     async def _json_body(self, request: web.Request) -> Optional[dict]:
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             return None
         return body if isinstance(body, dict) else None
-
-    async def _relay_role(self, request: web.Request):
-        """The first rollout node to ask hosts the master relay (trainers publish to it);
-        the others chain from it once it has registered."""
-        if not self._master_claimed:
-            self._master_claimed = True
-            return web.json_response({"master": True, **self.info})
-        deadline = time.time() + float(request.query.get("timeout", "600"))
-        while self.master_relay is None and time.time() < deadline:
-            await asyncio.sleep(0.2)
-        if self.master_relay is None:
-            return web.json_response({"error": "the master relay has not registered"}, status=503)
-        async with self._election:
-            # A relay restarting after a crash: join the master if it lives; else one of the
-            # other relays is elected; if none is left, the asker becomes the master.
-            # (a master that is only slow is waited for: two masters would split the chain)
-            state = "silent"
-            for _ in range(15):
-                state, _info = await self._relay_probe(self.master_relay["url"])
-                if state != "silent":
-                    break
-            if state == "gone" and await self._elect() is None:
-                return web.json_response({"master": True, **self.info})
-        return web.json_response({"master": False, "master_url": self.master_relay["url"],
-                                  **self.info})
-
-    # ------------------------------------------------------------------ fault isolation
-    async def _relay_health(self, url: str) -> Optional[dict]:
-        """A relay's /health answer, or None if it does not answer within 2 s."""
-        return (await self._relay_probe(url))[1]
-
-    async def _relay_probe(self, url: str):
-        """``relay.client.probe_relay`` (alive / gone / silent within 2 s), off the loop."""
-        return await asyncio.to_thread(probe_relay, url, 2.0)
-
-    async def _relay_post(self, url: str, path: str, body: dict, timeout: float = 40.0) -> dict:
-        relay = RelayClient(url, self.token, timeout_s=timeout)
-        try:
-            return await relay._call("POST", path, body)
-        finally:
-            await relay.close()
-
-    async def _elect(self) -> Optional[dict]:
-        """The master relay is dead: promote the first live relay of the others (in the order
-        they registered), point the rest at it; returns the new ``master_relay`` or None when
-        no relay is left. Call holding ``self._election``."""
-        dead = self.master_relay["url"] if self.master_relay else None
-        live = []
-        for node in self.rollout_nodes:
-            url = node["relay_url"]
-            if url != dead:
-                info = await self._relay_health(url)
-                if info is not None:
-                    live.append((url, info))
-        for url, info in live:
-            t0 = time.time()
-            entries = [{k: i[k] for k in ("relay_id", "control_url", "data_host", "data_port")}
-                       for u, i in live if u != url]
-            try:
-                answer = await self._relay_post(url, "/promote", {"relays": entries})
-            except RelayError as exc:
-                logger.warning("relay %s could not be promoted: %s", url, exc)
-                continue
-            self.master_relay = {"url": url, "publish_host": str(info["data_host"]),
-                                 "publish_port": int(answer["publish_port"])}
-            await self._tell_master(exclude=url)
-            self.relay_failovers += 1
-            self._fault("master_relay", "elected", url=url, dead=dead,
-                        seconds=round(time.time() - t0, 3))
-            return self.master_relay
-        return None
-
-    async def _tell_master(self, exclude: str) -> None:
-        """Every other live relay chains from the current master from now on."""
-        for node in self.rollout_nodes:
-            url = node["relay_url"]
-            if url in (exclude, self.master_relay["url"]):
-                continue
-            try:
-                await self._relay_post(url, "/set_master", {"master_url": self.master_relay["url"]},
-                                       timeout=5.0)
-            except RelayError as exc:
-                logger.info("relay %s did not take the new master: %s", url, exc)
-
-    async def _watch_master(self) -> None:
-        """Elect a new master relay when the master is gone (nothing listens on its port,
-        twice in a row) or silent for 30 s, while other relays live (a lone master is
-        restarted by its node's supervisor instead). A master that is only slow must not be
-        replaced: trainers would go on publishing to it and the chain would split."""
-        misses, silent_since = 0, None
-        while True:
-            await asyncio.sleep(0.5)
-            master = self.master_relay
-            if master is None or len(self.rollout_nodes) < 2:
-                continue
-            state, _ = await self._relay_probe(master["url"])
-            if state == "alive":
-                misses, silent_since = 0, None
-                continue
-            if state == "silent":
-                silent_since = silent_since or time.time()
-            misses += 1
-            if misses >= 2 and (state == "gone" or time.time() - silent_since > 30.0):
-                async with self._election:
-                    if self.master_relay is master and \
-                            (await self._relay_probe(master["url"]))[0] != "alive":
-                        await self._elect()
-                misses, silent_since = 0, None
-
-    def _fault(self, kind: str, what: str, **info) -> None:
-        event = {"kind": kind, "what": what, "time": time.time(), **info}
-        self.faults.append(event)
-        self.metrics.log("fault", fault=kind, event=what,
-                         **{k: v for k, v in info.items() if isinstance(v, (int, float, str))})
-        logger.warning("fault %s: %s %s", kind, what, info)
-
-    def _handle_by_url(self, url: str) -> Optional[EngineHandle]:
-        return next((e for e in self.manager.engines if e.client.base_url == url.rstrip("/")),
-                    None)
-
-    async def _engine_down(self, request: web.Request):
-        body = await self._json_body(request)
-        if body is None or not isinstance(body.get("url"), str):
-            return web.json_response({"error": "expected {url, reason, evict}"}, status=400)
-        engine = self._handle_by_url(body["url"])
-        if engine is None:
-            return web.json_response({"error": f"no engine at {body['url']}"}, status=404)
-        evict = bool(body.get("evict"))
-        self.manager.engine_down(engine, str(body.get("reason", "")), evict)
-        self._fault("engine", "evicted" if evict else "down", engine=engine.name,
-                    reason=str(body.get("reason", ""))[:300])
-        return web.json_response({"ok": True, "engine": engine.name})
-
-    async def _engine_replaced(self, request: web.Request):
-        body = await self._json_body(request)
-        if body is None or not all(isinstance(body.get(k), str) for k in ("old_url", "new_url")):
-            return web.json_response({"error": "expected {old_url, new_url}"}, status=400)
-        engine = self._handle_by_url(body["old_url"])
-        if engine is None:
-            return web.json_response({"error": f"no engine at {body['old_url']}"}, status=404)
-        old = self.manager.replace_engine(engine, SGLangClient(
-            body["new_url"], retries=0, timeout_s=10, incremental_stream=True,
-            api_key=engine.client.api_key))
-        self._retire(old)
-        for node in self.rollout_nodes:
-            node["engines"] = [body["new_url"] if u == body["old_url"] else u
-                               for u in node["engines"]]
-        self._fault("engine", "restarted", engine=engine.name, url=body["new_url"])
-        return web.json_response({"ok": True, "engine": engine.name})
-
-    async def _relay_replaced(self, request: web.Request):
-        """A node's supervisor restarted its relay (``publish``: as the master)."""
-        body = await self._json_body(request)
-        if body is None or not all(isinstance(body.get(k), str) for k in ("old_url", "new_url")):
-            return web.json_response({"error": "expected {old_url, new_url, publish?}"},
-                                     status=400)
-        old_url, new_url = body["old_url"].rstrip("/"), body["new_url"].rstrip("/")
-        for node in self.rollout_nodes:
-            if node["relay_url"] == old_url:
-                node["relay_url"] = new_url
-        for client in self.manager.replace_relay(old_url, RelayClient(new_url, self.token)):
-            self._retire(client)
-        publish = body.get("publish")
-        if isinstance(publish, dict):
-            async with self._election:
-                self.master_relay = {"url": new_url, "publish_host": str(publish["host"]),
-                                     "publish_port": int(publish["port"])}
-                await self._tell_master(exclude=new_url)
-            self.relay_failovers += 1
-            self._fault("master_relay", "restarted", url=new_url)
-        else:
-            self._fault("relay", "restarted", url=new_url)
-        return web.json_response({"ok": True})
-
-    def _retire(self, client) -> None:
-        """A replaced client is closed when the controller stops: calls still under way on it
-        fail on their own (the process behind it is gone), never on a closed session."""
-        self._retired_clients.append(client)
-
-    async def _resumed(self, request: web.Request):
-        """Trainer rank 0: the trainer world (re)started from a checkpoint and published."""
-        body = await self._json_body(request)
-        if body is None or "version" not in body:
-            return web.json_response({"error": "expected {step, version, restarts}"}, status=400)
-        self.trainer_version = max(self.trainer_version, int(body["version"]))
-        self.manager.notify()
-        restarts = int(body.get("restarts", 0))
-        if restarts:
-            self.trainer_restarts = max(self.trainer_restarts, restarts)
-            self._fault("trainer", "resumed", step=int(body.get("step", 0)),
-                        version=int(body["version"]), restarts=restarts)
-        return web.json_response({"ok": True})
-
-    async def _register(self, request: web.Request):
-        body = await self._json_body(request)
-        if (body is None or not isinstance(body.get("relay_url"), str)
-                or not isinstance(body.get("engines"), list)
-                or not all(isinstance(u, str) for u in body["engines"])
-                or not isinstance(body.get("pull_agent", ""), str)):
-            return web.json_response({"error": "expected {relay_url: str, engines: [str], "
-                                               "publish?: {host, port}, pull_agent?: str}"},
-                                     status=400)
-        publish = body.get("publish")
-        if publish is not None:
-            if self.master_relay is not None and self.master_relay["url"] != body["relay_url"]:
-                return web.json_response({"error": "a master relay is already registered"},
-                                         status=409)
-            self.master_relay = {"url": body["relay_url"], "publish_host": str(publish["host"]),
-                                 "publish_port": int(publish["port"])}
-        node = len(self.rollout_nodes)
-        names = self._add_node(body["relay_url"], body["engines"], body.get("pull_agent"))
-        return web.json_response({"ok": True, "node": node, "engines": names})
-
-    async def _register_relay(self, request: web.Request):
-        """A master relay, before its node's engines register (trainers may connect now)."""
-        body = await self._json_body(request)
-        publish = (body or {}).get("publish")
-        if body is None or not isinstance(body.get("relay_url"), str) or \
-                not isinstance(publish, dict):
-            return web.json_response({"error": "expected {relay_url: str, publish: {host, port}}"},
-                                     status=400)
-        if self.master_relay is not None and \
-                await self._relay_health(self.master_relay["url"]) is not None:
-            return web.json_response({"error": "a master relay is already registered"},
-                                     status=409)
-        self._master_claimed = True
-        self.master_relay = {"url": body["relay_url"].rstrip("/"),
-                             "publish_host": str(publish["host"]),
-                             "publish_port": int(publish["port"])}
-        return web.json_response({"ok": True})
-
-    async def _cluster(self, request: web.Request):
-        ready = self.ready and self.master_relay is not None
-        # the newest version anyone holds (trainer, engines, relays): a restarted trainer
-        # numbers its weights above it
-        newest = max([self.trainer_version, self.manager.latest_relay_version]
-                     + [e.version for e in self.manager.engines])
-        return web.json_response({"ready": ready, "master_relay": self.master_relay,
-                                  "rollout_nodes": len(self.rollout_nodes), "done": self.finished,
-                                  "trainer_version": newest, **self.info})
 
     async def _done(self, request: web.Request):
         """Trainer rank 0: training finished (``{"steps", "version"}``)."""
@@ -510,7 +226,6 @@ class Controller:
         self.trainer_done_event.set()
         return web.json_response({"ok": True})
 
-    # ------------------------------------------------------------------ trainer API
     async def _batch(self, request: web.Request):
         timeout = float(request.query.get("timeout", "30"))
         if self.first_request is None:

@@ -3,7 +3,7 @@
 * ``reverse`` (the demo default): ``48213=`` -> ``31284``. A tiny model imitates it within
   seconds; imitating *noisy* demonstrations leaves it right only about half the time when it
   samples, which is what RL against the exact-match verifier then fixes.
-* ``addition``: ``123+456=`` -> ``579`` -- much harder for a tiny model (see trainer/warmup.py).
+* ``addition``: ``123+456=`` -> ``579`` -- much harder for a tiny model (see data/warmup.py).
 * ``reverse_longtail`` (the demo default): ``reverse`` with a long-tailed length. Most strings
   have 1 to ``digits`` digits; a fraction ``long_fraction`` has ``long_digits // 2`` to
   ``long_digits``. With the demo's 3 / 40 / 0.08 the response (digits and EOS) has a median of

@@ -16,6 +16,7 @@ from typing import Awaitable, Callable, Dict, Iterator, List, Optional, Sequence
 import aiohttp
 import torch
 
+from ..netutil import EngineError
 from ..weights.bucket import decode_handle, open_handle
 
 
@@ -175,8 +176,6 @@ async def apply_version(engine, buckets: BucketSource, version: int, *,
     ``buckets``: per bucket the payloads (one per engine TP rank), or ``(count, fetch)`` where
     ``await fetch(i)`` returns bucket i's payloads: bucket i+1 is then fetched while the engine
     applies bucket i, never earlier, so the source holds at most two buckets at a time."""
-    from ..rollout.client import EngineError
-
     if isinstance(buckets, tuple) and len(buckets) == 2 and callable(buckets[1]):
         count, fetch = buckets
     else:

@@ -6,7 +6,14 @@ import sys
 from typing import List
 
 from ..netutil import TOKEN_ENV
+from ..server_process import ServerProcess
 from .server import RelayConfig
+
+
+class RelayProcess(ServerProcess):
+    """One relay process (start, wait for /health, stop)."""
+
+    what = "relay"
 
 
 def relay_command(cfg: RelayConfig, python: str = sys.executable) -> List[str]:
@@ -20,9 +27,7 @@ def relay_env(cfg: RelayConfig) -> dict:
     return {TOKEN_ENV: cfg.token}
 
 
-def relay_process(cfg: RelayConfig, log_path: str):
-    """An ``EngineProcess`` (start, wait for /health, stop) running the relay ``cfg``."""
-    from ..rollout.launcher import EngineProcess
-
-    return EngineProcess(relay_command(cfg), log_path=log_path, host=cfg.host,
-                         env=relay_env(cfg), port_key="LAMINAR_RELAY_PORT")
+def relay_process(cfg: RelayConfig, log_path: str) -> RelayProcess:
+    """The relay ``cfg`` as a process (not started)."""
+    return RelayProcess(relay_command(cfg), log_path=log_path, host=cfg.host,
+                        env=relay_env(cfg), port_key="LAMINAR_RELAY_PORT")

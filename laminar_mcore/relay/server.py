@@ -12,26 +12,23 @@ transfer-engine buffers for pullers on other machines when started with
 ``/latest``, ``/health``; the formats are the weight transports of ``relay/transports``. On the master also ``/register``, ``/report_failure`` and ``/chain``.
 The master hosts the trainer's publish group (its own TCPStore, outside the trainer's world),
 orders the chain, watches every relay's heartbeat and rebuilds the chain around a dead one; a
-relay that restarts registers again, joins the end of the chain and is caught up. Every
-endpoint that changes state requires the run's token.
+relay that restarts registers again, joins the end of the chain and is caught up (that half,
+and promotion to master, is relay/master.py). Every endpoint that changes state requires the
+run's token.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import logging
 import os
 import socket
 import threading
-import urllib.error
-import urllib.request
 import uuid
-from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch
 from aiohttp import web
@@ -39,27 +36,15 @@ from aiohttp import web
 from ..config.schema import WeightSyncConfig
 from ..netutil import TOKEN_ENV, token_middleware
 from ..weights.bucket import reclaim_segments
-from ..weights.transport import (Channel, announce_backend, resolve_backend, session_key,
-                                 stage_group)
-from .chain import Forwarder, PushRefused, receive_publishes, serve_push
-from .client import probe_relay
+from ..weights.transport import resolve_backend
+from .chain import Forwarder, PushRefused, serve_push
+from .master import MasterRelay
 from .store import VersionStore
 from .transports import (TRANSPORTS, Exporter, TransportUnavailable, enabled_at_start,
                          make_exporter)
 
 logger = logging.getLogger("laminar_mcore.relay")
 
-
-def _http(method: str, url: str, body: Optional[dict] = None, token: Optional[str] = None,
-          timeout: float = 5.0) -> dict:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        text = resp.read().decode()
-    return json.loads(text) if text.strip().startswith("{") else {}
 
 @dataclass
 class RelayConfig:
@@ -110,12 +95,6 @@ def resolve_relay_device(name: str) -> Optional[str]:
 MAX_BUCKETS_OUTSTANDING = 2
 
 
-def _chain_entry(body: dict) -> dict:
-    """A relay's place in the master's chain, from its registration (or its /health)."""
-    return {"relay_id": str(body["relay_id"]), "control_url": str(body["control_url"]),
-            "data_host": str(body["data_host"]), "data_port": int(body["data_port"])}
-
-
 @dataclass
 class PullState:
     """One lease's per-bucket pull: its transport, what the transport's ``check`` returned for
@@ -129,7 +108,7 @@ class PullState:
     peak: int = 0
 
 
-class RelayServer:
+class RelayServer(MasterRelay):
     def __init__(self, cfg: RelayConfig):
         if not cfg.token:
             raise ValueError("a relay needs the run's token (--token or LAMINAR_RUN_TOKEN)")
@@ -160,11 +139,7 @@ class RelayServer:
         self.data_sock.bind((cfg.host, 0))
         self.data_sock.listen(16)
         self.data_port = self.data_sock.getsockname()[1]
-        self.relays: "OrderedDict[str, dict]" = OrderedDict()  # master: the chain, in order
-        self.chain_lock = threading.Lock()
-        self.chain_rebuilds = 0
-        self.publish_threads: List[threading.Thread] = []
-        self.publish_ready = threading.Event()
+        self._init_master()  # the chain, the publish group (relay/master.py)
         self._newer: Optional[asyncio.Event] = None  # set when a version completes (long polls)
         self.pulls: Dict[str, PullState] = {}  # lease id -> how its buckets are being served
         # the weight transports' relay halves; those a config enables start now (Mooncake
@@ -182,11 +157,7 @@ class RelayServer:
         r.add_post("/bucket", self.bucket)
         r.add_post("/release", self.release)
         r.add_post("/set_downstream", self.set_downstream)
-        r.add_post("/register", self.register)
-        r.add_post("/report_failure", self.report_failure)
-        r.add_get("/chain", self.chain)
-        r.add_post("/promote", self.promote)
-        r.add_post("/set_master", self.set_master)
+        self._add_master_routes(r)
 
     # ------------------------------------------------------------------ lifecycle
     def start_background(self, control_url: str) -> None:
@@ -237,136 +208,6 @@ class RelayServer:
             except Exception as exc:  # noqa: BLE001 - a broken push only fails that version
                 logger.warning("incoming push from %s failed: %s", peer, exc)
 
-    # ------------------------------------------------------------------ master: trainer group
-    def _host_publish_group(self) -> None:
-        import torch.distributed as dist
-
-        world = 1 + self.trainer_stages
-        store = dist.TCPStore(self.host, self.publish_port, world, is_master=True,
-                              timeout=datetime.timedelta(days=30), wait_for_workers=False)
-        announce_backend(store, self.publish_backend)
-        self.publish_port = store.port
-        self.publish_ready.set()
-        print(f"LAMINAR_RELAY_PUBLISH_PORT={self.publish_port}", flush=True)
-        for stage in range(self.trainer_stages):
-            t = threading.Thread(target=self._serve_stage_sessions, args=(store, stage),
-                                 name=f"laminar-relay-publish-{stage}", daemon=True)
-            t.start()
-            self.publish_threads.append(t)
-
-    def _serve_stage_sessions(self, store, stage: int) -> None:
-        """Every trainer process that connects for ``stage`` (the first, or one restarted after
-        a crash) takes a session number; each session gets its own group and receiver."""
-        served = 0
-        key = session_key(stage)
-        while not self.stop_event.wait(0.1):
-            try:
-                wanted = store.add(key, 0)
-            except Exception:  # noqa: BLE001 - the store is closing with the relay
-                return
-            while served < wanted:
-                served += 1
-                threading.Thread(target=self._receive_stage, args=(store, stage, served),
-                                 name=f"laminar-relay-publish-{stage}-s{served}",
-                                 daemon=True).start()
-
-    def _receive_stage(self, store, stage: int, session: int) -> None:
-        """One trainer stage's publish stream, over that stage's own two-rank group."""
-        try:
-            # the relay waits for the trainer's next publish, however long a step takes
-            pg = stage_group(store, stage, 0, self.publish_backend, datetime.timedelta(days=30),
-                             session=session)
-            logger.info("publish group of trainer stage %d formed (%s, session %d)", stage,
-                        self.publish_backend, session)
-            channel = Channel(pg, 1, self.publish_backend, 8 * 2**20,
-                              device=torch.device(self.relay_device)
-                              if self.publish_backend == "nccl" else None)
-            receive_publishes(channel, self.store, self.stop_event,
-                              lambda v: logger.info("version %d complete", v))
-        except Exception as exc:  # noqa: BLE001 - the trainer went away
-            if not self.stop_event.is_set():
-                logger.warning("publish stream from stage %d (session %d) ended: %s", stage,
-                               session, exc)
-
-    # ------------------------------------------------------------------ chain management
-    def _downstream_failed(self, data_addr: str) -> None:
-        if self.master:
-            self._check_and_remove(data_addr)
-        else:
-            try:
-                _http("POST", self.master_url + "/report_failure", {"data_addr": data_addr},
-                      self.token)
-            except (urllib.error.URLError, OSError) as exc:
-                logger.warning("cannot report failure to the master: %s", exc)
-
-    def _check_and_remove(self, data_addr: str) -> None:
-        with self.chain_lock:
-            victim = next((rid for rid, r in self.relays.items()
-                           if f"{r['data_host']}:{r['data_port']}" == data_addr), None)
-        if victim is None or self._alive(self.relays.get(victim, {})):
-            return
-        self._remove(victim)
-
-    def _alive(self, relay: dict) -> bool:
-        return self._probe(relay) == "alive"
-
-    def _probe(self, relay: dict) -> str:
-        """alive, gone (nothing listens: the process is dead) or silent (no answer in 1 s)."""
-        return probe_relay(relay["control_url"], 1.0)[0] if relay else "gone"
-
-    def _remove(self, relay_id: str) -> None:
-        with self.chain_lock:
-            if self.relays.pop(relay_id, None) is None:
-                return
-        logger.warning("relay %s is gone; rebuilding the chain", relay_id)
-        self._rebuild()
-
-    def _rebuild(self) -> None:
-        with self.chain_lock:
-            order = list(self.relays.values())
-            self.chain_rebuilds += 1
-        first = order[0] if order else None
-        self.forwarder.relays_after_source = max(len(order) + 1, 1)
-        self.forwarder.set_downstream((first["data_host"], first["data_port"]) if first else None)
-        for i, relay in enumerate(order):
-            nxt = order[i + 1] if i + 1 < len(order) else None
-            body = {"data_host": nxt["data_host"], "data_port": nxt["data_port"]} if nxt else {}
-            body["relays_after_source"] = len(order) + 1
-            try:
-                _http("POST", relay["control_url"] + "/set_downstream", body, self.token)
-            except (urllib.error.URLError, OSError) as exc:
-                logger.warning("cannot reach relay %s: %s", relay["relay_id"], exc)
-
-    def _heartbeat_loop(self) -> None:
-        misses: Dict[str, int] = {}
-        while not self.stop_event.wait(self.heartbeat_s):
-            with self.chain_lock:
-                relays = list(self.relays.values())
-            for relay in relays:
-                state = self._probe(relay)
-                if state == "alive":
-                    misses[relay["relay_id"]] = 0
-                    continue
-                # a refused connection is a dead process: cut it out now; a relay that does
-                # not answer may be busy: after two heartbeats
-                misses[relay["relay_id"]] = misses.get(relay["relay_id"], 0) + 1
-                if state == "gone" or misses[relay["relay_id"]] >= 2:
-                    misses.pop(relay["relay_id"], None)
-                    self._remove(relay["relay_id"])
-
-    def _register_loop(self) -> None:
-        body = {"relay_id": self.relay_id, "control_url": self.control_url,
-                "data_host": self.host, "data_port": self.data_port}
-        url = self.master_url
-        while not self.stop_event.is_set() and not self.master and url == self.master_url:
-            try:
-                _http("POST", url + "/register", body, self.token)
-                logger.info("registered with the master relay %s", url)
-                return
-            except (urllib.error.URLError, OSError) as exc:
-                logger.info("master relay not reachable yet (%s); retrying", exc)
-                self.stop_event.wait(0.5)
-
     # ------------------------------------------------------------------ HTTP
     async def _body(self, request: web.Request) -> dict:
         if not request.can_read_body:
@@ -384,49 +225,6 @@ class RelayServer:
                                   "data_port": self.data_port,
                                   "version": self.store.latest_version,
                                   "publish_port": self.publish_port if self.master else None})
-
-    async def promote(self, request):
-        """The controller elected this relay master (the old one is dead): host the trainers'
-        publish group and order the chain of ``relays`` (the other live relays), which the
-        controller tells to register here. Answers once trainers can connect."""
-        body = await self._body(request)
-        others = body.get("relays", [])
-        if not isinstance(others, list):
-            raise web.HTTPBadRequest(text="expected {relays: [{relay_id, control_url, "
-                                          "data_host, data_port}]}")
-        if not self.master:
-            self.publish_backend = resolve_backend(self.cfg.weight_sync.publish_backend)
-            self.master, self.master_url, self.publish_port = True, None, 0
-            with self.chain_lock:
-                self.relays.clear()
-                for r in others:
-                    if r.get("relay_id") != self.relay_id:
-                        entry = _chain_entry(r)
-                        self.relays[entry["relay_id"]] = entry
-            threading.Thread(target=self._host_publish_group, name="laminar-relay-publish",
-                             daemon=True).start()
-            threading.Thread(target=self._heartbeat_loop, name="laminar-relay-heartbeat",
-                             daemon=True).start()
-            await asyncio.to_thread(self._rebuild)
-            logger.warning("promoted to master relay (chain: %s)", list(self.relays))
-        if not await asyncio.to_thread(self.publish_ready.wait, 30.0):
-            raise web.HTTPServiceUnavailable(text="the publish group did not start in 30 s")
-        return web.json_response({"ok": True, "publish_port": self.publish_port,
-                                  "version": self.store.latest_version})
-
-    async def set_master(self, request):
-        """A new master was elected or restarted: chain from it (register there)."""
-        body = await self._body(request)
-        url = body.get("master_url")
-        if not isinstance(url, str) or not url.startswith("http"):
-            raise web.HTTPBadRequest(text="expected {master_url: 'http://host:port'}")
-        if self.master:
-            raise web.HTTPConflict(text="this relay is the master")
-        if url != self.master_url:
-            self.master_url = url
-            threading.Thread(target=self._register_loop, name="laminar-relay-register",
-                             daemon=True).start()
-        return web.json_response({"ok": True})
 
     async def latest(self, request):
         """The newest version and this relay's state. ``?after=V&wait_s=T``: a long poll,
@@ -582,29 +380,6 @@ class RelayServer:
         else:
             self.forwarder.set_downstream(None)
         return web.json_response({"ok": True})
-
-    async def register(self, request):
-        if not self.master:
-            raise web.HTTPNotFound(text="only the master relay keeps the chain")
-        entry = _chain_entry(await self._body(request))
-        with self.chain_lock:
-            self.relays.pop(entry["relay_id"], None)  # a restarted relay rejoins at the end
-            self.relays[entry["relay_id"]] = entry
-        await asyncio.to_thread(self._rebuild)
-        return web.json_response({"ok": True, "position": list(self.relays).index(entry["relay_id"])})
-
-    async def report_failure(self, request):
-        if not self.master:
-            raise web.HTTPNotFound(text="only the master relay keeps the chain")
-        body = await self._body(request)
-        await asyncio.to_thread(self._check_and_remove, str(body["data_addr"]))
-        return web.json_response({"ok": True})
-
-    async def chain(self, request):
-        with self.chain_lock:
-            order = list(self.relays)
-        return web.json_response({"chain": [self.relay_id] + order, "rebuilds": self.chain_rebuilds,
-                                  "publish_port": self.publish_port})
 
 
 def _config_from_args(args) -> RelayConfig:

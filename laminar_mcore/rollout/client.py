@@ -20,13 +20,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Sequence
 
 import aiohttp
 
-
-class EngineError(RuntimeError):
-    """An engine answered with an error or could not be reached."""
-
-    def __init__(self, endpoint: str, status: Optional[int], message: str):
-        super().__init__(f"{endpoint}: {message}" + (f" (HTTP {status})" if status else ""))
-        self.endpoint, self.status, self.message = endpoint, status, message
+from ..netutil import EngineError
 
 
 @dataclass

@@ -35,6 +35,7 @@ from typing import Callable, Dict, List, Optional
 
 from ..relay.launch import relay_process
 from ..relay.server import RelayConfig
+from ..server_process import ServerProcess
 from ..weights.bucket import reclaim_segments
 from .launcher import EngineProcess, engine_process
 
@@ -57,7 +58,7 @@ class NodeSupervisor:
         self.evicted: Dict[int, str] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._starting: List[EngineProcess] = []  # processes being (re)started right now
+        self._starting: List[ServerProcess] = []  # processes being (re)started right now
         self._threads: List[threading.Thread] = []
 
     # ------------------------------------------------------------------ start
@@ -124,7 +125,7 @@ class NodeSupervisor:
             self._report("/register_relay", {"relay_url": relay.url, "publish": {
                 "host": relay.host, "port": self.publish_port}})
 
-    def _start(self, proc: EngineProcess) -> None:
+    def _start(self, proc: ServerProcess) -> None:
         with self._lock:
             if self._stop.is_set():
                 raise RuntimeError("the node is stopping")

@@ -16,7 +16,8 @@ A checkpoint directory ``step_XXXXXXXX`` holds:
 
 Nothing is a pickle: loading a checkpoint directory cannot run code planted in it. A save is
 written under a ``.partial`` name and renamed, then marked complete last, so an interrupted save
-is never picked by ``trainer.resume=auto``.
+is never picked by ``trainer.resume=auto``. The directory layout, and which checkpoint
+``trainer.resume`` picks, are ``data/checkpoints.py``'s (the controller reads them too).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import shutil
 import time
 from typing import Optional, Tuple
@@ -33,12 +33,11 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..data.checkpoints import COMPLETE, EXTRA_STATE, STEP_DIR
 from ..models.hf import copy_side_files
 
 logger = logging.getLogger(__name__)
 
-COMPLETE = "COMPLETE.json"
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
 OPTIM_SHARDING = ("dp_reshardable", "fully_reshardable")
 
 
@@ -77,30 +76,6 @@ def _load_rng(path: str) -> None:
         {k[len("tracker/"):]: v for k, v in tensors.items() if k.startswith("tracker/")})
     if torch.cuda.is_available() and "cuda" in tensors:
         torch.cuda.set_rng_state(tensors["cuda"])
-
-
-def latest_complete(root: str) -> Optional[str]:
-    """The newest checkpoint under ``root`` whose save finished, or None."""
-    if not os.path.isdir(root):
-        return None
-    steps = []
-    for name in os.listdir(root):
-        m = _STEP_DIR.match(name)
-        if m and os.path.isfile(os.path.join(root, name, COMPLETE)):
-            steps.append((int(m.group(1)), name))
-    return os.path.join(root, max(steps)[1]) if steps else None
-
-
-def resolve_resume(resume: str, root: str) -> Optional[str]:
-    """``trainer.resume``: none, auto (newest complete under ``root``) or a directory."""
-    if resume in (None, "", "none"):
-        return None
-    if resume == "auto":
-        return latest_complete(root)
-    if not os.path.isfile(os.path.join(resume, COMPLETE)):
-        raise FileNotFoundError(f"trainer.resume={resume!r} is not a complete checkpoint "
-                                f"(no {COMPLETE}); use auto, none or a step_* directory")
-    return resume
 
 
 def _sharding_metadata(actor) -> dict:
@@ -231,7 +206,7 @@ def save_checkpoint(root: str, step: int, actor, extra_state: Optional[dict] = N
         with open(os.path.join(partial, "trainer_state.json"), "w") as f:
             json.dump(_trainer_state(actor), f)
         if extra_state is not None:
-            with open(os.path.join(partial, "extra_state.json"), "w") as f:
+            with open(os.path.join(partial, EXTRA_STATE), "w") as f:
                 json.dump(extra_state, f)
         # so that tools/convert_checkpoint.py mcore-to-hf takes it as it is
         layout = _layout()
@@ -252,7 +227,7 @@ def save_checkpoint(root: str, step: int, actor, extra_state: Optional[dict] = N
 
 
 def _prune(root: str, keep: int) -> None:
-    complete = sorted(n for n in os.listdir(root) if _STEP_DIR.match(n)
+    complete = sorted(n for n in os.listdir(root) if STEP_DIR.match(n)
                       and os.path.isfile(os.path.join(root, n, COMPLETE)))
     for name in complete[:-keep] if keep > 0 else []:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
@@ -331,7 +306,7 @@ def load_checkpoint(path: str, actor) -> Tuple[int, Optional[dict]]:
         logger.warning("checkpoint %s was saved at layout %s, this run is %s: RNG states start "
                        "fresh from the seed", path, marker["layout"], _layout())
     extra = None
-    extra_path = os.path.join(path, "extra_state.json")
+    extra_path = os.path.join(path, EXTRA_STATE)
     if os.path.isfile(extra_path):
         with open(extra_path) as f:
             extra = json.load(f)

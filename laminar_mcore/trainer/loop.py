@@ -20,12 +20,13 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
                  relay_host: str, publish_port: int, ckpt_dir: str) -> dict:
     from ..config import typed
     from ..controller.client import STOP, ControllerClient
+    from ..data.checkpoints import resolve_resume
     from ..models.hf import SafetensorsReader, load_hf_config
     from ..parallel import destroy_trainer_parallel, init_trainer_parallel
     from ..parallel.groups import broadcast_int
     from .publisher import WeightPublisher
     from .actor import MegatronActor
-    from .checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+    from .checkpoint import load_checkpoint, save_checkpoint
     from .model import load_hf_checkpoint, resolve_dtype
 
     cfg = typed(cfg_dict)

@@ -30,7 +30,8 @@ def main():
     from laminar_mcore.testing.dist import write_rank_result
     from laminar_mcore.testing.synthetic import random_trajectories
     from laminar_mcore.trainer.actor import MegatronActor
-    from laminar_mcore.trainer.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+    from laminar_mcore.data.checkpoints import resolve_resume
+    from laminar_mcore.trainer.checkpoint import load_checkpoint, save_checkpoint
     from laminar_mcore.trainer.model import stage_full_tensors
 
     torch.set_num_threads(1)

@@ -2,7 +2,8 @@
 
 A short next-token training run of a freshly initialised tiny model on noisy demonstrations of
 the task; the result is saved as a Hugging Face checkpoint that the trainer and the engines
-load. Plain torch on one process: it is a data-preparation step, not the RL trainer.
+load. Plain torch and transformers on one process: it is a data-preparation step, not the RL
+trainer, and the controller runs it without the trainer's code (or Megatron).
 
 Measured on 2 CPU cores (hidden 128, 3 layers, batch 64, AdamW 2e-3, answer-only loss): plain
 3-digit addition stays near 0% exact match for 2000 steps (91 s); with the sum's digits
@@ -30,8 +31,8 @@ def warmup_checkpoint(out_dir: str, *, problems: List[Dict[str, str]], steps: in
     fields (num_experts, ...) for a mixture-of-experts demo model; empty or None: Qwen2."""
     from transformers import AutoModelForCausalLM
 
-    from ..data.tasks import PAD, noisy_demonstrations, tiny_demo_config
     from ..models.hf import save_hf_checkpoint
+    from .tasks import PAD, noisy_demonstrations, tiny_demo_config
 
     recipe = {"steps": steps, "batch_size": batch_size, "lr": lr, "wrong": wrong_fraction,
               "hidden": hidden, "layers": layers, "seed": seed, "n": len(problems),

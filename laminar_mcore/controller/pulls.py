@@ -1,0 +1,132 @@
+"""How the rollout manager's engines take a new version from their relays.
+
+Laminar's pull-when-idle: an engine that drained (no trajectory in flight) pulls the newest
+version its relay holds and goes on (``_pull``). AReaL's interruptible generation
+(``interrupt=True``): the engine is paused with abort, pulls at once and continues, and its
+interrupted trajectories resume with their prefix on the new weights (``_interrupt_and_pull``,
+``_resume_interrupted``). A pull that fails on the relay's side is retried; an engine that may
+hold part of two versions is taken out of service, never left generating.
+
+Mixed into ``RolloutManager`` (controller/manager.py), which provides ``engines``, ``stats``,
+``poll_s``, ``wake_s``, ``on_event``, ``notify``, ``relay_version``, ``_mark_unhealthy``,
+``_sleep_until_woken`` and ``_stop``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from ..data.pools import InFlight
+from ..netutil import EngineError
+from ..relay.client import RelayError, WeightApplyError
+from .engines import EngineHandle
+from .episode import Discard, Stopped
+
+logger = logging.getLogger(__name__)
+
+
+class WeightPulls:
+    """The weight-update half of ``RolloutManager`` (see the module docstring)."""
+
+    async def _pull(self, engine: EngineHandle) -> None:
+        engine.pulling = True
+        try:
+            await self._pull_once(engine)
+        finally:
+            engine.pulling = False
+            self.notify(engine)  # its version moved: interrupted trajectories wait on it
+
+    async def _pull_once(self, engine: EngineHandle) -> None:
+        epoch = engine.epoch
+        try:
+            version = await engine.puller.pull(engine.relay, engine.client, engine.version)
+        except WeightApplyError as exc:
+            logger.warning("engine %s could not take new weights: %s", engine.name, exc)
+            if exc.mixed:  # it may hold part of two versions: it must not generate
+                self._mark_unhealthy(engine, epoch)
+            else:
+                await asyncio.sleep(self.poll_s)  # still on its version; try again later
+            return
+        except RelayError as exc:
+            # A slow or restarting relay: the engine still serves its version untouched (no
+            # tensor was sent, or apply_version would have said so). Back off and try again.
+            logger.warning("engine %s could not pull from its relay: %s; retrying", engine.name,
+                           exc)
+            self.stats.pull_retries += 1
+            await asyncio.sleep(max(self.poll_s * 10, 0.5))
+            return
+        except EngineError as exc:
+            logger.warning("engine %s could not pull: %s", engine.name, exc)
+            self._mark_unhealthy(engine, epoch)
+            return
+        if engine.epoch != epoch:
+            return  # the engine was replaced while this pull ran: the new one pulls itself
+        if version is not None:
+            engine.version = version
+            engine.pulls += 1
+            self.stats.pulls += 1
+            if engine.epoch > 0 and engine.pulls == 1 and self.on_event is not None:
+                # a restarted engine holds the newest version: it is back in service
+                self.on_event("engine", "serving", {"engine": engine.name, "version": version})
+        else:  # nothing newer after all (its relay lost it?): back off instead of spinning
+            await asyncio.sleep(self.poll_s)
+        engine.draining = self.relay_version(engine) > engine.version
+
+    async def _interrupt_and_pull(self, engine: EngineHandle) -> None:
+        """AReaL's weight update: pause generation with abort (every running request returns
+        what it has), take the new version, continue; the interrupted trajectories are then
+        resubmitted with their prefix (``generate``) on the new weights."""
+        items = [i for i in engine.in_flight.values() if i.migrate_to is None]
+        paused = False
+        try:
+            if items:
+                for item in items:
+                    item.interrupted_at = engine.version
+                engine.paused = paused = True
+                # SGLang answers once every running request is aborted (their streams end with
+                # "abort" and resume after the update); a request that arrives while paused
+                # waits for continue_generation and runs on the new weights.
+                await engine.client.pause_generation("abort")
+            if engine.healthy and not self._stop.is_set():
+                await self._pull(engine)
+        except EngineError as exc:
+            logger.warning("engine %s could not be paused for an update: %s", engine.name, exc)
+            self._mark_unhealthy(engine)
+        finally:
+            if paused and engine.healthy:
+                try:
+                    await engine.client.continue_generation()
+                except EngineError as exc:
+                    logger.warning("engine %s did not continue after an update: %s",
+                                   engine.name, exc)
+                    self._mark_unhealthy(engine)
+            engine.paused = False
+            self.notify(engine)
+
+    async def _resume_interrupted(self, item: InFlight, engine: EngineHandle) -> EngineHandle:
+        """Where an interrupted trajectory continues: its engine once that holds a newer
+        version (or, if it failed, any healthy engine that is not paused)."""
+        old, item.interrupted_at = item.interrupted_at, None
+        engine.resuming += 1
+        try:
+            while not self._stop.is_set():
+                if engine.healthy and engine.version > old and not engine.paused:
+                    target = engine
+                elif not engine.healthy:
+                    others = [e for e in self.engines if e.healthy and not e.paused]
+                    if not any(e.healthy or e.restarting for e in self.engines):
+                        raise Discard("no_engine")
+                    target = min(others, key=lambda e: len(e.in_flight)) if others else None
+                else:
+                    target = None
+                if target is not None:
+                    item.engine = target.name
+                    target.in_flight[item.rid] = item
+                    self.stats.interrupted += 1
+                    return target
+                await self._sleep_until_woken(engine, self.wake_s)
+            raise Stopped()
+        finally:
+            engine.resuming = max(engine.resuming - 1, 0)
+            self.notify(engine)

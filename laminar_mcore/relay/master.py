@@ -1,0 +1,270 @@
+"""The master relay's half of a relay: the trainers' publish group, the chain and promotion.
+
+The master hosts the trainer's publish group (its own TCPStore, outside the trainer's world: one
+two-rank group per trainer stage and session, so a restarted trainer connects again), orders the
+chain of relays that registered with it (``/register``; ``/chain`` shows it), watches each one's
+heartbeat and rebuilds the chain around a dead one (also when a relay reports that its
+downstream failed, ``/report_failure``). A relay that is not the master registers with it, again
+after a restart, and joins the end of the chain. When the master dies, the controller promotes
+another relay (``/promote``: it starts hosting the publish group and orders the chain of the
+others) and points the rest at it (``/set_master``).
+
+Mixed into ``RelayServer`` (relay/server.py), which provides ``cfg``, ``token``, ``host``,
+``relay_id``, ``master``, ``master_url``, ``trainer_stages``, ``publish_port``,
+``publish_backend``, ``relay_device``, ``heartbeat_s``, ``store``, ``forwarder``, ``stop_event``,
+``control_url``, ``data_port`` and ``_body``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import logging
+import threading
+import urllib.error
+import urllib.request
+from collections import OrderedDict
+from typing import Dict, List, Optional
+
+import torch
+from aiohttp import web
+
+from ..weights.transport import Channel, announce_backend, resolve_backend, session_key, stage_group
+from .chain import receive_publishes
+from .client import probe_relay
+
+logger = logging.getLogger("laminar_mcore.relay")
+
+
+def _http(method: str, url: str, body: Optional[dict] = None, token: Optional[str] = None,
+          timeout: float = 5.0) -> dict:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        text = resp.read().decode()
+    return json.loads(text) if text.strip().startswith("{") else {}
+
+
+def _chain_entry(body: dict) -> dict:
+    """A relay's place in the master's chain, from its registration (or its /health)."""
+    return {"relay_id": str(body["relay_id"]), "control_url": str(body["control_url"]),
+            "data_host": str(body["data_host"]), "data_port": int(body["data_port"])}
+
+
+class MasterRelay:
+    """The master's duties of ``RelayServer`` (see the module docstring)."""
+
+    def _init_master(self) -> None:
+        self.relays: "OrderedDict[str, dict]" = OrderedDict()  # master: the chain, in order
+        self.chain_lock = threading.Lock()
+        self.chain_rebuilds = 0
+        self.publish_threads: List[threading.Thread] = []
+        self.publish_ready = threading.Event()
+
+    def _add_master_routes(self, router: web.UrlDispatcher) -> None:
+        router.add_post("/register", self.register)
+        router.add_post("/report_failure", self.report_failure)
+        router.add_get("/chain", self.chain)
+        router.add_post("/promote", self.promote)
+        router.add_post("/set_master", self.set_master)
+
+    # ------------------------------------------------------------------ master: trainer group
+    def _host_publish_group(self) -> None:
+        import torch.distributed as dist
+
+        world = 1 + self.trainer_stages
+        store = dist.TCPStore(self.host, self.publish_port, world, is_master=True,
+                              timeout=datetime.timedelta(days=30), wait_for_workers=False)
+        announce_backend(store, self.publish_backend)
+        self.publish_port = store.port
+        self.publish_ready.set()
+        print(f"LAMINAR_RELAY_PUBLISH_PORT={self.publish_port}", flush=True)
+        for stage in range(self.trainer_stages):
+            t = threading.Thread(target=self._serve_stage_sessions, args=(store, stage),
+                                 name=f"laminar-relay-publish-{stage}", daemon=True)
+            t.start()
+            self.publish_threads.append(t)
+
+    def _serve_stage_sessions(self, store, stage: int) -> None:
+        """Every trainer process that connects for ``stage`` (the first, or one restarted after
+        a crash) takes a session number; each session gets its own group and receiver."""
+        served = 0
+        key = session_key(stage)
+        while not self.stop_event.wait(0.1):
+            try:
+                wanted = store.add(key, 0)
+            except Exception:  # noqa: BLE001 - the store is closing with the relay
+                return
+            while served < wanted:
+                served += 1
+                threading.Thread(target=self._receive_stage, args=(store, stage, served),
+                                 name=f"laminar-relay-publish-{stage}-s{served}",
+                                 daemon=True).start()
+
+    def _receive_stage(self, store, stage: int, session: int) -> None:
+        """One trainer stage's publish stream, over that stage's own two-rank group."""
+        try:
+            # the relay waits for the trainer's next publish, however long a step takes
+            pg = stage_group(store, stage, 0, self.publish_backend, datetime.timedelta(days=30),
+                             session=session)
+            logger.info("publish group of trainer stage %d formed (%s, session %d)", stage,
+                        self.publish_backend, session)
+            channel = Channel(pg, 1, self.publish_backend, 8 * 2**20,
+                              device=torch.device(self.relay_device)
+                              if self.publish_backend == "nccl" else None)
+            receive_publishes(channel, self.store, self.stop_event,
+                              lambda v: logger.info("version %d complete", v))
+        except Exception as exc:  # noqa: BLE001 - the trainer went away
+            if not self.stop_event.is_set():
+                logger.warning("publish stream from stage %d (session %d) ended: %s", stage,
+                               session, exc)
+
+    # ------------------------------------------------------------------ chain management
+    def _downstream_failed(self, data_addr: str) -> None:
+        if self.master:
+            self._check_and_remove(data_addr)
+        else:
+            try:
+                _http("POST", self.master_url + "/report_failure", {"data_addr": data_addr},
+                      self.token)
+            except (urllib.error.URLError, OSError) as exc:
+                logger.warning("cannot report failure to the master: %s", exc)
+
+    def _check_and_remove(self, data_addr: str) -> None:
+        with self.chain_lock:
+            victim = next((rid for rid, r in self.relays.items()
+                           if f"{r['data_host']}:{r['data_port']}" == data_addr), None)
+        if victim is None or self._alive(self.relays.get(victim, {})):
+            return
+        self._remove(victim)
+
+    def _alive(self, relay: dict) -> bool:
+        return self._probe(relay) == "alive"
+
+    def _probe(self, relay: dict) -> str:
+        """alive, gone (nothing listens: the process is dead) or silent (no answer in 1 s)."""
+        return probe_relay(relay["control_url"], 1.0)[0] if relay else "gone"
+
+    def _remove(self, relay_id: str) -> None:
+        with self.chain_lock:
+            if self.relays.pop(relay_id, None) is None:
+                return
+        logger.warning("relay %s is gone; rebuilding the chain", relay_id)
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        with self.chain_lock:
+            order = list(self.relays.values())
+            self.chain_rebuilds += 1
+        first = order[0] if order else None
+        self.forwarder.relays_after_source = max(len(order) + 1, 1)
+        self.forwarder.set_downstream((first["data_host"], first["data_port"]) if first else None)
+        for i, relay in enumerate(order):
+            nxt = order[i + 1] if i + 1 < len(order) else None
+            body = {"data_host": nxt["data_host"], "data_port": nxt["data_port"]} if nxt else {}
+            body["relays_after_source"] = len(order) + 1
+            try:
+                _http("POST", relay["control_url"] + "/set_downstream", body, self.token)
+            except (urllib.error.URLError, OSError) as exc:
+                logger.warning("cannot reach relay %s: %s", relay["relay_id"], exc)
+
+    def _heartbeat_loop(self) -> None:
+        misses: Dict[str, int] = {}
+        while not self.stop_event.wait(self.heartbeat_s):
+            with self.chain_lock:
+                relays = list(self.relays.values())
+            for relay in relays:
+                state = self._probe(relay)
+                if state == "alive":
+                    misses[relay["relay_id"]] = 0
+                    continue
+                # a refused connection is a dead process: cut it out now; a relay that does
+                # not answer may be busy: after two heartbeats
+                misses[relay["relay_id"]] = misses.get(relay["relay_id"], 0) + 1
+                if state == "gone" or misses[relay["relay_id"]] >= 2:
+                    misses.pop(relay["relay_id"], None)
+                    self._remove(relay["relay_id"])
+
+    def _register_loop(self) -> None:
+        body = {"relay_id": self.relay_id, "control_url": self.control_url,
+                "data_host": self.host, "data_port": self.data_port}
+        url = self.master_url
+        while not self.stop_event.is_set() and not self.master and url == self.master_url:
+            try:
+                _http("POST", url + "/register", body, self.token)
+                logger.info("registered with the master relay %s", url)
+                return
+            except (urllib.error.URLError, OSError) as exc:
+                logger.info("master relay not reachable yet (%s); retrying", exc)
+                self.stop_event.wait(0.5)
+
+    # ------------------------------------------------------------------ HTTP
+    async def register(self, request):
+        if not self.master:
+            raise web.HTTPNotFound(text="only the master relay keeps the chain")
+        entry = _chain_entry(await self._body(request))
+        with self.chain_lock:
+            self.relays.pop(entry["relay_id"], None)  # a restarted relay rejoins at the end
+            self.relays[entry["relay_id"]] = entry
+        await asyncio.to_thread(self._rebuild)
+        return web.json_response({"ok": True, "position": list(self.relays).index(entry["relay_id"])})
+
+    async def report_failure(self, request):
+        if not self.master:
+            raise web.HTTPNotFound(text="only the master relay keeps the chain")
+        body = await self._body(request)
+        await asyncio.to_thread(self._check_and_remove, str(body["data_addr"]))
+        return web.json_response({"ok": True})
+
+    async def chain(self, request):
+        with self.chain_lock:
+            order = list(self.relays)
+        return web.json_response({"chain": [self.relay_id] + order, "rebuilds": self.chain_rebuilds,
+                                  "publish_port": self.publish_port})
+
+    async def promote(self, request):
+        """The controller elected this relay master (the old one is dead): host the trainers'
+        publish group and order the chain of ``relays`` (the other live relays), which the
+        controller tells to register here. Answers once trainers can connect."""
+        body = await self._body(request)
+        others = body.get("relays", [])
+        if not isinstance(others, list):
+            raise web.HTTPBadRequest(text="expected {relays: [{relay_id, control_url, "
+                                          "data_host, data_port}]}")
+        if not self.master:
+            self.publish_backend = resolve_backend(self.cfg.weight_sync.publish_backend)
+            self.master, self.master_url, self.publish_port = True, None, 0
+            with self.chain_lock:
+                self.relays.clear()
+                for r in others:
+                    if r.get("relay_id") != self.relay_id:
+                        entry = _chain_entry(r)
+                        self.relays[entry["relay_id"]] = entry
+            threading.Thread(target=self._host_publish_group, name="laminar-relay-publish",
+                             daemon=True).start()
+            threading.Thread(target=self._heartbeat_loop, name="laminar-relay-heartbeat",
+                             daemon=True).start()
+            await asyncio.to_thread(self._rebuild)
+            logger.warning("promoted to master relay (chain: %s)", list(self.relays))
+        if not await asyncio.to_thread(self.publish_ready.wait, 30.0):
+            raise web.HTTPServiceUnavailable(text="the publish group did not start in 30 s")
+        return web.json_response({"ok": True, "publish_port": self.publish_port,
+                                  "version": self.store.latest_version})
+
+    async def set_master(self, request):
+        """A new master was elected or restarted: chain from it (register there)."""
+        body = await self._body(request)
+        url = body.get("master_url")
+        if not isinstance(url, str) or not url.startswith("http"):
+            raise web.HTTPBadRequest(text="expected {master_url: 'http://host:port'}")
+        if self.master:
+            raise web.HTTPConflict(text="this relay is the master")
+        if url != self.master_url:
+            self.master_url = url
+            threading.Thread(target=self._register_loop, name="laminar-relay-register",
+                             daemon=True).start()
+        return web.json_response({"ok": True})
