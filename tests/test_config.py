@@ -279,3 +279,19 @@ def test_a_run_that_does_not_fit_is_refused_naming_the_item_and_the_knob():
         validate_config(cfg)
     cfg.rollout.num_engines = 1
     validate_config(cfg)  # as shipped (with a model built from arch) it fits
+
+
+def test_loggers_are_checked_before_the_run_starts(monkeypatch):
+    cfg = _compose("trainer.loggers=[jsonl,wandb,mlflow]", "trainer.wandb_project=rl")
+    assert cfg.trainer.wandb_project == "rl" and cfg.trainer.mlflow_tracking_uri is None
+    assert list(_compose().trainer.loggers) == ["tensorboard", "jsonl"]
+    with pytest.raises(ConfigError, match=r"unknown logger\(s\) 'neptune'; the known ones are "
+                                          r"tensorboard, jsonl, wandb, mlflow"):
+        validate_config(_compose("trainer.loggers=[jsonl,neptune]"))
+    with pytest.raises(ConfigError, match=r"lacks jsonl: metrics.jsonl is the run's own record"):
+        validate_config(_compose("trainer.loggers=[wandb]"))
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # as if it were not installed
+    with pytest.raises(ConfigError, match=r"'mlflow' package is not installed: pip install "
+                                          r"mlflow-skinny"):
+        validate_config(cfg)
+    validate_config(_compose("trainer.loggers=[jsonl,mlflow]", "job=smoke"))  # writes no metrics

@@ -21,7 +21,7 @@ TOKEN = "controller-token-0123"
 def controller(tmp_path):
     task = TaskData(rows=[{"prompt": "ab", "answer": "ba"}] * 4, evals=[],
                     codec=TaskCodec(lambda row: [1, 2], lambda ids: ""), model_path="/none")
-    metrics = MetricsWriter(str(tmp_path), tensorboard=False)
+    metrics = MetricsWriter(str(tmp_path), loggers=["jsonl"])
     c = Controller(LaminarConfig(), task, metrics, TOKEN, info={"model_path": "/none"})
     c.start()
     yield c
@@ -97,7 +97,7 @@ def test_a_resume_restores_the_admission_budget_from_consumed_and_buffered(tmp_p
     cfg = LaminarConfig(algo=AlgoConfig(n_samples_per_prompt=2, max_staleness=1))
     task = TaskData(rows=[{"prompt": "ab", "answer": "ba"}] * 8, evals=[],
                     codec=TaskCodec(lambda row: [1, 2], lambda ids: ""), model_path="/none")
-    metrics = MetricsWriter(str(tmp_path), tensorboard=False)
+    metrics = MetricsWriter(str(tmp_path), loggers=["jsonl"])
     c = Controller(cfg, task, metrics, TOKEN, initial_state=state)
     c.start()
     try:

@@ -22,33 +22,33 @@ class ArchConfig:
     """Architecture of a model built from scratch (used when ``model.path`` is null)."""
 
     family: str = "qwen2"  # a known model_type: qwen2, llama, qwen3, qwen3_moe
-    hidden_size: int = 64
-    intermediate_size: int = 128
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
+    hidden_size: int = 64  # model width (the keys are config.json's names)
+    intermediate_size: int = 128  # the dense MLP's width (SwiGLU)
+    num_hidden_layers: int = 4  # transformer layers; parallel.pp must divide them
+    num_attention_heads: int = 4  # query heads; parallel.tp must divide them
+    num_key_value_heads: int = 2  # KV heads (GQA groups); parallel.tp must divide them
     head_dim: Optional[int] = None  # Qwen3 sets it explicitly; null means hidden/heads
-    vocab_size: int = 128
-    max_position_embeddings: int = 512
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = False
+    vocab_size: int = 128  # parallel.tp must divide it
+    max_position_embeddings: int = 512  # the context length the engines serve
+    rms_norm_eps: float = 1e-6  # epsilon of every RMSNorm
+    rope_theta: float = 10000.0  # RoPE base frequency
+    tie_word_embeddings: bool = False  # the output layer shares the embedding (Llama 3.2 style)
     # Mixture of experts (qwen3_moe only; 0 experts: a dense family). Qwen3-MoE's names.
-    num_experts: int = 0
-    num_experts_per_tok: int = 2
-    moe_intermediate_size: int = 32
-    norm_topk_prob: bool = True
-    decoder_sparse_step: int = 1
-    mlp_only_layers: List[int] = field(default_factory=list)
+    num_experts: int = 0  # experts per sparse layer
+    num_experts_per_tok: int = 2  # top-k experts each token is routed to
+    moe_intermediate_size: int = 32  # each expert's MLP width
+    norm_topk_prob: bool = True  # renormalise the top-k router probabilities
+    decoder_sparse_step: int = 1  # every n-th layer is sparse
+    mlp_only_layers: List[int] = field(default_factory=list)  # layer numbers kept dense
 
 
 @dataclass
 class ModelConfig:
-    name: str = "tiny-qwen2"
+    name: str = "tiny-qwen2"  # a label: job=plan prints it and writes it to plan.json
     # Hugging Face checkpoint directory (config.json + safetensors). Null: build from `arch`.
     # Mandatory (???) unless a model file sets it, so a recipe cannot silently fall back to `arch`.
     path: Optional[str] = MISSING
-    arch: ArchConfig = field(default_factory=ArchConfig)
+    arch: ArchConfig = field(default_factory=ArchConfig)  # used when path is null (and by job=plan)
     # auto: bf16 on GPUs, fp32 on CPU. Or one of fp32, bf16, fp16.
     dtype: str = "auto"
 
@@ -57,36 +57,36 @@ class ModelConfig:
 class ParallelConfig:
     """Trainer parallelism; data parallel size is world / (tp * pp * cp)."""
 
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    sequence_parallel: bool = False
+    tp: int = 1  # tensor parallel size
+    pp: int = 1  # pipeline parallel size
+    cp: int = 1  # context parallel size: only 1 for now (validation refuses more)
+    sequence_parallel: bool = False  # split activations over TP (needs tp > 1; TE on GPUs)
     # Megatron's distributed optimizer (ZeRO-1: Adam state sharded over DP), on CPU as on GPUs.
     use_distributed_optimizer: bool = True
     # MoE models: expert parallelism (experts spread over ep ranks, tokens moved by Megatron's
     # all-to-all dispatcher) and the experts' own tensor parallelism. Megatron lays the expert
     # grid (expert_tp x ep x expert-DP x pp) over the same ranks as tp x cp x dp x pp.
     ep: int = 1
-    expert_tp: int = 1
+    expert_tp: int = 1  # tensor parallel size inside each expert (GPUs only)
 
 
 @dataclass
 class AlgoConfig:
     """Advantage estimation and the (decoupled) PPO objective, as in AReaL."""
 
-    advantage: str = "grpo"
-    std_normalize: bool = True
-    leave_one_out: bool = False
-    use_decoupled_loss: bool = True
-    eps_clip: float = 0.2
-    eps_clip_high: Optional[float] = 0.28
-    dual_clip: Optional[float] = None
-    behav_imp_weight_cap: Optional[float] = None
+    advantage: str = "grpo"  # advantage estimator: grpo (group-normalised rewards)
+    std_normalize: bool = True  # divide by the group's reward std (Dr. GRPO: false)
+    leave_one_out: bool = False  # baseline is the mean of the group's other samples
+    use_decoupled_loss: bool = True  # false: pi_prox = pi_behav (plain PPO/GRPO)
+    eps_clip: float = 0.2  # lower clip of the ratio pi_theta/pi_prox
+    eps_clip_high: Optional[float] = 0.28  # upper clip (clip-higher); null: eps_clip
+    dual_clip: Optional[float] = None  # dual-clip bound c > 1 on negative advantages; null: off
+    behav_imp_weight_cap: Optional[float] = None  # cap on pi_prox/pi_behav (AReaL: 5.0); null: none
     cap_mode: str = "mask"  # mask | clamp
     cap_level: str = "token"  # token | sequence
     # AReaL's admission control eta; null: unbounded, as in Laminar.
     max_staleness: Optional[int] = None
-    n_samples_per_prompt: int = 8
+    n_samples_per_prompt: int = 8  # GRPO group size: trajectories per prompt
     # MoE routing replay (R3): engines return the experts they routed each token to (SGLang's
     # return_routed_experts) and the trainer routes the same way (Megatron's router replay).
     routing_replay: bool = False
@@ -97,26 +97,27 @@ class AlgoConfig:
 
 @dataclass
 class SamplingConfig:
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    max_new_tokens: int = 64  # response cap per trajectory
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0  # nucleus sampling; 1: off
+    top_k: int = -1  # -1: off
 
 
 @dataclass
 class RolloutConfig:
     backend: str = "cpu"  # cpu (built-in engine) | sglang
-    num_engines: int = 2
-    engine_tp: int = 1
-    mem_fraction_static: float = 0.8
+    num_engines: int = 2  # engines per rollout node
+    engine_tp: int = 1  # GPUs per SGLang engine (its tensor parallel size)
+    mem_fraction_static: float = 0.8  # SGLang's --mem-fraction-static (weights + KV)
     kv_capacity_tokens: int = 16384  # CPU engine KV cache size
-    max_running_requests: int = 64
+    max_running_requests: int = 64  # an engine's concurrent requests: its capacity
     base_port: int = 0  # 0: pick free ports
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # address engines and relay bind to and advertise
     # Where a rollout node's engines take weights from: local (a relay on this node, the
     # default) or remote (no relay here: a relay on another node, read through Mooncake's
     # transfer engine; needs weight_sync.mooncake_protocol; job=rollout only).
     relay: str = "local"
+    # Sampling parameters of every trajectory.
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     extra_args: List[str] = field(default_factory=list)  # passed to sglang.launch_server
     # Engines stream only new tokens (--incremental-streaming-output), a chunk every
@@ -130,14 +131,14 @@ class RolloutConfig:
     # new weight version; an engine waiting on at most repack_max_requests trajectories
     # (0: a quarter of max_running_requests) hands them to the densest engine of its version.
     repack: bool = True
-    repack_interval_s: float = 5.0
-    repack_max_requests: int = 0
+    repack_interval_s: float = 5.0  # seconds between repack checks
+    repack_max_requests: int = 0  # repack an engine down to this many; 0: a quarter
     # Replay a long-tailed response-length distribution (benchmarks): 0 disables. Each
     # trajectory then generates exactly this many tokens (EOS ignored): ``forced_long_length``
     # with probability ``forced_long_fraction``, else about ``forced_short_length``.
     forced_short_length: int = 0
-    forced_long_length: int = 0
-    forced_long_fraction: float = 0.0
+    forced_long_length: int = 0  # the long responses' length; 0: off
+    forced_long_fraction: float = 0.0  # the fraction of long responses
     # Fault isolation (rollout/supervisor.py): each node's supervisor checks its engines every
     # engine_heartbeat_s (the process, and /health_generate, which must answer within
     # engine_heartbeat_timeout_s; two failures in a row count); a dead or hung engine is
@@ -146,8 +147,8 @@ class RolloutConfig:
     # the reason is in the summary). A dead relay is restarted the same way (its shared
     # memory is reclaimed first).
     engine_heartbeat_s: float = 2.0
-    engine_heartbeat_timeout_s: float = 60.0
-    engine_restarts_per_hour: int = 3
+    engine_heartbeat_timeout_s: float = 60.0  # a /health_generate slower than this fails
+    engine_restarts_per_hour: int = 3  # more restarts within an hour evict the engine
     # Engines start no new trajectory while this many batches (train_batch_prompts x
     # n_samples) wait in the experience buffer: a trainer that is down or restarting does not
     # make the buffer grow without end (with algo.max_staleness set, that bound usually binds
@@ -157,7 +158,7 @@ class RolloutConfig:
 
 @dataclass
 class WeightSyncConfig:
-    bucket_mb: int = 512
+    bucket_mb: int = 512  # host bucket size (MiB) of a published version
     # Chunk size of the trainer -> master relay stream (staged on the sender's own CUDA stream
     # over NCCL): larger chunks mean fewer round trips, more staging memory on one GPU.
     chunk_mb: int = 64
@@ -172,7 +173,7 @@ class WeightSyncConfig:
     # Relays also serve cross-node pulls through Mooncake's transfer engine: null (off), tcp or
     # rdma; mooncake_device names the RDMA NIC(s), e.g. mlx5_0 (empty: auto-discover).
     mooncake_protocol: Optional[str] = None
-    mooncake_device: str = ""
+    mooncake_device: str = ""  # RDMA NIC(s), e.g. mlx5_0; empty: auto
     # How engines take a version from their relay (relay/transports): auto (sglang_cuda_ipc
     # for SGLang, shm for the CPU engine, from the relay on their machine), or mooncake (reads
     # through Mooncake's transfer engine, as from a relay on another machine; needs
@@ -183,22 +184,23 @@ class WeightSyncConfig:
     # the publisher asks the controller for the new one (elected among the remaining relays,
     # or the restarted one) for up to failover_timeout_s and sends the version again, whole.
     publish_timeout_s: float = 300.0
-    failover_timeout_s: float = 180.0
+    failover_timeout_s: float = 180.0  # how long to look for a new master relay
 
 
 @dataclass
 class NodeGroupConfig:
-    nnodes: int = 1
-    nproc_per_node: int = 1
+    nnodes: int = 1  # trainer nodes (torchrun --nnodes)
+    nproc_per_node: int = 1  # trainer processes per node, one per GPU
 
 
 @dataclass
 class ClusterConfig:
     """Where the roles run. ``controller_addr`` is how multi-node roles find each other."""
 
-    name: str = "local_cpu"
+    name: str = "local_cpu"  # a label of the cluster preset
+    # The trainer world: nnodes x nproc_per_node ranks.
     trainer: NodeGroupConfig = field(default_factory=NodeGroupConfig)
-    rollout_nodes: int = 1
+    rollout_nodes: int = 1  # rollout nodes (each a relay and num_engines engines)
     controller_addr: str = MISSING  # local_cpu sets 127.0.0.1; multi-node runs must set it
     controller_port: int = 0  # job=controller listens here; 0: pick one (single machine only)
     join_timeout_s: float = 600.0  # how long roles wait for each other to start
@@ -208,21 +210,23 @@ class ClusterConfig:
     # The GPUs of one node, for the capacity plan (job=plan) and the check that refuses a run
     # that does not fit before anything starts. 0: no GPU (CPU runs; nothing to check).
     gpus_per_node: int = 8
-    gpu_memory_gb: float = 80.0
+    gpu_memory_gb: float = 80.0  # one GPU's memory (GB), for job=plan and that check
 
 
 @dataclass
 class DataConfig:
     """Prompts from JSONL/Parquet files, or (with no train_files) a built-in synthetic task."""
 
+    # JSONL/Parquet prompt files; empty: the built-in task.
     train_files: List[str] = field(default_factory=list)
+    # Held-out prompts; empty: the first num_eval rows.
     eval_files: List[str] = field(default_factory=list)
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    max_prompt_len: int = 64
+    prompt_key: str = "prompt"  # the prompt's field in a row
+    answer_key: str = "answer"  # the answer's field (rewards read 'answer' for now)
+    max_prompt_len: int = 64  # prompt tokens job=plan assumes per sequence
     # Dotted path of the reward function: fn(response_text, answer, **row) -> float.
     reward_fn: str = "laminar_mcore.reward.builtin:exact_match"
-    reward_workers: int = 1
+    reward_workers: int = 1  # reward processes
     # A reward call running longer than this is abandoned (its worker killed, the trajectory
     # discarded with reason reward_error); a worker that dies is replaced and its calls retried.
     reward_timeout_s: float = 60.0
@@ -231,34 +235,34 @@ class DataConfig:
     digits: int = 5  # reverse_longtail: the short strings have 1 to `digits` digits
     # reverse_longtail: a fraction `long_fraction` of the strings has long_digits/2..long_digits
     long_digits: int = 0
-    long_fraction: float = 0.0
-    num_train: int = 4000
-    num_eval: int = 128
+    long_fraction: float = 0.0  # reverse_longtail: the share of long strings
+    num_train: int = 4000  # built-in task: training problems
+    num_eval: int = 128  # built-in task: held-out problems
     # Supervised warm-up that builds the starting checkpoint when model.path is null.
     warmup_steps: int = 200
-    warmup_wrong_fraction: float = 0.5
+    warmup_wrong_fraction: float = 0.5  # share of warm-up demos with a wrong digit
 
 
 @dataclass
 class TrainerConfig:
-    lr: float = 1e-5
-    min_lr: float = 0.0
-    lr_warmup_steps: int = 0
+    lr: float = 1e-5  # peak learning rate (Adam)
+    min_lr: float = 0.0  # floor of the linear/cosine decay
+    lr_warmup_steps: int = 0  # linear warm-up from 0
     lr_decay_style: str = "constant"  # constant | linear | cosine (Megatron's scheduler)
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0
+    weight_decay: float = 0.0  # Adam's decoupled weight decay
+    adam_beta1: float = 0.9  # Adam's beta1
+    adam_beta2: float = 0.999  # Adam's beta2
+    adam_eps: float = 1e-8  # Adam's epsilon
+    grad_clip: float = 1.0  # max global gradient norm; 0: off
     # Tokens per chunk of the vocab-parallel log-prob pass on CPU; 0: fit 32 MiB of logits.
     logprob_chunk_size: int = 0
-    train_batch_prompts: int = 32
-    max_tokens_per_microbatch: int = 4096
+    train_batch_prompts: int = 32  # prompts per step (x n_samples_per_prompt)
+    max_tokens_per_microbatch: int = 4096  # token budget of one packed micro-batch
     # Activation recompute: none | selective (attention core) | full (every layer's forward is
     # rerun in backward; recompute_num_layers per checkpointed group). See job=plan.
     recompute: str = "none"
-    recompute_num_layers: int = 1
-    total_steps: int = 100
+    recompute_num_layers: int = 1  # layers per recompute group (full only)
+    total_steps: int = 100  # trainer steps of the run
     save_interval: int = 0  # 0: never
     # Evaluate the policy on the held-out set every eval_interval steps (greedy and sampled
     # accuracy, on a rollout engine once it holds that step's version); 0: only before and
@@ -269,11 +273,11 @@ class TrainerConfig:
     # (each rank writes its shard; resume at any DP size) or fully_reshardable (gathered in
     # model space over DP at save; resume at any TP/PP/DP, more memory and time per save).
     ckpt_optim_sharding: str = "dp_reshardable"
-    max_consecutive_nonfinite: int = 3
+    max_consecutive_nonfinite: int = 3  # NaN/inf steps in a row that stop the run
     # MoE: Megatron's load-balancing auxiliary loss (0: off) and router z-loss (0: off); their
     # values are reported in the step's metrics (moe_load_balancing_loss, moe_z_loss).
     moe_aux_loss_coeff: float = 0.0
-    moe_z_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0  # router z-loss coefficient; 0: off
     # How long the trainer waits for one batch before failing the run (a batch of 512 prompts x
     # 16 samples x 8k tokens can take many minutes). The other ranks wait without a timeout of
     # their own tripping (parallel/groups.py: wait_group).
@@ -285,26 +289,42 @@ class TrainerConfig:
     # from the newest complete checkpoint, while the engines keep generating. The restarted
     # trainer publishes a version newer than any the relays hold.
     max_restarts: int = 2
+    # Where the run's records go; each logger gets the same ones (metrics/loggers.py):
+    # tensorboard (<out>/tensorboard), jsonl (<out>/metrics.jsonl), wandb, mlflow. jsonl is
+    # required: it is the run's own record (the summary, chaos tests and benchmarks read it).
+    # wandb and mlflow need their package (pip install wandb / mlflow-skinny), checked before the
+    # run starts; one that fails mid-run is reported once and never stops training.
+    loggers: List[str] = field(default_factory=lambda: ["tensorboard", "jsonl"])
+    # W&B project; null: $WANDB_PROJECT, else laminar_mcore. The W&B run is named run_name and
+    # writes to <out>/wandb; $WANDB_MODE (online | offline | disabled) applies.
+    wandb_project: Optional[str] = None
+    # MLflow tracking URI; null: $MLFLOW_TRACKING_URI, else a file store in <out>/mlruns.
+    mlflow_tracking_uri: Optional[str] = None
+    # MLflow experiment; null: $MLFLOW_EXPERIMENT_NAME, else laminar_mcore.
+    mlflow_experiment: Optional[str] = None
 
 
 @dataclass
 class LaminarConfig:
     """The whole run. ``mode`` picks laminar / areal / one_step / sync on one code base."""
 
-    run_name: str = "default"
-    output_dir: str = "outputs"
-    mode: str = "laminar"
-    seed: int = 1234
+    run_name: str = "default"  # outputs go to output_dir/run_name
+    output_dir: str = "outputs"  # root of every run's outputs (and the warm-up cache, .cache)
+    mode: str = "laminar"  # laminar | areal | one_step | sync (controller/modes.py)
+    seed: int = 1234  # trajectories sample with seeds derived from (seed, group, index)
     # What `python -m laminar_mcore.launch` runs; `smoke` is the parallel Megatron check.
     job: str = "smoke"
+    # The policy: a checkpoint or an architecture.
     model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # the trainer's layout
+    algo: AlgoConfig = field(default_factory=AlgoConfig)  # advantages and the loss
+    # Engines, sampling, repack, supervision.
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    # Publication, relays, pulls.
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # where the roles run
+    data: DataConfig = field(default_factory=DataConfig)  # prompts, rewards, built-in task
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # optimizer, batches, checkpoints
 
 
 _GROUP_SCHEMAS = {

@@ -147,6 +147,11 @@ def validate_config(cfg: DictConfig) -> None:
                         "in [0, 1] and, for a long tail, long_digits > digits")
     if cfg.trainer.eval_interval < 0:
         problems.append("trainer.eval_interval must be >= 0 (0: evaluate only before and after)")
+    from ..metrics.loggers import logger_problems, missing_packages
+
+    problems += logger_problems(list(cfg.trainer.loggers))
+    if cfg.job in ("train", "controller"):  # the jobs that write the run's metrics
+        problems += missing_packages(cfg.trainer.loggers)
     r, ws = cfg.rollout, cfg.weight_sync
     for key, value in (("rollout.engine_heartbeat_s", r.engine_heartbeat_s),
                        ("rollout.engine_heartbeat_timeout_s", r.engine_heartbeat_timeout_s),

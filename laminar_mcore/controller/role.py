@@ -246,7 +246,7 @@ def run(cfg: LaminarConfig, token: str) -> dict:
         print(msg, flush=True)
 
     task = load_task(cfg, out_dir, log)
-    metrics = MetricsWriter(out_dir)
+    metrics = MetricsWriter.for_run(cfg, out_dir)
     controller = None
     try:
         controller = Controller(

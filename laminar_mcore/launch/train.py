@@ -6,8 +6,8 @@ Composes the roles (rollout/node.py, controller/, trainer/loop.py) in one proces
 ``data.train_files`` and no ``model.path`` it runs the built-in demo (a synthetic verifiable
 task, a tiny Qwen2-architecture model and a short supervised warm-up, cached, that builds the
 starting checkpoint). Every process it starts is stopped when it returns, fails or is
-interrupted. It writes ``outputs/<run>/metrics.jsonl``, TensorBoard events, ``summary.png`` and
-``summary.json``.
+interrupted. It writes ``outputs/<run>/metrics.jsonl`` and the other ``trainer.loggers``
+(TensorBoard events by default; W&B, MLflow), ``summary.png`` and ``summary.json``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def run_train(cfg) -> dict:
     token = secrets.token_hex(16)
     nodes: list = []
     controller = None
-    metrics = MetricsWriter(out_dir)
+    metrics = MetricsWriter.for_run(cfg, out_dir)
     try:
         controller = Controller(cfg, task, metrics, token,
                                 initial_state=resume_state(cfg, out_dir, log))

@@ -1,5 +1,7 @@
-"""Run metrics: metrics.jsonl, TensorBoard events and a PNG summary plot."""
+"""Run metrics: the loggers of ``trainer.loggers`` (metrics.jsonl, TensorBoard, W&B, MLflow)
+and a PNG summary plot."""
 
+from .loggers import LOGGERS, LoggerUnavailable
 from .writer import MetricsWriter
 
-__all__ = ["MetricsWriter"]
+__all__ = ["LOGGERS", "LoggerUnavailable", "MetricsWriter"]

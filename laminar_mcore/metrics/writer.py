@@ -1,43 +1,51 @@
-"""Writes one JSON object per event to ``metrics.jsonl`` and scalars to TensorBoard, and draws
-the run's plot (reward, staleness, throughput) at the end."""
+"""Sends each run record to the loggers of ``trainer.loggers`` (metrics/loggers.py: jsonl,
+TensorBoard, W&B, MLflow), keeps the records in memory for the progress bar and the summary,
+and draws the run's plot (reward, staleness, throughput) at the end. Logging never raises into
+the run once the writer is built."""
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
-from typing import List, Optional
+from typing import List, Optional, Sequence
+
+from .loggers import DEFAULT_LOGGERS, build_loggers, call_quietly
 
 
 class MetricsWriter:
-    def __init__(self, out_dir: str, tensorboard: bool = True):
+    def __init__(self, out_dir: str, loggers: Sequence[str] = DEFAULT_LOGGERS,
+                 run_name: str = "default", wandb_project: Optional[str] = None,
+                 mlflow_tracking_uri: Optional[str] = None,
+                 mlflow_experiment: Optional[str] = None, run_config: Optional[dict] = None):
         os.makedirs(out_dir, exist_ok=True)
         self.out_dir = out_dir
         self.path = os.path.join(out_dir, "metrics.jsonl")
-        self._file = open(self.path, "a")
         self._lock = threading.Lock()
         self.records: List[dict] = []
-        self._tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+        self._loggers = build_loggers(list(loggers), out_dir, run_name, wandb_project,
+                                      mlflow_tracking_uri, mlflow_experiment, run_config)
+        self._closed = False
 
-                self._tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
-            except Exception:  # noqa: BLE001 - metrics must never stop a run
-                self._tb = None
+    @classmethod
+    def for_run(cls, cfg, out_dir: str) -> "MetricsWriter":
+        """The writer of a run (``LaminarConfig``): its ``trainer.loggers`` and their settings."""
+        from ..config import as_dict
+
+        t = cfg.trainer
+        return cls(out_dir, list(t.loggers), run_name=cfg.run_name,
+                   wandb_project=t.wandb_project, mlflow_tracking_uri=t.mlflow_tracking_uri,
+                   mlflow_experiment=t.mlflow_experiment, run_config=as_dict(cfg))
 
     def log(self, kind: str, step: Optional[int] = None, **values) -> None:
         record = {"kind": kind, "time": time.time(), **({"step": step} if step is not None else {}),
                   **values}
         with self._lock:
             self.records.append(record)
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
-            if self._tb is not None and step is not None:
-                for key, value in values.items():
-                    if isinstance(value, (int, float)) and not isinstance(value, bool):
-                        self._tb.add_scalar(f"{kind}/{key}", value, step)
+            if self._closed:
+                return
+            for backend in self._loggers:
+                call_quietly(backend, "log", record)
 
     def plot(self, filename: str = "summary.png") -> Optional[str]:
         try:
@@ -88,7 +96,10 @@ class MetricsWriter:
         return path
 
     def close(self) -> None:
+        """Flush and close every logger (W&B and MLflow runs end here); idempotent."""
         with self._lock:
-            self._file.close()
-            if self._tb is not None:
-                self._tb.close()
+            if self._closed:
+                return
+            self._closed = True
+            for backend in self._loggers:
+                call_quietly(backend, "close")
