@@ -6,7 +6,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.laminar-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test setup clean ibverbs
+.PHONY: demo test docs setup clean ibverbs
 
 setup: $(STAMP)
 
@@ -37,5 +37,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The documentation site, strict: a broken link or anchor, or any other warning, fails the build.
+# The configuration reference is rendered from config/schema.py at build time (docs/hooks.py).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) outputs .pytest_cache
+	rm -rf $(VENV) outputs .pytest_cache site
