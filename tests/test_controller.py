@@ -12,6 +12,7 @@ from laminar_mcore.config.schema import LaminarConfig
 from laminar_mcore.controller.client import ControllerClient, ControllerError
 from laminar_mcore.controller.episode import TaskCodec
 from laminar_mcore.controller.server import Controller, TaskData
+from laminar_mcore.data.trace import read_trace
 from laminar_mcore.metrics import MetricsWriter
 
 TOKEN = "controller-token-0123"
@@ -22,7 +23,8 @@ def controller(tmp_path):
     task = TaskData(rows=[{"prompt": "ab", "answer": "ba"}] * 4, evals=[],
                     codec=TaskCodec(lambda row: [1, 2], lambda ids: ""), model_path="/none")
     metrics = MetricsWriter(str(tmp_path), loggers=["jsonl"])
-    c = Controller(LaminarConfig(), task, metrics, TOKEN, info={"model_path": "/none"})
+    c = Controller(LaminarConfig(output_dir=str(tmp_path)), task, metrics, TOKEN,
+                   info={"model_path": "/none"})
     c.start()
     yield c
     c.stop()
@@ -94,7 +96,8 @@ def test_a_resume_restores_the_admission_budget_from_consumed_and_buffered(tmp_p
              "partial": [asdict(InFlight(Trajectory([1, 2], [3], [-0.1], 1, "g1", uid="g1-1"),
                                          "node0-engine0", max_new_tokens=8))],
              "trainer_version": 4, "generated": 11, "accepted": 14, "max_staleness_observed": 1}
-    cfg = LaminarConfig(algo=AlgoConfig(n_samples_per_prompt=2, max_staleness=1))
+    cfg = LaminarConfig(algo=AlgoConfig(n_samples_per_prompt=2, max_staleness=1),
+                        output_dir=str(tmp_path), run_name="resumed")
     task = TaskData(rows=[{"prompt": "ab", "answer": "ba"}] * 8, evals=[],
                     codec=TaskCodec(lambda row: [1, 2], lambda ids: ""), model_path="/none")
     metrics = MetricsWriter(str(tmp_path), loggers=["jsonl"])
@@ -109,6 +112,90 @@ def test_a_resume_restores_the_admission_budget_from_consumed_and_buffered(tmp_p
                                                    + books["trajectories_buffered"]
                                                    + books["trajectories_discarded"]) == 12
         assert c.trainer_version == 4 and c.prompts.issued == 6
+        # the trace names both: the one in flight at the save, and its buffered group member
+        trace = read_trace(str(tmp_path / "resumed"))
+        assert {(r["id"], r["outcome"], r["discard_reason"]) for r in trace} == {
+            ("g1-1", "discarded", "restart"), ("g1-0", "discarded", "restart_group")}
     finally:
         c.stop()
         metrics.close()
+
+
+def test_metrics_are_prometheus_text_without_the_token_and_the_trace_records_each_trajectory(
+        tmp_path):
+    """``GET /metrics`` (no token, read-only) parses with Prometheus' own parser and counts what
+    the books count: consumed, buffered, discarded by reason, staleness at consumption; every
+    trajectory that left is one line of ``trajectories.jsonl``, and the trace tool reads it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from laminar_mcore.config.schema import AlgoConfig, TrainerConfig
+    from laminar_mcore.data.trajectory import Trajectory
+    from laminar_mcore.tools.trace import main as trace_tool
+
+    cfg = LaminarConfig(algo=AlgoConfig(n_samples_per_prompt=2),
+                        trainer=TrainerConfig(train_batch_prompts=1),
+                        output_dir=str(tmp_path), run_name="m")
+    task = TaskData(rows=[{"prompt": "ab", "answer": "ba"}] * 4, evals=[],
+                    codec=TaskCodec(lambda row: [1, 2], lambda ids: ""), model_path="/none")
+    metrics = MetricsWriter(str(tmp_path / "m"), loggers=["jsonl"])
+    c = Controller(cfg, task, metrics, TOKEN)
+    c.start()
+
+    def scrape():
+        with urllib.request.urlopen(c.url + "/metrics") as r:  # no token
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+            families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+        return {f: {(s.name, tuple(sorted(s.labels.items()))): s.value
+                    for s in fam.samples} for f, fam in families.items()}
+
+    def value(m, family, sample=None, **labels):
+        return m[family][(sample or family, tuple(sorted(labels.items())))]
+
+    try:
+        m = scrape()
+        p = "laminar_controller_"
+        for name in ("trajectories_generated", "trajectories_consumed", "trajectories_buffered",
+                     "trajectories_in_flight", "trajectories_discarded", "staleness",
+                     "trainer_version", "engines", "engine_pulls", "engine_pull_seconds",
+                     "repacks", "trajectories_resumed", "engine_restarts", "relay_failovers",
+                     "trainer_restarts", "faults"):
+            assert p + name in m, name
+        assert value(m, p + "trajectories_consumed", p + "trajectories_consumed_total") == 0
+        assert value(m, p + "engines", state="idle") == 0
+
+        c.trainer_version = 3
+        for k, version in enumerate((1, 3)):  # one group: staleness 2 and 0 at consumption
+            c.buffer.add(Trajectory([1, 2], [5] * (4 + k), [-0.5] * (4 + k), version, "g0",
+                                    reward=1.0, uid=f"g0-{k}"))
+        c.buffer.add(Trajectory([1, 2], [5], [-0.5], 3, "g1", reward=0.0, uid="g1-0"))
+        c.buffer.drop_group("g1", "aborted_group")  # its other member failed
+        status, body = _call(c.url + "/batch?timeout=5", token=TOKEN)
+        assert status == 200 and len(json.loads(body)["trajectories"]) == 2
+
+        m = scrape()
+        assert value(m, p + "trajectories_consumed", p + "trajectories_consumed_total") == 2
+        assert value(m, p + "trajectories_buffered") == 0
+        assert value(m, p + "trajectories_discarded", p + "trajectories_discarded_total",
+                     reason="aborted_group") == 1
+        assert value(m, p + "trainer_version") == 3
+        stale = p + "staleness"
+        assert value(m, stale, stale + "_bucket", le="0.0") == 1
+        assert value(m, stale, stale + "_bucket", le="1.0") == 1
+        assert value(m, stale, stale + "_bucket", le="2.0") == 2
+        assert value(m, stale, stale + "_count") == 2 and value(m, stale, stale + "_sum") == 2
+        assert _call(c.url + "/metrics", "POST", {})[0] in (401, 405)  # read-only
+    finally:
+        c.stop()
+        metrics.close()
+
+    trace = {r["id"]: r for r in read_trace(str(tmp_path / "m"))}
+    assert set(trace) == {"g0-0", "g0-1", "g1-0"}
+    assert (trace["g0-0"]["outcome"], trace["g0-0"]["staleness"]) == ("consumed", 2)
+    assert (trace["g0-1"]["response_tokens"], trace["g0-1"]["staleness"]) == (5, 0)
+    assert "consumed" in trace["g0-1"]["timings"]
+    assert (trace["g1-0"]["outcome"], trace["g1-0"]["discard_reason"]) == (
+        "discarded", "aborted_group")
+    figures = trace_tool([str(tmp_path / "m"), "--json", str(tmp_path / "story.json")])
+    assert (figures["consumed"], figures["discarded"], figures["discarded_aborted_group"]) == (
+        2, 1, 1)
+    assert (figures["staleness_0"], figures["staleness_2"], figures["length_p50"]) == (1, 1, 4)

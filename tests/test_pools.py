@@ -38,6 +38,13 @@ def test_prompt_pool_groups_epochs_and_exact_resume(tmp_path):
     bad.write_text("{oops\n")
     with pytest.raises(ValueError, match="bad.jsonl:1: not JSON"):
         load_prompts([str(bad)])
+    # a dataset's own field names (data.prompt_key, data.answer_key): rewards read "answer"
+    gsm = tmp_path / "gsm.jsonl"
+    gsm.write_text(json.dumps({"question": "1+1?", "solution": "2"}) + "\n")
+    rows = load_prompts([str(gsm)], "question", "solution")
+    assert rows == [{"question": "1+1?", "solution": "2", "answer": "2"}]
+    with pytest.raises(ValueError, match="no 'label' field; set data.answer_key"):
+        load_prompts([str(gsm)], "question", "label")
 
 
 def test_experience_buffer_hands_out_complete_groups_fifo_and_counts_everything():

@@ -252,6 +252,19 @@ def test_repack_moves_long_tail_trajectories_so_freed_engines_pull(tmp_path):
         assert traj.versions_seen() == [str(traj.weight_version)], traj.uid
         assert traj.version_spans[0]["start"] == 0  # the spans cover every response token
         assert traj.version_spans[-1]["end"] == len(traj.response_ids), traj.version_spans
+    # the trace tells the move: the moved one ran on both engines, a "repack" request second,
+    # each request's tokens adding up to the response (data/trace.py)
+    from laminar_mcore.data.trace import trace_record
+
+    records = [trace_record(t, "consumed", trainer_version=1) for t in longs]
+    moved = [r for r in records if r["repacks"]]
+    assert len(moved) == 1 and len(moved[0]["engines"]) == 2
+    assert [s["how"] for s in moved[0]["segments"]] == ["new", "repack"]
+    for r in records:
+        assert sum(s["tokens"] for s in r["segments"]) == long_len
+        assert {s["version"] for s in r["segments"]} == {0} and r["staleness"] == 1
+        assert r["timings"]["submitted"] < r["timings"]["first_token"] < r["timings"]["finished"]
+        assert all(s["start"] <= s["end"] for s in r["segments"])
     for traj in longs:  # nothing lost or duplicated across the move: logprobs of the sequence
         ref = _reference_logprobs(cfg, state0, traj.prompt_ids, traj.response_ids)
         assert (torch.tensor(traj.behav_logprobs) - ref).abs().max().item() <= 1e-4

@@ -61,6 +61,18 @@ def test_train_job_runs_and_keeps_the_books(tmp_path, mode):
         assert summary["trajectories_interrupted"] == 0
     assert (tmp_path / "out" / "e2e" / "summary.png").exists()
     assert any((tmp_path / "out" / "e2e" / "tensorboard").iterdir())
+    # the trace: one record per consumed or discarded trajectory, read by the trace tool
+    from laminar_mcore.data.trace import read_trace
+    from laminar_mcore.tools.trace import main as trace_tool
+
+    trace = read_trace(str(tmp_path / "out" / "e2e"))
+    consumed = [r for r in trace if r["outcome"] == "consumed"]
+    assert len(consumed) == summary["trajectories_consumed"] == len({r["id"] for r in consumed})
+    assert max(r["staleness"] for r in consumed) == summary["max_staleness_observed"]
+    assert all(r["segments"] and r["engines"] and "consumed" in r["timings"] for r in consumed)
+    figures = trace_tool([str(tmp_path / "out" / "e2e")])
+    assert figures["consumed"] == summary["trajectories_consumed"]
+    assert (tmp_path / "out" / "e2e" / "timeline.png").exists()
 
 
 def test_train_job_resumes_with_its_data_module(tmp_path):

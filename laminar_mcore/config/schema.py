@@ -222,7 +222,7 @@ class DataConfig:
     # Held-out prompts; empty: the first num_eval rows.
     eval_files: List[str] = field(default_factory=list)
     prompt_key: str = "prompt"  # the prompt's field in a row
-    answer_key: str = "answer"  # the answer's field (rewards read 'answer' for now)
+    answer_key: str = "answer"  # the answer's field in a row (the reward function's answer)
     max_prompt_len: int = 64  # prompt tokens job=plan assumes per sequence
     # Dotted path of the reward function: fn(response_text, answer, **row) -> float.
     reward_fn: str = "laminar_mcore.reward.builtin:exact_match"

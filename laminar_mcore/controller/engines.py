@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from ..data.pools import ExperienceBuffer, InFlight, PartialResponsePool, PromptPool
+from ..metrics.prometheus import SECONDS_BUCKETS, Histogram
 from ..relay.client import RelayClient
 from ..relay.transports import Puller
 from ..rollout.client import SGLangClient
@@ -63,6 +64,8 @@ class ManagerStats:
     discarded: Dict[str, int] = field(default_factory=dict)
     engine_restarts: int = 0
     evicted: Dict[str, str] = field(default_factory=dict)  # engine -> why
+    # seconds of each completed pull (request to the new version applied), for /metrics
+    pull_seconds: Histogram = field(default_factory=lambda: Histogram(SECONDS_BUCKETS))
 
 
 @dataclass

@@ -27,10 +27,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Callable, Dict, List, Optional, Set
+from typing import Callable, Dict, List, Optional, Sequence, Set
 
 from ..config.schema import RolloutConfig
 from ..data.pools import InFlight
+from ..data.trajectory import Trajectory
 from ..relay.client import RelayClient
 from ..rollout.client import EngineError, SGLangClient
 from .engines import EngineHandle, ManagerStats, RolloutData
@@ -177,7 +178,7 @@ class RolloutManager(WeightPulls):
             if self._internal_errors <= 3:
                 logger.error("%s failed: %r; the trajectory is discarded", what, exc, exc_info=exc)
             self._drop(item)
-            self._discard(item.group_id, 1, "internal_error")
+            self._discard(item.group_id, 1, "internal_error", [item.traj])
             if self._internal_errors >= self.MAX_INTERNAL_ERRORS_IN_A_ROW and self.error is None:
                 self._fatal(f"{self._internal_errors} trajectories in a row ({what})", exc)
         return on_error
@@ -317,7 +318,7 @@ class RolloutManager(WeightPulls):
             if exc.reason == "reward_error":
                 logger.warning("reward failed for %s: %s", item.rid, exc)
             self._drop(item)
-            self._discard(item.group_id, 1, exc.reason)
+            self._discard(item.group_id, 1, exc.reason, [item.traj])
             return
         except Stopped:
             return  # still in the partial pool: counted as in flight at the stop
@@ -332,10 +333,11 @@ class RolloutManager(WeightPulls):
         the one repack moves it to, or, if its engine fails, another healthy one); returns the
         finish reason type. Raises ``Discard`` or ``Stopped`` when it cannot finish."""
         engine = self._engine(item.engine)
+        how = "new"  # how this request of the trajectory started (its trace's segments)
         while True:
             epoch = engine.epoch
             try:
-                reason = await self._stream(engine, item)
+                reason = await self._stream(engine, item, how)
             except EngineError as exc:
                 self._left(engine, item.rid)
                 item.interrupted_at = None
@@ -345,6 +347,7 @@ class RolloutManager(WeightPulls):
                 self._mark_unhealthy(engine, epoch)
                 engine = await self._engine_of_version(item)
                 self.stats.resumed += 1
+                how = "resume"
                 continue
             except asyncio.CancelledError:
                 self._left(engine, item.rid)
@@ -352,6 +355,7 @@ class RolloutManager(WeightPulls):
             self._left(engine, item.rid)
             if reason == "abort" and item.interrupted_at is not None:
                 engine = await self._resume_interrupted(item, engine)
+                how = "interrupt"
                 continue
             item.interrupted_at = None  # (it may have finished before the pause reached it)
             target, item.migrate_to = self._engine(item.migrate_to), None
@@ -361,18 +365,26 @@ class RolloutManager(WeightPulls):
                     target.in_flight[item.rid] = item
                     engine = target
                     self.stats.repacked += 1
+                    how = "repack"
                 else:  # the destination changed under us: any engine of its version will do
                     engine = await self._engine_of_version(item)
                     self.stats.resumed += 1
+                    how = "resume"
                 continue
             if reason == "abort":
                 raise Discard("aborted")
             return reason
 
-    async def _stream(self, engine: EngineHandle, item: InFlight) -> str:
-        """One request: stream ``item`` from the tokens it holds on ``engine``."""
+    async def _stream(self, engine: EngineHandle, item: InFlight, how: str = "new") -> str:
+        """One request: stream ``item`` from the tokens it holds on ``engine`` (``how`` it
+        started: new, resume, interrupt or repack; recorded as a segment of its trace)."""
         traj = item.traj
         held = len(traj.response_ids)
+        segment = {"engine": engine.name, "version": engine.version, "how": how,
+                   "start": time.time()}
+        if how in ("resume", "repack"):
+            key = "resumes" if how == "resume" else "repacks"
+            traj.metadata[key] = traj.metadata.get(key, 0) + 1
         params = dict(item.sampling)
         if item.sampling_seed is not None:
             # a resumed trajectory continues with a fresh stream (offset by what it holds)
@@ -393,8 +405,12 @@ class RolloutManager(WeightPulls):
                 # Only what is new is parsed and stored (O(L) for L tokens); the trajectory holds
                 # every token for a resume, also the partial output of an aborted request.
                 self.partial.append(item.rid, chunk.new_ids, chunk.new_logprobs)
+                if chunk.new_ids and "first_token" not in traj.timings:
+                    traj.timings["first_token"] = time.time()
                 final = chunk.meta
         finally:
+            segment.update(end=time.time(), tokens=len(traj.response_ids) - held)
+            traj.metadata.setdefault("segments", []).append(segment)
             traj.add_version_spans((final or {}).get("weight_versions"), held,
                                    len(traj.response_ids) - held, str(engine.version))
         if self.routed_experts and len(traj.response_ids) > held:
@@ -415,7 +431,8 @@ class RolloutManager(WeightPulls):
         """Laminar's repack plan now (controller/repack.py)."""
         return self.repacker.plan(kv_free)
 
-    def _discard(self, group_id: str, count: int, reason: str) -> None:
+    def _discard(self, group_id: str, count: int, reason: str,
+                 trajs: Sequence[Trajectory] = ()) -> None:
         """Count ``count`` ended-but-unusable trajectories; a group with a lost member can never
         complete, so its members already buffered are dropped too (with their own reason), and
         so are those that finish later. The whole group's admission capacity is given back
@@ -423,7 +440,7 @@ class RolloutManager(WeightPulls):
         ``mode=sync`` (bound 0) above all -- admits a replacement instead of waiting for a group
         that cannot come."""
         self.stats.generated += count
-        self.buffer.discard(count, reason)
+        self.buffer.discard(count, reason, trajs)
         first = not self.buffer.is_dropped(group_id)
         dropped = self.buffer.drop_group(group_id, f"{reason}_group")
         if first:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from ..data.pools import InFlight
 from ..netutil import EngineError
@@ -39,6 +40,7 @@ class WeightPulls:
 
     async def _pull_once(self, engine: EngineHandle) -> None:
         epoch = engine.epoch
+        started = time.monotonic()
         try:
             version = await engine.puller.pull(engine.relay, engine.client, engine.version)
         except WeightApplyError as exc:
@@ -66,6 +68,7 @@ class WeightPulls:
             engine.version = version
             engine.pulls += 1
             self.stats.pulls += 1
+            self.stats.pull_seconds.observe(time.monotonic() - started)
             if engine.epoch > 0 and engine.pulls == 1 and self.on_event is not None:
                 # a restarted engine holds the newest version: it is back in service
                 self.on_event("engine", "serving", {"engine": engine.name, "version": version})

@@ -37,8 +37,9 @@ def load_task(cfg: LaminarConfig, out_dir: str, log) -> TaskData:
         if cfg.model.path is None:
             raise ValueError("data.train_files needs model.path (its tokenizer encodes the prompts)")
         tok = AutoTokenizer.from_pretrained(cfg.model.path, local_files_only=True)
-        rows = load_prompts(list(d.train_files), d.prompt_key)
-        evals = load_prompts(list(d.eval_files), d.prompt_key) if d.eval_files else rows[: d.num_eval]
+        rows = load_prompts(list(d.train_files), d.prompt_key, d.answer_key)
+        evals = (load_prompts(list(d.eval_files), d.prompt_key, d.answer_key) if d.eval_files
+                 else rows[: d.num_eval])
         codec = TaskCodec(encode_prompt=lambda row: tok.encode(row[d.prompt_key]),
                           decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
         return TaskData(rows, evals, codec, cfg.model.path)

@@ -23,6 +23,9 @@ from aiohttp import web
 
 from ..config.schema import LaminarConfig
 from ..data.pools import ExperienceBuffer, PartialResponsePool, PromptPool
+from ..data.trace import TrajectoryTrace
+from ..data.trajectory import Trajectory
+from ..metrics.prometheus import STALENESS_BUCKETS, Histogram, Scrape
 from ..netutil import token_middleware
 from ..reward import RewardService
 from .cluster import ClusterAPI
@@ -30,6 +33,7 @@ from .engines import RolloutData
 from .episode import SingleTurn, TaskCodec
 from .evaluation import evaluate
 from .manager import RolloutManager
+from .metrics import controller_metrics
 from .modes import policy_for
 
 logger = logging.getLogger(__name__)
@@ -108,6 +112,11 @@ class Controller(ClusterAPI):
         self.mixed_version_consumed = 0
         self._idle_mark: Optional[tuple] = None  # (time, engine idle seconds) at the first step
         self.buffer = ExperienceBuffer(group_size=self.n_samples)
+        # outputs/<run>/trajectories.jsonl: every trajectory that leaves (data/trace.py)
+        self.trace = TrajectoryTrace(os.path.join(cfg.output_dir, cfg.run_name))
+        self.buffer.on_discard.append(
+            lambda trajs, reason: self.trace.discarded(trajs, reason, self.trainer_version))
+        self.staleness = Histogram(STALENESS_BUCKETS)  # at consumption, for /metrics
         self.partial = PartialResponsePool()
         self.prompts = PromptPool(task.rows, n_samples=self.n_samples, seed=cfg.seed)
         d = cfg.data
@@ -140,6 +149,7 @@ class Controller(ClusterAPI):
         if self._thread is not None:
             self._thread.join(timeout=60)
         self.reward.close()
+        self.trace.close()
 
     def stop_generation(self, timeout_s: float = 60.0) -> None:
         """Stop dispatching and generating (in-flight requests are cancelled) but keep serving
@@ -175,9 +185,11 @@ class Controller(ClusterAPI):
         self.manager.routed_experts = bool(self.cfg.algo.routing_replay)
         if self._initial_state:
             self.load_state_dict(self._initial_state)
-        # every endpoint but /health proves the run token; bad input is a 400
+        # every endpoint but /health and /metrics (read-only, as SGLang's) proves the run
+        # token; bad input is a 400
         app = web.Application(middlewares=[token_middleware(
-            self.token, lambda request: request.path != "/health")])
+            self.token, lambda request: request.path not in ("/health", "/metrics"))])
+        app.router.add_get("/metrics", Scrape(lambda: controller_metrics(self)).handle)
         app.router.add_get("/batch", self._batch)
         app.router.add_post("/trained", self._trained)
         app.router.add_get("/state", self._state)
@@ -248,6 +260,9 @@ class Controller(ClusterAPI):
                                   "staleness": self.trainer_version - t.weight_version,
                                   "reward": t.reward, "tokens": len(t.response_ids)})
         self.max_staleness_observed = max([self.max_staleness_observed] + staleness)
+        for s in staleness:
+            self.staleness.observe(s)
+        self.trace.consumed(batch, self.trainer_version)
         return web.json_response({"trajectories": [t.to_dict() for t in batch],
                                   "staleness": staleness})
 
@@ -358,7 +373,8 @@ class Controller(ClusterAPI):
         lost = len(state.get("partial", []))
         self.manager.stats.generated = int(state["generated"]) + lost
         if lost:
-            self.buffer.discard(lost, "restart")
+            self.buffer.discard(lost, "restart", [
+                Trajectory.from_dict(item["traj"]) for item in state["partial"]])
         for item in state.get("partial", []):
             self.buffer.drop_group(item["traj"]["group_id"], "restart_group")
         # The admission budget resumes from what can still be trained on: consumed and

@@ -16,13 +16,16 @@ import random
 import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List, Optional
+from typing import Callable, Deque, Dict, List, Optional, Sequence
 
 from .trajectory import Trajectory
 
 
-def load_prompts(paths: List[str], prompt_key: str = "prompt") -> List[dict]:
-    """Rows of JSONL (``.jsonl``/``.json``) or Parquet (``.parquet``, needs pyarrow) files."""
+def load_prompts(paths: List[str], prompt_key: str = "prompt",
+                 answer_key: str = "answer") -> List[dict]:
+    """Rows of JSONL (``.jsonl``/``.json``) or Parquet (``.parquet``, needs pyarrow) files.
+    Rewards and evaluations read a row's ``answer``: with another ``answer_key`` (a dataset's
+    own field name, ``data.answer_key``) each row's answer is copied there."""
     rows: List[dict] = []
     for path in paths:
         if path.endswith(".parquet"):
@@ -43,6 +46,11 @@ def load_prompts(paths: List[str], prompt_key: str = "prompt") -> List[dict]:
     for i, row in enumerate(rows):
         if prompt_key not in row:
             raise ValueError(f"row {i} has no {prompt_key!r} field; set data.prompt_key")
+        if answer_key != "answer":
+            if answer_key not in row:
+                raise ValueError(f"row {i} has no {answer_key!r} field; set data.answer_key "
+                                 f"to the answer's field (its fields: {sorted(row)})")
+            row["answer"] = row[answer_key]
     if not rows:
         raise ValueError(f"no prompts in {paths}")
     return rows
@@ -172,13 +180,16 @@ class ExperienceBuffer:
         self._held = 0  # trajectories in _ready and _open (``buffered`` in O(1))
         # called (under the lock: keep them short) whenever a group becomes ready
         self.on_ready: List[Callable[[], None]] = []
+        # called (under the lock) with the trajectories discarded and why, where they are
+        # known (the run's trace, data/trace.py)
+        self.on_discard: List[Callable[[List[Trajectory], str], None]] = []
 
     def add(self, traj: Trajectory) -> bool:
         """Keep ``traj`` until its group is complete; a member of a dropped group is counted
         as discarded instead (returns False), never left waiting for a group that cannot come."""
         with self.cond:
             if traj.group_id in self._dropped:
-                self.discard(1, self._dropped[traj.group_id])
+                self.discard(1, self._dropped[traj.group_id], [traj])
                 return False
             members = self._open.setdefault(traj.group_id, [])
             members.append(traj)
@@ -188,15 +199,20 @@ class ExperienceBuffer:
                 while self.max_groups and len(self._ready) > self.max_groups:
                     dropped = self._ready.popleft()  # the stalest group goes first
                     self._held -= len(dropped)
-                    self.discard(len(dropped), "evicted")
+                    self.discard(len(dropped), "evicted", dropped)
                 self.cond.notify_all()
                 for listener in self.on_ready:
                     listener()
             return True
 
-    def discard(self, count: int, reason: str) -> None:
+    def discard(self, count: int, reason: str, trajs: Sequence[Trajectory] = ()) -> None:
+        """Count ``count`` trajectories discarded for ``reason`` (``trajs``: those of them that
+        are known, for the ``on_discard`` listeners)."""
         with self.cond:
             self.discarded[reason] = self.discarded.get(reason, 0) + count
+            if trajs:
+                for listener in self.on_discard:
+                    listener(list(trajs), reason)
 
     def drop_group(self, group_id: str, reason: str) -> int:
         """Drop a group that can never complete (e.g. a member failed for good): its members
@@ -207,7 +223,7 @@ class ExperienceBuffer:
             members = self._open.pop(group_id, [])
             if members:
                 self._held -= len(members)
-                self.discard(len(members), reason)
+                self.discard(len(members), reason, members)
             return len(members)
 
     def is_dropped(self, group_id: str) -> bool:

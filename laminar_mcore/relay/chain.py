@@ -223,13 +223,14 @@ class Forwarder:
 
     def __init__(self, store: VersionStore, chunk_bytes: Optional[int],
                  on_failure: Callable[[str], None], chain_chunks: Optional[int] = None, *,
-                 token: str):
+                 token: str, on_pushed: Optional[Callable[[int, float], None]] = None):
         self.store = store
         self.token = token
         self.chunk_bytes = chunk_bytes  # None: from Laminar's T(p, k) model
         self.chain_chunks = chain_chunks  # a fixed k instead of k*
         self.relays_after_source = 1  # set by the master with the chain
         self.on_failure = on_failure
+        self.on_pushed = on_pushed  # (bytes, seconds) of each version pushed whole
         self.downstream: Optional[Tuple[str, int]] = None
         self.pushed: Dict[Tuple[str, int], int] = {}
         self.stats: Dict[str, float] = {}
@@ -254,6 +255,11 @@ class Forwarder:
         nbytes = latest.nbytes if latest is not None and latest.nbytes else sv.nbytes
         k = self.chain_chunks or optimal_chunks(self.relays_after_source, nbytes)
         return max(2**20, -(-nbytes // max(k, 1)))
+
+    @property
+    def downstream_changes(self) -> int:
+        """How many times the downstream relay changed (to another, or to none)."""
+        return self._generation
 
     def set_downstream(self, addr: Optional[Tuple[str, int]]) -> None:
         with self.store.cond:
@@ -292,6 +298,8 @@ class Forwarder:
                 if complete:
                     self.stats = {"version": sv.version, "seconds": time.perf_counter() - start,
                                   "bytes": sv.nbytes}
+                    if self.on_pushed is not None:
+                        self.on_pushed(sv.nbytes, self.stats["seconds"])
                 self.pushed[target] = max(self.pushed.get(target, -1), sv.version)
             except PushAborted:
                 continue

@@ -12,7 +12,7 @@ others) and points the rest at it (``/set_master``).
 Mixed into ``RelayServer`` (relay/server.py), which provides ``cfg``, ``token``, ``host``,
 ``relay_id``, ``master``, ``master_url``, ``trainer_stages``, ``publish_port``,
 ``publish_backend``, ``relay_device``, ``heartbeat_s``, ``store``, ``forwarder``, ``stop_event``,
-``control_url``, ``data_port`` and ``_body``.
+``control_url``, ``data_port``, ``metrics`` (relay/metrics.py) and ``_body``.
 """
 
 from __future__ import annotations
@@ -125,6 +125,7 @@ class MasterRelay:
 
     # ------------------------------------------------------------------ chain management
     def _downstream_failed(self, data_addr: str) -> None:
+        self.metrics.fault("downstream_failed")
         if self.master:
             self._check_and_remove(data_addr)
         else:
@@ -154,12 +155,17 @@ class MasterRelay:
             if self.relays.pop(relay_id, None) is None:
                 return
         logger.warning("relay %s is gone; rebuilding the chain", relay_id)
-        self._rebuild()
+        self.metrics.fault("relay_lost")
+        self._rebuild("failure")
+        self.metrics.recovery("rechained")
 
-    def _rebuild(self) -> None:
+    def _rebuild(self, reason: str) -> None:
+        """Tell every relay of the chain its downstream; ``reason``: register, failure or
+        promotion (a /metrics label)."""
         with self.chain_lock:
             order = list(self.relays.values())
             self.chain_rebuilds += 1
+        self.metrics.rebuilt(reason)
         first = order[0] if order else None
         self.forwarder.relays_after_source = max(len(order) + 1, 1)
         self.forwarder.set_downstream((first["data_host"], first["data_port"]) if first else None)
@@ -210,13 +216,14 @@ class MasterRelay:
         with self.chain_lock:
             self.relays.pop(entry["relay_id"], None)  # a restarted relay rejoins at the end
             self.relays[entry["relay_id"]] = entry
-        await asyncio.to_thread(self._rebuild)
+        await asyncio.to_thread(self._rebuild, "register")
         return web.json_response({"ok": True, "position": list(self.relays).index(entry["relay_id"])})
 
     async def report_failure(self, request):
         if not self.master:
             raise web.HTTPNotFound(text="only the master relay keeps the chain")
         body = await self._body(request)
+        self.metrics.fault("failure_reported")
         await asyncio.to_thread(self._check_and_remove, str(body["data_addr"]))
         return web.json_response({"ok": True})
 
@@ -248,7 +255,8 @@ class MasterRelay:
                              daemon=True).start()
             threading.Thread(target=self._heartbeat_loop, name="laminar-relay-heartbeat",
                              daemon=True).start()
-            await asyncio.to_thread(self._rebuild)
+            await asyncio.to_thread(self._rebuild, "promotion")
+            self.metrics.recovery("promoted")
             logger.warning("promoted to master relay (chain: %s)", list(self.relays))
         if not await asyncio.to_thread(self.publish_ready.wait, 30.0):
             raise web.HTTPServiceUnavailable(text="the publish group did not start in 30 s")
@@ -265,6 +273,7 @@ class MasterRelay:
             raise web.HTTPConflict(text="this relay is the master")
         if url != self.master_url:
             self.master_url = url
+            self.metrics.recovery("master_changed")
             threading.Thread(target=self._register_loop, name="laminar-relay-register",
                              daemon=True).start()
         return web.json_response({"ok": True})

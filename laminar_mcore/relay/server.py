@@ -9,7 +9,9 @@ API: ``/pull`` (lease the newest complete version), ``/bucket`` (one of its flat
 a time: shared-memory handles for local CPU engines, CUDA IPC for local SGLang engines, Mooncake
 transfer-engine buffers for pullers on other machines when started with
 ``--mooncake-protocol``), ``/release``,
-``/latest``, ``/health``; the formats are the weight transports of ``relay/transports``. On the master also ``/register``, ``/report_failure`` and ``/chain``.
+``/latest``, ``/health``, ``/metrics`` (Prometheus text, relay/metrics.py); the formats are the
+weight transports of ``relay/transports``. On the master also ``/register``,
+``/report_failure`` and ``/chain``.
 The master hosts the trainer's publish group (its own TCPStore, outside the trainer's world),
 orders the chain, watches every relay's heartbeat and rebuilds the chain around a dead one; a
 relay that restarts registers again, joins the end of the chain and is caught up (that half,
@@ -26,6 +28,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional
@@ -34,11 +37,13 @@ import torch
 from aiohttp import web
 
 from ..config.schema import WeightSyncConfig
+from ..metrics.prometheus import Scrape
 from ..netutil import TOKEN_ENV, token_middleware
 from ..weights.bucket import reclaim_segments
 from ..weights.transport import resolve_backend
 from .chain import Forwarder, PushRefused, serve_push
 from .master import MasterRelay
+from .metrics import RelayBooks, relay_families
 from .store import VersionStore
 from .transports import (TRANSPORTS, Exporter, TransportUnavailable, enabled_at_start,
                          make_exporter)
@@ -106,6 +111,7 @@ class PullState:
     outstanding: set = field(default_factory=set)
     applied: set = field(default_factory=set)
     peak: int = 0
+    started: float = field(default_factory=time.monotonic)
 
 
 class RelayServer(MasterRelay):
@@ -129,9 +135,13 @@ class RelayServer(MasterRelay):
         if self.relay_device is not None:  # its CUDA context and NCCL staging live there
             torch.cuda.set_device(torch.device(self.relay_device))
         self.heartbeat_s = cfg.heartbeat_s
+        self.metrics = RelayBooks(formats=TRANSPORTS)
         self.store = VersionStore(lease_ttl_s=cfg.lease_ttl_s)
+        # a listener runs under the store's lock right after ``latest`` became the version
+        self.store.on_complete.append(lambda version: self.metrics.completed(self.store.latest))
         self.forwarder = Forwarder(self.store, cfg.chunk_bytes or None, self._downstream_failed,
-                                   chain_chunks=ws.chain_chunks, token=cfg.token)
+                                   chain_chunks=ws.chain_chunks, token=cfg.token,
+                                   on_pushed=self.metrics.forwarded_version)
         self.stop_event = threading.Event()
         self.control_url: Optional[str] = None
         self.data_sock = socket.socket()
@@ -147,11 +157,13 @@ class RelayServer(MasterRelay):
         self.exporters: Dict[str, Exporter] = {}
         for name in enabled_at_start(cfg):
             self.exporters[name] = make_exporter(name, cfg)
-        # state-changing (POST) endpoints prove the run token; bad input is a 400
+        # state-changing (POST) endpoints prove the run token; bad input is a 400; the GETs
+        # (/metrics included, as SGLang's) are read-only and reveal no weights
         self.app = web.Application(middlewares=[token_middleware(
             cfg.token, lambda request: request.method == "POST")])
         r = self.app.router
         r.add_get("/health", self.health)
+        r.add_get("/metrics", Scrape(lambda: relay_families(self)).handle)
         r.add_get("/latest", self.latest)
         r.add_post("/pull", self.pull)
         r.add_post("/bucket", self.bucket)
@@ -299,6 +311,7 @@ class RelayServer(MasterRelay):
         for stale in expired:
             await asyncio.to_thread(self._forget_lease, stale)
         self.pulls[lease_id] = PullState(fmt, params)
+        self.metrics.leased(fmt)
         return web.json_response({"version": sv.version, "lease_id": lease_id, "format": fmt,
                                   "num_buckets": len(sv.ordered()), "nbytes": sv.nbytes})
 
@@ -347,6 +360,7 @@ class RelayServer(MasterRelay):
                                                f"{state.fmt!r}: {exc}"}, status=500)
         state.outstanding.add(index)
         state.peak = max(state.peak, len(state.outstanding))
+        self.metrics.served(buckets[index].nbytes)
         return web.json_response({"index": index, "serialized": data})
 
     def _exporter(self, name: str) -> Exporter:
@@ -367,6 +381,7 @@ class RelayServer(MasterRelay):
         state = await asyncio.to_thread(self._forget_lease, lease_id)
         out = {"released": self.store.release(lease_id)}
         if state is not None:
+            self.metrics.released(time.monotonic() - state.started)
             out.update(peak_outstanding=state.peak,
                        buckets_served=len(state.applied | state.outstanding))
         return web.json_response(out)

@@ -74,6 +74,7 @@ class VersionStore:
         self.leases: Dict[str, Tuple[StoredVersion, float]] = {}
         self.lease_ttl_s = lease_ttl_s
         self._pool: Dict[int, List[ShmBucket]] = {}
+        self.versions_failed = 0  # broken while arriving (for /metrics)
         # called (under the lock: keep them short) with each version that becomes the newest
         self.on_complete: List[Callable[[int], None]] = []
 
@@ -145,6 +146,7 @@ class VersionStore:
     def fail(self, sv: StoredVersion, reason: str) -> None:
         with self.cond:
             if not sv.complete:
+                self.versions_failed += sv.failed is None  # not one superseded meanwhile
                 sv.failed = reason
                 self._drop(sv)
                 self.cond.notify_all()
@@ -171,6 +173,11 @@ class VersionStore:
                 self._pool.setdefault(bucket.nbytes, []).append(bucket.shm)
             sv.buckets = {}
         self.retired = keep
+
+    @property
+    def pooled_bytes(self) -> int:
+        """Bytes of the free buffers kept for reuse (read it under ``cond``)."""
+        return sum(len(pool) * nbytes for nbytes, pool in self._pool.items())
 
     # ------------------------------------------------------------------ readers
     def lease_latest(self, min_version: int = -1, ttl_s: Optional[float] = None
