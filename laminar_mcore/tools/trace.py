@@ -124,7 +124,7 @@ def draw_timeline(records: List[dict], path: str) -> Optional[str]:
     norm = Normalize(vmin=min(versions), vmax=max(max(versions), min(versions) + 1))
     cmap = colormaps["viridis"]
     # each engine's requests stacked in lanes so overlapping (batched) requests stay visible
-    fig, ax = plt.subplots(figsize=(13, 1.2 + 0.9 * len(engines)))
+    fig, ax = plt.subplots(figsize=(13, max(3.0, 1.2 + 1.2 * len(engines))))
     for row, engine in enumerate(engines):
         mine = sorted((s for _, s in segments if s["engine"] == engine), key=lambda s: s["start"])
         lane_end: List[float] = []
