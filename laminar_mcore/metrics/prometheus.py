@@ -24,26 +24,27 @@ STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32)
 SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300)
 
 
+def _family(kind, name: str, doc: str, value: Optional[float],
+            labels: Optional[Mapping[str, float]], label: str) -> Metric:
+    if labels is None:
+        return kind(name, doc, value=float(value or 0))
+    family = kind(name, doc, labels=[label])
+    for key, v in sorted(labels.items()):
+        family.add_metric([str(key)], v)
+    return family
+
+
 def counter(name: str, doc: str, value: Optional[float] = None,
             labels: Optional[Mapping[str, float]] = None, label: str = "") -> Metric:
     """A counter; with ``labels`` ({label value: count}) one sample per value of ``label``.
     ``name`` has no ``_total``: the exposition adds it."""
-    if labels is None:
-        return CounterMetricFamily(name, doc, value=float(value or 0))
-    family = CounterMetricFamily(name, doc, labels=[label])
-    for key, v in sorted(labels.items()):
-        family.add_metric([str(key)], v)
-    return family
+    return _family(CounterMetricFamily, name, doc, value, labels, label)
 
 
 def gauge(name: str, doc: str, value: Optional[float] = None,
           labels: Optional[Mapping[str, float]] = None, label: str = "") -> Metric:
-    if labels is None:
-        return GaugeMetricFamily(name, doc, value=float(value or 0))
-    family = GaugeMetricFamily(name, doc, labels=[label])
-    for key, v in sorted(labels.items()):
-        family.add_metric([str(key)], v)
-    return family
+    """A gauge; ``labels`` as for ``counter``."""
+    return _family(GaugeMetricFamily, name, doc, value, labels, label)
 
 
 class Histogram:
