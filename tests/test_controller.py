@@ -119,6 +119,10 @@ def test_a_resume_restores_the_admission_budget_from_consumed_and_buffered(tmp_p
     finally:
         c.stop()
         metrics.close()
+    # at the stop, what is still buffered is written too: the trace holds the whole books
+    trace = read_trace(str(tmp_path / "resumed"))
+    assert sorted((r["id"], r["outcome"]) for r in trace) == [
+        ("g0-0", "buffered"), ("g0-1", "buffered"), ("g1-0", "discarded"), ("g1-1", "discarded")]
 
 
 def test_metrics_are_prometheus_text_without_the_token_and_the_trace_records_each_trajectory(
@@ -184,6 +188,9 @@ def test_metrics_are_prometheus_text_without_the_token_and_the_trace_records_eac
         assert value(m, stale, stale + "_bucket", le="2.0") == 2
         assert value(m, stale, stale + "_count") == 2 and value(m, stale, stale + "_sum") == 2
         assert _call(c.url + "/metrics", "POST", {})[0] in (401, 405)  # read-only
+        status, body = _call(c.url + "/metrics/targets")  # Prometheus' HTTP discovery
+        assert status == 200 and json.loads(body) == [
+            {"targets": [c.url.split("//")[1]], "labels": {"role": "controller"}}]
     finally:
         c.stop()
         metrics.close()

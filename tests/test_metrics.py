@@ -37,8 +37,11 @@ def offline(tmp_path, monkeypatch):
                        "WANDB_DATA_DIR": str(tmp_path / "wandb_home"),
                        "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}.items():
         monkeypatch.setenv(key, value)
+    # the writer sets MLFLOW_ALLOW_FILE_STORE: set it here first, so that monkeypatch records
+    # it and takes the writer's value away at the end (a delenv of an unset one records nothing)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "")
     for key in ("WANDB_PROJECT", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME",
-                "MLFLOW_ALLOW_FILE_STORE"):  # the writer sets the last one; monkeypatch undoes it
+                "MLFLOW_ALLOW_FILE_STORE"):
         monkeypatch.delenv(key, raising=False)
     yield tmp_path
     if "wandb" in sys.modules:

@@ -78,14 +78,33 @@ def test_the_story_of_a_known_run_has_exact_figures_and_a_timeline(tmp_path, cap
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_a_line_cut_by_a_crash_is_skipped_and_bad_input_is_a_clear_error(tmp_path):
+def test_a_resumed_run_continues_the_trace_after_a_crash_and_a_fresh_run_starts_anew(tmp_path):
+    """A crash cuts the last line short: a resumed run's records start on a line of their own,
+    the cut one is skipped with a warning, and a trajectory buffered at the stop and consumed
+    after the resume counts once, as consumed. A fresh run of the same name starts anew."""
     _run(tmp_path)
     path = tmp_path / "trajectories.jsonl"
+    first = _traj("g10-0", 4, 2, [], {"submitted": 1.0})
+    trace = TrajectoryTrace(str(tmp_path), resume=True)
+    trace.left_over([first], [_traj("g11-0", 2, 2, [], {})], trainer_version=2)
+    trace.close()
     path.write_text(path.read_text() + '{"id": "cut')  # the process died mid-line
-    assert len(read_trace(str(path))) == 11
-    path.write_text('{"id": "cut\n' + path.read_text())  # not the last line: corrupt
-    with pytest.raises(ValueError, match="trajectories.jsonl:1: not a JSON trace record"):
-        read_trace(str(path))
+    resumed = TrajectoryTrace(str(tmp_path), resume=True)
+    resumed.consumed([first], trainer_version=3)
+    resumed.close()
+    records = {r["id"]: r for r in read_trace(str(tmp_path))}
+    assert len(records) == 13 and records["g10-0"]["outcome"] == "consumed"
+    assert records["g10-0"]["staleness"] == 1 and records["g11-0"]["outcome"] == "in_flight"
+    f = trace_tool([str(tmp_path)])
+    assert (f["trajectories"], f["consumed"], f["buffered"], f["in_flight"]) == (13, 11, 0, 1)
+
+    fresh = TrajectoryTrace(str(tmp_path))  # a new run, not a resume: the old trace goes
+    fresh.discarded([_traj("g0-0", 1, 0, [], {})], "aborted")
+    fresh.close()
+    assert [r["outcome"] for r in read_trace(str(path))] == ["discarded"]
+
+
+def test_bad_input_is_a_clear_error(tmp_path):
     out = subprocess.run([sys.executable, "-m", "laminar_mcore.tools.trace",
                           str(tmp_path / "nowhere")], capture_output=True, text=True)
     assert out.returncode != 0 and "no trajectory trace here" in out.stderr

@@ -8,6 +8,7 @@ and the trace never disagree. Read-only: nothing here changes the run.
 from __future__ import annotations
 
 from typing import Iterable, List
+from urllib.parse import urlsplit
 
 from prometheus_client.core import Metric
 
@@ -99,6 +100,21 @@ def controller_metrics(ctrl) -> Iterable[Metric]:
     out.append(_two_label_counter(
         p + "faults", "Fault and recovery events by kind (engine, relay, trainer, node) and "
         "event (what happened: down, restarted, serving, promoted, ...)", faults))
+    return out
+
+
+def scrape_targets(ctrl) -> List[dict]:
+    """Prometheus HTTP service discovery (``http_sd_configs``): the controller and every relay
+    it knows now (the master and each rollout node's; a restarted relay's new address)."""
+    relays = [node["relay_url"] for node in ctrl.rollout_nodes]
+    if ctrl.master_relay is not None:
+        relays.append(ctrl.master_relay["url"])
+    if ctrl.manager is not None:  # engines added by the local launcher, not as nodes
+        relays += [e.relay.url for e in ctrl.manager.engines]
+    out = [{"targets": [urlsplit(ctrl.url).netloc], "labels": {"role": "controller"}}]
+    hosts = sorted({urlsplit(u).netloc for u in relays if u})
+    if hosts:
+        out.append({"targets": hosts, "labels": {"role": "relay"}})
     return out
 
 

@@ -33,7 +33,7 @@ from .engines import RolloutData
 from .episode import SingleTurn, TaskCodec
 from .evaluation import evaluate
 from .manager import RolloutManager
-from .metrics import controller_metrics
+from .metrics import controller_metrics, scrape_targets
 from .modes import policy_for
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,8 @@ class Controller(ClusterAPI):
         self._idle_mark: Optional[tuple] = None  # (time, engine idle seconds) at the first step
         self.buffer = ExperienceBuffer(group_size=self.n_samples)
         # outputs/<run>/trajectories.jsonl: every trajectory that leaves (data/trace.py)
-        self.trace = TrajectoryTrace(os.path.join(cfg.output_dir, cfg.run_name))
+        self.trace = TrajectoryTrace(os.path.join(cfg.output_dir, cfg.run_name),
+                                     resume=initial_state is not None)
         self.buffer.on_discard.append(
             lambda trajs, reason: self.trace.discarded(trajs, reason, self.trainer_version))
         self.staleness = Histogram(STALENESS_BUCKETS)  # at consumption, for /metrics
@@ -149,6 +150,9 @@ class Controller(ClusterAPI):
         if self._thread is not None:
             self._thread.join(timeout=60)
         self.reward.close()
+        # what the run leaves buffered and in flight (a resumed run writes their final record)
+        self.trace.left_over(self.buffer.held(), self.partial.trajectories(),
+                             self.trainer_version)
         self.trace.close()
 
     def stop_generation(self, timeout_s: float = 60.0) -> None:
@@ -188,8 +192,11 @@ class Controller(ClusterAPI):
         # every endpoint but /health and /metrics (read-only, as SGLang's) proves the run
         # token; bad input is a 400
         app = web.Application(middlewares=[token_middleware(
-            self.token, lambda request: request.path not in ("/health", "/metrics"))])
+            self.token, lambda request: request.path not in ("/health", "/metrics",
+                                                             "/metrics/targets"))])
         app.router.add_get("/metrics", Scrape(lambda: controller_metrics(self)).handle)
+        app.router.add_get("/metrics/targets",
+                           lambda r: web.json_response(scrape_targets(self)))
         app.router.add_get("/batch", self._batch)
         app.router.add_post("/trained", self._trained)
         app.router.add_get("/state", self._state)

@@ -148,6 +148,11 @@ class PartialResponsePool:
         with self._lock:
             return self._items.pop(rid)
 
+    def trajectories(self) -> List[Trajectory]:
+        """Every in-flight trajectory now."""
+        with self._lock:
+            return [i.traj for i in self._items.values()]
+
     def on_engine(self, engine: str) -> List[InFlight]:
         with self._lock:
             return [i for i in self._items.values() if i.engine == engine]
@@ -244,6 +249,12 @@ class ExperienceBuffer:
     @property
     def buffered(self) -> int:
         return self._held
+
+    def held(self) -> List[Trajectory]:
+        """Every buffered trajectory now (complete groups first)."""
+        with self.cond:
+            return [t for g in self._ready for t in g] + [t for g in self._open.values()
+                                                          for t in g]
 
     @property
     def ready_groups(self) -> int:

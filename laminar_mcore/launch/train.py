@@ -56,7 +56,8 @@ def run_train(cfg) -> dict:
         engines = [e for node in nodes for e in node.engines]
         log(f"[train] mode={cfg.mode}: {len(nodes)} relay(s) (master {nodes[0].relay.url}), "
             f"{len(engines)} {cfg.rollout.backend} engines, {nproc} trainer processes "
-            f"(tp={cfg.parallel.tp} pp={cfg.parallel.pp})")
+            f"(tp={cfg.parallel.tp} pp={cfg.parallel.pp}); Prometheus: "
+            f"{controller_url}/metrics/targets")
         initial = evaluate_engine(cfg, task, engines[0].url)
         metrics.log("eval", step=0, **initial.record(), wall_s=0.0)
         log(f"[train] initial accuracy {initial.accuracy:.3f} (greedy "

@@ -50,16 +50,16 @@ class RelayBooks:
     def completed(self, sv: StoredVersion) -> None:
         """``sv`` became this relay's newest version (a store listener, under the store's lock)."""
         source = "trainer" if sv.owner == "trainer" else "upstream"
-        with self._lock:
+        with self._lock:  # counter and histogram together: a scrape sees both or neither
             self.versions[source] += 1
             self.bytes[source] += sv.nbytes
-        self.seconds[source].observe(max((sv.finished or sv.started) - sv.started, 0.0))
+            self.seconds[source].observe(max((sv.finished or sv.started) - sv.started, 0.0))
 
     def forwarded_version(self, nbytes: int, seconds: float) -> None:
         with self._lock:
             self.forwarded += 1
             self.forwarded_bytes += nbytes
-        self.forward_seconds.observe(seconds)
+            self.forward_seconds.observe(seconds)
 
     def leased(self, fmt: str) -> None:
         with self._lock:
@@ -70,7 +70,8 @@ class RelayBooks:
             self.pulled_bytes += nbytes
 
     def released(self, seconds: float) -> None:
-        self.pull_seconds.observe(seconds)
+        with self._lock:
+            self.pull_seconds.observe(seconds)
 
     def rebuilt(self, reason: str) -> None:
         with self._lock:
@@ -93,33 +94,38 @@ class RelayBooks:
             rebuilds = dict(self.rebuilds)
             faults = dict(self.faults, version_failed=versions_failed)
             recoveries = dict(self.recoveries)
-        p = "laminar_relay_"
+            p = "laminar_relay_"
+            hist = {
+                "publish": self.seconds["trainer"].family(
+                    p + "publish_seconds", "Seconds from a published version's first bucket "
+                                           "to its last"),
+                "receive": self.seconds["upstream"].family(
+                    p + "receive_seconds", "Seconds from a received version's first bucket to "
+                                           "its last"),
+                "forward": self.forward_seconds.family(
+                    p + "forward_seconds", "Seconds of one push to the downstream relay"),
+                "pull": self.pull_seconds.family(
+                    p + "pull_seconds", "Seconds from a pull's lease to its release")}
         return [
             counter(p + "versions_published", "Versions received complete from the trainer",
                     versions["trainer"]),
             counter(p + "published_bytes", "Bytes of the versions published by the trainer",
                     nbytes["trainer"]),
-            self.seconds["trainer"].family(
-                p + "publish_seconds", "Seconds from a published version's first bucket to "
-                                       "its last"),
+            hist["publish"],
             counter(p + "versions_received", "Versions received complete from the upstream "
                                              "relay", versions["upstream"]),
             counter(p + "received_bytes", "Bytes of the versions received from upstream",
                     nbytes["upstream"]),
-            self.seconds["upstream"].family(
-                p + "receive_seconds", "Seconds from a received version's first bucket to its "
-                                       "last"),
+            hist["receive"],
             counter(p + "versions_forwarded", "Versions pushed whole to the downstream relay",
                     forwarded),
             counter(p + "forwarded_bytes", "Bytes pushed to the downstream relay",
                     forwarded_bytes),
-            self.forward_seconds.family(p + "forward_seconds",
-                                        "Seconds of one push to the downstream relay"),
+            hist["forward"],
             counter(p + "pulls", "Versions leased to pullers, by format", None,
                     labels=pulls, label="format"),
             counter(p + "pulled_bytes", "Bytes of buckets served to pullers", pulled_bytes),
-            self.pull_seconds.family(p + "pull_seconds",
-                                     "Seconds from a pull's lease to its release"),
+            hist["pull"],
             counter(p + "chain_rebuilds", "Chains the master ordered anew, by reason", None,
                     labels=rebuilds, label="reason"),
             counter(p + "faults", "Faults seen, by kind", None, labels=faults, label="kind"),

@@ -40,10 +40,12 @@ def story(records: List[dict], top: int = 5) -> tuple:
     """(figures: one flat dict, lines: what to print) of a run's trace records."""
     consumed = [r for r in records if r["outcome"] == "consumed"]
     discarded = [r for r in records if r["outcome"] == "discarded"]
+    left = Counter(r["outcome"] for r in records if r["outcome"] in ("buffered", "in_flight"))
     reasons = Counter(r["discard_reason"] for r in discarded)
     lengths = [r["response_tokens"] for r in consumed]
     figures: Dict[str, object] = {"trajectories": len(records), "consumed": len(consumed),
-                                  "discarded": len(discarded)}
+                                  "discarded": len(discarded), "buffered": left["buffered"],
+                                  "in_flight": left["in_flight"]}
     for reason, n in sorted(reasons.items()):
         figures[f"discarded_{reason}"] = n
     for q in (50, 90, 99, 100):
@@ -66,8 +68,9 @@ def story(records: List[dict], top: int = 5) -> tuple:
     total = sum(sum(v) for v in stage_s.values()) or 1.0
 
     lines = [f"trajectories: {len(records)} ({len(consumed)} consumed, {len(discarded)} discarded"
-             + (": " + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) if reasons
-                else "") + ")"]
+             + (" (" + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) + ")"
+                if reasons else "")
+             + f"; at the end {left['buffered']} buffered, {left['in_flight']} in flight)"]
     if lengths:
         p50, p99 = figures["length_p50"], figures["length_p99"]
         lines.append(f"response length: p50 {p50}, p90 {figures['length_p90']}, p99 {p99}, max "
@@ -123,8 +126,10 @@ def draw_timeline(records: List[dict], path: str) -> Optional[str]:
     versions = [int(s["version"]) for _, s in segments]
     norm = Normalize(vmin=min(versions), vmax=max(max(versions), min(versions) + 1))
     cmap = colormaps["viridis"]
-    # each engine's requests stacked in lanes so overlapping (batched) requests stay visible
+    # each engine's requests stacked in lanes so overlapping (batched) requests stay visible;
+    # one barh call for every bar (a long run has hundreds of thousands)
     fig, ax = plt.subplots(figsize=(13, max(3.0, 1.2 + 1.2 * len(engines))))
+    ys, widths, lefts, heights, colors, edges = [], [], [], [], [], []
     for row, engine in enumerate(engines):
         mine = sorted((s for _, s in segments if s["engine"] == engine), key=lambda s: s["start"])
         lane_end: List[float] = []
@@ -138,10 +143,14 @@ def draw_timeline(records: List[dict], path: str) -> Optional[str]:
             placed.append((lane, s))
         height = 0.8 / max(len(lane_end), 1)
         for lane, s in placed:
-            moved = s.get("how") in ("repack", "resume")
-            ax.barh(row - 0.4 + (lane + 0.5) * height, s["end"] - s["start"], left=s["start"] - t0,
-                    height=height, color=cmap(norm(int(s["version"]))),
-                    edgecolor="red" if moved else "none", linewidth=0.8 if moved else 0)
+            ys.append(row - 0.4 + (lane + 0.5) * height)
+            widths.append(s["end"] - s["start"])
+            lefts.append(s["start"] - t0)
+            heights.append(height)
+            colors.append(cmap(norm(int(s["version"]))))
+            edges.append("red" if s.get("how") in ("repack", "resume") else "none")
+    ax.barh(ys, widths, left=lefts, height=heights, color=colors, edgecolor=edges,
+            linewidth=0.8)
     ax.set_yticks(range(len(engines)), engines)
     ax.set_xlabel("seconds since the first request")
     ax.set_title("trajectories on engines over time (colour: weight version; red outline: "
