@@ -202,11 +202,13 @@ def test_simulator_predicts_the_stored_bench_modes_measurement(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_live_calibration_replays_to_the_same_predictions(tmp_path):
-    """The benchmark itself (a short run, no assertion on its error: that depends on the
-    machine): its JSON holds every measured cost, so replaying it predicts the same ratios."""
+    """The benchmark's live measurements (a CPU engine's decode steps over HTTP, a pull from a
+    real relay; bench.modes' own run is tests/test_benchmarks.py's, so its stored figures stand
+    in here) with no assertion on the error, which depends on the machine: its JSON holds every
+    measured cost, so replaying it predicts the same ratios."""
     from laminar_mcore.sim.calibrate import main as calibrate
 
-    live = calibrate(["--steps", "4", "--json", str(tmp_path / "live.json")])
+    live = calibrate(["--modes-json", REFERENCE, "--json", str(tmp_path / "live.json")])
     replay = calibrate(["--costs-json", str(tmp_path / "live.json")])
     for key in ("predicted_laminar_vs_sync", "predicted_laminar_vs_one_step",
                 "measured_laminar_vs_sync", "calibration_error", "trainer_busy_s_per_step"):
