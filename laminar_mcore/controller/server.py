@@ -269,7 +269,8 @@ class Controller(ClusterAPI):
         self.max_staleness_observed = max([self.max_staleness_observed] + staleness)
         for s in staleness:
             self.staleness.observe(s)
-        self.trace.consumed(batch, self.trainer_version)
+        # thousands of records a step at scale: written off the loop that drives the engines
+        await asyncio.to_thread(self.trace.consumed, batch, self.trainer_version)
         return web.json_response({"trajectories": [t.to_dict() for t in batch],
                                   "staleness": staleness})
 

@@ -61,9 +61,12 @@ class RelayBooks:
             self.forwarded_bytes += nbytes
             self.forward_seconds.observe(seconds)
 
-    def leased(self, fmt: str) -> None:
+    def _bump(self, table: Dict[str, int], key: str) -> None:
         with self._lock:
-            self.pulls[fmt] = self.pulls.get(fmt, 0) + 1
+            table[key] = table.get(key, 0) + 1
+
+    def leased(self, fmt: str) -> None:
+        self._bump(self.pulls, fmt)
 
     def served(self, nbytes: int) -> None:
         with self._lock:
@@ -74,16 +77,13 @@ class RelayBooks:
             self.pull_seconds.observe(seconds)
 
     def rebuilt(self, reason: str) -> None:
-        with self._lock:
-            self.rebuilds[reason] = self.rebuilds.get(reason, 0) + 1
+        self._bump(self.rebuilds, reason)
 
     def fault(self, kind: str) -> None:
-        with self._lock:
-            self.faults[kind] = self.faults.get(kind, 0) + 1
+        self._bump(self.faults, kind)
 
     def recovery(self, kind: str) -> None:
-        with self._lock:
-            self.recoveries[kind] = self.recoveries.get(kind, 0) + 1
+        self._bump(self.recoveries, kind)
 
     def families(self, versions_failed: int = 0) -> List[Metric]:
         """``versions_failed``: the store's count of versions broken mid-way."""
