@@ -3,9 +3,14 @@ clients and tests (every role may import it; it imports no role)."""
 
 from __future__ import annotations
 
+import hmac
+import json
+import math
 import random
+import re
 import socket
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
 
 # The environment variable that carries the run's token to every process of a run.
 TOKEN_ENV = "LAMINAR_RUN_TOKEN"
@@ -52,23 +57,206 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def token_middleware(token: str, needs_token=lambda request: True):
-    """The aiohttp middleware of our servers: a request for which ``needs_token(request)`` holds
-    must carry ``Authorization: Bearer <token>`` (else 401), and a handler's ValueError,
-    KeyError, TypeError or bad JSON is answered 400 -- the server keeps serving."""
-    import json
+class BadRequest(ValueError):
+    """A request field that is missing, unknown, of the wrong type or out of range: answered
+    400 with a message that names it (``field``: where in the request, e.g. ``publish.port``;
+    empty for the body or query as a whole)."""
 
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field!r} {problem}" if field else problem)
+        self.field = field
+
+
+INT64 = (-2**63, 2**63 - 1)
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of a JSON body or query string, for ``check_fields``.
+
+    ``kind``: int, number (int or float), str, url (an http(s) URL), bool, list, dict or any.
+    Numbers must be finite and in ``[low, high]`` (ints: int64 by default); a str, list or dict
+    has at most ``max_len`` characters, items or keys; ``item`` checks each list item,
+    ``fields`` each key of a dict (None: any keys); ``choices``: the values allowed. An optional
+    field that is absent or null is left out of the result."""
+
+    kind: str
+    required: bool = False
+    low: Optional[float] = None
+    high: Optional[float] = None
+    max_len: int = 4096
+    item: Optional["Field"] = None
+    fields: Optional[Mapping[str, "Field"]] = None
+    choices: Optional[tuple] = None
+
+
+def _check(value: Any, spec: Field, name: str) -> Any:
+    kind = spec.kind
+    if kind in ("int", "number"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                (kind == "int" and not isinstance(value, int)):
+            raise BadRequest(name, f"must be {'an integer' if kind == 'int' else 'a number'}, "
+                                   f"not {_shown(value)}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise BadRequest(name, f"must be a finite number, not {value!r}")
+        low, high = (spec.low, spec.high) if kind == "number" else (
+            INT64[0] if spec.low is None else spec.low, INT64[1] if spec.high is None else spec.high)
+        if (low is not None and value < low) or (high is not None and value > high):
+            bound = (f"at most {high:g}" if low is None else f"at least {low:g}" if high is None
+                     else f"in [{low:g}, {high:g}]")
+            raise BadRequest(name, f"must be {bound}, not {_shown(value)}")
+    elif kind in ("str", "url"):
+        if not isinstance(value, str):
+            raise BadRequest(name, f"must be a string, not {_shown(value)}")
+        if len(value) > spec.max_len:
+            raise BadRequest(name, f"is {len(value)} characters long; at most {spec.max_len}")
+        if kind == "url" and not value.startswith(("http://", "https://")):
+            raise BadRequest(name, f"must be an http(s) URL, not {_shown(value)}")
+    elif kind == "bool":
+        if not isinstance(value, bool):
+            raise BadRequest(name, f"must be true or false, not {_shown(value)}")
+    elif kind == "list":
+        if not isinstance(value, list):
+            raise BadRequest(name, f"must be a list, not {_shown(value)}")
+        if len(value) > spec.max_len:
+            raise BadRequest(name, f"has {len(value)} items; at most {spec.max_len}")
+        if spec.item is not None:
+            value = [_check(v, spec.item, f"{name}[{i}]") for i, v in enumerate(value)]
+    elif kind == "dict":
+        if not isinstance(value, dict):
+            raise BadRequest(name, f"must be a JSON object, not {_shown(value)}")
+        if len(value) > spec.max_len:
+            raise BadRequest(name, f"has {len(value)} keys; at most {spec.max_len}")
+        if spec.fields is not None:
+            value = check_fields(value, spec.fields, prefix=f"{name}.")
+    if spec.choices is not None and value not in spec.choices:
+        raise BadRequest(name, f"must be one of {', '.join(map(str, spec.choices))}, "
+                               f"not {_shown(value)}")
+    return value
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_fields(data: Any, schema: Mapping[str, Field], prefix: str = "",
+                 where: str = "the body") -> dict:
+    """``data`` checked against ``schema`` (unknown, missing, mistyped or out-of-range fields
+    raise ``BadRequest`` naming the field); the fields given, checked."""
+    if not isinstance(data, dict):
+        if prefix:
+            raise BadRequest(prefix.rstrip("."), f"must be a JSON object, not {_shown(data)}")
+        raise BadRequest("", f"{where} must be a JSON object, not {_shown(data)}")
+    unknown = sorted(k for k in data if k not in schema)
+    if unknown:
+        raise BadRequest(prefix + str(unknown[0])[:80],
+                         f"is not a field here (the fields: {', '.join(schema) or 'none'})")
+    out = {}
+    for key, spec in schema.items():
+        value = data.get(key)
+        if value is None:
+            if spec.required:
+                raise BadRequest(prefix + key, "is missing")
+            continue
+        out[key] = _check(value, spec, prefix + key)
+    return out
+
+
+async def read_json(request, schema: Mapping[str, Field],
+                    query: Optional[Mapping[str, Field]] = None) -> dict:
+    """The request's JSON object body checked against ``schema`` (no body: ``{}``), after its
+    query string against ``query`` (None: it takes none). A body over the server's
+    ``client_max_size`` is aiohttp's 413."""
+    read_query(request, query or {})
+    raw = await request.read() if request.can_read_body else b""
+    if not raw.strip():
+        data: Any = {}
+    else:
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            raise BadRequest("", f"the body is not JSON: {str(exc)[:200]}") from None
+    return check_fields(data, schema)
+
+
+def read_query(request, schema: Mapping[str, Field]) -> dict:
+    """The request's query string checked against ``schema`` (numbers and bools parsed from
+    their text; a ``list`` field may repeat, any other may not)."""
+    query = request.query
+    unknown = sorted(k for k in query if k not in schema)
+    if unknown:
+        raise BadRequest(unknown[0][:80], f"is not a query parameter here (the parameters: "
+                                          f"{', '.join(schema) or 'none'})")
+    out = {}
+    for key, spec in schema.items():
+        values = query.getall(key, [])
+        if not values:
+            if spec.required:
+                raise BadRequest(key, "is missing from the query string")
+            continue
+        if spec.kind != "list" and len(values) > 1:
+            raise BadRequest(key, "is given more than once")
+        if spec.kind == "list":
+            out[key] = _check(list(values), spec, key)
+        else:
+            out[key] = _check(_parse(values[0], spec, key), spec, key)
+    return out
+
+
+def _parse(text: str, spec: Field, name: str) -> Any:
+    try:
+        if spec.kind == "int":
+            if not re.fullmatch(r"-?[0-9]{1,19}", text):
+                raise ValueError
+            return int(text)
+        if spec.kind == "number":
+            if not re.fullmatch(r"-?[0-9]{1,30}(\.[0-9]{0,30})?([eE][-+]?[0-9]{1,3})?", text):
+                raise ValueError
+            return float(text)
+        if spec.kind == "bool":
+            return {"true": True, "1": True, "false": False, "0": False}[text.lower()]
+    except (ValueError, KeyError):
+        wanted = {"int": "an integer", "number": "a number"}.get(spec.kind, "true or false")
+        raise BadRequest(name, f"must be {wanted}, not {_shown(text)}") from None
+    return text
+
+
+def bearer_ok(request, token: str) -> bool:
+    """Whether ``request`` carries ``Authorization: Bearer <token>`` (compared in constant
+    time)."""
+    given = request.headers.get("Authorization", "")
+    return hmac.compare_digest(given.encode("utf-8", "replace"),
+                               f"Bearer {token}".encode("utf-8", "replace"))
+
+
+def token_middleware(token: str, needs_token=lambda request: True,
+                     closing: Optional[Callable[[], bool]] = None):
+    """The aiohttp middleware of our servers: a request for which ``needs_token(request)`` holds
+    must carry ``Authorization: Bearer <token>`` (else 401, before anything else is looked at:
+    a caller without the token learns nothing, not even which paths exist); a handler's
+    ``BadRequest`` (naming the field), ValueError, KeyError, TypeError, OverflowError or bad JSON
+    is answered 400 -- the server keeps serving. ``closing()``: the server is shutting down;
+    new requests but the open ones (``/health``) are answered 503."""
     from aiohttp import web
 
     @web.middleware
     async def middleware(request, handler):
-        if needs_token(request) and request.headers.get("Authorization") != f"Bearer {token}":
-            return web.json_response({"error": "missing or wrong run token"}, status=401)
+        guarded = needs_token(request)
+        if guarded and not bearer_ok(request, token):
+            return web.json_response({"error": "missing or wrong run token (Authorization: "
+                                               f"Bearer ${TOKEN_ENV})"}, status=401)
+        if guarded and closing is not None and closing():  # (/health still answers)
+            return web.json_response({"error": "shutting down"}, status=503)
         try:
             return await handler(request)
         except web.HTTPException:
             raise
-        except (ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
-            return web.json_response({"error": f"bad request: {exc}"}, status=400)
+        except BadRequest as exc:
+            return web.json_response({"error": f"bad request: {exc}", "field": exc.field},
+                                     status=400)
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
+            return web.json_response({"error": f"bad request: {type(exc).__name__}: "
+                                               f"{str(exc)[:300]}"}, status=400)
 
     return middleware

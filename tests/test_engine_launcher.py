@@ -1,8 +1,12 @@
 """Engine launchers: SGLang command lines from the rollout config (the GPU path, checked by
-construction on CPU) and the process wrapper's failure reporting and clean stop."""
+construction on CPU), the process wrapper's failure reporting and clean stop, and the start-up
+budget (``rollout.start_timeout_s``, readiness on ``/ready``)."""
 
 import os
 import sys
+import time
+import urllib.error
+import urllib.request
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -11,8 +15,9 @@ from laminar_mcore.config import register_configs
 from laminar_mcore.config.paths import conf_dir
 from laminar_mcore.relay.transports import PullSpec
 from laminar_mcore.rollout.launcher import (EngineProcess, EngineStartError, cpu_engine_command,
-                                            engine_command_from_config, engine_pull_spec,
-                                            sglang_command)
+                                            engine_command_from_config, engine_heartbeat_timeout_s,
+                                            engine_process, engine_pull_spec,
+                                            engine_start_timeout_s, sglang_command)
 
 register_configs()
 
@@ -81,3 +86,68 @@ def test_engine_stops_cleanly(tmp_path):
     assert not p.alive()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_start_up_budget_and_health_probe_timeout_by_backend():
+    """Null ``rollout.start_timeout_s``: 1800 s for SGLang (big checkpoints), 180 s for the CPU
+    engine; a set value wins for both. The /health_generate probe never waits less than
+    SGLang's health window (SGLANG_HEALTH_CHECK_TIMEOUT, 20 s) + 5 s."""
+    assert engine_start_timeout_s(_cfg("rollout=sglang").rollout) == 1800
+    assert engine_start_timeout_s(_cfg().rollout) == 180
+    assert engine_start_timeout_s(_cfg("rollout=sglang", "rollout.start_timeout_s=600").rollout) \
+        == 600
+    with pytest.raises(ValueError, match="rollout.start_timeout_s=0"):
+        engine_start_timeout_s(_cfg("rollout.start_timeout_s=0").rollout)
+    r = _cfg("rollout.engine_heartbeat_timeout_s=5").rollout
+    assert engine_heartbeat_timeout_s(r, env={}) == 25
+    assert engine_heartbeat_timeout_s(r, env={"SGLANG_HEALTH_CHECK_TIMEOUT": "60"}) == 65
+    assert engine_heartbeat_timeout_s(_cfg().rollout, env={}) == 60  # the default is above it
+    cmd = engine_command_from_config(_cfg("rollout.cpu_startup_delay_s=2.5").rollout, "/m", port=0)
+    assert cmd[cmd.index("--startup-delay-s") + 1] == "2.5"
+    assert "--startup-delay-s" not in engine_command_from_config(_cfg().rollout, "/m", port=0)
+
+
+def _tiny_model(path):
+    from laminar_mcore.models.hf import initial_hf_state, save_hf_checkpoint, tiny_hf_config
+
+    cfg = tiny_hf_config("llama", tie_word_embeddings=True)
+    save_hf_checkpoint(path, cfg, initial_hf_state(type("M", (), {"path": None})(), cfg, 0))
+    return str(path)
+
+
+def _status(url):
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+@pytest.mark.multiprocess
+def test_the_configured_start_up_budget_not_a_constant_governs(tmp_path):
+    """An engine that needs longer than a probe's timeout to come up (a big model; here the
+    CPU engine answering 503 "Starting" for a while after it binds) starts when its start-up
+    fits ``rollout.start_timeout_s`` and fails, naming the key and its value, with the
+    engine's log tail, when it does not."""
+    model = _tiny_model(tmp_path / "m")
+    cfg = _cfg("rollout.cpu_startup_delay_s=2", "rollout.start_timeout_s=120")
+    t0 = time.monotonic()
+    with engine_process(cfg, model, str(tmp_path / "fits.log"), 0) as engine:
+        took = time.monotonic() - t0  # the process's boot (imports, model) + the 2 s delay
+        assert engine.alive()
+        assert _status(engine.url + "/ready") == 200
+        assert _status(engine.url + "/health_generate") == 200  # up: it generates
+    # A budget the boot fits in with room to spare (this machine may be slow), and a start-up
+    # phase far longer than it: the budget, not the phase, ends the wait.
+    budget = max(4, round(2 * took))
+    cfg = _cfg(f"rollout.cpu_startup_delay_s={budget + 600}", f"rollout.start_timeout_s={budget}")
+    engine = engine_process(cfg, model, str(tmp_path / "late.log"), 0)
+    with pytest.raises(EngineStartError) as failed:
+        engine.start()
+    message = str(failed.value)
+    assert f"rollout.start_timeout_s={budget}" in message, message
+    assert "/ready" in message and "LAMINAR_ENGINE_PORT=" in message, \
+        "it listened and answered 503 until the budget ran out; its log tail comes along"
+    assert not engine.alive()
+    with pytest.raises(ProcessLookupError):
+        os.kill(engine.proc.pid, 0)

@@ -1,4 +1,5 @@
-"""Fault isolation: processes killed with -9 while a run goes on (real processes, loopback)."""
+"""Fault isolation: processes killed with -9 while a run goes on, and engines paused rather than
+hung (real processes, loopback)."""
 
 import json
 import os
@@ -6,6 +7,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -56,10 +59,14 @@ def test_segments_of_dead_processes_are_reclaimed_without_their_pid(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_chaos_engine_relay_master_relay_and_trainer_die_and_the_run_loses_nothing(tmp_path):
+def test_chaos_engine_relay_master_relay_and_trainer_die_and_the_run_loses_nothing(tmp_path,
+                                                                                     monkeypatch):
     """One run: kill -9 an engine, a chained relay, the master relay and a trainer process and
     SIGSTOP another engine, in a seeded order (printed), each once the previous has recovered."""
     from laminar_mcore.testing.chaos import ChaosRun, plan
+
+    # the engines' health window (and so the supervisor's probe floor, window + 5 s): 2 s
+    monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "2")
 
     seed = int(os.environ.get("LAMINAR_CHAOS_SEED", time.time_ns() % 1000))
     # the four kinds of the issue, and an engine that hangs instead of dying
@@ -105,3 +112,80 @@ def test_chaos_engine_relay_master_relay_and_trainer_die_and_the_run_loses_nothi
     assert result.leftover_segments == []
     summary_text = json.dumps(s)
     assert "restart_failed" not in result.output, summary_text
+
+
+@pytest.mark.multiprocess
+def test_a_paused_engine_is_not_restarted_and_a_hung_one_is(tmp_path, monkeypatch):
+    """Pauses are not failures. A node's supervisor (real relay, real CPU engine, real
+    controller) checks an engine that is paused for a weight update: SGLang's check fails after
+    its health window (SGLANG_HEALTH_CHECK_TIMEOUT, 1 s here), but while the controller reports
+    the engine paused no failure counts and the engine keeps running. Once the controller no
+    longer reports it paused, the same failing checks count: two in a row and it is gone
+    (evicted here: rollout.engine_restarts_per_hour=0)."""
+    from dataclasses import replace
+
+    from laminar_mcore.config.schema import LaminarConfig
+    from laminar_mcore.controller.client import ControllerClient
+    from laminar_mcore.controller.episode import TaskCodec
+    from laminar_mcore.controller.server import Controller, TaskData
+    from laminar_mcore.metrics import MetricsWriter
+    from laminar_mcore.models.hf import initial_hf_state, save_hf_checkpoint, tiny_hf_config
+    from laminar_mcore.rollout.supervisor import NodeSupervisor
+
+    monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "1")  # the engine's window, and ours
+    model = str(tmp_path / "m")
+    hf = tiny_hf_config("llama", tie_word_embeddings=True)
+    save_hf_checkpoint(model, hf, initial_hf_state(type("M", (), {"path": None})(), hf, 0))
+    base = LaminarConfig(output_dir=str(tmp_path), seed=0)
+    cfg = replace(base, rollout=replace(base.rollout, num_engines=1, engine_heartbeat_s=0.2,
+                                        engine_heartbeat_timeout_s=1.0,
+                                        engine_restarts_per_hour=0, start_timeout_s=120))
+    # the controller gives the engine no work (capacity 0): only the checks reach it
+    controller_cfg = replace(cfg, rollout=replace(cfg.rollout, max_running_requests=0))
+    metrics = MetricsWriter(str(tmp_path), loggers=["jsonl"])
+    task = TaskData(rows=[{"prompt": "ab", "answer": "ba"}] * 4, evals=[],
+                    codec=TaskCodec(lambda row: [1, 2], lambda ids: ""), model_path=model)
+    token = "faults-token-0123"
+    controller = Controller(controller_cfg, task, metrics, token, info={"model_path": model})
+    controller.start()
+    lines = []
+    supervisor = NodeSupervisor(cfg, ControllerClient(controller.url, token), model,
+                                str(tmp_path / "logs"), "n0", log=lines.append)
+    try:
+        supervisor.start()
+        supervisor.register()
+        engine = supervisor.engines[0]
+        assert any("engine checks wait 6 s" in line for line in lines), lines  # 1 s window + 5
+        handle = controller.manager.engines[0]
+        assert handle.client.base_url == engine.url
+        with pytest.raises(urllib.error.HTTPError, match="401"):  # the run token is needed
+            urllib.request.urlopen(controller.url + "/engine_states", timeout=10)
+
+        def set_paused(value):
+            controller.loop.call_soon_threadsafe(setattr, handle, "paused", value)
+
+        set_paused(True)  # what the manager does before it pauses the engine for an update
+        req = urllib.request.Request(engine.url + "/pause_generation", method="POST",
+                                     data=json.dumps({"mode": "abort"}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=30).read()
+        supervisor.watch()
+        deadline = time.time() + 120
+        while sum("busy_check" in line for line in lines) < 3 and time.time() < deadline:
+            time.sleep(0.2)
+        busy = [line for line in lines if "busy_check" in line]
+        assert len(busy) >= 3, lines
+        assert all("state=paused" in line and "counted=False" in line for line in busy), busy
+        assert engine.alive() and supervisor.engines[0] is engine, "a paused engine stays"
+        assert not any(" down " in line or " evicted " in line for line in lines), lines
+
+        set_paused(False)  # the controller says it is not paused, yet it answers no check
+        while handle.evicted is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert handle.evicted is not None, lines
+        assert "twice in a row" in handle.evicted and "neither paused" in handle.evicted
+        assert not engine.alive()
+    finally:
+        supervisor.stop()
+        controller.stop()
+        metrics.close()

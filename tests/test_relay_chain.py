@@ -21,6 +21,7 @@ from laminar_mcore.models.hf import initial_hf_state, tiny_hf_config
 from laminar_mcore.relay.client import RelayClient, open_lease
 from laminar_mcore.config.schema import WeightSyncConfig
 from laminar_mcore.relay.launch import relay_process
+from laminar_mcore.netutil import TOKEN_ENV
 from laminar_mcore.relay.server import RelayConfig
 from laminar_mcore.weights.bucket import SHM_DIR
 from laminar_mcore.testing.dist import run_torchrun
@@ -37,8 +38,12 @@ def _relay(tmp_path, name, mooncake_protocol=None, **kw):
                          str(tmp_path / f"{name}.log")).start()
 
 
-def _get(url, path):
-    with urllib.request.urlopen(url + path, timeout=5) as resp:
+def _get(url, path, token=TOKEN):
+    """GET ``path`` with the run token (every relay endpoint but /health and /metrics needs it)."""
+    req = urllib.request.Request(url + path)
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(req, timeout=5) as resp:
         return json.loads(resp.read())
 
 
@@ -108,7 +113,8 @@ def test_tp2_pp2_publish_reaches_the_end_of_the_chain_bit_exact(chain, tmp_path)
     thread.start()
     try:
         results = run_torchrun(os.path.join(WORKERS, "publish.py"), 4,
-                               ["--publish-port", str(port), "--versions", "3"], timeout=600)
+                               ["--publish-port", str(port), "--versions", "3"], timeout=600,
+                               env={TOKEN_ENV: TOKEN})  # the publisher proves it
         _wait(lambda: _get(r2.url, "/latest")["version"] == 3, what="version 3 at the last relay")
     finally:
         stop.set()
@@ -139,7 +145,7 @@ def _publish_in_process(port, versions):
         cfg = tiny_hf_config("qwen2")
         model = build_gpt_model(cfg)
         publisher = WeightPublisher(model, cfg, relay_host="127.0.0.1", publish_port=port,
-                                    bucket_bytes=100_000, chunk_bytes=16384)
+                                    bucket_bytes=100_000, chunk_bytes=16384, token=TOKEN)
         blocked = []
         for v in versions:
             state = initial_hf_state(type("M", (), {"path": None})(), cfg, v)
@@ -300,8 +306,9 @@ def test_nccl_publish_without_a_gpu_is_refused_before_serving():
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    out = subprocess.run([sys.executable, "-m", "laminar_mcore.relay", "--token", TOKEN, "--master",
-                          "--publish-backend", "nccl"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "laminar_mcore.relay", "--master",
+                          "--publish-backend", "nccl"], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, **{TOKEN_ENV: TOKEN}))
     assert out.returncode == 2
     assert "needs a GPU" in out.stderr and "--publish-backend gloo" in out.stderr
     assert "LAMINAR_RELAY_PORT" not in out.stdout

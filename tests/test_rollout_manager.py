@@ -77,7 +77,7 @@ def _relay_world(tmp_path, cfg):
         relay = _master_relay(tmp_path)
         procs.append(relay)
         model = build_gpt_model(cfg)
-        publisher = WeightPublisher(model, cfg, relay_host="127.0.0.1",
+        publisher = WeightPublisher(model, cfg, relay_host="127.0.0.1", token=TOKEN,
                                     publish_port=int(relay.wait_printed("LAMINAR_RELAY_PUBLISH_PORT")))
         yield relay, model, publisher, procs
     finally:

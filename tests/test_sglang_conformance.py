@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from laminar_mcore.models.hf import initial_hf_state, save_hf_checkpoint, tiny_hf_config
-from laminar_mcore.rollout.client import SGLangClient
+from laminar_mcore.rollout.client import EngineError, SGLangClient
 from laminar_mcore.rollout.engine_core import SGLANG_SAMPLING_FIELDS
 from laminar_mcore.rollout.engine_http import auth_allowed
 from laminar_mcore.rollout.launcher import EngineProcess, cpu_engine_command
@@ -210,3 +210,196 @@ def test_cpu_engine_answers_decode_under_sglangs_response_contract(api_types, tm
     assert status == 200 and raw[-1] == b"[DONE]"
     error = api_types.GenerateStreamError.from_json_value(json.loads(raw[0]))
     assert "already in flight" in error.error.message
+
+
+def test_flattened_bucket_payloads_are_what_sglangs_receivers_read(sglang, monkeypatch):
+    """Issue #28 point 6, against SGLang's own ``tensor_bucket.py`` (it needs only torch):
+    ``/update_weights_from_distributed``'s receiver computes the offsets itself, back to back,
+    refusing an offset that is not a multiple of the element size -- our sender matches it byte
+    for byte and refuses the same orders; ``/update_weights_from_tensor``'s receiver reads
+    ``start_idx``/``end_idx`` from the payload -- our 16-byte-aligned CUDA-IPC bucket rebuilds
+    bit for bit through it."""
+    import torch
+    import torch.distributed as dist
+
+    from laminar_mcore.relay.transports.cuda_ipc import IPC_ALIGN, CudaIpcExporter
+    from laminar_mcore.weights.update_group import flattened_order, send_tensors
+
+    bucket_src = sglang.read("sglang/srt/weight_sync/tensor_bucket.py")
+    runner_src = sglang.read("sglang/srt/model_executor/model_runner_components/weight_updater.py")
+    empty_src = bucket_src[bucket_src.index("def empty("):bucket_src.index("def get_metadata(")]
+    assert "if offset % dtype.itemsize:" in empty_src and "offset += size" in empty_src
+    assert "self.flattened_tensor[meta.start_idx : meta.end_idx]" in bucket_src
+    assert "FlattenedTensorBucket.empty(names, dtypes, shapes, self.device)" in runner_src
+    assert "start_idx=meta.start_idx" in runner_src and "end_idx=meta.end_idx" in runner_src
+    tb = sglang.load_module("sglang/srt/weight_sync/tensor_bucket.py",
+                            "sglang_tensor_bucket_0_5_23")
+
+    g = torch.Generator().manual_seed(1)
+    raw = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=g)
+    shapes = {"a": (torch.bfloat16, (3,)), "b": (torch.float32, (5, 3)), "c": (torch.int64, (7,)),
+              "d": (torch.uint8, (5,)), "e": (torch.float16, (1,)), "f": (torch.float64, ())}
+    named = {n: raw[:torch.Size(s).numel() * d.itemsize].clone().view(d).view(s)
+             for n, (d, s) in shapes.items()}
+
+    def same(x, y):
+        return x.dtype == y.dtype and x.shape == y.shape and torch.equal(
+            x.contiguous().view(-1).view(torch.uint8), y.contiguous().view(-1).view(torch.uint8))
+
+    def request(tensors):  # the names/dtypes/shapes of an /update_weights_from_distributed body
+        return (list(tensors), [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
+                [list(t.shape) for t in tensors.values()])
+
+    # Back to back: bf16[3] then fp32 -- SGLang refuses it, and so does our sender (first).
+    with pytest.raises(ValueError, match="Unaligned received tensor b"):
+        tb.FlattenedTensorBucket.empty(*request(named), "cpu")
+    with pytest.raises(ValueError, match="Unaligned received tensor b"):
+        send_tensors(None, named, "flattened_bucket")
+    ordered = flattened_order(named)
+    sent = []
+    monkeypatch.setattr(dist, "broadcast", lambda t, src, group: sent.append(t.clone()))
+    send_tensors(None, ordered, "flattened_bucket")
+    bucket = tb.FlattenedTensorBucket.empty(*request(ordered), "cpu")
+    assert bucket.get_flattened_tensor().numel() == sent[0].numel()
+    bucket.get_flattened_tensor().copy_(sent[0])  # what SGLang's broadcast receives
+    rebuilt = dict(bucket.reconstruct_tensors())
+    assert list(rebuilt) == list(ordered) and all(same(rebuilt[n], t) for n, t in ordered.items())
+
+    # CUDA IPC payload (layout only; CPU tensors, a capturing serializer): SGLang's own
+    # metadata class, rebuilt by SGLang's own reconstruct_tensors.
+    class Capture:
+        @staticmethod
+        def serialize(obj, output_str=False):
+            Capture.last = obj
+            return ""
+
+    exporter = CudaIpcExporter(classes=(tb.FlattenedTensorBucket, tb.FlattenedTensorMetadata,
+                                        Capture), require_cuda=False)
+    exporter.payload("lease", 0, named, ["cpu"])
+    payload = Capture.last
+    assert all(m.start_idx % IPC_ALIGN == 0 for m in payload["metadata"])
+    metas = payload["metadata"]
+    assert any(m.start_idx > p.end_idx for p, m in zip(metas, metas[1:]))  # padded
+    rebuilt = dict(tb.FlattenedTensorBucket(flattened_tensor=payload["flattened_tensor"],
+                                            metadata=payload["metadata"]).reconstruct_tensors())
+    assert list(rebuilt) == list(named) and all(same(rebuilt[n], t) for n, t in named.items())
+    exporter.release("lease")
+
+
+def _between(source: str, start: str, end: str) -> str:
+    return source[source.index(start):source.index(end, source.index(start))]
+
+
+def test_the_twin_at_scale_behaves_as_0_5_23s_source(sglang, tmp_path):
+    """Issue #28 point 7, each behaviour read from the wheel's source, then seen on a live CPU
+    engine: the final chunk of a request aborted in the waiting queue, /health and /ready while
+    starting and while paused with nothing running (the health window from
+    SGLANG_HEALTH_CHECK_TIMEOUT), the pause/continue/abort answers, spans on finished outputs
+    only, torch dtypes by attribute name, the session checked before the payload, and the
+    deferred flush."""
+    http = sglang.read("sglang/srt/entrypoints/http_server.py")
+    tm = sglang.read("sglang/srt/managers/tokenizer_manager.py")
+    abort = _between(tm, "def _handle_abort_req(", "def update_active_ranks(")
+    for snippet in ('abort_message = recv_obj.abort_message or "Abort in waiting queue"',
+                    'meta_info["completion_tokens"] = len(output_ids)',
+                    "if is_stream and self.incremental_streaming_output:",
+                    "output_ids = [output_ids[-1]] if len(output_ids) > 0 else []",
+                    "finished=True"):
+        assert snippet in abort, snippet
+    health = _between(http, "async def health_generate(", "@app.")
+    assert 'HEALTH_CHECK_TIMEOUT = int(os.getenv("SGLANG_HEALTH_CHECK_TIMEOUT", 20))' in http
+    for snippet in ("server_status == ServerStatus.Starting", "await asyncio.sleep(1)",
+                    "last_receive_tstamp > tic", "ServerStatus.UnHealthy",
+                    "return Response(status_code=503)"):
+        assert snippet in health, snippet
+    assert "return not self.is_pause and self.is_healthy()" in tm  # /ready
+    assert "await self.is_pause_cond.wait_for(lambda: not self.is_pause)" in tm  # the gate
+    for answer in ('{"message": "Generation paused successfully.", "status": "ok"}',
+                   '{"message": "Generation continued successfully.", "status": "ok"}'):
+        assert answer in http
+    assert "return Response(status_code=200)" in _between(http, "async def abort_request(",
+                                                           "@app.")
+    sched = sglang.read("sglang/srt/managers/scheduler.py")
+    assert "req.rid.startswith(recv_req.rid)" in sched  # aborts by prefix
+    streamer = sglang.read("sglang/srt/managers/scheduler_components/output_streamer.py")
+    assert "if req.finished():\n            self.weight_versions.append(" in streamer
+    assert "getattr(torch, dtype)" in sglang.read(
+        "sglang/srt/model_executor/model_runner_components/weight_updater.py")
+    updater = sglang.read("sglang/srt/managers/scheduler_components/weight_updater.py")
+    tensor = _between(updater, "def update_weights_from_tensor(", "def update_weights_from_ipc(")
+    assert tensor.index("if self._session is None:") < tensor.index("deserialize_own_rank")
+    flush = sglang.read("sglang/srt/managers/scheduler_components/flush_wrapper.py")
+    assert "Another flush_cache is already in progress." in flush
+    assert "Timed out waiting for idle state." in flush
+
+    cfg = tiny_hf_config("qwen2")
+    save_hf_checkpoint(str(tmp_path / "m"), cfg,
+                       initial_hf_state(type("M", (), {"path": None})(), cfg, 1))
+
+    async def go(url):
+        import aiohttp
+
+        async def status(path):
+            async with aiohttp.ClientSession() as s, s.get(url + path) as r:
+                return r.status
+
+        starting = [await status("/ready"), await status("/health")]
+        while await status("/ready") != 200:
+            await asyncio.sleep(0.1)
+        async with SGLangClient(url, incremental_stream=True) as c:
+            raw = []
+            async with c._sess().post(url + "/generate", json={
+                    "input_ids": [1, 2], "rid": "w", "stream": True, "return_logprob": True,
+                    "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}) as resp:
+                async for line in resp.content:
+                    if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+                        raw.append(json.loads(line[5:]))
+                        if len(raw) == 3:
+                            paused = await c._request("POST", "/pause_generation",
+                                                      {"mode": "retract"}, timeout=30)
+                            aborted = await c._request("POST", "/abort_request", {"rid": "w"},
+                                                       timeout=30, expect_json=False)
+            t0 = asyncio.get_running_loop().time()
+            idle_paused = [await status("/health"), await status("/ready")]
+            waited = asyncio.get_running_loop().time() - t0
+            resumed = await c._request("POST", "/continue_generation", {}, timeout=30)
+            healthy = [await status("/health"), await status("/ready")]
+            with pytest.raises(EngineError) as garbage:  # outside a session: its message
+                await c._request("POST", "/update_weights_from_tensor", {
+                    "serialized_named_tensors": ["not a handle"], "load_format": "flattened_bucket"},
+                    timeout=30)
+            deferred = asyncio.create_task(c.generate([1], {"max_new_tokens": 200}))
+            await asyncio.sleep(0.2)
+            flush = await c._request("POST", "/flush_cache?timeout=30", None, timeout=60,
+                                     expect_json=False)
+            finished_first = deferred.done()
+            await deferred
+        return (starting, raw, paused, aborted, idle_paused, waited, resumed, healthy, garbage,
+                flush, finished_first)
+
+    env = {"SGLANG_HEALTH_CHECK_TIMEOUT": "2"}
+    with EngineProcess(cpu_engine_command(str(tmp_path / "m"), incremental_streaming_output=True,
+                                          startup_delay_s=1.0),
+                       log_path=str(tmp_path / "e.log"), env=env,
+                       ready_path="/model_info") as proc:
+        (starting, raw, paused, aborted, idle_paused, waited, resumed, healthy, garbage, flush,
+         finished_first) = asyncio.run(go(proc.url))
+    assert starting == [503, 503]
+    *streamed, last = raw
+    assert all("weight_versions" not in ch["meta_info"] for ch in streamed)
+    n = sum(len(ch["output_ids"]) for ch in streamed)
+    assert last["output_ids"] == streamed[-1]["output_ids"][-1:]  # the last id, again
+    assert last["meta_info"]["completion_tokens"] == n
+    assert len(last["meta_info"]["output_token_logprobs"]) == n  # cumulative
+    assert last["meta_info"]["finish_reason"] == {"type": "abort",
+                                                  "message": "Abort in waiting queue"}
+    assert last["meta_info"]["weight_versions"] == [{"version": "0", "start": 0, "end": n}]
+    assert paused == {"message": "Generation paused successfully.", "status": "ok"}
+    assert aborted == ""
+    assert idle_paused == [503, 503] and waited >= 2.0  # the window, then 503 (and unhealthy)
+    assert resumed == {"message": "Generation continued successfully.", "status": "ok"}
+    assert healthy == [200, 200]
+    assert garbage.value.status == 400 and garbage.value.message == (
+        "update_weights_from_tensor must run between begin_weight_update() and "
+        "end_weight_update()")
+    assert flush.startswith("Cache flushed.") and finished_first

@@ -123,8 +123,9 @@ def _mooncake_pull(relay_url: str, token: str, model_dir: str, tmp: str, referen
         reader.close()
 
 
-def _latest(url: str) -> dict:
-    with urllib.request.urlopen(url + "/latest", timeout=5) as resp:
+def _get(url: str, path: str, token: str) -> dict:
+    req = urllib.request.Request(url + path, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=5) as resp:
         return json.loads(resp.read())
 
 
@@ -190,19 +191,20 @@ def main(argv=None) -> dict:
                                 weight_sync=ws), os.path.join(tmp, f"r{i}.log")).start())
             last = procs[-1]
             deadline = time.time() + 60
-            while len(json.loads(urllib.request.urlopen(master.url + "/chain").read())["chain"]) < args.relays:
+            while len(_get(master.url, "/chain", token)["chain"]) < args.relays:
                 if time.time() > deadline:
                     raise RuntimeError("relays did not form a chain")
                 time.sleep(0.05)
             port = int(master.wait_printed("LAMINAR_RELAY_PUBLISH_PORT"))
             publisher = WeightPublisher(model, cfg, relay_host="127.0.0.1", publish_port=port,
-                                        bucket_bytes=args.bucket_mb * 2**20, chunk_bytes=chunk)
+                                        bucket_bytes=args.bucket_mb * 2**20, chunk_bytes=chunk,
+                                        token=token)
             blocked, chains = [], []
             final_version = 2 + args.repeats
             for version in range(1, final_version + 1):  # 1, 2 allocate every buffer
                 start = time.perf_counter()
                 stats = publisher.publish(version)
-                while _latest(last.url)["version"] != version:
+                while _get(last.url, "/latest", token)["version"] != version:
                     time.sleep(0.002)
                 if version > 2:
                     chains.append(time.perf_counter() - start)

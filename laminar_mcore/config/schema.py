@@ -141,14 +141,27 @@ class RolloutConfig:
     forced_long_fraction: float = 0.0  # the fraction of long responses
     # Fault isolation (rollout/supervisor.py): each node's supervisor checks its engines every
     # engine_heartbeat_s (the process, and /health_generate, which must answer within
-    # engine_heartbeat_timeout_s; two failures in a row count); a dead or hung engine is
-    # restarted, re-registers and pulls the newest version. An engine restarted more than
-    # engine_restarts_per_hour times within an hour is evicted (the run goes on without it;
-    # the reason is in the summary). A dead relay is restarted the same way (its shared
-    # memory is reclaimed first).
+    # engine_heartbeat_timeout_s; two failures in a row count, and a check that fails while
+    # the controller reports the engine paused, pulling or updating does not count); a dead
+    # or hung engine is restarted, re-registers and pulls the newest version. An engine
+    # restarted more than engine_restarts_per_hour times within an hour is evicted (the run
+    # goes on without it; the reason is in the summary). A dead relay is restarted the same
+    # way (its shared memory is reclaimed first).
     engine_heartbeat_s: float = 2.0
-    engine_heartbeat_timeout_s: float = 60.0  # a /health_generate slower than this fails
+    # A /health_generate slower than this fails. Floor: SGLang's own health window
+    # (env SGLANG_HEALTH_CHECK_TIMEOUT, 20 s by default, checked every second) + 5 s; a
+    # smaller value is raised to it, with a note in the node's log.
+    engine_heartbeat_timeout_s: float = 60.0
     engine_restarts_per_hour: int = 3  # more restarts within an hour evict the engine
+    # Seconds an engine may take to start (its first start and every restart by its node's
+    # supervisor) until it answers SGLang's /ready (which does not generate); over it, the
+    # start fails with the engine's log tail. null: by backend, 1800 for sglang (a big
+    # checkpoint loads and captures CUDA graphs for many minutes), 180 for the CPU engine.
+    start_timeout_s: Optional[float] = None
+    # Test/twin knob of the CPU engine (backend=cpu only; sglang ignores it): its HTTP server
+    # answers 503 ("Starting") on /health, /health_generate and /ready for this many seconds
+    # after it binds, as a big model's start-up does. 0: none.
+    cpu_startup_delay_s: float = 0.0
     # Engines start no new trajectory while this many batches (train_batch_prompts x
     # n_samples) wait in the experience buffer: a trainer that is down or restarting does not
     # make the buffer grow without end (with algo.max_staleness set, that bound usually binds

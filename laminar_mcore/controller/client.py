@@ -1,8 +1,9 @@
 """``ControllerClient``: the one spelling of the controller's REST protocol.
 
 Used by trainer rank 0 (``/batch``, ``/trained``, ``/state``, ``/done``) and by the cluster
-roles (``/health``, ``/relay_role``, ``/register``, ``/cluster``). Every call carries the run
-token; a refused token says so. Synchronous (urllib): its callers are plain threads.
+roles (``/health``, ``/relay_role``, ``/register``, ``/cluster``, ``/engine_states``). Every
+call carries the run token; a refused token says so. Synchronous (urllib): its callers are plain
+threads.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Callable, List, Optional
 
@@ -111,6 +113,13 @@ class ControllerClient:
 
     def cluster(self) -> dict:
         return self._call("GET", "/cluster", timeout=10)[1]
+
+    def engine_states(self, urls: Optional[List[str]] = None, timeout: float = 10.0) -> dict:
+        """{engine url: {paused, pulling, updating, busy, busy_ago_s, ...}} as the controller's
+        manager sees them (``urls``: only these)."""
+        query = "&".join("url=" + urllib.parse.quote(u.rstrip("/"), safe="") for u in urls or ())
+        path = "/engine_states" + ("?" + query if query else "")
+        return self._call("GET", path, timeout=timeout)[1]["engines"]
 
     def wait_for(self, what: str, get: Callable[[], dict], ready: Callable[[dict], bool],
                  timeout_s: float) -> dict:

@@ -5,13 +5,15 @@ Rollout nodes register their relay and engines (``POST /register``; a master rel
 engines, ``/register_relay``) and ask whether their relay is the master (``/relay_role``); every
 role learns where the others are from ``GET /cluster``. Node supervisors report an engine that
 died or hung (``/engine_down``), its replacement (``/engine_replaced``) and a restarted relay
-(``/relay_replaced``); trainer rank 0 a restart of the trainer world (``/resumed``). The master
+(``/relay_replaced``), and ask whether an engine whose health check failed was busy -- paused,
+pulling or updating weights -- which is not a failure (``GET /engine_states``); trainer rank 0
+a restart of the trainer world (``/resumed``). The master
 relay is watched: when it is gone (or silent for 30 s) while other relays live, the first live
 one is promoted and the rest chain from it. Every event is recorded (``faults``, metrics
 "fault" records) and counted in the books.
 
 Mixed into ``Controller`` (controller/server.py), which provides ``cfg``, ``token``, ``info``,
-``metrics``, ``manager``, ``trainer_version``, ``ready``, ``finished``, ``_json_body`` and the
+``metrics``, ``manager``, ``trainer_version``, ``ready``, ``finished``, ``closing`` and the
 event loop this runs on.
 """
 
@@ -24,6 +26,7 @@ from typing import List, Optional
 
 from aiohttp import web
 
+from ..netutil import Field, read_json, read_query
 from ..relay.client import RelayClient, RelayError, probe_relay
 from ..relay.transports import make_puller
 from ..rollout.client import SGLangClient
@@ -32,6 +35,25 @@ from ..rollout.pull_agent import AgentPuller
 from .engines import EngineHandle
 
 logger = logging.getLogger(__name__)
+
+# what each cluster endpoint accepts (netutil.check_fields: a bad field is a 400 naming it)
+URL = Field("url", max_len=300)
+PUBLISH = Field("dict", fields={"host": Field("str", required=True, max_len=255),
+                                "port": Field("int", required=True, low=1, high=65535)})
+REGISTER = {"relay_url": Field("url", required=True, max_len=300),
+            "engines": Field("list", required=True, max_len=4096, item=URL),
+            "publish": PUBLISH, "pull_agent": URL}
+REGISTER_RELAY = {"relay_url": Field("url", required=True, max_len=300),
+                  "publish": Field("dict", required=True, fields=PUBLISH.fields)}
+ENGINE_DOWN = {"url": Field("url", required=True, max_len=300),
+               "reason": Field("str", max_len=65536), "evict": Field("bool")}
+ENGINE_REPLACED = {"old_url": Field("url", required=True, max_len=300),
+                   "new_url": Field("url", required=True, max_len=300)}
+RELAY_REPLACED = {**ENGINE_REPLACED, "publish": PUBLISH}
+RESUMED = {"step": Field("int", low=0), "version": Field("int", required=True, low=0),
+           "restarts": Field("int", low=0)}
+RELAY_ROLE_QUERY = {"timeout": Field("number", low=0, high=86400)}
+ENGINE_STATES_QUERY = {"url": Field("list", max_len=4096, item=URL)}
 
 
 class ClusterAPI:
@@ -51,6 +73,7 @@ class ClusterAPI:
         router.add_post("/relay_role", self._relay_role)
         router.add_post("/register", self._register)
         router.add_get("/cluster", self._cluster)
+        router.add_get("/engine_states", self._engine_states)
         router.add_post("/resumed", self._resumed)
         router.add_post("/register_relay", self._register_relay)
         router.add_post("/engine_down", self._engine_down)
@@ -89,12 +112,16 @@ class ClusterAPI:
     async def _relay_role(self, request: web.Request):
         """The first rollout node to ask hosts the master relay (trainers publish to it);
         the others chain from it once it has registered."""
+        timeout = read_query(request, RELAY_ROLE_QUERY).get("timeout", 600.0)
+        await read_json(request, {}, RELAY_ROLE_QUERY)
         if not self._master_claimed:
             self._master_claimed = True
             return web.json_response({"master": True, **self.info})
-        deadline = time.time() + float(request.query.get("timeout", "600"))
-        while self.master_relay is None and time.time() < deadline:
+        deadline = time.time() + timeout
+        while self.master_relay is None and time.time() < deadline and not self.closing:
             await asyncio.sleep(0.2)
+        if self.closing:
+            return web.json_response({"error": "shutting down"}, status=503)
         if self.master_relay is None:
             return web.json_response({"error": "the master relay has not registered"}, status=503)
         async with self._election:
@@ -118,7 +145,7 @@ class ClusterAPI:
 
     async def _relay_probe(self, url: str):
         """``relay.client.probe_relay`` (alive / gone / silent within 2 s), off the loop."""
-        return await asyncio.to_thread(probe_relay, url, 2.0)
+        return await asyncio.to_thread(probe_relay, url, 2.0, self.token)
 
     async def _relay_post(self, url: str, path: str, body: dict, timeout: float = 40.0) -> dict:
         relay = RelayClient(url, self.token, timeout_s=timeout)
@@ -205,10 +232,31 @@ class ClusterAPI:
         return next((e for e in self.manager.engines if e.client.base_url == url.rstrip("/")),
                     None)
 
+    async def _engine_states(self, request: web.Request):
+        """Per engine URL (``?url=...``, repeated, to ask for some; else all): whether the
+        manager has it paused, pulling or updating weights now, and ``busy_ago_s``, how long
+        ago it last stopped being so (null: never, or busy now: 0). Node supervisors ask when
+        a health check fails: a busy engine's failed check does not count."""
+        wanted = {u.rstrip("/") for u in read_query(request, ENGINE_STATES_QUERY).get("url", [])}
+        now = time.time()
+        states = {}
+        for e in self.manager.engines:
+            url = e.client.base_url
+            if wanted and url not in wanted:
+                continue
+            paused, pulling = bool(e.paused), bool(e.pulling)
+            updating = bool(getattr(e, "updating", False))
+            until = getattr(e, "busy_until", None)
+            busy = paused or pulling or updating
+            states[url] = {"name": e.name, "paused": paused, "pulling": pulling,
+                           "updating": updating, "busy": busy,
+                           "busy_ago_s": 0.0 if busy else (
+                               None if until is None else round(max(0.0, now - until), 3)),
+                           "healthy": bool(e.healthy), "restarting": bool(e.restarting)}
+        return web.json_response({"engines": states})
+
     async def _engine_down(self, request: web.Request):
-        body = await self._json_body(request)
-        if body is None or not isinstance(body.get("url"), str):
-            return web.json_response({"error": "expected {url, reason, evict}"}, status=400)
+        body = await read_json(request, ENGINE_DOWN)
         engine = self._handle_by_url(body["url"])
         if engine is None:
             return web.json_response({"error": f"no engine at {body['url']}"}, status=404)
@@ -219,9 +267,7 @@ class ClusterAPI:
         return web.json_response({"ok": True, "engine": engine.name})
 
     async def _engine_replaced(self, request: web.Request):
-        body = await self._json_body(request)
-        if body is None or not all(isinstance(body.get(k), str) for k in ("old_url", "new_url")):
-            return web.json_response({"error": "expected {old_url, new_url}"}, status=400)
+        body = await read_json(request, ENGINE_REPLACED)
         engine = self._handle_by_url(body["old_url"])
         if engine is None:
             return web.json_response({"error": f"no engine at {body['old_url']}"}, status=404)
@@ -237,10 +283,7 @@ class ClusterAPI:
 
     async def _relay_replaced(self, request: web.Request):
         """A node's supervisor restarted its relay (``publish``: as the master)."""
-        body = await self._json_body(request)
-        if body is None or not all(isinstance(body.get(k), str) for k in ("old_url", "new_url")):
-            return web.json_response({"error": "expected {old_url, new_url, publish?}"},
-                                     status=400)
+        body = await read_json(request, RELAY_REPLACED)
         old_url, new_url = body["old_url"].rstrip("/"), body["new_url"].rstrip("/")
         for node in self.rollout_nodes:
             if node["relay_url"] == old_url:
@@ -266,9 +309,7 @@ class ClusterAPI:
 
     async def _resumed(self, request: web.Request):
         """Trainer rank 0: the trainer world (re)started from a checkpoint and published."""
-        body = await self._json_body(request)
-        if body is None or "version" not in body:
-            return web.json_response({"error": "expected {step, version, restarts}"}, status=400)
+        body = await read_json(request, RESUMED)
         self.trainer_version = max(self.trainer_version, int(body["version"]))
         self.manager.notify()
         restarts = int(body.get("restarts", 0))
@@ -279,14 +320,7 @@ class ClusterAPI:
         return web.json_response({"ok": True})
 
     async def _register(self, request: web.Request):
-        body = await self._json_body(request)
-        if (body is None or not isinstance(body.get("relay_url"), str)
-                or not isinstance(body.get("engines"), list)
-                or not all(isinstance(u, str) for u in body["engines"])
-                or not isinstance(body.get("pull_agent", ""), str)):
-            return web.json_response({"error": "expected {relay_url: str, engines: [str], "
-                                               "publish?: {host, port}, pull_agent?: str}"},
-                                     status=400)
+        body = await read_json(request, REGISTER)
         publish = body.get("publish")
         if publish is not None:
             if self.master_relay is not None and self.master_relay["url"] != body["relay_url"]:
@@ -300,12 +334,8 @@ class ClusterAPI:
 
     async def _register_relay(self, request: web.Request):
         """A master relay, before its node's engines register (trainers may connect now)."""
-        body = await self._json_body(request)
-        publish = (body or {}).get("publish")
-        if body is None or not isinstance(body.get("relay_url"), str) or \
-                not isinstance(publish, dict):
-            return web.json_response({"error": "expected {relay_url: str, publish: {host, port}}"},
-                                     status=400)
+        body = await read_json(request, REGISTER_RELAY)
+        publish = body["publish"]
         if self.master_relay is not None and \
                 await self._relay_health(self.master_relay["url"]) is not None:
             return web.json_response({"error": "a master relay is already registered"},
@@ -317,6 +347,7 @@ class ClusterAPI:
         return web.json_response({"ok": True})
 
     async def _cluster(self, request: web.Request):
+        read_query(request, {})
         ready = self.ready and self.master_relay is not None
         # the newest version anyone holds (trainer, engines, relays): a restarted trainer
         # numbers its weights above it

@@ -34,6 +34,15 @@ class EngineHandle:
     paused: bool = False  # mode=areal: paused with abort for a weight update
     resuming: int = 0  # interrupted trajectories that come back once it holds the new version
     pulling: bool = False
+    # A weight update runs on it outside a manager pull (``pulling`` covers those), e.g. the
+    # final pull after training (controller/role.py). Paused, pulling or updating: "busy" --
+    # its node's supervisor does not count a failed /health_generate then (a paused SGLang
+    # holds the check's generation; GET /engine_states reports these flags).
+    updating: bool = False
+    # time.time() when it last stopped being paused, pulling or updating (None: never busy),
+    # set by the manager where it clears those flags; GET /engine_states reports how long ago,
+    # so a check that failed during a pause that has just ended is not counted either.
+    busy_until: Optional[float] = None
     # Evaluations running on it (controller/evaluation.py): it keeps its version meanwhile (a
     # newer one makes it drain, as always, but it pulls only afterwards), so an evaluation
     # measures exactly one version and no new trajectory starts on weights being left behind.
@@ -60,6 +69,9 @@ class ManagerStats:
     repack_rounds: int = 0
     pull_retries: int = 0  # pulls that failed on the relay's side and were tried again
     interrupted: int = 0  # mode=areal: requests aborted for a weight update and resubmitted
+    # streams that could not be read as SGLang's protocol (their trajectories are discarded
+    # with reason protocol_error; the engine stays in service)
+    protocol_errors: int = 0
     unhealthy: List[str] = field(default_factory=list)
     discarded: Dict[str, int] = field(default_factory=dict)
     engine_restarts: int = 0

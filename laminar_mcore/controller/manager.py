@@ -33,7 +33,7 @@ from ..config.schema import RolloutConfig
 from ..data.pools import InFlight
 from ..data.trajectory import Trajectory
 from ..relay.client import RelayClient
-from ..rollout.client import EngineError, SGLangClient
+from ..rollout.client import EngineError, SGLangClient, StreamProtocolError
 from .engines import EngineHandle, ManagerStats, RolloutData
 from .episode import Discard, Episode, Stopped
 from .modes import ModePolicy
@@ -338,6 +338,15 @@ class RolloutManager(WeightPulls):
             epoch = engine.epoch
             try:
                 reason = await self._stream(engine, item, how)
+            except StreamProtocolError as exc:
+                # one request's stream could not be read (a chunk that does not reconcile, a
+                # line over the limit): that trajectory is lost, the engine is not at fault
+                self._left(engine, item.rid)
+                item.interrupted_at = None
+                if self._stop.is_set():
+                    raise Stopped() from None
+                await self._protocol_error(engine, item, exc)
+                raise Discard("protocol_error", str(exc)) from None
             except EngineError as exc:
                 self._left(engine, item.rid)
                 item.interrupted_at = None
@@ -395,9 +404,12 @@ class RolloutManager(WeightPulls):
         final = None
         extra = None
         if self.routed_experts:
-            # positions [0, L - 1) in order: a resumed request starts at the last held token
-            # (the previous request sampled it, so never ran it)
-            start = 0 if held == 0 else len(traj.prompt_ids) + held - 1
+            # positions [0, L - 1) in order: a request returns [start, its seqlen - 1), so the
+            # next one starts where the returned ones end -- normally at the last held token
+            # (sampled by the previous request, never run), earlier when a request ended
+            # without a table (SGLang's answer for a request aborted in its waiting queue has
+            # none): the new request's prefill recomputes those positions
+            start = int(traj.metadata.get("routed_positions", 0))
             extra = {"return_routed_experts": True, "routed_experts_start_len": start}
         try:
             async for chunk in engine.client.stream_tokens(traj.prompt_ids + traj.response_ids,
@@ -413,15 +425,31 @@ class RolloutManager(WeightPulls):
             traj.metadata.setdefault("segments", []).append(segment)
             traj.add_version_spans((final or {}).get("weight_versions"), held,
                                    len(traj.response_ids) - held, str(engine.version))
-        if self.routed_experts and len(traj.response_ids) > held:
+        reason = final["finish_reason"]["type"]
+        if self.routed_experts:
             routed = final.get("routed_experts")
-            if routed is None:
-                raise EngineError("/generate", None, "the engine returned no routed_experts "
-                                  "(algo.routing_replay=true): start it with "
-                                  "--enable-return-routed-experts")
             if routed:
                 traj.routed_experts.append(routed)
-        return final["finish_reason"]["type"]
+                traj.metadata["routed_positions"] = len(traj.prompt_ids) + len(traj.response_ids) - 1
+            elif routed is None and reason != "abort":
+                raise StreamProtocolError("/generate", None, "the engine returned no "
+                                          "routed_experts (algo.routing_replay=true): start it "
+                                          "with --enable-return-routed-experts")
+        return reason
+
+    async def _protocol_error(self, engine: EngineHandle, item: InFlight,
+                              exc: BaseException) -> None:
+        """Count it (``protocol_errors``), abort what may still run of the request, and stop the
+        run when every trajectory fails so (a client and an engine that disagree)."""
+        self.stats.protocol_errors += 1
+        self._internal_errors += 1
+        if self.stats.protocol_errors <= 3:
+            logger.error("engine %s: stream of %s could not be read: %s; the trajectory is "
+                         "discarded", engine.name, item.rid, exc)
+        with contextlib.suppress(EngineError):
+            await engine.client.abort_request(item.rid)
+        if self._internal_errors >= self.MAX_INTERNAL_ERRORS_IN_A_ROW and self.error is None:
+            self._fatal(f"{self._internal_errors} trajectories in a row (stream protocol)", exc)
 
     def _engine(self, name: Optional[str]) -> Optional[EngineHandle]:
         return next((e for e in self.engines if e.name == name), None) if name else None

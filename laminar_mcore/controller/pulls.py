@@ -36,6 +36,7 @@ class WeightPulls:
             await self._pull_once(engine)
         finally:
             engine.pulling = False
+            engine.busy_until = time.time()  # the supervisor's check may have overlapped it
             self.notify(engine)  # its version moved: interrupted trajectories wait on it
 
     async def _pull_once(self, engine: EngineHandle) -> None:
@@ -97,7 +98,10 @@ class WeightPulls:
             logger.warning("engine %s could not be paused for an update: %s", engine.name, exc)
             self._mark_unhealthy(engine)
         finally:
-            if paused and engine.healthy:
+            # continue whatever happened: an engine that failed its update (or was marked
+            # unhealthy meanwhile) may be alive, and a paused one would hold every request
+            # that reaches it -- a health probe too -- until someone continues it
+            if paused:
                 try:
                     await engine.client.continue_generation()
                 except EngineError as exc:
@@ -105,6 +109,7 @@ class WeightPulls:
                                    engine.name, exc)
                     self._mark_unhealthy(engine)
             engine.paused = False
+            engine.busy_until = time.time()
             self.notify(engine)
 
     async def _resume_interrupted(self, item: InFlight, engine: EngineHandle) -> EngineHandle:

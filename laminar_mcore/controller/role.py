@@ -119,20 +119,25 @@ def finish_run(controller: Controller, result: dict, initial: EvalResult, t_star
         every try: a relay restarted meanwhile has a new URL)."""
         spec = engine_pull_spec(cfg.rollout, int(handle.name.rsplit("engine", 1)[-1]),
                                 cfg.weight_sync)  # its slot on its node
-        async with SGLangClient(handle.client.base_url) as ec:
-            deadline = time.time() + 120
-            served = await ec.get_weight_version()  # SGLang says "default" before any update
-            current = int(served) if served.isdigit() else 0
-            while current < version and time.time() < deadline:
-                async with RelayClient(handle.relay.url, controller.token) as rc:
-                    try:
-                        pulled = await pull_latest_into_engine(rc, ec, current, spec=spec)
-                    except RelayError:  # its relay is being restarted: wait for the new one
-                        pulled = None
-                        await asyncio.sleep(0.5)
-                current = pulled if pulled is not None else current
-                await asyncio.sleep(0.05)
-            return current
+        handle.updating = True  # its supervisor does not count a failed check meanwhile
+        try:
+            async with SGLangClient(handle.client.base_url) as ec:
+                deadline = time.time() + 120
+                served = await ec.get_weight_version()  # "default" before any update
+                current = int(served) if served.isdigit() else 0
+                while current < version and time.time() < deadline:
+                    async with RelayClient(handle.relay.url, controller.token) as rc:
+                        try:
+                            pulled = await pull_latest_into_engine(rc, ec, current, spec=spec)
+                        except RelayError:  # its relay is being restarted: wait for the new one
+                            pulled = None
+                            await asyncio.sleep(0.5)
+                    current = pulled if pulled is not None else current
+                    await asyncio.sleep(0.05)
+                return current
+        finally:
+            handle.updating = False
+            handle.busy_until = time.time()
 
     async def probe(handle):
         """Greedy log-probs of a fixed prompt: engines holding the same weights agree exactly."""
@@ -285,7 +290,9 @@ def run(cfg: LaminarConfig, token: str) -> dict:
         if controller is not None:
             controller.finished = True
             # rollout nodes poll /health for "done"; give them a moment before the server goes
-            time.sleep(min(3.0, cfg.cluster.shutdown_grace_s))
+            # (not after a SIGTERM: a scheduler's grace period is short, and /health says so)
+            if not controller.closing:
+                time.sleep(min(3.0, cfg.cluster.shutdown_grace_s))
             controller.stop()
         metrics.close()
 

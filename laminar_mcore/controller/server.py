@@ -6,6 +6,12 @@ batches with ``GET /batch`` and reports each step with ``POST /trained``. The co
 per trajectory its version and staleness at consumption, and keeps the books:
 generated = consumed + buffered + discarded (with reasons). What rollout nodes, relays and their
 supervisors call (registration, failures, the master relay's election) is controller/cluster.py.
+
+Every endpoint but ``/health``, ``/metrics`` and ``/metrics/targets`` (Prometheus' discovery: the
+addresses of those ``/metrics``) proves the run token; every body and query is checked field by
+field (a bad one is a 400 naming the field). Stopping (``stop()``, or SIGTERM when the controller
+runs in a process's main thread) answers the long polls (``/batch``, ``/relay_role``) at once
+with 503 "shutting down" and cancels handlers still running after ``SHUTDOWN_S``.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -26,7 +33,7 @@ from ..data.pools import ExperienceBuffer, PartialResponsePool, PromptPool
 from ..data.trace import TrajectoryTrace
 from ..data.trajectory import Trajectory
 from ..metrics.prometheus import STALENESS_BUCKETS, Histogram, Scrape
-from ..netutil import token_middleware
+from ..netutil import Field, read_json, read_query, token_middleware
 from ..reward import RewardService
 from .cluster import ClusterAPI
 from .engines import RolloutData
@@ -37,6 +44,17 @@ from .metrics import controller_metrics, scrape_targets
 from .modes import policy_for
 
 logger = logging.getLogger(__name__)
+
+OPEN_PATHS = ("/health", "/metrics", "/metrics/targets")  # what answers without the token
+SHUTDOWN_S = 1.0  # how long a stop waits for handlers still running before cancelling them
+COUNT = Field("int", low=0)
+SECONDS = Field("number", low=0, high=1e7)
+# what each trainer endpoint accepts (the cluster's: controller/cluster.py)
+NO_QUERY: dict = {}
+BATCH_QUERY = {"timeout": Field("number", low=0, high=3600)}
+TRAINED = {"step": Field("int", required=True, low=0), "version": Field("int", required=True, low=0),
+           "stats": Field("dict", max_len=1024), "publish_blocked_s": SECONDS, "wait_s": SECONDS}
+DONE = {"steps": COUNT, "version": Field("int", required=True, low=0)}
 
 
 @dataclass
@@ -133,9 +151,12 @@ class Controller(ClusterAPI):
         self._stopped = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.error: Optional[BaseException] = None
+        self.closing = False  # stopping: long polls answer 503 now, new requests too
+        self._previous_sigterm = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> str:
+        self._install_sigterm()
         self._thread = threading.Thread(target=self._run, name="laminar-controller", daemon=True)
         self._thread.start()
         if not self._ready.wait(60):
@@ -144,11 +165,47 @@ class Controller(ClusterAPI):
             raise RuntimeError(f"controller did not start: {self.error}")
         return self.url
 
+    def _install_sigterm(self) -> None:
+        """In a process's main thread with no SIGTERM handler of its own (``job=controller``,
+        ``job=train``): SIGTERM answers the long polls at once and raises SystemExit there, so
+        the launcher's ``finally`` stops the controller (and what it started) promptly."""
+        if threading.current_thread() is not threading.main_thread() or \
+                signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return
+
+        def on_sigterm(signum, frame):
+            if self.closing:  # already stopping: let it finish
+                return
+            logger.warning("SIGTERM: stopping the controller")
+            self.begin_shutdown()
+            raise SystemExit(128 + signum)
+
+        self._previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
+
+    def begin_shutdown(self) -> None:
+        """Answer every long poll now (503 "shutting down") and every new request (any
+        thread)."""
+        self.closing = True
+        if self.loop is not None and not self._stopped.is_set():
+            try:
+                self.loop.call_soon_threadsafe(self._wake_long_polls)
+            except RuntimeError:  # the loop has just closed
+                pass
+
+    def _wake_long_polls(self) -> None:
+        with self.buffer.cond:
+            self.buffer.cond.notify_all()
+
     def stop(self) -> None:
+        self.begin_shutdown()
         if self.loop is not None and not self._stopped.is_set():
             self.loop.call_soon_threadsafe(self._shutdown_event.set)
         if self._thread is not None:
             self._thread.join(timeout=60)
+        if self._previous_sigterm is not None and \
+                threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
         self.reward.close()
         # what the run leaves buffered and in flight (a resumed run writes their final record)
         self.trace.left_over(self.buffer.held(), self.partial.trajectories(),
@@ -189,11 +246,12 @@ class Controller(ClusterAPI):
         self.manager.routed_experts = bool(self.cfg.algo.routing_replay)
         if self._initial_state:
             self.load_state_dict(self._initial_state)
-        # every endpoint but /health and /metrics (read-only, as SGLang's) proves the run
-        # token; bad input is a 400
+        # every endpoint but /health and /metrics (read-only, as SGLang's; /metrics/targets
+        # lists where those are) proves the run token; bad input is a 400 naming the field
         app = web.Application(middlewares=[token_middleware(
-            self.token, lambda request: request.path not in ("/health", "/metrics",
-                                                             "/metrics/targets"))])
+            self.token, lambda request: not (request.method in ("GET", "HEAD")
+                                             and request.path in OPEN_PATHS),
+            lambda: self.closing)])
         app.router.add_get("/metrics", Scrape(lambda: controller_metrics(self)).handle)
         app.router.add_get("/metrics/targets",
                            lambda r: web.json_response(scrape_targets(self)))
@@ -204,7 +262,7 @@ class Controller(ClusterAPI):
                                                                    "done": self.finished}))
         app.router.add_post("/done", self._done)
         self._add_cluster_routes(app.router)
-        runner = web.AppRunner(app, access_log=None)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_S)
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.port)
         await site.start()
@@ -215,6 +273,8 @@ class Controller(ClusterAPI):
         master_watch = asyncio.create_task(self._watch_master())
         self._ready.set()
         await self._shutdown_event.wait()
+        self.closing = True
+        self._wake_long_polls()
         master_watch.cancel()
         await asyncio.gather(master_watch, return_exceptions=True)
         self.manager.stop()
@@ -232,27 +292,27 @@ class Controller(ClusterAPI):
     async def _json_body(self, request: web.Request) -> Optional[dict]:
         try:
             body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             return None
         return body if isinstance(body, dict) else None
 
     async def _done(self, request: web.Request):
         """Trainer rank 0: training finished (``{"steps", "version"}``)."""
-        body = await self._json_body(request)
-        if body is None or "version" not in body:
-            return web.json_response({"error": "expected {steps, version}"}, status=400)
+        body = await read_json(request, DONE)
         self.trainer_done = body
         self.trainer_done_event.set()
         return web.json_response({"ok": True})
 
     async def _batch(self, request: web.Request):
-        timeout = float(request.query.get("timeout", "30"))
+        timeout = read_query(request, BATCH_QUERY).get("timeout", 30.0)
         if self.first_request is None:
             self.first_request = time.time()
         if self.stop_file and os.path.exists(self.stop_file):
             # a graceful stop: the trainer ends after the step it finished (summary as usual)
             return web.json_response({"stop": True})
-        batch = await asyncio.to_thread(self.buffer.take, self.batch_prompts, timeout)
+        batch = await asyncio.to_thread(self._take, self.batch_prompts, timeout)
+        if self.closing and batch is None:
+            return web.json_response({"error": "shutting down"}, status=503)
         if batch is None:
             return web.Response(status=204)
         self.manager.notify()  # the buffer has room again
@@ -274,11 +334,18 @@ class Controller(ClusterAPI):
         return web.json_response({"trajectories": [t.to_dict() for t in batch],
                                   "staleness": staleness})
 
+    def _take(self, groups: int, timeout: float):
+        """``buffer.take``, woken by a stop (``_wake_long_polls``): then None at once."""
+        with self.buffer.cond:
+            self.buffer.cond.wait_for(
+                lambda: self.closing or self.buffer.ready_groups >= groups, timeout=timeout)
+            if self.closing:
+                return None
+            return self.buffer.take(groups, 0)
+
     async def _trained(self, request: web.Request):
-        body = await self._json_body(request)
-        if body is None:
-            return web.json_response({"error": "expected {step, version, stats?}"}, status=400)
-        step, version = int(body["step"]), int(body["version"])
+        body = await read_json(request, TRAINED)
+        step, version = body["step"], body["version"]
         self.trainer_version = max(self.trainer_version, version)
         self.manager.notify()  # barrier modes follow the trainer; admission grows with it
         self.trainer_wait_s += float(body.get("wait_s", 0.0))
@@ -361,6 +428,7 @@ class Controller(ClusterAPI):
         self._eval_tasks = []
 
     async def _state(self, request: web.Request):
+        read_query(request, NO_QUERY)
         return web.json_response(self.state_dict())
 
     def state_dict(self) -> dict:
@@ -418,6 +486,7 @@ class Controller(ClusterAPI):
                 "engine_pulls": s.pulls if s else 0, "resumed": s.resumed if s else 0,
                 "repacked": s.repacked if s else 0, "repack_rounds": s.repack_rounds if s else 0,
                 "trajectories_interrupted": s.interrupted if s else 0,
+                "stream_protocol_errors": s.protocol_errors if s else 0,
                 "reward_worker_restarts": self.reward.restarts,
                 "engine_versions": ({e.name: e.version for e in self.manager.engines}
                                     if self.manager else {}),

@@ -241,11 +241,12 @@ class Forwarder:
     def start(self):
         self._thread.start()
 
-    def stop(self):
+    def stop(self, timeout_s: float = 10.0):
         self._stop.set()
         with self.store.cond:
             self.store.cond.notify_all()
-        self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            self._thread.join(timeout=timeout_s)
 
     def chunk_for(self, sv: StoredVersion) -> int:
         """Chunk size for pushing ``sv``: configured, or M / k with k = chain_chunks or k*."""

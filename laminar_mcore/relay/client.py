@@ -46,15 +46,21 @@ class Lease:
     nbytes: int
 
 
-def probe_relay(url: str, timeout_s: float = 2.0) -> Tuple[str, Optional[dict]]:
+def probe_relay(url: str, timeout_s: float = 2.0,
+                token: Optional[str] = None) -> Tuple[str, Optional[dict]]:
     """A relay's liveness from its ``/health``: ("alive", the answer), ("gone", None) when
     nothing listens (the process is dead) or ("silent", None) when it does not answer within
-    ``timeout_s`` (maybe only busy). Synchronous (for threads; wrap in ``asyncio.to_thread``)."""
+    ``timeout_s`` (maybe only busy). With the run's ``token`` the answer has the relay's
+    details (id, master, control URL, data address, version); without it only ``ok``.
+    Synchronous (for threads; wrap in ``asyncio.to_thread``)."""
     import urllib.error
     import urllib.request
 
+    request = urllib.request.Request(url + "/health")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(url + "/health", timeout=timeout_s) as resp:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
             return ("alive", json.loads(resp.read())) if resp.status == 200 else ("silent", None)
     except urllib.error.URLError as exc:
         return ("gone" if isinstance(exc.reason, ConnectionRefusedError) else "silent"), None

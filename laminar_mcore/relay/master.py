@@ -1,7 +1,8 @@
 """The master relay's half of a relay: the trainers' publish group, the chain and promotion.
 
-The master hosts the trainer's publish group (its own TCPStore, outside the trainer's world: one
-two-rank group per trainer stage and session, so a restarted trainer connects again), orders the
+The master hosts the trainer's publish group (outside the trainer's world: one two-rank group
+per trainer stage and session, so a restarted trainer connects again; a trainer joins only after
+proving the run token, relay/rendezvous.py), orders the
 chain of relays that registered with it (``/register``; ``/chain`` shows it), watches each one's
 heartbeat and rebuilds the chain around a dead one (also when a relay reports that its
 downstream failed, ``/report_failure``). A relay that is not the master registers with it, again
@@ -12,7 +13,7 @@ others) and points the rest at it (``/set_master``).
 Mixed into ``RelayServer`` (relay/server.py), which provides ``cfg``, ``token``, ``host``,
 ``relay_id``, ``master``, ``master_url``, ``trainer_stages``, ``publish_port``,
 ``publish_backend``, ``relay_device``, ``heartbeat_s``, ``store``, ``forwarder``, ``stop_event``,
-``control_url``, ``data_port``, ``metrics`` (relay/metrics.py) and ``_body``.
+``control_url``, ``data_port`` and ``metrics`` (relay/metrics.py).
 """
 
 from __future__ import annotations
@@ -30,9 +31,12 @@ from typing import Dict, List, Optional
 import torch
 from aiohttp import web
 
-from ..weights.transport import Channel, announce_backend, resolve_backend, session_key, stage_group
+from ..weights.transport import Channel, resolve_backend, stage_group
 from .chain import receive_publishes
 from .client import probe_relay
+from ..netutil import read_json, read_query
+from .rendezvous import PublishRendezvous
+from .requests import NO_QUERY, PROMOTE, REGISTER, REPORT_FAILURE, SET_MASTER
 
 logger = logging.getLogger("laminar_mcore.relay")
 
@@ -64,6 +68,7 @@ class MasterRelay:
         self.chain_rebuilds = 0
         self.publish_threads: List[threading.Thread] = []
         self.publish_ready = threading.Event()
+        self.rendezvous: Optional[PublishRendezvous] = None
 
     def _add_master_routes(self, router: web.UrlDispatcher) -> None:
         router.add_post("/register", self.register)
@@ -74,36 +79,22 @@ class MasterRelay:
 
     # ------------------------------------------------------------------ master: trainer group
     def _host_publish_group(self) -> None:
-        import torch.distributed as dist
-
-        world = 1 + self.trainer_stages
-        store = dist.TCPStore(self.host, self.publish_port, world, is_master=True,
-                              timeout=datetime.timedelta(days=30), wait_for_workers=False)
-        announce_backend(store, self.publish_backend)
-        self.publish_port = store.port
+        """Open the publish port: a trainer stage lead that proves the run token gets a session
+        of its own -- its own store and group (relay/rendezvous.py); nothing else reaches it."""
+        self.rendezvous = PublishRendezvous(
+            self.host, self.publish_port, self.token, self.trainer_stages, self.publish_backend,
+            self._start_session, self.stop_event).start()
+        self.publish_port = self.rendezvous.port
         self.publish_ready.set()
         print(f"LAMINAR_RELAY_PUBLISH_PORT={self.publish_port}", flush=True)
-        for stage in range(self.trainer_stages):
-            t = threading.Thread(target=self._serve_stage_sessions, args=(store, stage),
-                                 name=f"laminar-relay-publish-{stage}", daemon=True)
-            t.start()
-            self.publish_threads.append(t)
 
-    def _serve_stage_sessions(self, store, stage: int) -> None:
-        """Every trainer process that connects for ``stage`` (the first, or one restarted after
-        a crash) takes a session number; each session gets its own group and receiver."""
-        served = 0
-        key = session_key(stage)
-        while not self.stop_event.wait(0.1):
-            try:
-                wanted = store.add(key, 0)
-            except Exception:  # noqa: BLE001 - the store is closing with the relay
-                return
-            while served < wanted:
-                served += 1
-                threading.Thread(target=self._receive_stage, args=(store, stage, served),
-                                 name=f"laminar-relay-publish-{stage}-s{served}",
-                                 daemon=True).start()
+    def _start_session(self, stage: int, session: int, store) -> None:
+        """Every trainer process that joins for ``stage`` (the first, or one restarted after a
+        crash) gets a new session: its own group and receiver."""
+        t = threading.Thread(target=self._receive_stage, args=(store, stage, session),
+                             name=f"laminar-relay-publish-{stage}-s{session}", daemon=True)
+        t.start()
+        self.publish_threads.append(t)
 
     def _receive_stage(self, store, stage: int, session: int) -> None:
         """One trainer stage's publish stream, over that stage's own two-rank group."""
@@ -148,7 +139,7 @@ class MasterRelay:
 
     def _probe(self, relay: dict) -> str:
         """alive, gone (nothing listens: the process is dead) or silent (no answer in 1 s)."""
-        return probe_relay(relay["control_url"], 1.0)[0] if relay else "gone"
+        return probe_relay(relay["control_url"], 1.0, self.token)[0] if relay else "gone"
 
     def _remove(self, relay_id: str) -> None:
         with self.chain_lock:
@@ -212,7 +203,7 @@ class MasterRelay:
     async def register(self, request):
         if not self.master:
             raise web.HTTPNotFound(text="only the master relay keeps the chain")
-        entry = _chain_entry(await self._body(request))
+        entry = _chain_entry(await read_json(request, REGISTER))
         with self.chain_lock:
             self.relays.pop(entry["relay_id"], None)  # a restarted relay rejoins at the end
             self.relays[entry["relay_id"]] = entry
@@ -222,12 +213,13 @@ class MasterRelay:
     async def report_failure(self, request):
         if not self.master:
             raise web.HTTPNotFound(text="only the master relay keeps the chain")
-        body = await self._body(request)
+        body = await read_json(request, REPORT_FAILURE)
         self.metrics.fault("failure_reported")
-        await asyncio.to_thread(self._check_and_remove, str(body["data_addr"]))
+        await asyncio.to_thread(self._check_and_remove, body["data_addr"])
         return web.json_response({"ok": True})
 
     async def chain(self, request):
+        read_query(request, NO_QUERY)
         with self.chain_lock:
             order = list(self.relays)
         return web.json_response({"chain": [self.relay_id] + order, "rebuilds": self.chain_rebuilds,
@@ -237,11 +229,7 @@ class MasterRelay:
         """The controller elected this relay master (the old one is dead): host the trainers'
         publish group and order the chain of ``relays`` (the other live relays), which the
         controller tells to register here. Answers once trainers can connect."""
-        body = await self._body(request)
-        others = body.get("relays", [])
-        if not isinstance(others, list):
-            raise web.HTTPBadRequest(text="expected {relays: [{relay_id, control_url, "
-                                          "data_host, data_port}]}")
+        others = (await read_json(request, PROMOTE)).get("relays", [])
         if not self.master:
             self.publish_backend = resolve_backend(self.cfg.weight_sync.publish_backend)
             self.master, self.master_url, self.publish_port = True, None, 0
@@ -258,17 +246,18 @@ class MasterRelay:
             await asyncio.to_thread(self._rebuild, "promotion")
             self.metrics.recovery("promoted")
             logger.warning("promoted to master relay (chain: %s)", list(self.relays))
-        if not await asyncio.to_thread(self.publish_ready.wait, 30.0):
+        for _ in range(300):  # (on the loop, not a thread: a shutdown cancels it at once)
+            if self.publish_ready.is_set():
+                break
+            await asyncio.sleep(0.1)
+        else:
             raise web.HTTPServiceUnavailable(text="the publish group did not start in 30 s")
         return web.json_response({"ok": True, "publish_port": self.publish_port,
                                   "version": self.store.latest_version})
 
     async def set_master(self, request):
         """A new master was elected or restarted: chain from it (register there)."""
-        body = await self._body(request)
-        url = body.get("master_url")
-        if not isinstance(url, str) or not url.startswith("http"):
-            raise web.HTTPBadRequest(text="expected {master_url: 'http://host:port'}")
+        url = (await read_json(request, SET_MASTER))["master_url"]
         if self.master:
             raise web.HTTPConflict(text="this relay is the master")
         if url != self.master_url:

@@ -1,7 +1,7 @@
 """The relay process: one per rollout machine.
 
-    python -m laminar_mcore.relay --token T --master --trainer-stages P [--publish-port N]
-    python -m laminar_mcore.relay --token T --master-url http://HOST:PORT
+    LAMINAR_RUN_TOKEN=T python -m laminar_mcore.relay --master --trainer-stages P [--publish-port N]
+    LAMINAR_RUN_TOKEN=T python -m laminar_mcore.relay --master-url http://HOST:PORT
 
 Owns a ``VersionStore`` in shared host memory, a TCP data port that receives pushed versions,
 a ``Forwarder`` that pushes every newer version to its downstream relay, and an HTTP control
@@ -12,11 +12,16 @@ transfer-engine buffers for pullers on other machines when started with
 ``/latest``, ``/health``, ``/metrics`` (Prometheus text, relay/metrics.py); the formats are the
 weight transports of ``relay/transports``. On the master also ``/register``,
 ``/report_failure`` and ``/chain``.
-The master hosts the trainer's publish group (its own TCPStore, outside the trainer's world),
-orders the chain, watches every relay's heartbeat and rebuilds the chain around a dead one; a
-relay that restarts registers again, joins the end of the chain and is caught up (that half,
-and promotion to master, is relay/master.py). Every endpoint that changes state requires the
-run's token.
+The master hosts the trainer's publish group (outside the trainer's world; a trainer joins it only
+after proving the run token, relay/rendezvous.py), orders the chain, watches every relay's
+heartbeat and rebuilds the chain around a dead one; a relay that restarts registers again, joins
+the end of the chain and is caught up (that half, and promotion to master, is relay/master.py).
+
+Every endpoint but ``/health`` (``{"ok": true}``; the relay's details only with the token) and
+``/metrics`` requires the run's token; every body and query is checked field by field (a bad one
+is a 400 naming the field, relay/requests.py). SIGTERM: long polls are answered at once (503
+"shutting down"), handlers still running after ``SHUTDOWN_S`` are cancelled, and the shared
+memory is released before the process exits.
 """
 
 from __future__ import annotations
@@ -38,12 +43,13 @@ from aiohttp import web
 
 from ..config.schema import WeightSyncConfig
 from ..metrics.prometheus import Scrape
-from ..netutil import TOKEN_ENV, token_middleware
+from ..netutil import TOKEN_ENV, BadRequest, bearer_ok, read_json, read_query, token_middleware
 from ..weights.bucket import reclaim_segments
 from ..weights.transport import resolve_backend
 from .chain import Forwarder, PushRefused, serve_push
 from .master import MasterRelay
 from .metrics import RelayBooks, relay_families
+from .requests import BUCKET, LATEST, PULL, RELEASE, SET_DOWNSTREAM
 from .store import VersionStore
 from .transports import (TRANSPORTS, Exporter, TransportUnavailable, enabled_at_start,
                          make_exporter)
@@ -98,6 +104,8 @@ def resolve_relay_device(name: str) -> Optional[str]:
 
 
 MAX_BUCKETS_OUTSTANDING = 2
+OPEN_PATHS = ("/health", "/metrics")  # what answers without the token
+SHUTDOWN_S = 1.0  # how long a SIGTERM waits for handlers still running before cancelling them
 
 
 @dataclass
@@ -151,16 +159,20 @@ class RelayServer(MasterRelay):
         self.data_port = self.data_sock.getsockname()[1]
         self._init_master()  # the chain, the publish group (relay/master.py)
         self._newer: Optional[asyncio.Event] = None  # set when a version completes (long polls)
+        self.closing = False  # SIGTERM: long polls answer now, new requests get 503
         self.pulls: Dict[str, PullState] = {}  # lease id -> how its buckets are being served
         # the weight transports' relay halves; those a config enables start now (Mooncake
         # registers its buffers), the others on their first /pull
         self.exporters: Dict[str, Exporter] = {}
         for name in enabled_at_start(cfg):
             self.exporters[name] = make_exporter(name, cfg)
-        # state-changing (POST) endpoints prove the run token; bad input is a 400; the GETs
-        # (/metrics included, as SGLang's) are read-only and reveal no weights
+        # every endpoint but /health and /metrics (read-only, as SGLang's) proves the run token;
+        # bad input is a 400 naming the field
         self.app = web.Application(middlewares=[token_middleware(
-            cfg.token, lambda request: request.method == "POST")])
+            cfg.token, lambda request: not (request.method in ("GET", "HEAD")
+                                            and request.path in OPEN_PATHS),
+            lambda: self.closing)])
+        self.app.on_shutdown.append(self._on_shutdown)
         r = self.app.router
         r.add_get("/health", self.health)
         r.add_get("/metrics", Scrape(lambda: relay_families(self)).handle)
@@ -185,9 +197,18 @@ class RelayServer(MasterRelay):
             threading.Thread(target=self._register_loop, name="laminar-relay-register",
                              daemon=True).start()
 
+    async def _on_shutdown(self, app) -> None:
+        """SIGTERM (aiohttp's shutdown, before it waits for running handlers): answer every
+        long poll now."""
+        self.closing = True
+        if self._newer is not None:
+            self._announce()
+
     def shutdown(self) -> None:
         self.stop_event.set()
-        self.forwarder.stop()
+        if self.rendezvous is not None:
+            self.rendezvous.close()
+        self.forwarder.stop(timeout_s=2.0)
         try:
             self.data_sock.close()
         except OSError:
@@ -221,16 +242,11 @@ class RelayServer(MasterRelay):
                 logger.warning("incoming push from %s failed: %s", peer, exc)
 
     # ------------------------------------------------------------------ HTTP
-    async def _body(self, request: web.Request) -> dict:
-        if not request.can_read_body:
-            return {}
-        body = await request.json()
-        if not isinstance(body, dict):
-            raise ValueError("body must be a JSON object")
-        return body
-
     async def health(self, request):
-        """Alive, and what a controller electing a new master needs to know of this relay."""
+        """Alive; with the run token also what a controller electing a new master needs to know
+        of this relay (its ports are nobody else's business)."""
+        if not bearer_ok(request, self.token):
+            return web.json_response({"ok": True})
         return web.json_response({"ok": True, "relay_id": self.relay_id, "master": self.master,
                                   "master_url": self.master_url,
                                   "control_url": self.control_url, "data_host": self.host,
@@ -241,16 +257,15 @@ class RelayServer(MasterRelay):
     async def latest(self, request):
         """The newest version and this relay's state. ``?after=V&wait_s=T``: a long poll,
         answered as soon as a version newer than V is complete here (or after T s, at most
-        60), so a rollout manager learns of new versions at once without polling."""
-        try:
-            after = request.query.get("after")
-            after = int(after) if after is not None else None
-            wait_s = min(max(float(request.query.get("wait_s", 0)), 0.0), 60.0)
-        except ValueError:
-            return web.json_response({"error": "after must be an integer and wait_s a number "
-                                               "of seconds"}, status=400)
+        60), so a rollout manager learns of new versions at once without polling. A relay
+        shutting down answers its long polls at once: 503."""
+        query = read_query(request, LATEST)
+        after = query.get("after")
+        wait_s = min(query.get("wait_s", 0.0), 60.0)
         if after is not None and wait_s > 0:
             await self._wait_newer(after, wait_s)
+        if self.closing:
+            return web.json_response({"error": "shutting down"}, status=503)
         s = self.store
         with s.cond:
             latest = s.latest
@@ -272,7 +287,7 @@ class RelayServer(MasterRelay):
                 loop.call_soon_threadsafe(self._announce)
             self.store.on_complete.append(completed)
         deadline = loop.time() + wait_s
-        while self.store.latest_version <= after:
+        while self.store.latest_version <= after and not self.closing:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return
@@ -289,8 +304,8 @@ class RelayServer(MasterRelay):
     async def pull(self, request):
         """Lease the newest complete version; its buckets are then fetched one at a time with
         ``/bucket`` (every format: the CPU engine's shared memory as SGLang's CUDA IPC)."""
-        body = await self._body(request)
-        min_version = int(body.get("min_version", -1))
+        body = await read_json(request, PULL)
+        min_version = body.get("min_version", -1)
         ttl = body.get("ttl_s")
         fmt = body.get("format", "shm")
         if fmt not in TRANSPORTS:
@@ -322,14 +337,8 @@ class RelayServer(MasterRelay):
         applied and the next -- so an engine GPU never holds more than two of the relay's;
         asking for a third is refused with 409. Every format follows the same protocol, so the
         CPU pull exercises what the GPU pull does."""
-        body = await self._body(request)
-        lease_id = str(body.get("lease_id", ""))
-        try:
-            index = int(body.get("index"))
-            applied = [int(i) for i in body.get("applied", [])]
-        except (TypeError, ValueError):
-            return web.json_response({"error": "index must be an integer and applied a list of "
-                                               "integers"}, status=400)
+        body = await read_json(request, BUCKET)
+        lease_id, index, applied = body["lease_id"], body["index"], body.get("applied", [])
         with self.store.cond:
             entry = self.store.leases.get(lease_id)
         state = self.pulls.get(lease_id)
@@ -375,8 +384,7 @@ class RelayServer(MasterRelay):
         return state
 
     async def release(self, request):
-        body = await self._body(request)
-        lease_id = str(body["lease_id"])
+        lease_id = (await read_json(request, RELEASE))["lease_id"]
         # GPU copies first: the lease pins the host buffers they were made from.
         state = await asyncio.to_thread(self._forget_lease, lease_id)
         out = {"released": self.store.release(lease_id)}
@@ -387,7 +395,9 @@ class RelayServer(MasterRelay):
         return web.json_response(out)
 
     async def set_downstream(self, request):
-        body = await self._body(request)
+        body = await read_json(request, SET_DOWNSTREAM)
+        if body.get("data_port") and not body.get("data_host"):
+            raise BadRequest("data_host", "is missing (a downstream is data_host and data_port)")
         if body.get("relays_after_source"):
             self.forwarder.relays_after_source = int(body["relays_after_source"])
         if body.get("data_port"):
@@ -413,8 +423,9 @@ def _config_from_args(args) -> RelayConfig:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="laminar_mcore relay")
-    ap.add_argument("--token", default=os.environ.get(TOKEN_ENV),
-                    help="the run's token (default: $LAMINAR_RUN_TOKEN)")
+    ap.add_argument("--token", default=None,
+                    help="deprecated: a token on a command line is visible to every user of "
+                         "the machine (ps); export LAMINAR_RUN_TOKEN instead")
     ap.add_argument("--config-json", default=None,
                     help="a RelayConfig as JSON (what the launchers pass); the flags below are "
                          "then ignored")
@@ -440,6 +451,11 @@ def main(argv=None) -> None:
                     help="RDMA NIC(s) for Mooncake, e.g. mlx5_0 (empty: auto-discover)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.token:
+        logger.warning("--token is deprecated: every user of this machine can read a command "
+                       "line; export %s instead", TOKEN_ENV)
+    else:
+        args.token = os.environ.get(TOKEN_ENV)
     if not args.token:
         ap.error("--token (or LAMINAR_RUN_TOKEN) is required")
     try:
@@ -464,7 +480,9 @@ def main(argv=None) -> None:
         server.shutdown()
 
     server.app.on_cleanup.append(on_cleanup)
-    web.run_app(server.app, sock=sock, access_log=None, print=None)
+    # SIGTERM/SIGINT: stop listening, answer the long polls (_on_shutdown), wait SHUTDOWN_S for
+    # the handlers still running, then free the shared memory (on_cleanup) and exit
+    web.run_app(server.app, sock=sock, access_log=None, print=None, shutdown_timeout=SHUTDOWN_S)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,22 @@ import aiohttp
 from ..netutil import EngineError
 
 
+class StreamProtocolError(EngineError):
+    """One stream could not be read as SGLang's protocol (a chunk that is not JSON, a line
+    over the size limit, token ids and log-probs that cannot be reconciled): an error of that
+    request, not a sign that the engine is unhealthy."""
+
+
+# The longest server-sent-events line read: SGLang sends a finished request's
+# ``routed_experts`` (base64 of int32 [positions, layers, top-k]) on one line, about 66 MB for
+# 94 layers x top-8 x 16K positions (Qwen3-235B-A22B); aiohttp's own line reader stops at
+# 128 KiB. Over this a stream fails with a StreamProtocolError naming the size.
+MAX_STREAM_LINE_BYTES = 512 * 2**20
+# SGLang 0.5.23's health window (SGLANG_HEALTH_CHECK_TIMEOUT, 20 s) and a margin: a /health
+# probe is not answered sooner than 1 s, and a 503 only after the window.
+HEALTH_PROBE_TIMEOUT_S = 30.0
+
+
 @dataclass
 class StreamChunk:
     """What one stream chunk added: new token ids and their log-probs, the chunk's meta_info
@@ -50,9 +66,16 @@ class SGLangClient:
     def __init__(self, base_url: str, *, api_key: Optional[str] = None,
                  timeout_s: float = 30.0, generate_timeout_s: Optional[float] = None,
                  weight_update_timeout_s: float = 600.0, retries: int = 2,
-                 retry_backoff_s: float = 0.2, incremental_stream: bool = False):
+                 retry_backoff_s: float = 0.2, incremental_stream: bool = False,
+                 stream_connections: int = 0, control_connections: int = 16,
+                 max_line_bytes: int = MAX_STREAM_LINE_BYTES):
         """``incremental_stream``: the server runs with ``--incremental-streaming-output``
-        (each chunk carries only new tokens); otherwise chunks are cumulative."""
+        (each chunk carries only new tokens); otherwise chunks are cumulative.
+
+        Connections: generation streams and control/weight calls use separate pools, so a
+        ``pause_generation`` never waits for a connection behind the very streams it pauses.
+        ``stream_connections``: the most concurrent streams (0: no cap; never set it below the
+        engine's ``max_running_requests``); ``control_connections``: the control pool's size."""
         self.base_url = base_url.rstrip("/")
         self.incremental_stream = incremental_stream
         self.api_key = api_key
@@ -61,7 +84,11 @@ class SGLangClient:
         self.weight_update_timeout_s = weight_update_timeout_s
         self.retries = retries
         self.retry_backoff_s = retry_backoff_s
-        self._session: Optional[aiohttp.ClientSession] = None
+        self.stream_connections = int(stream_connections)
+        self.control_connections = int(control_connections)
+        self.max_line_bytes = int(max_line_bytes)
+        self._session: Optional[aiohttp.ClientSession] = None  # control and weight calls
+        self._stream_session: Optional[aiohttp.ClientSession] = None  # /generate streams
 
     async def __aenter__(self) -> "SGLangClient":
         return self
@@ -70,17 +97,29 @@ class SGLangClient:
         await self.close()
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for name in ("_session", "_stream_session"):
+            session = getattr(self, name)
+            if session is not None:
+                await session.close()
+                setattr(self, name, None)
 
     def _headers(self) -> Dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def _sess(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(headers=self._headers())
+            self._session = aiohttp.ClientSession(
+                headers=self._headers(),
+                connector=aiohttp.TCPConnector(limit=self.control_connections))
         return self._session
+
+    def _streams(self) -> aiohttp.ClientSession:
+        if self._stream_session is None or self._stream_session.closed:
+            self._stream_session = aiohttp.ClientSession(
+                headers=self._headers(),
+                connector=aiohttp.TCPConnector(limit=self.stream_connections,
+                                               limit_per_host=self.stream_connections))
+        return self._stream_session
 
     async def _request(self, method: str, endpoint: str, body: Optional[dict] = None, *,
                        timeout: Optional[float], retries: int = 0, expect_json: bool = True) -> Any:
@@ -128,22 +167,32 @@ class SGLangClient:
                               *, return_logprob: bool = True, rid: Optional[str] = None,
                               extra: Optional[dict] = None) -> AsyncIterator[dict]:
         """The chunks as the server sends them (cumulative or incremental); the last has a
-        ``finish_reason``. An error chunk (HTTP 200, ``{"error": ...}``) raises ``EngineError``.
+        ``finish_reason``. An error chunk (HTTP 200, ``{"error": ...}``) raises ``EngineError``;
+        a chunk that is not JSON, or a line longer than ``max_line_bytes``, raises
+        ``StreamProtocolError``. Events are framed here from the byte stream, so a line of any
+        size up to the limit is read (SGLang puts a whole routing table on one line).
         ``extra``: more GenerateReqInput fields (e.g. ``return_routed_experts``)."""
         body = self._generate_body(input_ids, sampling_params, return_logprob, rid, True, extra)
         try:
-            async with self._sess().post(
+            async with self._streams().post(
                     self.base_url + "/generate", json=body,
                     timeout=aiohttp.ClientTimeout(total=self.generate_timeout_s)) as resp:
                 if resp.status >= 400:
                     raise EngineError("/generate", resp.status, _message(await resp.text()))
-                async for raw in resp.content:
-                    if not raw.startswith(b"data:"):
+                async for line in self._lines(resp.content):
+                    if not line.startswith(b"data:"):
                         continue
-                    data = raw[5:].strip()
+                    data = line[5:].strip()
                     if data == b"[DONE]":
                         return
-                    chunk = json.loads(data)
+                    try:
+                        chunk = json.loads(data)
+                    except ValueError as exc:
+                        raise StreamProtocolError("/generate", None, f"a stream chunk of "
+                                                  f"{len(data)} bytes is not JSON: {exc}") from None
+                    if not isinstance(chunk, dict):
+                        raise StreamProtocolError("/generate", None,
+                                                  f"a stream chunk is not an object: {data[:200]!r}")
                     if "error" in chunk:
                         err = chunk["error"]
                         raise EngineError("/generate", err.get("code") if isinstance(err, dict)
@@ -152,29 +201,95 @@ class SGLangClient:
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise EngineError("/generate", None, f"stream broken at {self.base_url}: {exc!r}") from None
 
+    async def _lines(self, content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+        """The stream's lines (without the newline), framed from raw reads: one pass over the
+        bytes, whatever a line's size, up to ``max_line_bytes``."""
+        buf = bytearray()
+        scanned = 0  # bytes of buf already searched for a newline
+        async for data in content.iter_any():
+            buf += data
+            start = 0
+            while True:
+                nl = buf.find(b"\n", max(scanned, start))
+                if nl < 0:
+                    break
+                yield bytes(buf[start:nl]).rstrip(b"\r")
+                start = scanned = nl + 1
+            if start:
+                del buf[:start]
+                scanned = 0
+            scanned = len(buf)
+            if len(buf) > self.max_line_bytes:
+                raise StreamProtocolError("/generate", None, f"a stream line exceeds "
+                                          f"{self.max_line_bytes} bytes (max_line_bytes)")
+        if buf:
+            yield bytes(buf)
+
     async def stream_tokens(self, input_ids: Sequence[int], sampling_params: Optional[dict] = None,
                             *, rid: Optional[str] = None,
                             extra: Optional[dict] = None) -> AsyncIterator[StreamChunk]:
         """Only what each chunk adds (tokens and log-probs), in both stream styles; a stream that
-        ends without a finish reason raises ``EngineError``. With an incremental server each
-        chunk is parsed once, so a response of L tokens costs O(L)."""
+        ends without a finish reason raises ``EngineError``.
+
+        Chunks are reconciled by count: ``meta_info.completion_tokens`` (the tokens generated
+        so far) says how many are new, and only those are taken -- the ids from the chunk's
+        ``output_ids`` (new ones first; the whole list in cumulative streams) and the log-probs
+        from ``output_token_logprobs`` (this chunk's, or, where the server sends the whole
+        cumulative list, its tail). So SGLang 0.5.23's final chunk for a request aborted in
+        its waiting queue after a retraction -- ``output_ids`` = the last id, already
+        streamed, with the cumulative log-probs -- adds nothing, and coalesced chunks add each
+        token once. A chunk that cannot be reconciled raises ``StreamProtocolError``. With an
+        incremental server each chunk is parsed once, so a response of L tokens costs O(L)."""
         seen = 0
-        finished = False
         async for chunk in self.generate_stream(input_ids, sampling_params, rid=rid, extra=extra):
             meta = chunk.get("meta_info") or {}
-            ids = chunk.get("output_ids") or []
-            lps = [e[0] for e in meta.get("output_token_logprobs") or []]
-            if not self.incremental_stream:
-                ids, lps = ids[seen:], lps[seen:]
-            if len(ids) != len(lps):
-                raise EngineError("/generate", None, f"stream chunk has {len(ids)} tokens but "
-                                  f"{len(lps)} log-probs (was it started with "
-                                  f"--incremental-streaming-output={self.incremental_stream}?)")
+            ids, lps = self._reconcile(chunk, meta, seen)
             seen += len(ids)
-            finished = meta.get("finish_reason") is not None
-            yield StreamChunk(list(ids), lps, meta)
-        if not finished:
-            raise EngineError("/generate", None, "stream ended without a finish reason")
+            yield StreamChunk(ids, lps, meta)
+            if meta.get("finish_reason") is not None:
+                return  # finished: what follows ([DONE], or a broken connection) changes nothing
+        raise EngineError("/generate", None, "stream ended without a finish reason")
+
+    def _reconcile(self, chunk: dict, meta: dict, seen: int):
+        """The ids and log-probs ``chunk`` adds to the ``seen`` already yielded (see
+        ``stream_tokens``). Incremental chunks: ``output_ids`` holds exactly the new ids, except
+        in SGLang's abort answers -- the waiting-queue abort repeats the last id (alone, or at
+        the end of coalesced chunks) with the whole cumulative log-prob list; a request-level
+        abort (``finish_reason.status_code`` >= 400: a prompt too long, a bad argument) carries
+        a placeholder id and no log-probs -- whose extra ids are never taken."""
+        ids = chunk.get("output_ids") or []
+        lps = [e[0] for e in meta.get("output_token_logprobs") or []]
+        reason = meta.get("finish_reason")
+        abort = isinstance(reason, dict) and reason.get("type") == "abort"
+        if abort and isinstance(reason.get("status_code"), int) and reason["status_code"] >= 400:
+            return [], []  # refused by the server: nothing was generated (the reason says why)
+        total = meta.get("completion_tokens")
+        if not isinstance(total, int) or isinstance(total, bool):
+            # a server that does not count: the chunk is what the stream style says it is
+            total = seen + len(ids) if self.incremental_stream else len(ids)
+        new = total - seen
+        if new < 0:
+            raise StreamProtocolError("/generate", None, f"completion_tokens went back from "
+                                      f"{seen} to {total}")
+        if not self.incremental_stream:
+            ok = len(ids) == total
+            ids, lp_new = ids[seen:total], lps[seen:total]
+        else:
+            # the waiting-queue abort: [last id] alone (nothing new) or after the coalesced new
+            ok = len(ids) == new or (abort and (len(ids) == new + 1 or (new == 0 and
+                                                                        len(ids) <= 1)))
+            ids = ids[:new]
+            if abort and len(lps) >= total and len(lps) != new:
+                lp_new = lps[len(lps) - total + seen:]  # the cumulative list is last
+            else:  # this chunk's own
+                lp_new = lps[:new] if len(lps) == new else []
+        if not ok or len(ids) != new or len(lp_new) != new:
+            raise StreamProtocolError(
+                "/generate", None, f"stream chunk cannot be reconciled: {new} new tokens "
+                f"(completion_tokens {total}, {seen} already streamed) but "
+                f"{len(chunk.get('output_ids') or [])} ids and {len(lps)} log-probs (was the "
+                f"engine started with --incremental-streaming-output={self.incremental_stream}?)")
+        return list(ids), lp_new
 
     # ------------------------------------------------------------------ weights
     async def begin_weight_update(self) -> dict:
@@ -276,17 +391,31 @@ class SGLangClient:
                                    retries=self.retries)
 
     async def health(self) -> bool:
+        """SGLang's ``/health``: a one-token generation that answers after at least 1 s, or 503
+        after its health window (``SGLANG_HEALTH_CHECK_TIMEOUT``, 20 s) -- so this waits at
+        least that long (``HEALTH_PROBE_TIMEOUT_S``) before calling the engine unhealthy."""
         try:
-            await self._request("GET", "/health", timeout=self.timeout_s, expect_json=False)
+            await self._request("GET", "/health", timeout=max(self.timeout_s,
+                                                               HEALTH_PROBE_TIMEOUT_S),
+                                 expect_json=False)
+        except EngineError:
+            return False
+        return True
+
+    async def ready(self) -> bool:
+        """SGLang's ``/ready`` (no generation): started, healthy and not paused."""
+        try:
+            await self._request("GET", "/ready", timeout=self.timeout_s, expect_json=False)
         except EngineError:
             return False
         return True
 
     async def wait_healthy(self, timeout_s: float = 120.0, poll_s: float = 0.2) -> None:
+        """Wait until the engine is ready (``/ready``: never a generating probe)."""
         deadline = asyncio.get_running_loop().time() + timeout_s
-        while not await self.health():
+        while not await self.ready():
             if asyncio.get_running_loop().time() > deadline:
-                raise EngineError("/health", None, f"{self.base_url} not healthy after {timeout_s}s")
+                raise EngineError("/ready", None, f"{self.base_url} not ready after {timeout_s}s")
             await asyncio.sleep(poll_s)
 
     async def get_load(self) -> EngineLoad:

@@ -34,11 +34,16 @@ from aiohttp import web
 
 from .engine_core import EngineCore, Request, RequestError, SamplingParams
 from .engine_http import (HTTPError, RWLock, auth_allowed, error_response, generate_result,
-                          unauthorized)
+                          unauthorized, waiting_abort_result)
+from .engine_control import ControlRoutes
 from .engine_weights import WeightUpdateRoutes
 from .model import DecoderLM, load_decoder
 
 logger = logging.getLogger("laminar_mcore.cpu_engine")
+# SGLang's SGLANG_FORCE_STREAM_INTERVAL: a non-stream request's outputs reach the tokenizer
+# manager every this many tokens
+FORCE_STREAM_INTERVAL = int(os.environ.get("SGLANG_FORCE_STREAM_INTERVAL", 50))
+SHUTDOWN_S = 1.0  # how long pending handlers get to finish after SIGTERM
 
 def load_tokenizer(model_path: str):
     """The checkpoint's tokenizer, or None when it has none (token-id prompts only)."""
@@ -66,9 +71,12 @@ class ServerArgs:
     stream_interval: int = 1
     served_model_name: Optional[str] = None
     enable_return_routed_experts: bool = False
+    # The twin of a big model's start-up (not an SGLang flag): the server listens at once and
+    # answers 503 on /health, /health_generate and /ready ("Starting") for this many seconds.
+    startup_delay_s: float = 0.0
 
 
-class CpuEngineServer(WeightUpdateRoutes):
+class CpuEngineServer(ControlRoutes, WeightUpdateRoutes):
     def __init__(self, model: DecoderLM, args: ServerArgs, tokenizer: Any = None):
         eos = getattr(model.config, "eos_token_id", None)
         eos = [eos] if isinstance(eos, int) else list(eos or [])
@@ -87,6 +95,15 @@ class CpuEngineServer(WeightUpdateRoutes):
         self.stream_interval = max(1, int(args.stream_interval))
         self.api_key = args.api_key
         self.started = time.time()
+        self.startup_delay_s = float(args.startup_delay_s)
+        # SGLang's ServerStatus: Starting until start-up is done, then Up; UnHealthy after a
+        # failed health check (until one succeeds again); gracefully_exit on shutdown.
+        self.server_status = "Starting"
+        self.gracefully_exit = False
+        self.last_receive = 0.0  # when the scheduler last reported progress of any request
+        self.health_window_s = float(int(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20)))
+        self.health_generation = os.environ.get(
+            "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true").lower() in ("true", "1", "yes", "y")
         # what /server_info reports (the key never leaves the server)
         self.server_args = dict(asdict(args), api_key=None, context_length=self.context_length,
                                 stream_interval=self.stream_interval,
@@ -116,13 +133,14 @@ class CpuEngineServer(WeightUpdateRoutes):
         r.add_get("/get_server_info", self.server_info)  # deprecated alias
         r.add_get("/v1/loads", self.loads)
         r.add_get("/health", self.health)
-        r.add_get("/health_generate", self.health_generate)
+        r.add_get("/health_generate", self.health)
         r.add_get("/ready", self.ready)
         r.add_get("/metrics", self.metrics)
         from .openai_api import add_openai_routes
 
         add_openai_routes(self)
         self.app.on_startup.append(self._on_startup)
+        self.app.on_shutdown.append(self._on_shutdown)
         self.app.on_cleanup.append(self._on_cleanup)
 
     # ------------------------------------------------------------------ plumbing
@@ -131,6 +149,25 @@ class CpuEngineServer(WeightUpdateRoutes):
         self.model_update_lock = RWLock()
         self.pause_cond = asyncio.Condition()
         self.core.start()
+        if self.startup_delay_s > 0:
+            async def up_later():
+                await asyncio.sleep(self.startup_delay_s)
+                self.server_status = "Up"
+
+            self._startup_task = asyncio.get_running_loop().create_task(up_later())
+        else:
+            self.server_status = "Up"
+
+    async def _on_shutdown(self, app):
+        """SIGTERM: /health answers 503 from now on, requests waiting at the pause gate are
+        refused, running ones are aborted (a stream ends with an error chunk saying why) --
+        so the server exits within ``SHUTDOWN_S`` whatever is pending."""
+        self.gracefully_exit = True
+        async with self.pause_cond:
+            self.pause_cond.notify_all()
+        for _ in range(3):  # and any that got past the gate just before
+            self.core.submit("abort", (None, True), lambda *_: None)
+            await asyncio.sleep(0.1)
 
     async def _on_cleanup(self, app):
         self.core.stop()
@@ -167,6 +204,8 @@ class CpuEngineServer(WeightUpdateRoutes):
         future = self.loop.create_future()
 
         def done(result, error):
+            self.last_receive = time.time()  # a reply of the scheduler, as SGLang counts it
+
             def settle():
                 if future.done():
                     return
@@ -266,15 +305,19 @@ class CpuEngineServer(WeightUpdateRoutes):
                                  "completion. Please reduce the number of tokens in the input "
                                  "messages or the completion to fit within the limit.")
 
-    async def run_requests(self, reqs: List[Request]):
+    async def run_requests(self, reqs: List[Request], count: bool = True):
         """Submit ``reqs`` (holding the model-update reader lock, as SGLang) and yield
-        ``(index, request, tokens so far, finished)`` as they progress."""
+        ``(index, request, tokens so far, finished)`` as they progress. ``count=False``: not in
+        the request counters (health checks, as SGLang's ``log_metrics=False``)."""
+        self._refuse_when_exiting()
         async with self.pause_cond:
-            await self.pause_cond.wait_for(lambda: not self.paused)
+            await self.pause_cond.wait_for(lambda: not self.paused or self.gracefully_exit)
+        self._refuse_when_exiting()
         async with self.model_update_lock.reader():
             events: asyncio.Queue = asyncio.Queue()
             for i, req in enumerate(reqs):
                 def on_event(r, finished, i=i):
+                    self.last_receive = time.time()
                     self.loop.call_soon_threadsafe(events.put_nowait, (i, len(r.output_ids), finished))
 
                 req.on_event = on_event
@@ -283,21 +326,41 @@ class CpuEngineServer(WeightUpdateRoutes):
                 for req in reqs:
                     await self._command("add", req)
                     added.append(req)
-                    self.counters["requests"] += 1
-                    self.counters["prompt_tokens"] += len(req.input_ids)
+                    if count:
+                        self.counters["requests"] += 1
+                        self.counters["prompt_tokens"] += len(req.input_ids)
                 pending = len(reqs)
                 while pending:
                     i, n, finished = await events.get()
                     if finished:
                         pending -= 1
-                        self.counters["generation_tokens"] += n
+                        if count:
+                            self.counters["generation_tokens"] += n
                     yield i, reqs[i], n, finished
             finally:  # client gone or an error: free the engine's work
                 for req in added:
                     if req.finish_reason is None:
                         self.core.submit("abort", (req.rid, False), lambda *_: None)
 
-    def result(self, req: Request, upto: int, since: int, finished: bool, body: dict) -> dict:
+    def _refuse_when_exiting(self) -> None:
+        if self.gracefully_exit:
+            raise HTTPError(503, "The server is shutting down; send the request to another "
+                                 "engine")
+
+    def result(self, req: Request, upto: int, since: int, finished: bool, body: dict,
+               stream: bool = False, sent: Optional[int] = None) -> dict:
+        """``sent``: the output tokens the scheduler has already sent for a stream; SGLang's
+        tokenizer manager knows only those (a non-stream request's, every
+        ``SGLANG_FORCE_STREAM_INTERVAL`` = 50 tokens), and answers a waiting-queue abort
+        from them: tokens generated since are dropped."""
+        if finished and req.aborted_waiting:
+            if sent is None:
+                sent = len(req.output_ids) - len(req.output_ids) % FORCE_STREAM_INTERVAL
+            return waiting_abort_result(
+                req, upto=sent, version=self.core.weight_version,
+                return_logprob=bool(body.get("return_logprob")),
+                return_text=bool(body.get("return_text_in_logprobs")), decode=self.decode,
+                incremental_stream=stream and self.incremental)
         return generate_result(req, upto=upto, since=since, version=self.core.weight_version,
                                return_logprob=bool(body.get("return_logprob")),
                                return_text=bool(body.get("return_text_in_logprobs")),
@@ -315,6 +378,9 @@ class CpuEngineServer(WeightUpdateRoutes):
             async for i, req, n, finished in events:
                 if finished:
                     done[i] = self.result(req, n, 0, True, body)
+        if self.gracefully_exit and any(d["meta_info"]["finish_reason"].get("type") == "abort"
+                                        for d in done.values()):
+            self._refuse_when_exiting()  # ended by the shutdown
         return web.json_response([done[i] for i in range(len(reqs))] if batch else done[0])
 
     async def _stream(self, request: web.Request, req: Request, body: dict):
@@ -328,142 +394,26 @@ class CpuEngineServer(WeightUpdateRoutes):
         try:
             async with contextlib.aclosing(self.run_requests([req])) as events:
                 async for _, _, n, finished in events:
-                    if not finished and n - sent < interval:
+                    # SGLang's output streamer: every token at interval 1, else the first
+                    # token at once and then whenever ``interval`` tokens are unsent
+                    if not finished and not (interval == 1 or n - sent >= interval
+                                             or (sent == 0 and n > 0)):
                         continue
+                    if finished and self.gracefully_exit and req.finish_reason and \
+                            req.finish_reason.get("type") == "abort":
+                        self._refuse_when_exiting()  # ended by the shutdown: an error chunk
                     since = sent if self.incremental else 0
-                    chunk = self.result(req, n, since, finished, body)
+                    chunk = self.result(req, n, since, finished, body, stream=True, sent=sent)
                     sent = n
                     await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         except (RequestError, HTTPError) as exc:
-            error = {"error": {"message": str(exc), "type": "invalid_request_error",
-                               "code": 400, "retryable": False}}
+            code = exc.status if isinstance(exc, HTTPError) else 400
+            error = {"error": {"message": str(exc), "type": "invalid_request_error"
+                               if code == 400 else "service_unavailable",
+                               "code": code, "retryable": code == 503}}
             await response.write(b"data: " + json.dumps(error).encode() + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         return response
-
-    # ------------------------------------------------------------------ control
-    async def pause_generation(self, request: web.Request):
-        body = await self._json(request, empty_ok=True)
-        mode = body.get("mode", "abort")
-        if mode not in ("abort", "retract", "in_place"):
-            raise HTTPError(400, f"mode must be abort, retract or in_place, not {mode!r}")
-        async with self.pause_cond:
-            self.paused = True
-            await self._command("pause", mode)
-            if mode == "abort":  # SGLang waits until no request holds the reader lock
-                while self.model_update_lock.readers:
-                    await self._command("abort", None, True)
-                    await asyncio.sleep(0.01)
-        return web.json_response({"success": True, "mode": mode})
-
-    async def continue_generation(self, request: web.Request):
-        async with self.pause_cond:
-            self.paused = False
-            await self._command("continue")
-            self.pause_cond.notify_all()
-        return web.json_response({"success": True})
-
-    async def abort_request(self, request: web.Request):
-        body = await self._json(request)
-        rid, abort_all = body.get("rid"), bool(body.get("abort_all", False))
-        if not rid and not abort_all:
-            raise HTTPError(400, "give rid or abort_all=true")
-        count = await self._command("abort", rid, abort_all)
-        return web.json_response({"success": True, "aborted": count})
-
-    async def flush_cache(self, request: web.Request):
-        if await self._command("flush_cache"):
-            return web.Response(text="Cache flushed.\nPlease check backend logs for more details. "
-                                     "(When there are running or waiting requests, the operation "
-                                     "will not be performed.)\n")
-        return web.Response(text="Flush cache failed.\n", status=400)
-
-    # ------------------------------------------------------------------ status
-    async def model_info(self, request: web.Request):
-        cfg = self.core.model.config
-        return web.json_response({
-            "model_path": self.model_path, "served_model_name": self.served_model_name,
-            "tokenizer_path": self.model_path if self.tokenizer is not None else None,
-            "is_generation": True, "preferred_sampling_params": None,
-            "weight_version": self.core.weight_version, "load_format": "auto",
-            "model_type": cfg.model_type, "architectures": getattr(cfg, "architectures", None),
-            "has_image_understanding": False, "has_audio_understanding": False})
-
-    def load_snapshot(self) -> dict:
-        """One DP rank's entry of SGLang's /v1/loads (LoadSnapshot core fields)."""
-        st = self.core.stats()
-        return {"timestamp": time.time(), "dp_rank": 0,
-                "num_running_reqs": st["num_running_reqs"],
-                "num_waiting_reqs": st["num_waiting_reqs"],
-                "num_used_tokens": st["num_used_tokens"],
-                "num_total_tokens": st["num_used_tokens"],
-                "max_total_num_tokens": st["max_total_num_tokens"],
-                "max_running_requests": st["max_running_requests"],
-                "token_usage": st["token_usage"], "gen_throughput": 0.0,
-                "cache_hit_rate": 0.0,
-                "utilization": st["num_running_reqs"] / max(st["max_running_requests"], 1)}
-
-    async def loads(self, request: web.Request):
-        include = request.query.get("include")
-        valid = {"core", "memory", "spec", "lora", "disagg", "queues", "all"}
-        if include and not set(s.strip() for s in include.split(",")) <= valid:
-            raise HTTPError(400, f"Invalid include sections: {include}. Valid options: {sorted(valid)}")
-        load = self.load_snapshot()
-        if not include or "queues" in include or "all" in include:
-            st = self.core.stats()
-            load["queues"] = {"waiting": st["num_waiting_reqs"], "grammar": 0,
-                              "paused": st["num_running_reqs"] if st["paused"] == "in_place" else 0,
-                              "retracted": 0, "prealloc_ready": 0}
-        return web.json_response({"timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                  "version": "0.5.23", "accelerator": None,
-                                  "num_accelerators": 0, "loads": [load]})
-
-    async def server_info(self, request: web.Request):
-        st = self.core.stats()
-        return web.json_response({**self.server_args, "startup_time": self.started,
-                                  "internal_states": [st],
-                                  "version": "0.5.23", "frontend": "laminar-cpu"})
-
-    async def health(self, request: web.Request):
-        return web.Response(status=200)
-
-    async def health_generate(self, request: web.Request):
-        """SGLang's check: generate one token (served at once while requests run)."""
-        if self.core.running or self.paused:
-            return web.Response(status=200)
-        req = Request(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0],
-                      params=SamplingParams(max_new_tokens=1, temperature=0.0),
-                      on_event=lambda *_: None)
-        try:
-            async with contextlib.aclosing(self.run_requests([req])) as events:
-                async for *_, finished in events:
-                    if finished:
-                        return web.Response(status=200)
-        except RequestError:
-            pass
-        return web.Response(status=503)
-
-    async def ready(self, request: web.Request):
-        return web.Response(status=503 if self.paused else 200)
-
-    async def metrics(self, request: web.Request):
-        """Prometheus text: SGLang's metric names for what this engine measures."""
-        st = self.core.stats()
-        gauges = {"sglang:num_running_reqs": st["num_running_reqs"],
-                  "sglang:num_queue_reqs": st["num_waiting_reqs"],
-                  "sglang:num_used_tokens": st["num_used_tokens"],
-                  "sglang:token_usage": st["token_usage"],
-                  "sglang:max_total_num_tokens": st["max_total_num_tokens"]}
-        counters = {"sglang:prompt_tokens_total": self.counters["prompt_tokens"],
-                    "sglang:generation_tokens_total": self.counters["generation_tokens"],
-                    "sglang:num_requests_total": self.counters["requests"],
-                    "sglang:num_retractions_total": st["retractions"]}
-        lines = []
-        label = f'{{model_name="{self.served_model_name}"}}'
-        for kind, values in (("gauge", gauges), ("counter", counters)):
-            for name, value in values.items():
-                lines += [f"# TYPE {name} {kind}", f"{name}{label} {value}"]
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -488,6 +438,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                     help="honour sampling_params.sampling_seed (ignored otherwise, as in SGLang)")
     ap.add_argument("--enable-return-routed-experts", action="store_true",
                     help="capture MoE routings so /generate can return them (SGLang's flag)")
+    ap.add_argument("--startup-delay-s", type=float, default=0.0,
+                    help="answer 503 on /health and /ready for this long after binding, as a big "
+                         "model's start-up does (a twin knob for tests; not an SGLang flag)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--seed", "--random-seed", dest="seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -504,7 +457,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         enable_deterministic_inference=args.enable_deterministic_inference,
         incremental_streaming_output=args.incremental_streaming_output,
         stream_interval=args.stream_interval, served_model_name=args.served_model_name,
-        enable_return_routed_experts=args.enable_return_routed_experts),
+        enable_return_routed_experts=args.enable_return_routed_experts,
+        startup_delay_s=args.startup_delay_s),
         tokenizer=load_tokenizer(args.model))
     # Bind first so that --port 0 works: the chosen port is printed for launchers to read.
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
@@ -513,7 +467,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     port = sock.getsockname()[1]
     print(f"LAMINAR_ENGINE_PORT={port}", flush=True)
     logger.info("serving %s on http://%s:%d", args.model, args.host, port)
-    web.run_app(server.app, sock=sock, access_log=None, print=None)  # SIGINT/SIGTERM: clean exit
+    # SIGINT/SIGTERM: stop listening, end every pending request (_on_shutdown), give handlers
+    # SHUTDOWN_S to write their last chunk, exit
+    web.run_app(server.app, sock=sock, access_log=None, print=None, shutdown_timeout=SHUTDOWN_S)
 
 
 if __name__ == "__main__":

@@ -154,6 +154,10 @@ class Request:
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     routed: List[torch.Tensor] = field(default_factory=list)
+    # Aborted while in the waiting queue (never started, or retracted): SGLang answers such a
+    # request from its tokenizer manager with a final chunk of its own shape
+    # (tokenizer_manager._handle_abort_req).
+    aborted_waiting: bool = False
 
     def routed_experts(self) -> Optional[torch.Tensor]:
         """SGLang's ``routed_experts``: positions [start_len, seqlen - 1), int32."""
@@ -207,6 +211,7 @@ class EngineCore:
         # SGLang's estimate of how much of max_new_tokens running requests will still use;
         # admission keeps room for it, a retraction raises it, each decode step lowers it.
         self.new_token_ratio = 0.4
+        self._pending_flush: Optional[Tuple[Callable, float]] = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="laminar-cpu-engine", daemon=True)
 
@@ -267,10 +272,21 @@ class EngineCore:
             self.waiting.append(req)
 
     def _cmd_abort(self, rid: Optional[str], abort_all: bool):
-        targets = list(self.requests.values()) if abort_all else (
-            [self.requests[rid]] if rid in self.requests else [])
+        """SGLang's ``abort_request``: nothing unless ``rid`` is a request's id (the tokenizer
+        manager's check), then every request whose id starts with it (the scheduler's), or all
+        (health checks too). A request in the waiting queue (also one retracted there) ends at once
+        and is marked ``aborted_waiting``."""
+        if not abort_all and rid not in self.requests:  # the tokenizer manager's filter
+            return 0
+        targets = [r for r in self.requests.values() if abort_all or r.rid.startswith(rid)]
+        waiting = {id(r) for r in self.waiting}
         for req in targets:
-            self._finish(req, {"type": "abort", "message": "Abort by request"})
+            if id(req) in waiting:
+                req.aborted_waiting = True
+                self._finish(req, {"type": "abort", "message": "Abort in waiting queue"})
+            else:
+                self._finish(req, {"type": "abort", "message": "Aborted", "status_code": None,
+                                   "err_type": None})
         return len(targets)
 
     def _cmd_pause(self, mode: str):
@@ -301,14 +317,43 @@ class EngineCore:
         """Run ``fn`` on the engine thread between steps (weight loaders use it)."""
         return fn()
 
-    def _cmd_flush_cache(self):
-        """Like SGLang: refused while requests are running or queued. This engine keeps no
-        prefix cache (a slot is always written before it is read), so nothing stale remains
-        once no request holds KV; the flush is counted."""
-        if self.requests:
+    def _idle(self, ignore_waiting: bool = False) -> bool:
+        """SGLang's ``is_fully_idle``: nothing running, and nothing waiting unless
+        ``ignore_waiting``."""
+        return not self.running and (ignore_waiting or not self.waiting)
+
+    def _flush(self) -> bool:
+        """SGLang's ``Scheduler.flush_cache``: refused unless idle, where waiting requests do
+        not count while the scheduler is paused (``retract`` / ``in_place``; SGLang's ``abort``
+        pause never reaches the scheduler). This engine keeps no prefix cache (a slot is always
+        written before it is read), so nothing stale remains once no request holds KV; the
+        flush is counted."""
+        if not self._idle(ignore_waiting=self.paused in ("retract", "in_place")):
             return False
         self.cache_flushes += 1
         return True
+
+    def _cmd_flush_cache(self, timeout_s: float = 0.0):
+        """SGLang's flush (``scheduler_components/flush_wrapper.py``): at once when
+        ``timeout_s`` is 0 (``_flush``'s rule); otherwise at once if nothing runs or waits, else
+        deferred until then, up to ``timeout_s``. Returns ``(success, message)``, or ``None`` when deferred (the
+        answer comes through ``done`` later)."""
+        if self._pending_flush is not None:
+            return False, "Another flush_cache is already in progress."
+        if timeout_s <= 0 or self._idle():
+            return self._flush(), None
+        return None
+
+    def _check_pending_flush(self) -> None:
+        if self._pending_flush is None:
+            return
+        done, deadline = self._pending_flush
+        if self._idle():
+            self._pending_flush = None
+            done((self._flush(), None), None)
+        elif time.monotonic() >= deadline:
+            self._pending_flush = None
+            done((False, "Timed out waiting for idle state."), None)
 
     # ---------------------------------------------------------------- the loop
     def _loop(self) -> None:
@@ -324,6 +369,7 @@ class EngineCore:
                     command = self.commands.get_nowait()
                 except queue.Empty:
                     command = None
+            self._check_pending_flush()
             if self.paused is None and (self.waiting or self.running):
                 try:
                     self._step()
@@ -337,8 +383,11 @@ class EngineCore:
             result = getattr(self, "_cmd_" + name)(*args)
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             done(None, exc)
-        else:
-            done(result, None)
+            return
+        if name == "flush_cache" and result is None:  # deferred until idle
+            self._pending_flush = (done, time.monotonic() + float(args[0]))
+            return
+        done(result, None)
 
     def _step(self) -> None:
         self._admit_and_prefill()

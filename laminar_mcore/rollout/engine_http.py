@@ -101,19 +101,66 @@ def logprob_entries(pairs, decode: Optional[Callable[[List[int]], str]]) -> list
     return [[lp, tok, decode([tok]) if decode is not None else None] for lp, tok in pairs]
 
 
+def add_weight_versions(meta: dict, req: Request, upto: int, current: str) -> None:
+    """SGLang's ``add_weight_versions_to_meta_info`` over ``compute_weight_version_spans``:
+    the spans visible in ``upto`` output tokens (at least one: a request with no output has
+    ``[{current, 0, 0}]``), and ``weight_version`` = the last one's."""
+    spans = [dict(s) for s in req.weight_versions if s["start"] < upto or s["start"] == 0]
+    for span in spans:
+        span["end"] = min(span["end"], upto)
+    if not spans:
+        spans = [{"version": current, "start": 0, "end": 0}]
+    meta["weight_versions"] = spans
+    meta["weight_version"] = spans[-1]["version"]
+
+
+def waiting_abort_result(req: Request, *, upto: int, version: str, return_logprob: bool,
+                         return_text: bool, decode, incremental_stream: bool) -> dict:
+    """SGLang 0.5.23's answer for a request aborted in its waiting queue (never started, or
+    retracted there under KV pressure or by ``pause_generation("retract")``), built by the
+    tokenizer manager (``_handle_abort_req``), not by the scheduler's output path: the whole
+    cumulative ``output_token_logprobs``, ``completion_tokens`` = every token, and, in an
+    incremental stream, ``output_ids`` = only the last id, which was already streamed. Built
+    from the first ``upto`` output tokens: those the tokenizer manager has received."""
+    meta = {"id": req.rid, "finish_reason": req.finish_reason, "weight_version": version,
+            "e2e_latency": time.time() - req.created}
+    n = upto
+    add_weight_versions(meta, req, n, current=version)
+    out_ids = req.output_ids[:n]
+    if return_logprob:
+        text_of = decode if return_text else None
+        if req.input_logprobs is not None:
+            meta["input_token_logprobs"] = logprob_entries(
+                zip(req.input_logprobs, req.input_ids[max(req.logprob_start_len, 0):]), text_of)
+        else:
+            meta["input_token_logprobs"] = []
+        meta["output_token_logprobs"] = logprob_entries(
+            zip(req.output_logprobs[:n], out_ids), text_of)
+        meta["output_token_logprobs_length"] = n
+        if req.top_logprobs_num > 0:
+            meta["output_top_logprobs"] = [logprob_entries(top, text_of)
+                                           for top in req.output_top_logprobs[:n]]
+            if req.input_top_logprobs is not None:
+                meta["input_top_logprobs"] = [None if top is None else logprob_entries(top, text_of)
+                                              for top in req.input_top_logprobs]
+    meta["completion_tokens"] = n
+    ids = list(out_ids)
+    if incremental_stream:
+        ids = ids[-1:]
+    text = decode(out_ids) if decode is not None else ""
+    return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
 def generate_result(req: Request, *, upto: int, since: int = 0, version: str,
                     return_logprob: bool, return_text: bool, decode, finished: bool) -> dict:
     """One /generate answer for ``req``: output positions ``[since, upto)`` (``since`` > 0 for
     SGLang's incremental streaming chunks; log-prob lists are sliced alike)."""
-    spans = [dict(s) for s in req.weight_versions if s["start"] < upto or s["start"] == 0]
-    for span in spans:
-        span["end"] = min(span["end"], upto)
     meta = {"id": req.rid, "finish_reason": req.finish_reason if finished else None,
             "prompt_tokens": len(req.input_ids), "completion_tokens": upto,
-            "cached_tokens": 0, "weight_version": spans[-1]["version"] if spans else version,
+            "cached_tokens": 0, "weight_version": version,
             "e2e_latency": time.time() - req.created}
-    if spans:
-        meta["weight_versions"] = spans
+    if finished:  # SGLang computes the spans for finished outputs only (output_streamer.py)
+        add_weight_versions(meta, req, upto, current=version)
     if finished and req.return_routed_experts:
         routed = req.routed_experts()
         if routed is not None:  # base64 of int32 [positions, layers, top-k], as SGLang sends it

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import os
 
+import torch
 from aiohttp import web
 
 from ..weights.bucket import decode_handle, open_handle
@@ -25,6 +26,16 @@ from .engine_http import HTTPError
 SESSION_REQUIRED = "{op} must run between begin_weight_update() and end_weight_update()"
 FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still "
                  "running or queued. Retract or finish them, then call /flush_cache.")
+
+
+def torch_dtype(name) -> torch.dtype:
+    """SGLang's ``getattr(torch, dtype)``: a bare torch attribute name such as ``bfloat16``
+    (``"torch.bfloat16"`` is refused there too)."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise HTTPError(400, f"dtypes: {str(name)[:80]!r} is not a torch dtype name (SGLang "
+                             "reads getattr(torch, dtype): e.g. 'bfloat16', not 'torch.bfloat16')")
+    return dtype
 
 
 class WeightUpdateRoutes:
@@ -69,19 +80,23 @@ class WeightUpdateRoutes:
 
         return self._answer(*await self._model_update(end))
 
-    async def _apply(self, op: str, body: dict, load) -> web.Response:
-        """The common tail of update_weights_from_{tensor,distributed}: session check, load,
-        record the version, flush the cache if asked (SGLang's default)."""
+    async def _apply(self, op: str, body: dict, load, succeeded: str = "Success",
+                     failed: str = "Failed to update weights") -> web.Response:
+        """The common tail of update_weights_from_{tensor,distributed}, in SGLang's order: the
+        session is checked first (garbage outside a session gets the session message), then
+        the payload is decoded and loaded, the cache flushed if asked (SGLang's default; a
+        refused flush fails the call after the weights changed, as in 0.5.23) and the version
+        recorded; the messages are SGLang's. ``load`` raises ``HTTPError`` for a payload it cannot read."""
         async def update():
             if not self.session_open:
                 return False, SESSION_REQUIRED.format(op=op)
             try:
-                count = await load()
+                await load()
             except (ValueError, KeyError, RuntimeError) as exc:
-                return False, f"Failed to update weights: {exc}"
-            if body.get("flush_cache", True) and not await self._command("flush_cache"):
-                return False, FLUSH_REFUSED
-            message = f"Succeeded to update {count} tensors."
+                return False, f"{failed}: {exc}"
+            if body.get("flush_cache", True) and not (await self._command("flush_cache"))[0]:
+                return False, FLUSH_REFUSED  # the weights changed; the served version did not
+            message = succeeded
             if body.get("weight_version") is not None:
                 await self._command("set_version", str(body["weight_version"]))
                 message += f" Weight version updated to {body['weight_version']}."
@@ -92,25 +107,28 @@ class WeightUpdateRoutes:
 
     async def update_weights_from_tensor(self, request: web.Request):
         body = await self._json(request)
-        fmt = body.get("load_format")
-        if fmt != "flattened_bucket":
-            raise HTTPError(400, f"load_format {fmt!r} is not supported by the CPU engine; "
-                                 "use 'flattened_bucket'")
-        serialized = body.get("serialized_named_tensors")
-        if not isinstance(serialized, list) or len(serialized) != 1:
-            raise HTTPError(400, "serialized_named_tensors must be a list with one entry per TP "
-                                 "rank (the CPU engine has one)")
-        try:
-            handle = decode_handle(serialized[0])
-        except ValueError as exc:
-            raise HTTPError(400, str(exc)) from None
 
-        def load():
-            with open_handle(handle) as named:
-                return self.core.model.load_weights(named)
+        async def load():
+            fmt = body.get("load_format")
+            if fmt != "flattened_bucket":
+                raise HTTPError(400, f"load_format {fmt!r} is not supported by the CPU engine; "
+                                     "use 'flattened_bucket'")
+            serialized = body.get("serialized_named_tensors")
+            if not isinstance(serialized, list) or len(serialized) != 1:
+                raise HTTPError(400, "serialized_named_tensors must be a list with one entry per "
+                                     "TP rank (the CPU engine has one)")
+            try:
+                handle = decode_handle(serialized[0])
+            except ValueError as exc:
+                raise HTTPError(400, str(exc)) from None
 
-        return await self._apply("update_weights_from_tensor", body,
-                                 lambda: self._command("call", load))
+            def read():
+                with open_handle(handle) as named:
+                    return self.core.model.load_weights(named)
+
+            return await self._command("call", read)
+
+        return await self._apply("update_weights_from_tensor", body, load)
 
     async def update_weights_from_disk(self, request: web.Request):
         body = await self._json(request)
@@ -129,15 +147,17 @@ class WeightUpdateRoutes:
 
         async def update():  # no session needed, as in SGLang 0.5.23
             try:
-                count = await self._command("update_weights", state, None)
+                await self._command("update_weights", state, None)
             except ValueError as exc:
                 return False, f"Failed to update weights: {exc}"
             self.model_path = path
-            if body.get("flush_cache", True) and not await self._command("flush_cache"):
+            if body.get("flush_cache", True) and not (await self._command("flush_cache"))[0]:
                 return False, FLUSH_REFUSED
+            message = "Succeeded to update model weights."
             if body.get("weight_version") is not None:
                 await self._command("set_version", str(body["weight_version"]))
-            return True, f"Succeeded to update model weights ({count} tensors from {path})."
+                message += f" Weight version updated to {body['weight_version']}."
+            return True, message
 
         success, message = await self._model_update(
             update, abort_all=bool(body.get("abort_all_requests", False)))
@@ -172,32 +192,32 @@ class WeightUpdateRoutes:
 
     async def update_weights_from_distributed(self, request: web.Request):
         body = await self._json(request)
-        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
-                and len(names) == len(dtypes) == len(shapes)):
-            raise HTTPError(400, "names, dtypes and shapes must be lists of one length")
-        group = body.get("group_name", "weight_update_group")
-        if self.dist_group is None or group != self.dist_group["name"]:
-            raise HTTPError(400, f"no weight update group {group!r}; call /init_weights_update_group")
-        fmt = body.get("load_format")
-        if fmt not in (None, "flattened_bucket"):
-            raise HTTPError(400, f"load_format {fmt!r} is not supported; use none (one broadcast "
-                                 "per tensor) or 'flattened_bucket' (one per dtype)")
-        from ..weights.bucket import dtype_from_name
         from ..weights.update_group import receive_tensors
 
-        try:
-            specs = [(str(n), dtype_from_name(str(d).removeprefix("torch.")), tuple(s))
-                     for n, d, s in zip(names, dtypes, shapes)]
-        except (ValueError, TypeError) as exc:
-            raise HTTPError(400, str(exc)) from None
-        pg = self.dist_group["pg"]
-
         async def load():
-            named = await asyncio.to_thread(receive_tensors, pg, specs, fmt)
+            names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+            if not (isinstance(names, list) and isinstance(dtypes, list)
+                    and isinstance(shapes, list) and len(names) == len(dtypes) == len(shapes)):
+                raise HTTPError(400, "names, dtypes and shapes must be lists of one length")
+            group = body.get("group_name", "weight_update_group")
+            if self.dist_group is None or group != self.dist_group["name"]:
+                raise HTTPError(400, f"no weight update group {group!r}; call "
+                                     "/init_weights_update_group")
+            fmt = body.get("load_format")
+            if fmt not in (None, "flattened_bucket"):
+                raise HTTPError(400, f"load_format {fmt!r} is not supported; use none (one "
+                                     "broadcast per tensor) or 'flattened_bucket' (one buffer "
+                                     "for the whole update)")
+            if not all(isinstance(s, list) and all(isinstance(x, int) and x >= 0 for x in s)
+                       for s in shapes):
+                raise HTTPError(400, "shapes must be lists of non-negative ints")
+            specs = [(str(n), torch_dtype(d), tuple(s)) for n, d, s in zip(names, dtypes, shapes)]
+            named = await asyncio.to_thread(receive_tensors, self.dist_group["pg"], specs, fmt)
             return await self._command("update_weights", named, None)
 
-        return await self._apply("update_weights_from_distributed", body, load)
+        return await self._apply("update_weights_from_distributed", body, load,
+                                 succeeded="Succeeded to update parameter online.",
+                                 failed="Failed to receive weights")
 
     async def destroy_weights_update_group(self, request: web.Request):
         body = await self._json(request, empty_ok=True)

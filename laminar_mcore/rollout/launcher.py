@@ -2,15 +2,22 @@
 
 ``sglang_command`` builds ``python -m sglang.launch_server`` from the rollout config;
 ``cpu_engine_command`` the CPU engine's. ``EngineProcess`` (a ``server_process.ServerProcess``)
-runs either in its own session with its output captured to a log file, waits for /health, and
-stops it cleanly (SIGTERM, then SIGKILL for the whole process group), also when the launcher
-itself fails.
+runs either in its own session with its output captured to a log file, waits until it answers
+``/ready`` (SGLang 0.5.23: 200 once started and not paused, 503 while starting; it does not
+generate) for at most ``rollout.start_timeout_s`` (``engine_start_timeout_s``: 1800 s for SGLang,
+180 s for the CPU engine), and stops it cleanly (SIGTERM, then SIGKILL for the whole process
+group), also when the launcher itself fails.
+
+Engine health (``/health``, ``/health_generate``) generates one token and answers within
+SGLang's health window (``engine_health_window_s``: env ``SGLANG_HEALTH_CHECK_TIMEOUT``, 20 s,
+polled every second): a probe of it must wait longer (``engine_heartbeat_timeout_s``).
 """
 
 from __future__ import annotations
 
+import os
 import sys
-from typing import List, Optional, Sequence
+from typing import List, Mapping, Optional, Sequence
 
 from ..netutil import free_port  # noqa: F401  (re-exported)
 from ..relay.transports import PullSpec, transport_module
@@ -18,6 +25,43 @@ from ..server_process import ServerProcess, ServerStartError
 
 # an engine that exits or stays unhealthy while starting (the message has its log's tail)
 EngineStartError = ServerStartError
+
+# ``rollout.start_timeout_s`` when null, by backend: SGLang loads a big checkpoint (and captures
+# CUDA graphs) for many minutes; the CPU engine loads small models.
+DEFAULT_START_TIMEOUT_S = {"sglang": 1800.0, "cpu": 180.0}
+# What a probe of /health_generate waits beyond SGLang's health window: the window is polled
+# every second (an answer comes up to ~1 s after it) and a busy server answers late.
+HEALTH_MARGIN_S = 5.0
+
+
+def engine_start_timeout_s(rollout_cfg) -> float:
+    """How long an engine of ``rollout_cfg`` may take to start, first start and restarts
+    alike: ``rollout.start_timeout_s``, or when null 1800 s for sglang and 180 s for the CPU
+    engine."""
+    value = getattr(rollout_cfg, "start_timeout_s", None)
+    if value is None:
+        return DEFAULT_START_TIMEOUT_S.get(rollout_cfg.backend, DEFAULT_START_TIMEOUT_S["cpu"])
+    if float(value) <= 0:
+        raise ValueError(f"rollout.start_timeout_s={value} must be > 0 (seconds), or null for "
+                         "the backend's default (1800 sglang, 180 cpu)")
+    return float(value)
+
+
+def engine_health_window_s(env: Optional[Mapping[str, str]] = None) -> float:
+    """SGLang's health window: ``/health_generate`` answers 503 when no scheduler output came
+    for ``SGLANG_HEALTH_CHECK_TIMEOUT`` seconds (default 20; read as SGLang 0.5.23 reads it,
+    ``http_server.HEALTH_CHECK_TIMEOUT``). The CPU engine honours the same variable."""
+    env = os.environ if env is None else env
+    return float(int(env.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20)))
+
+
+def engine_heartbeat_timeout_s(rollout_cfg, env: Optional[Mapping[str, str]] = None) -> float:
+    """How long the supervisor's ``/health_generate`` probe waits: ``rollout.
+    engine_heartbeat_timeout_s``, but never less than the health window + ``HEALTH_MARGIN_S``
+    (a shorter probe would call a healthy engine that is merely busy, or paused for an update,
+    hung before SGLang itself answers)."""
+    return max(float(rollout_cfg.engine_heartbeat_timeout_s),
+               engine_health_window_s(env) + HEALTH_MARGIN_S)
 
 
 def _protocol_args(weight_version, incremental_streaming_output: bool, stream_interval: int,
@@ -69,9 +113,11 @@ def cpu_engine_command(model_path: str, *, port: int = 0, host: str = "127.0.0.1
                        weight_version: Optional[str] = "0",
                        incremental_streaming_output: bool = False, stream_interval: int = 1,
                        deterministic: bool = False, routed_experts: bool = False,
-                       python: str = sys.executable) -> List[str]:
+                       startup_delay_s: float = 0.0, python: str = sys.executable) -> List[str]:
     """The CPU engine's command line; stream style and determinism default to SGLang's
-    defaults (cumulative chunks every token, ``sampling_seed`` ignored)."""
+    defaults (cumulative chunks every token, ``sampling_seed`` ignored). ``startup_delay_s``
+    (a test/twin knob, ``rollout.cpu_startup_delay_s``): it answers 503 ("Starting") on
+    /health, /health_generate and /ready for that long after it binds, as a big model does."""
     cmd = [python, "-m", "laminar_mcore.rollout.cpu_engine", "--model", model_path, "--host", host,
            "--port", str(port), "--kv-capacity-tokens", str(kv_capacity_tokens),
            "--max-running-requests", str(max_running_requests), "--threads", str(threads),
@@ -80,6 +126,8 @@ def cpu_engine_command(model_path: str, *, port: int = 0, host: str = "127.0.0.1
         cmd += ["--api-key", api_key]
     if routed_experts:
         cmd.append("--enable-return-routed-experts")
+    if startup_delay_s and float(startup_delay_s) > 0:
+        cmd += ["--startup-delay-s", f"{float(startup_delay_s):g}"]
     return cmd + _protocol_args(weight_version, incremental_streaming_output, stream_interval,
                                 deterministic)
 
@@ -107,7 +155,10 @@ def engine_command_from_config(rollout_cfg, model_path: str, *, port: int,
     return cpu_engine_command(model_path, port=port, host=rollout_cfg.host, api_key=api_key,
                               kv_capacity_tokens=rollout_cfg.kv_capacity_tokens,
                               max_running_requests=rollout_cfg.max_running_requests,
-                              seed=index, **common)
+                              seed=index,
+                              startup_delay_s=float(getattr(rollout_cfg, "cpu_startup_delay_s",
+                                                            0.0) or 0.0),
+                              **common)
 
 
 def engine_gpu_ids(rollout_cfg, index: int) -> List[int]:
@@ -143,15 +194,22 @@ def engine_pull_spec(rollout_cfg, index: int, weight_sync=None) -> PullSpec:
 
 def engine_process(cfg, model_path: str, log_path: str, index: int) -> "EngineProcess":
     """Engine ``index`` of a rollout node of run ``cfg`` (not started): the CPU engine picks
-    its own port, SGLang gets a free one."""
+    its own port, SGLang gets a free one. ``start()`` waits for ``/ready`` for at most
+    ``rollout.start_timeout_s`` (``engine_start_timeout_s``)."""
     port = 0 if cfg.rollout.backend == "cpu" else free_port()
     return EngineProcess(engine_command_from_config(cfg.rollout, model_path, port=port,
                                                     index=index, seed=cfg.seed,
                                                     routed_experts=bool(cfg.algo.routing_replay)),
-                         log_path=log_path, host=cfg.rollout.host, port=port or None)
+                         log_path=log_path, host=cfg.rollout.host, port=port or None,
+                         start_timeout_s=engine_start_timeout_s(cfg.rollout))
 
 
 class EngineProcess(ServerProcess):
-    """One engine server process (SGLang or the CPU engine)."""
+    """One engine server process (SGLang or the CPU engine). Ready when ``/ready`` answers 200
+    (never a generating probe: SGLang's ``/health`` runs a one-token generation that may take
+    its whole health window); a start that runs out of time names ``rollout.start_timeout_s``
+    and its value, with the log's tail."""
 
     what = "engine"
+    ready_path = "/ready"
+    timeout_key = "rollout.start_timeout_s"

@@ -6,11 +6,21 @@ own while the trainer and the other machines go on. ``NodeSupervisor`` starts th
 in ``/relay_role``) and ``rollout.num_engines`` engines, registers them with the controller and
 then watches them:
 
+* engines start (all of a node at once) and restart within ``rollout.start_timeout_s`` (1800 s
+  for SGLang, 180 s for the CPU engine by default): ready means SGLang's ``/ready`` answers 200,
+  a probe that does not generate. A start that runs out of time fails with the key, its value
+  and the engine's log tail.
 * an engine whose process ends, or whose ``/health_generate`` fails (or does not answer within
-  ``rollout.engine_heartbeat_timeout_s``) twice in a row, is killed, reported down (the controller stops giving
-  it work; its trajectories resume on engines of their version) and started again; the new one
-  registers in its place and pulls the newest version before it takes work. An engine restarted
-  more than ``rollout.engine_restarts_per_hour`` times in an hour is evicted, with the reason.
+  ``rollout.engine_heartbeat_timeout_s``, never less than SGLang's health window
+  ``SGLANG_HEALTH_CHECK_TIMEOUT`` + 5 s: SGLang itself answers 503 only after that window)
+  twice in a row, is killed, reported down (the controller stops giving it work; its
+  trajectories resume on engines of their version) and started again; the new one registers in
+  its place and pulls the newest version before it takes work. An engine restarted more than
+  ``rollout.engine_restarts_per_hour`` times in an hour is evicted, with the reason.
+* pauses are not failures: a failed check of an engine that the controller reports paused,
+  pulling or updating weights (``GET /engine_states``), now or at any moment of the check, does
+  not count toward the two in a row (it is logged as ``busy_check``): a paused SGLang holds the
+  check's generation at its pause gate and answers 503 once its window ends.
 * a relay whose process ends is started again in the role the controller gives it now: a
   chained relay rejoins the chain (its master catches it up); a dead master is replaced by a
   relay the controller elected among the others, or, when it was the only one, by the restarted
@@ -37,7 +47,8 @@ from ..relay.launch import relay_process
 from ..relay.server import RelayConfig
 from ..server_process import ServerProcess
 from ..weights.bucket import reclaim_segments
-from .launcher import EngineProcess, engine_process
+from .launcher import (EngineProcess, engine_health_window_s, engine_heartbeat_timeout_s,
+                       engine_process, engine_start_timeout_s)
 
 
 class NodeSupervisor:
@@ -60,13 +71,57 @@ class NodeSupervisor:
         self._lock = threading.Lock()
         self._starting: List[ServerProcess] = []  # processes being (re)started right now
         self._threads: List[threading.Thread] = []
+        r = cfg.rollout
+        # start-up budget (first start and restarts) and the /health_generate probe's timeout,
+        # never shorter than SGLang's health window + a margin (launcher.py)
+        self.start_timeout_s = engine_start_timeout_s(r)
+        self.heartbeat_timeout_s = engine_heartbeat_timeout_s(r)
+        if self.heartbeat_timeout_s > float(r.engine_heartbeat_timeout_s):
+            self.log(f"[supervisor {name}] rollout.engine_heartbeat_timeout_s="
+                     f"{r.engine_heartbeat_timeout_s:g} is under SGLang's health window "
+                     f"(SGLANG_HEALTH_CHECK_TIMEOUT={engine_health_window_s():g} s) + margin: "
+                     f"engine checks wait {self.heartbeat_timeout_s:g} s")
 
     # ------------------------------------------------------------------ start
     def start(self) -> "NodeSupervisor":
-        """Start the relay (in the role the controller gives) and the engines."""
+        """Start the relay (in the role the controller gives), then the engines, all at once
+        (a big model loads for minutes: one after the other would add them up), each within
+        ``rollout.start_timeout_s``. The first that fails stops the others and the relay; its
+        error (with its log's tail) is raised."""
         self._start_relay()
-        for i in range(self.cfg.rollout.num_engines):
-            self.engines.append(self._new_engine(i).start())
+        engines = [self._new_engine(i) for i in range(self.cfg.rollout.num_engines)]
+        failed: List[BaseException] = []  # the first failure, the cause (the rest follow it)
+        failed_lock = threading.Lock()
+
+        def start_one(engine: EngineProcess) -> None:
+            try:
+                with failed_lock:
+                    if failed:
+                        return
+                self._start(engine)
+            except BaseException as exc:  # noqa: BLE001 - raised below, in the caller
+                with failed_lock:
+                    failed.append(exc)
+
+        threads = [threading.Thread(target=start_one, args=(e,), daemon=True,
+                                    name=f"laminar-start-engine{i}")
+                   for i, e in enumerate(engines)]
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            if failed:  # the others would only wait out their budgets: their starts fail now
+                for e in engines:
+                    if e.alive():
+                        e.stop(grace_s=2.0)
+            time.sleep(0.2)
+        if failed:
+            for e in engines:
+                e.stop(grace_s=2.0)
+                if e.proc is not None:
+                    reclaim_segments(e.proc.pid)
+            self.stop()  # and the relay: nothing of this node is left running
+            raise failed[0]
+        self.engines.extend(engines)
         return self
 
     def register(self) -> dict:
@@ -145,10 +200,57 @@ class NodeSupervisor:
     def _health_generate(self, url: str) -> bool:
         try:
             with urllib.request.urlopen(url + "/health_generate",
-                                        timeout=self.cfg.rollout.engine_heartbeat_timeout_s) as r:
+                                        timeout=self.heartbeat_timeout_s) as r:
                 return r.status == 200
         except (urllib.error.URLError, OSError):
             return False
+
+    def _busy(self, url: str, checked_s: float) -> Optional[str]:
+        """Why the controller says engine ``url`` was busy (paused, pulling or updating its
+        weights) now or within the last ``checked_s`` seconds (the check's duration), or None:
+        not busy, or the controller could not say (then the failure counts)."""
+        try:
+            states = self.client.engine_states([url])
+        except Exception as exc:  # noqa: BLE001 - unknown: count the failure
+            self._event("state_unknown", url, error=str(exc)[:200])
+            return None
+        state = states.get(url.rstrip("/"))
+        if not state:
+            return None
+        now = [k for k in ("paused", "pulling", "updating") if state.get(k)]
+        if now:
+            return " and ".join(now)
+        ago = state.get("busy_ago_s")
+        if ago is not None and float(ago) <= checked_s + 1.0:
+            return f"busy {float(ago):.1f} s ago"
+        return None
+
+    def _responsive(self, url: str) -> bool:
+        """Whether the engine's HTTP server answers a request that does not generate
+        (``/model_info``, served by SGLang's tokenizer manager also while generation is paused
+        or weights load) within the heartbeat interval: a paused or updating engine does, a
+        hung (e.g. stopped) process does not."""
+        try:
+            with urllib.request.urlopen(url + "/model_info",
+                                        timeout=max(self.cfg.rollout.engine_heartbeat_s, 5.0)):
+                return True
+        except urllib.error.HTTPError:
+            return True  # it answered (e.g. 401 behind an API key)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def _out_of_service(self, url: str) -> Optional[str]:
+        """Why the controller has taken engine ``url`` out of service although it answers its
+        health check (a weight update that failed half-way, streams that broke), or None. Such
+        an engine gets no work until it is restarted, so it is restarted."""
+        try:
+            state = self.client.engine_states([url]).get(url.rstrip("/"))
+        except Exception:  # noqa: BLE001 - the controller is busy or gone: ask next round
+            return None
+        if not state or state.get("healthy", True) or state.get("restarting"):
+            return None
+        return ("the controller took it out of service (its requests or a weight update "
+                "failed) although it answers /health_generate")
 
     def _watch_engine(self, index: int) -> None:
         r = self.cfg.rollout
@@ -159,23 +261,37 @@ class NodeSupervisor:
             engine = self.engines[index]
             if not engine.alive():
                 reason = f"the process exited with {engine.proc.returncode}"
-            elif not self._health_generate(engine.url):
-                if self._stop.is_set() or not engine.alive():
-                    continue  # stopping, or it died meanwhile: the next round says so
-                failures += 1
-                if failures < 2:  # one failed check may be a busy moment: ask again
-                    continue
-                reason = (f"/health_generate failed or did not answer within "
-                          f"{r.engine_heartbeat_timeout_s:g} s twice in a row "
-                          f"(rollout.engine_heartbeat_timeout_s)")
             else:
-                failures = 0
-                continue
+                t0 = time.monotonic()
+                if self._health_generate(engine.url):
+                    failures = 0
+                    reason = self._out_of_service(engine.url)
+                    if reason is None:
+                        continue
+                else:
+                    if self._stop.is_set() or not engine.alive():
+                        continue  # stopping, or it died meanwhile: the next round says so
+                    busy = self._busy(engine.url, time.monotonic() - t0)
+                    if busy is not None and not self._responsive(engine.url):
+                        busy = None  # paused or pulling, but its HTTP server is silent: hung
+                    if busy is not None:  # a pause is not a failure: SGLang holds the check
+                        self._event("busy_check", f"engine{index}", url=engine.url,
+                                    state=busy, counted=False, failures=failures)
+                        continue
+                    failures += 1
+                    if failures < 2:  # one failed check may be a busy moment: ask again
+                        continue
+                    reason = (f"/health_generate failed or did not answer within "
+                              f"{self.heartbeat_timeout_s:g} s twice in a row "
+                              f"(rollout.engine_heartbeat_timeout_s), while the controller "
+                              f"reported it neither paused, pulling nor updating")
             failures = 0
             try:
                 self._restart_engine(index, reason)
             except Exception as exc:  # noqa: BLE001 - keep supervising; the next round retries
-                self._event("restart_failed", f"engine{index}", error=str(exc)[:500])
+                # the error names rollout.start_timeout_s when it ran out of time; keep the
+                # engine's log tail it carries
+                self._event("restart_failed", f"engine{index}", error=str(exc)[:2000])
 
     def _restart_engine(self, index: int, reason: str) -> None:
         t0 = time.time()

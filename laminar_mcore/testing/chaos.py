@@ -5,7 +5,8 @@
 
 * ``engine``: an engine server (a ``laminar_mcore.rollout.cpu_engine`` process);
 * ``relay``: a relay that is not the master (needs ``cluster.rollout_nodes`` >= 2);
-* ``master_relay``: the relay the trainers publish to (its ``/health`` says ``master``);
+* ``master_relay``: the relay the trainers publish to (its ``/health``, asked with the run
+  token from the relay's environment, says ``master``);
 * ``trainer``: a trainer rank (a torchrun worker: its environment has ``TORCHELASTIC_RUN_ID``);
 * ``engine_hang``: an engine stopped with SIGSTOP (alive, but it answers nothing: its
   supervisor's ``/health_generate`` heartbeat must find it).
@@ -18,6 +19,7 @@ resumed) before the next one, and reports when each happened. The chaos test and
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -30,6 +32,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import psutil
+
+from ..netutil import TOKEN_ENV
 
 KINDS = ("engine", "relay", "master_relay", "trainer")
 # the controller's ``fault`` record that says a kind has recovered
@@ -100,20 +104,35 @@ def _cmdline(p: psutil.Process) -> str:
         return ""
 
 
+def _relay_token(p: psutil.Process) -> str:
+    """The run token of a relay process: its environment (a relay is started with it there,
+    never on its command line); the relay's details need it."""
+    try:
+        return p.environ().get(TOKEN_ENV, "")
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return ""
+
+
 def _relay_health(p: psutil.Process) -> Optional[dict]:
-    """Ask each port the relay listens on for /health (the control port answers)."""
+    """Ask each port the relay listens on for /health, with the relay's token (the control
+    port answers; with the token it says whether it is the master)."""
     try:
         conns = p.net_connections(kind="tcp")
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
+    token = _relay_token(p)
     for c in conns:
         if c.status != psutil.CONN_LISTEN:
             continue
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{c.laddr.port}/health",
-                                        timeout=1.0) as resp:
-                return json.loads(resp.read())
-        except (OSError, ValueError):
+            request = urllib.request.Request(f"http://127.0.0.1:{c.laddr.port}/health",
+                                             headers={"Authorization": f"Bearer {token}"})
+            with urllib.request.urlopen(request, timeout=1.0) as resp:
+                health = json.loads(resp.read())
+            if "relay_id" in health:  # the control port, and the token was right
+                p.laminar_token = token
+                return health
+        except (OSError, ValueError, http.client.HTTPException):  # a port that is not HTTP
             continue
     return None
 
@@ -265,12 +284,14 @@ class ChaosRun:
         if master is None or health is None:
             return None
         url = master.laminar_health["control_url"]
+        chain_request = urllib.request.Request(url + "/chain", headers={
+            "Authorization": f"Bearer {getattr(master, 'laminar_token', '')}"})
 
         def watch():
             deadline = time.time() + 30
             while time.time() < deadline:
                 try:
-                    with urllib.request.urlopen(url + "/chain", timeout=1.0) as resp:
+                    with urllib.request.urlopen(chain_request, timeout=1.0) as resp:
                         chain = json.loads(resp.read())["chain"]
                     if health["relay_id"] not in chain:
                         kill.chain_rebuilt_at = time.time()

@@ -4,9 +4,11 @@
 
 SGLang cannot be installed on CPU machines, but its wheel can be downloaded: ``fetch`` runs
 ``pip download --no-deps sglang==0.5.23`` once and extracts the few files the conformance tests
-read (route table, request structs, auth, the weight-update session) under ``.venv``. Nothing of
-SGLang is imported except ``sglang/api/v1/api_types.py`` and ``sglang/srt/utils/auth.py``, which
-depend only on msgspec and the standard library.
+read (route table, request structs, auth, the weight-update session, the flattened weight
+bucket and its receivers) under ``.venv``. Nothing of SGLang is imported except
+``sglang/api/v1/api_types.py`` and ``sglang/srt/utils/auth.py``, which depend only on msgspec
+and the standard library, and ``sglang/srt/weight_sync/tensor_bucket.py``, which depends only on
+torch.
 """
 
 from __future__ import annotations
@@ -25,7 +27,11 @@ FILES = ("sglang/api/v1/api_types.py", "sglang/srt/entrypoints/http_server.py",
          "sglang/srt/entrypoints/v1_loads.py", "sglang/srt/managers/io_struct.py",
          "sglang/srt/utils/auth.py", "sglang/srt/managers/scheduler_components/weight_updater.py",
          "sglang/srt/arg_groups/fields/serving.py", "sglang/srt/arg_groups/fields/exec_.py",
-         "sglang/srt/utils/common.py")
+         "sglang/srt/utils/common.py", "sglang/srt/weight_sync/tensor_bucket.py",
+         "sglang/srt/model_executor/model_runner_components/weight_updater.py",
+         "sglang/srt/managers/tokenizer_manager.py", "sglang/srt/managers/scheduler.py",
+         "sglang/srt/managers/scheduler_components/flush_wrapper.py",
+         "sglang/srt/managers/scheduler_components/output_streamer.py")
 
 
 def cache_dir() -> str:

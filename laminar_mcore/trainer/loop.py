@@ -53,7 +53,7 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
                                     chunk_bytes=ws.chunk_mb * 2**20,
                                     timeout_s=ws.publish_timeout_s,
                                     locate_master=lambda failed: _next_master(controller, failed),
-                                    failover_timeout_s=ws.failover_timeout_s)
+                                    failover_timeout_s=ws.failover_timeout_s, token=token)
         start = 0
         rank = dist.get_rank()
         # A restart of this world after a crash (torchrun counts them) resumes from the newest

@@ -2,8 +2,9 @@
 
 ``WeightPublisher.publish(version)`` exports this rank's pipeline stage into host buckets (the
 only part the trainer waits for) and hands them to a sender thread that streams them to the
-master relay over a dedicated two-rank ``torch.distributed`` group per stage on the relay's
-store -- outside the trainer's world, NCCL or gloo as the relay announces (see
+master relay over a dedicated two-rank ``torch.distributed`` group per stage, formed through the
+relay's publish rendezvous once the stage lead has proved the run token (relay/rendezvous.py)
+-- outside the trainer's world, NCCL or gloo as the relay announces (see
 ``weights.transport``) -- while training goes on. The trainer's blocked time therefore does not depend
 on how many relays or engines exist. Invariant: a publish first waits for the previous one's
 send to finish, since the host buckets are reused.
@@ -18,6 +19,7 @@ own CUDA stream (``weights.transport.Channel``).
 from __future__ import annotations
 
 import datetime
+import os
 import queue
 import threading
 import time
@@ -26,8 +28,10 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from ..netutil import TOKEN_ENV
+from ..relay.rendezvous import PublishSession, RendezvousRefused, join_publish_session
 from ..weights.bucket import BucketPacker
-from ..weights.transport import Channel, announced_backend, session_key, stage_group
+from ..weights.transport import Channel, stage_group
 from .export import iter_stage_hf_tensors
 
 
@@ -49,9 +53,11 @@ class WeightPublisher:
                  bucket_bytes: int = 512 * 2**20, chunk_bytes: int = 64 * 2**20,
                  dtype: Optional[torch.dtype] = None, timeout_s: float = 300.0,
                  locate_master: Optional[Callable[[Tuple[str, int]], Tuple[str, int]]] = None,
-                 failover_timeout_s: float = 180.0):
+                 failover_timeout_s: float = 180.0, token: Optional[str] = None):
         """``locate_master(failed)``: the publish address of the master relay that replaced
-        ``failed`` (the controller knows; None: a lost master relay fails the publish)."""
+        ``failed`` (the controller knows; None: a lost master relay fails the publish).
+        ``token``: the run's token (default ``$LAMINAR_RUN_TOKEN``), which the stage lead
+        proves to the master relay before its publish group forms (relay/rendezvous.py)."""
         from megatron.core import parallel_state as ps
 
         self.model = model
@@ -61,6 +67,9 @@ class WeightPublisher:
         self.timeout_s = timeout_s
         self.locate_master = locate_master
         self.failover_timeout_s = failover_timeout_s
+        self.token = token or os.environ.get(TOKEN_ENV, "")
+        self.session: Optional[PublishSession] = None
+        self._old_sessions: list = []
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.num_stages = ps.get_pipeline_model_parallel_world_size()
         from ..models import get_adapter
@@ -91,31 +100,40 @@ class WeightPublisher:
             self._sender.start()
 
     def _connect(self, host: str, port: int) -> None:
-        """Join stage ``self.stage``'s publish group on the relay's store (a new session: a
-        restarted trainer gets a fresh group on the same relay)."""
-        import torch.distributed as dist
-
+        """Join stage ``self.stage``'s publish group through the relay's publish rendezvous,
+        proving the run token (a new session: a restarted trainer gets a fresh group on the
+        same relay)."""
         timeout = datetime.timedelta(seconds=self.timeout_s)
         try:
-            store = dist.TCPStore(host, port, 1 + self.num_stages, is_master=False,
-                                  timeout=timeout, wait_for_workers=False)
-            backend = announced_backend(store)
-        except RuntimeError as exc:
+            session = join_publish_session(host, port, self.token, self.stage, self.timeout_s)
+        except RendezvousRefused as exc:
+            raise PublishError(f"stage {self.stage}: {exc}") from None
+        except OSError as exc:
             raise PublishError(f"stage {self.stage}: the master relay's store at {host}:{port} "
                                f"did not answer within {self.timeout_s:.0f} s "
                                f"(weight_sync.publish_timeout_s): {exc}") from exc
+        backend = session.backend
         if backend == "nccl" and not torch.cuda.is_available():
+            session.close()
             raise RuntimeError("the master relay publishes over NCCL but this trainer has no "
                                "GPU: start the relay with --publish-backend gloo "
                                "(weight_sync.publish_backend=gloo)")
         try:
-            session = store.add(session_key(self.stage), 1)
-            pg = stage_group(store, self.stage, 1, backend, timeout, session=session)
+            pg = stage_group(session.store, self.stage, 1, backend, timeout,
+                             session=session.number)
         except RuntimeError as exc:
+            session.close()
+            self._old_sessions.append(session)  # (torch may still hold its store)
             raise PublishError(
                 f"stage {self.stage}: could not join the master relay's publish group at "
                 f"{host}:{port} within {self.timeout_s:.0f} s (weight_sync.publish_timeout_s): "
                 f"{exc}. Is the relay alive? Its log is relay-*.log in the run's logs/") from exc
+        # the group calls back into the session's store (a Python object) while it lives:
+        # every session stays referenced; the one of a master relay that was lost is closed
+        if self.session is not None:
+            self.session.close()
+            self._old_sessions.append(self.session)
+        self.session = session
         self.backend, self.pg, self.master = backend, pg, (host, port)
         self.channel = Channel(pg, 0, backend, self.chunk_bytes)
 

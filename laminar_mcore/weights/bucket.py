@@ -49,7 +49,9 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def layout(named: Mapping[str, torch.Tensor]) -> Tuple[List[TensorMeta], int]:
-    """Byte layout of ``named`` in one bucket (each tensor 64-byte aligned)."""
+    """Byte layout of ``named`` in one bucket: each tensor at a multiple of 64 bytes (aligned
+    for any dtype's ``.view`` and vectorised loads), its offset explicit in its ``TensorMeta``
+    (readers never assume tensors back to back)."""
     metas, offset = [], 0
     for name, t in named.items():
         nbytes = t.numel() * t.element_size()
@@ -167,16 +169,21 @@ def metas_from_dicts(raw) -> List[TensorMeta]:
 
 
 def checked_metas(raw, nbytes: int) -> List[TensorMeta]:
-    """``metas_from_dicts``, refusing an entry that lies outside an ``nbytes`` bucket or whose
-    byte size does not match its shape and dtype (handles come from other processes)."""
+    """``metas_from_dicts``, refusing an entry that lies outside an ``nbytes`` bucket, whose
+    byte size does not match its shape and dtype, or whose offset is not a multiple of its
+    element size (``read_bucket``'s ``.view(dtype)`` needs it; ``layout`` makes 64) -- handles
+    come from other processes."""
     metas = metas_from_dicts(raw)
     for m in metas:
         numel = 1
         for d in m.shape:
             numel *= d
-        if m.offset < 0 or m.offset + m.nbytes > nbytes or \
-                numel * torch.empty((), dtype=dtype_from_name(m.dtype)).element_size() != m.nbytes:
+        itemsize = dtype_from_name(m.dtype).itemsize
+        if m.offset < 0 or m.offset + m.nbytes > nbytes or numel * itemsize != m.nbytes:
             raise ValueError(f"bucket entry {m.name!r} does not fit its declared shape/bounds")
+        if m.offset % itemsize:
+            raise ValueError(f"bucket entry {m.name!r}: offset {m.offset} is not a multiple of "
+                             f"its element size {itemsize}")
     return metas
 
 

@@ -6,12 +6,26 @@ at the sender's address, the store prefixed with the group name, the group made 
 process-group helper -- so a trainer that speaks to real SGLang engines and the CPU engine join
 groups the same way. Payloads are SGLang's: one broadcast from rank 0 per tensor, or with
 ``load_format="flattened_bucket"`` one uint8 buffer with the tensors packed back to back.
+
+The flattened bucket is *not* padded: SGLang 0.5.23's receiver
+(``srt/model_executor/model_runner_components/weight_updater.py:300-310``) allocates it with
+``FlattenedTensorBucket.empty(names, dtypes, shapes, device)``
+(``srt/weight_sync/tensor_bucket.py:86-112``), which computes every offset itself from the
+request's names/dtypes/shapes, tensors back to back in the request's order with no padding,
+and raises ``ValueError("Unaligned received tensor ...")`` -- before joining the broadcast --
+when an offset is not a multiple of that tensor's element size (so that its ``.view(dtype)`` on
+the uint8 slice is legal). A sender must match that layout byte for byte, so
+``flattened_layout`` is that same computation and ``send_tensors`` refuses an order SGLang
+would refuse *before* broadcasting (the receiver would never join, and the sender would hang
+until the group's timeout). ``flattened_order`` gives an order SGLang always accepts: element
+sizes are powers of two, so with the largest first every offset is a multiple of every later
+element size.
 """
 
 from __future__ import annotations
 
 import datetime
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -46,30 +60,52 @@ def join_update_group(master_address: str, master_port: int, world_size: int, ra
 
 
 def flattened_layout(specs: Sequence[TensorSpec]) -> Tuple[List[Tuple[int, int]], int]:
-    """Byte ranges of SGLang's flattened bucket (``FlattenedTensorBucket.empty``): tensors
-    back to back, each at an offset aligned to its own element size."""
+    """(offset, nbytes) of each tensor in SGLang's flattened bucket and its total size, exactly as
+    ``FlattenedTensorBucket.empty`` computes them: back to back, no padding, each offset a
+    multiple of its tensor's element size (``ValueError`` otherwise, with SGLang's message)."""
     ranges, offset = [], 0
     for name, dtype, shape in specs:
+        if any(d < 0 for d in shape):
+            raise ValueError(f"Negative dimension in received tensor {name}: {tuple(shape)}")
         if offset % dtype.itemsize:
-            raise ValueError(f"Unaligned received tensor {name}: byte offset {offset}, dtype {dtype}")
+            raise ValueError(f"Unaligned received tensor {name}: byte offset {offset}, "
+                             f"dtype {dtype} (SGLang's flattened bucket packs tensors back to "
+                             "back; send larger element sizes first, see flattened_order)")
         size = int(torch.Size(shape).numel()) * dtype.itemsize
         ranges.append((offset, size))
         offset += size
+    if not ranges:
+        raise ValueError("Cannot create empty tensor bucket")
     return ranges, offset
 
 
-def receive_tensors(pg, specs: Sequence[TensorSpec], load_format: Optional[str] = None
-                    ) -> Dict[str, torch.Tensor]:
-    """Receive one update from rank 0 of ``pg`` (the sender)."""
+def flattened_order(named: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """``named`` reordered (stably) by decreasing element size: an order whose back-to-back
+    layout SGLang's receiver always accepts. Send the names/dtypes/shapes in this order too."""
+    return dict(sorted(named.items(), key=lambda kv: -kv[1].element_size()))
+
+
+def _one_device(named: Dict[str, torch.Tensor]) -> torch.device:
+    devices = {t.device for t in named.values()}
+    if len(devices) != 1:
+        raise ValueError("a flattened bucket is one buffer on one device: its tensors are on "
+                         f"{sorted(str(d) for d in devices) or 'no device'}")
+    return devices.pop()
+
+
+def receive_tensors(pg, specs: Sequence[TensorSpec], load_format: Optional[str] = None,
+                    device: Union[str, torch.device] = "cpu") -> Dict[str, torch.Tensor]:
+    """Receive one update from rank 0 of ``pg`` (the sender) into tensors on ``device`` (the
+    engine's: CPU for gloo, its GPU for NCCL, as SGLang's ``self.device``)."""
     import torch.distributed as dist
 
     if load_format == "flattened_bucket":
-        ranges, total = flattened_layout(specs)
-        flat = torch.empty(total, dtype=torch.uint8)
+        ranges, total = flattened_layout(specs)  # refuses before the broadcast, as SGLang does
+        flat = torch.empty(total, dtype=torch.uint8, device=device)
         dist.broadcast(flat, src=0, group=pg)
         return {name: flat[a:a + n].view(dtype).view(shape).clone()
                 for (name, dtype, shape), (a, n) in zip(specs, ranges)}
-    out = {name: torch.empty(shape, dtype=dtype) for name, dtype, shape in specs}
+    out = {name: torch.empty(shape, dtype=dtype, device=device) for name, dtype, shape in specs}
     handles = [dist.broadcast(t, src=0, group=pg, async_op=True) for t in out.values()]
     for handle in handles:
         handle.wait()
@@ -77,15 +113,19 @@ def receive_tensors(pg, specs: Sequence[TensorSpec], load_format: Optional[str] 
 
 
 def send_tensors(pg, named: Dict[str, torch.Tensor], load_format: Optional[str] = None) -> None:
-    """The sender's side (rank 0): what SGLang's receiver expects, in ``named``'s order."""
+    """The sender's side (rank 0): what SGLang's receiver expects, in ``named``'s order (the
+    order of the request's names/dtypes/shapes). The flattened bucket is built on the tensors'
+    device (they must share one: NCCL needs the buffer on the GPU, gloo on the CPU); an order
+    SGLang's receiver would refuse raises ``ValueError`` before anything is sent."""
     import torch.distributed as dist
 
     if load_format == "flattened_bucket":
         specs = [(n, t.dtype, tuple(t.shape)) for n, t in named.items()]
         ranges, total = flattened_layout(specs)
-        flat = torch.empty(total, dtype=torch.uint8)
+        device = _one_device(named)
+        flat = torch.empty(total, dtype=torch.uint8, device=device)
         for t, (a, n) in zip(named.values(), ranges):
-            flat[a:a + n].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
+            flat[a:a + n].view(t.dtype).view(t.shape).copy_(t.detach())  # one copy, strided ok
         dist.broadcast(flat, src=0, group=pg)
         return
     for t in named.values():

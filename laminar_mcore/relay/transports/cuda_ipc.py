@@ -12,6 +12,17 @@ reduced by device UUID instead of index, so the relay and an engine may see diff
 ``CUDA_VISIBLE_DEVICES``. A bucket's GPU copies live until the engine has applied it (an engine
 must not read freed memory through a handle) and no longer: at most two buckets per engine GPU.
 CPU machines use ``weights.bucket`` handles through the same per-bucket protocol.
+
+Layout (``ipc_layout``): each tensor starts at a multiple of ``IPC_ALIGN`` = 16 bytes, with
+explicit ``start_idx``/``end_idx`` per tensor. SGLang 0.5.23's receiver of this payload
+(``srt/model_executor/model_runner_components/weight_updater.py:383-413``
+``_update_weights_from_flattened_bucket``) copies ``start_idx``/``end_idx`` from our metadata and
+rebuilds each tensor as ``flattened_tensor[start_idx:end_idx].view(dtype).reshape(shape)``
+(``srt/weight_sync/tensor_bucket.py:118-131``): it never recomputes offsets, so padding between
+tensors is read past, and 16-byte starts keep every ``.view(dtype)`` legal and every tensor
+aligned for vectorised loads, whatever mix of dtypes and odd sizes a bucket holds. (The
+``/update_weights_from_distributed`` bucket is different: its receiver computes the offsets
+itself, unpadded -- see ``weights.update_group``.)
 """
 
 from __future__ import annotations
@@ -20,12 +31,38 @@ import base64
 import io
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .base import Exporter as _Exporter
 from .base import Puller
+
+
+IPC_ALIGN = 16  # bytes: every tensor's start_idx in a CUDA-IPC flattened bucket
+
+
+def ipc_layout(named: Dict[str, torch.Tensor], meta_cls=None) -> Tuple[list, int]:
+    """Metadata (``meta_cls``: SGLang's ``FlattenedTensorMetadata`` or the stand-in) of
+    ``named`` in one flattened bucket, and the bucket's size in bytes: tensors in ``named``'s
+    order, each at the next multiple of ``IPC_ALIGN``, ``end_idx - start_idx`` its byte size
+    and ``numel`` that byte size too (what SGLang's own bucket records: the uint8 count)."""
+    meta_cls = meta_cls or StandinTensorMetadata
+    metadata, offset = [], 0
+    for name, t in named.items():
+        offset = -(-offset // IPC_ALIGN) * IPC_ALIGN
+        nbytes = t.numel() * t.element_size()
+        metadata.append(meta_cls(name=name, shape=t.shape, dtype=t.dtype, start_idx=offset,
+                                 end_idx=offset + nbytes, numel=nbytes))
+        offset += nbytes
+    return metadata, offset
+
+
+def reconstruct_tensors(flattened_tensor: torch.Tensor, metadata) -> List[Tuple[str, torch.Tensor]]:
+    """SGLang's ``FlattenedTensorBucket.reconstruct_tensors``: views of each tensor, placed by
+    its metadata's ``start_idx``/``end_idx`` (never by a running offset)."""
+    return [(m.name, flattened_tensor[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape))
+            for m in metadata]
 
 
 def _sglang_bucket_classes():
@@ -59,6 +96,9 @@ class StandinTensorBucket:
 
     def get_metadata(self):
         return self.metadata
+
+    def reconstruct_tensors(self):
+        return reconstruct_tensors(self.flattened_tensor, self.metadata)
 
 
 class StandinSerializer:
@@ -125,20 +165,20 @@ class CudaIpcExporter:
         if self._classes is None:
             self._classes = _sglang_bucket_classes()
         bucket_cls, meta_cls, serializer = self._classes
-        metadata, offset = [], 0
-        for name, t in named.items():  # SGLang's layout: the tensors' bytes back to back
-            nbytes = t.numel() * t.element_size()
-            metadata.append(meta_cls(name=name, shape=t.shape, dtype=t.dtype, start_idx=offset,
-                                     end_idx=offset + nbytes, numel=nbytes))
-            offset += nbytes
+        metadata, total = ipc_layout(named, meta_cls)  # 16-byte starts, explicit start/end
         keep, per_rank = [], []
         for device in targets:
             # One allocation of the bucket's size per GPU, filled in place (building it with
-            # SGLang's torch.cat would hold the bucket twice while it is made).
-            flat = torch.empty(offset, dtype=torch.uint8, device=device)
+            # SGLang's torch.cat would hold the bucket twice while it is made). Padding bytes
+            # are zeroed so that a payload's bytes never depend on stale GPU memory.
+            flat = torch.empty(total, dtype=torch.uint8, device=device)
+            end = 0
             for meta, t in zip(metadata, named.values()):
-                flat[meta.start_idx:meta.end_idx].copy_(
-                    t.contiguous().view(-1).view(torch.uint8), non_blocking=True)
+                if meta.start_idx > end:
+                    flat[end:meta.start_idx].zero_()
+                flat[meta.start_idx:meta.end_idx].view(t.dtype).view(t.shape).copy_(
+                    t.detach(), non_blocking=True)
+                end = meta.end_idx
             bucket = bucket_cls(flattened_tensor=flat, metadata=metadata)
             keep.append(flat)
             per_rank.append(serializer.serialize(
@@ -221,5 +261,5 @@ class Exporter(_Exporter):
             self._ipc.release(lease_id)
 
 
-__all__ = ["CudaIpcExporter", "Exporter", "Puller", "enabled", "spec_for",
-           "standin_bucket_classes"]
+__all__ = ["IPC_ALIGN", "CudaIpcExporter", "Exporter", "Puller", "enabled", "ipc_layout",
+           "reconstruct_tensors", "spec_for", "standin_bucket_classes"]

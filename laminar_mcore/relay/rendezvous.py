@@ -1,0 +1,398 @@
+"""The master relay's publish rendezvous: where a trainer stage lead joins the relay's publish
+group -- after proving the run token.
+
+The trainer -> master relay publish group (one two-rank ``torch.distributed`` group per stage and
+session, ``weights.transport``) needs a store to form. A torch ``TCPStore`` has no
+authentication: whoever reached its port could set keys, join a session's group as the trainer
+and publish weights of their own, or disturb a publish. So the relay exposes no store. Its
+publish port is this rendezvous instead:
+
+1. the relay opens each connection with a challenge (a fresh random nonce);
+2. the trainer answers with its stage, a nonce of its own and an HMAC-SHA256, under the run
+   token, of both nonces and the stage (the token itself never crosses the wire);
+3. the relay refuses (and logs) a join without a valid proof before it holds anything for it;
+   otherwise it opens a session for the stage -- a fresh in-process ``HashStore`` that only this
+   connection reaches -- and answers with the backend, the session number and a proof of the
+   token of its own (a trainer publishes only to a relay that knows the token);
+4. the connection then carries that session's store operations (``RemoteStore`` on the trainer:
+   set, get, add, check, wait, ...) for as long as the group lives.
+
+A stranger who connects can only fail the proof: it reaches no store and no session.
+Unauthenticated connections are few (``MAX_PENDING`` at once) and short (``HANDSHAKE_S``), and
+their opening frame is small (``MAX_HELLO`` bytes). The group's own data connections (gloo's
+pairs, NCCL's bootstrap) use ephemeral ports that are exchanged only through an authenticated
+session's store.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional
+
+import torch.distributed as dist
+
+from .chain import recv_frame, send_frame
+
+logger = logging.getLogger("laminar_mcore.relay")
+
+HANDSHAKE_S = 10.0  # an unauthenticated connection must prove the token within this
+MAX_PENDING = 32  # unauthenticated connections at once; more are closed at once
+MAX_HELLO = 4096  # bytes of a frame before the proof
+AUTH_FAILED = ("authentication failed: the join does not prove the run's token "
+               "(LAMINAR_RUN_TOKEN must be the same for the trainer and the relay)")
+
+
+class RendezvousRefused(ConnectionError):
+    """A join refused: no valid proof of the run token (either way), or a bad stage."""
+
+
+def _mac(token: str, message: str) -> str:
+    return hmac.new(token.encode(), message.encode(), hashlib.sha256).hexdigest()
+
+
+def join_proof(token: str, relay_nonce: str, stage: int, trainer_nonce: str) -> str:
+    """The trainer's proof: HMAC-SHA256 under the token of the relay's nonce, the stage and
+    the trainer's nonce."""
+    return _mac(token, f"laminar-publish-join/{relay_nonce}/{stage}/{trainer_nonce}")
+
+
+def relay_proof(token: str, relay_nonce: str, trainer_nonce: str, session: int) -> str:
+    """The relay's proof, over the trainer's nonce (so it cannot be replayed)."""
+    return _mac(token, f"laminar-publish-relay/{trainer_nonce}/{relay_nonce}/{session}")
+
+
+def _recv_small(sock: socket.socket, limit: int) -> Any:
+    """One frame of at most ``limit`` bytes (before the proof, nothing bigger is read)."""
+    head = b""
+    while len(head) < 4:
+        chunk = sock.recv(4 - len(head))
+        if not chunk:
+            raise ConnectionError("peer closed the connection")
+        head += chunk
+    (length,) = struct.unpack(">I", head)
+    if length > limit:
+        raise ConnectionError(f"an opening frame of {length} bytes (at most {limit})")
+    data = b""
+    while len(data) < length:
+        chunk = sock.recv(length - len(data))
+        if not chunk:
+            raise ConnectionError("peer closed the connection")
+        data += chunk
+    return json.loads(data)
+
+
+def _b64(value) -> str:
+    if isinstance(value, str):
+        value = value.encode()
+    return base64.b64encode(bytes(value)).decode()
+
+
+def _unb64(text: Optional[str]) -> bytes:
+    return base64.b64decode(text or "")
+
+
+def _seconds(value: Any, default: float) -> datetime.timedelta:
+    try:
+        s = float(value)
+    except (TypeError, ValueError):
+        s = default
+    return datetime.timedelta(seconds=min(max(s, 0.001), 30 * 86400.0))
+
+
+# ---------------------------------------------------------------------- relay side
+class PublishRendezvous:
+    """The master relay's publish port. ``on_session(stage, session, store)`` is called for
+    each authenticated join, with the session's store (the relay forms rank 0 of the
+    session's group on it)."""
+
+    def __init__(self, host: str, port: int, token: str, stages: int, backend: str,
+                 on_session: Callable[[int, int, "dist.Store"], None],
+                 stop: threading.Event):
+        self.token, self.stages, self.backend = token, stages, backend
+        self.on_session, self.stop = on_session, stop
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.sessions: Dict[int, int] = {s: 0 for s in range(stages)}
+        self.refused = 0
+        self._lock = threading.Lock()
+        self._pending = threading.BoundedSemaphore(MAX_PENDING)
+        self._thread = threading.Thread(target=self._accept_loop, daemon=True,
+                                        name="laminar-relay-rendezvous")
+
+    def start(self) -> "PublishRendezvous":
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def _accept_loop(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, addr = self.sock.accept()
+            except OSError:
+                return
+            if not self._pending.acquire(blocking=False):
+                conn.close()  # too many connections that have not proved the token
+                continue
+            threading.Thread(target=self._serve, args=(conn, "%s:%s" % addr[:2]), daemon=True,
+                             name="laminar-relay-rendezvous-conn").start()
+
+    def _serve(self, conn: socket.socket, peer: str) -> None:
+        with conn:
+            try:
+                try:
+                    store = self._handshake(conn)
+                finally:
+                    self._pending.release()
+            except RendezvousRefused as exc:
+                self.refused += 1
+                logger.warning("refused a publish join from %s: %s", peer, exc)
+                return
+            except (OSError, ValueError, TypeError, RecursionError) as exc:  # not our protocol
+                self.refused += 1
+                logger.warning("refused a publish join from %s: %s", peer, exc)
+                return
+            serve_store(conn, store)
+
+    def _handshake(self, conn: socket.socket) -> "dist.Store":
+        conn.settimeout(HANDSHAKE_S)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        nonce = secrets.token_hex(16)
+        send_frame(conn, {"type": "publish-challenge", "nonce": nonce})
+        hello = _recv_small(conn, MAX_HELLO)
+        stage = hello.get("stage") if isinstance(hello, dict) else None
+        theirs = hello.get("nonce") if isinstance(hello, dict) else None
+        proof = hello.get("proof") if isinstance(hello, dict) else None
+        if not (isinstance(hello, dict) and hello.get("type") == "join"
+                and isinstance(stage, int) and not isinstance(stage, bool)
+                and isinstance(theirs, str) and 16 <= len(theirs) <= 128
+                and isinstance(proof, str)
+                and hmac.compare_digest(proof.encode(), join_proof(
+                    self.token, nonce, stage, theirs).encode())):
+            send_frame(conn, {"accept": False, "reason": AUTH_FAILED})
+            raise RendezvousRefused("no valid proof of the run's token")
+        if not 0 <= stage < self.stages:
+            reason = (f"stage {stage} is not one of this relay's {self.stages} trainer stages "
+                      "(--trainer-stages: the trainer's pipeline-parallel size)")
+            send_frame(conn, {"accept": False, "reason": reason})
+            raise RendezvousRefused(reason)
+        with self._lock:
+            self.sessions[stage] += 1
+            session = self.sessions[stage]
+        store = dist.HashStore()
+        store.set_timeout(datetime.timedelta(days=30))
+        self.on_session(stage, session, store)
+        send_frame(conn, {"accept": True, "backend": self.backend, "session": session,
+                          "proof": relay_proof(self.token, nonce, theirs, session)})
+        conn.settimeout(None)  # the session's store lives as long as its group
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        return store
+
+
+def serve_store(conn: socket.socket, store: "dist.Store") -> None:
+    """Answer an authenticated trainer's store operations on ``store`` until it hangs up."""
+    while True:
+        try:
+            request = recv_frame(conn)
+        except (OSError, ConnectionError, ValueError):
+            return
+        try:
+            reply = {"ok": True, "value": _apply(store, request)}
+        except Exception as exc:  # noqa: BLE001 - a store error is the caller's to see
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:1000],
+                     "timeout": "timeout" in str(exc).lower()}
+        try:
+            send_frame(conn, reply)
+        except OSError:
+            return
+
+
+def _apply(store: "dist.Store", req: dict) -> Any:
+    op = req.get("op")
+    if op == "set":
+        store.set(str(req["key"]), _unb64(req["value"]))
+        return None
+    if op == "get":
+        key = str(req["key"])
+        store.wait([key], _seconds(req.get("timeout_s"), 300.0))
+        return _b64(store.get(key))
+    if op == "add":
+        return int(store.add(str(req["key"]), int(req["amount"])))
+    if op == "check":
+        return bool(store.check([str(k) for k in req["keys"]]))
+    if op == "wait":
+        store.wait([str(k) for k in req["keys"]], _seconds(req.get("timeout_s"), 300.0))
+        return None
+    if op == "compare_set":
+        return _b64(store.compare_set(str(req["key"]), _unb64(req["expected"]),
+                                      _unb64(req["desired"])))
+    if op == "multi_get":
+        keys = [str(k) for k in req["keys"]]
+        store.wait(keys, _seconds(req.get("timeout_s"), 300.0))
+        return [_b64(v) for v in store.multi_get(keys)]
+    if op == "multi_set":
+        store.multi_set([str(k) for k in req["keys"]], [_unb64(v) for v in req["values"]])
+        return None
+    if op == "append":
+        store.append(str(req["key"]), _unb64(req["value"]))
+        return None
+    if op == "delete_key":
+        return bool(store.delete_key(str(req["key"])))
+    if op == "num_keys":
+        return int(store.num_keys())
+    raise ValueError(f"unknown store operation {op!r}")
+
+
+# ---------------------------------------------------------------------- trainer side
+class RemoteStore(dist.Store):
+    """A session's store as the trainer sees it: every operation goes to the relay over the
+    authenticated connection (one at a time). Keep a reference for as long as a process group
+    formed on it lives (torch calls back into this Python object)."""
+
+    def __init__(self, sock: socket.socket, timeout_s: float, where: str):
+        super().__init__()
+        self._sock: Optional[socket.socket] = sock
+        self._lock = threading.Lock()
+        self._timeout_s = float(timeout_s)
+        self.where = where
+        self.set_timeout(datetime.timedelta(seconds=self._timeout_s))
+
+    def _wait_s(self, timeout=None) -> float:
+        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+            return timeout.total_seconds()
+        return self._timeout_s
+
+    def _call(self, op: str, wait_s: float = 0.0, **args) -> Any:
+        with self._lock:
+            if self._sock is None:
+                raise RuntimeError(f"the publish session with {self.where} is closed")
+            try:
+                self._sock.settimeout(wait_s + 60.0)
+                send_frame(self._sock, {"op": op, **args})
+                reply = recv_frame(self._sock)
+            except (OSError, ValueError) as exc:
+                raise RuntimeError(f"the publish session with {self.where} broke during "
+                                   f"{op}: {exc}") from None
+        if not reply.get("ok"):
+            error = f"the relay's store at {self.where}: {reply.get('error')}"
+            if reply.get("timeout") and hasattr(dist, "DistStoreError"):
+                raise dist.DistStoreError(error)
+            raise RuntimeError(error)
+        return reply.get("value")
+
+    def set(self, key, value):
+        self._call("set", key=str(key), value=_b64(value))
+
+    def get(self, key):
+        wait = self._wait_s()
+        return _unb64(self._call("get", wait, key=str(key), timeout_s=wait))
+
+    def add(self, key, amount):
+        return int(self._call("add", key=str(key), amount=int(amount)))
+
+    def check(self, keys):
+        return bool(self._call("check", keys=[str(k) for k in keys]))
+
+    def wait(self, keys, timeout=None):
+        wait = self._wait_s(timeout)
+        self._call("wait", wait, keys=[str(k) for k in keys], timeout_s=wait)
+
+    def compare_set(self, key, expected, desired):
+        return _unb64(self._call("compare_set", key=str(key), expected=_b64(expected),
+                                 desired=_b64(desired)))
+
+    def multi_get(self, keys):
+        wait = self._wait_s()
+        return [_unb64(v) for v in self._call("multi_get", wait, keys=[str(k) for k in keys],
+                                              timeout_s=wait)]
+
+    def multi_set(self, keys, values):
+        self._call("multi_set", keys=[str(k) for k in keys], values=[_b64(v) for v in values])
+
+    def append(self, key, value):
+        self._call("append", key=str(key), value=_b64(value))
+
+    def delete_key(self, key):
+        return bool(self._call("delete_key", key=str(key)))
+
+    def num_keys(self):
+        return int(self._call("num_keys"))
+
+    def close(self) -> None:
+        with self._lock:
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+
+@dataclass
+class PublishSession:
+    """A joined publish session: its ``store`` (for ``weights.transport.stage_group``, rank 1),
+    the ``backend`` the relay chose and the session ``number``."""
+
+    store: RemoteStore
+    backend: str
+    number: int
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def join_publish_session(host: str, port: int, token: str, stage: int,
+                         timeout_s: float) -> PublishSession:
+    """Join stage ``stage``'s publish group at the master relay ``host:port``: prove the run
+    token, check the relay's proof, and return the session. Raises ``RendezvousRefused``
+    when either side does not prove the token, OSError when the relay cannot be reached."""
+    if not token:
+        raise RendezvousRefused("publishing needs the run's token (LAMINAR_RUN_TOKEN)")
+    sock = socket.create_connection((host, port), timeout=timeout_s)
+    try:
+        sock.settimeout(timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            challenge = _recv_small(sock, MAX_HELLO)
+        except ValueError:
+            challenge = None
+        if not isinstance(challenge, dict) or challenge.get("type") != "publish-challenge" \
+                or not isinstance(challenge.get("nonce"), str):
+            raise RendezvousRefused(f"{host}:{port} is not a master relay's publish port")
+        mine = secrets.token_hex(16)
+        send_frame(sock, {"type": "join", "stage": int(stage), "nonce": mine,
+                          "proof": join_proof(token, challenge["nonce"], int(stage), mine)})
+        reply = recv_frame(sock)
+        if not reply.get("accept"):
+            raise RendezvousRefused(f"the master relay at {host}:{port} refused the join: "
+                                    f"{reply.get('reason')}")
+        session = reply.get("session")
+        proof = reply.get("proof")
+        if not isinstance(session, int) or not isinstance(proof, str) or \
+                not hmac.compare_digest(proof.encode(), relay_proof(
+                    token, challenge["nonce"], mine, session).encode()):
+            raise RendezvousRefused(f"the relay at {host}:{port} did not prove the run's token: "
+                                    "not publishing to it")
+        backend = str(reply.get("backend"))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        return PublishSession(RemoteStore(sock, timeout_s, f"{host}:{port}"), backend, session)
+    except BaseException:
+        sock.close()
+        raise
