@@ -16,6 +16,15 @@ from typing import Any, Callable, Mapping, Optional
 TOKEN_ENV = "LAMINAR_RUN_TOKEN"
 
 
+def engine_api_key(token: str) -> str:
+    """The API key a run's engines are started with (SGLang's ``--api-key``), derived from the
+    run token: SGLang logs its server arguments, the key among them, at start-up, so the
+    engines never see the token itself -- a leaked engine log opens the engines, not the run."""
+    import hashlib
+
+    return hmac.new(token.encode(), b"laminar engine api key", hashlib.sha256).hexdigest()
+
+
 class EngineError(RuntimeError):
     """An engine answered with an error or could not be reached (raised by
     ``rollout.client.SGLangClient``; relays and the controller catch it without importing

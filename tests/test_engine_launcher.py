@@ -88,6 +88,51 @@ def test_engine_stops_cleanly(tmp_path):
         os.kill(pid, 0)
 
 
+@pytest.mark.multiprocess
+def test_a_runs_engines_need_its_key_which_never_shows_on_a_command_line(tmp_path):
+    """A run's engines take weights and commands over the network, so they are started with
+    an API key derived from the run token (never the token: SGLang logs its arguments): the
+    CPU engine from its environment, SGLang from a --config file only its owner reads. Only
+    SGLang's open probes answer without it."""
+    from laminar_mcore.config import typed
+    from laminar_mcore.models.hf import initial_hf_state, save_hf_checkpoint, tiny_hf_config
+    from laminar_mcore.netutil import engine_api_key
+
+    token = "run-token-0123456789"
+    key = engine_api_key(token)
+    assert key != token and token not in key and len(key) == 64
+    cfg = typed(_cfg("rollout=sglang"))
+    proc = engine_process(cfg, "/models/Qwen3-8B", str(tmp_path / "logs" / "e0.log"), 0,
+                          api_key=key)
+    assert key not in " ".join(proc.command)
+    config = proc.command[proc.command.index("--config") + 1]
+    assert oct(os.stat(config).st_mode & 0o777) == "0o600"
+    assert open(config).read() == f'api_key: "{key}"\n'
+
+    hf = tiny_hf_config("qwen2")
+    save_hf_checkpoint(tmp_path / "m", hf, initial_hf_state(type("M", (), {"path": None})(), hf, 0))
+    engine = engine_process(typed(_cfg()), str(tmp_path / "m"), str(tmp_path / "e1.log"), 0,
+                            api_key=key)
+    assert key not in " ".join(engine.command)
+    with engine:
+        def status(path, auth=None):
+            req = urllib.request.Request(engine.url + path)
+            if auth:
+                req.add_header("Authorization", f"Bearer {auth}")
+            try:
+                with urllib.request.urlopen(req, timeout=30) as resp:
+                    return resp.status
+            except urllib.error.HTTPError as exc:
+                return exc.code
+
+        assert status("/model_info") == 401 and status("/model_info", token) == 401
+        assert status("/model_info", key) == 200
+        assert status("/ready") == 200  # SGLang's open probes
+        with open(f"/proc/{engine.proc.pid}/cmdline", "rb") as f:
+            assert key.encode() not in f.read()
+    assert key not in open(tmp_path / "e1.log").read()
+
+
 def test_start_up_budget_and_health_probe_timeout_by_backend():
     """Null ``rollout.start_timeout_s``: 1800 s for SGLang (big checkpoints), 180 s for the CPU
     engine; a set value wins for both. The /health_generate probe never waits less than

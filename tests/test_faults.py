@@ -130,6 +130,7 @@ def test_a_paused_engine_is_not_restarted_and_a_hung_one_is(tmp_path, monkeypatc
     from laminar_mcore.controller.server import Controller, TaskData
     from laminar_mcore.metrics import MetricsWriter
     from laminar_mcore.models.hf import initial_hf_state, save_hf_checkpoint, tiny_hf_config
+    from laminar_mcore.netutil import engine_api_key
     from laminar_mcore.rollout.supervisor import NodeSupervisor
 
     monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "1")  # the engine's window, and ours
@@ -167,7 +168,8 @@ def test_a_paused_engine_is_not_restarted_and_a_hung_one_is(tmp_path, monkeypatc
         set_paused(True)  # what the manager does before it pauses the engine for an update
         req = urllib.request.Request(engine.url + "/pause_generation", method="POST",
                                      data=json.dumps({"mode": "abort"}).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {engine_api_key(token)}"})
         urllib.request.urlopen(req, timeout=30).read()
         supervisor.watch()
         deadline = time.time() + 120
@@ -185,6 +187,59 @@ def test_a_paused_engine_is_not_restarted_and_a_hung_one_is(tmp_path, monkeypatc
         assert handle.evicted is not None, lines
         assert "twice in a row" in handle.evicted and "neither paused" in handle.evicted
         assert not engine.alive()
+    finally:
+        supervisor.stop()
+        controller.stop()
+        metrics.close()
+
+
+@pytest.mark.multiprocess
+def test_an_engine_the_controller_took_out_of_service_is_restarted(tmp_path):
+    """An engine the rollout manager marked unhealthy (a weight update that failed half-way, a
+    stream that broke) gets no more work, yet may still pass its health checks: its
+    supervisor sees the controller's word and restarts it, and the new process takes its
+    place in service (it was lost for good before)."""
+    from dataclasses import replace
+
+    from laminar_mcore.config.schema import LaminarConfig
+    from laminar_mcore.controller.client import ControllerClient
+    from laminar_mcore.controller.episode import TaskCodec
+    from laminar_mcore.controller.server import Controller, TaskData
+    from laminar_mcore.metrics import MetricsWriter
+    from laminar_mcore.models.hf import initial_hf_state, save_hf_checkpoint, tiny_hf_config
+    from laminar_mcore.rollout.supervisor import NodeSupervisor
+
+    model = str(tmp_path / "m")
+    hf = tiny_hf_config("llama", tie_word_embeddings=True)
+    save_hf_checkpoint(model, hf, initial_hf_state(type("M", (), {"path": None})(), hf, 0))
+    base = LaminarConfig(output_dir=str(tmp_path), seed=0)
+    cfg = replace(base, rollout=replace(base.rollout, num_engines=1, engine_heartbeat_s=0.2,
+                                        start_timeout_s=120))
+    controller_cfg = replace(cfg, rollout=replace(cfg.rollout, max_running_requests=0))
+    metrics = MetricsWriter(str(tmp_path), loggers=["jsonl"])
+    task = TaskData(rows=[{"prompt": "ab", "answer": "ba"}] * 4, evals=[],
+                    codec=TaskCodec(lambda row: [1, 2], lambda ids: ""), model_path=model)
+    token = "faults-token-4567"
+    controller = Controller(controller_cfg, task, metrics, token, info={"model_path": model})
+    controller.start()
+    lines = []
+    supervisor = NodeSupervisor(cfg, ControllerClient(controller.url, token), model,
+                                str(tmp_path / "logs"), "n0", log=lines.append)
+    try:
+        supervisor.start()
+        supervisor.register()
+        supervisor.watch()
+        old = supervisor.engines[0]
+        handle = controller.manager.engines[0]
+        controller.loop.call_soon_threadsafe(controller.manager._mark_unhealthy, handle)
+        deadline = time.time() + 120
+        while (supervisor.engines[0] is old or not handle.healthy) and time.time() < deadline:
+            time.sleep(0.2)
+        assert supervisor.engines[0] is not old and handle.healthy, lines
+        assert not old.alive() and supervisor.engines[0].alive()
+        assert handle.client.base_url == supervisor.engines[0].url
+        down = [line for line in lines if " down engine0" in line]
+        assert len(down) == 1 and "took it out of service" in down[0], lines
     finally:
         supervisor.stop()
         controller.stop()

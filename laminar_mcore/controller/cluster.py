@@ -26,7 +26,7 @@ from typing import List, Optional
 
 from aiohttp import web
 
-from ..netutil import Field, read_json, read_query
+from ..netutil import Field, engine_api_key, read_json, read_query
 from ..relay.client import RelayClient, RelayError, probe_relay
 from ..relay.transports import make_puller
 from ..rollout.client import SGLangClient
@@ -98,7 +98,8 @@ class ClusterAPI:
             # engines of a run stream incrementally (rollout.launcher.engine_command_from_config)
             handle = EngineHandle(
                 f"node{node}-engine{i}",
-                SGLangClient(url, retries=0, timeout_s=10, incremental_stream=True),
+                SGLangClient(url, retries=0, timeout_s=10, incremental_stream=True,
+                             api_key=engine_api_key(self.token)),
                 RelayClient(relay_url, self.token), puller,
                 capacity=self.cfg.rollout.max_running_requests)
             self.manager.add_engine(handle)

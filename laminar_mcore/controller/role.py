@@ -17,6 +17,7 @@ from dataclasses import asdict
 from typing import Optional
 
 from ..config.schema import LaminarConfig
+from ..netutil import engine_api_key
 from .client import ControllerError
 from .episode import TaskCodec
 from .evaluation import EvalResult, evaluate
@@ -70,10 +71,13 @@ def load_task(cfg: LaminarConfig, out_dir: str, log) -> TaskData:
                     eval_max_new_tokens=(lambda row: len(row["answer"]) + 1) if exact else None)
 
 
-def evaluate_engine(cfg: LaminarConfig, task: TaskData, url: str) -> EvalResult:
-    """Sampled and greedy accuracy of the engine at ``url`` on the run's held-out set."""
+def evaluate_engine(cfg: LaminarConfig, task: TaskData, url: str,
+                    api_key: Optional[str] = None) -> EvalResult:
+    """Sampled and greedy accuracy of the engine at ``url`` on the run's held-out set
+    (``api_key``: the run's engines', ``netutil.engine_api_key`` of its token)."""
     return asyncio.run(evaluate(url, task.evals, task.codec, asdict(cfg.rollout.sampling),
-                                cfg.data.reward_fn, max_new_tokens_fn=task.eval_max_new_tokens))
+                                cfg.data.reward_fn, api_key=api_key,
+                                max_new_tokens_fn=task.eval_max_new_tokens))
 
 
 def resume_state(cfg: LaminarConfig, out_dir: str, log) -> Optional[dict]:
@@ -121,7 +125,7 @@ def finish_run(controller: Controller, result: dict, initial: EvalResult, t_star
                                 cfg.weight_sync)  # its slot on its node
         handle.updating = True  # its supervisor does not count a failed check meanwhile
         try:
-            async with SGLangClient(handle.client.base_url) as ec:
+            async with SGLangClient(handle.client.base_url, api_key=handle.client.api_key) as ec:
                 deadline = time.time() + 120
                 served = await ec.get_weight_version()  # "default" before any update
                 current = int(served) if served.isdigit() else 0
@@ -141,7 +145,7 @@ def finish_run(controller: Controller, result: dict, initial: EvalResult, t_star
 
     async def probe(handle):
         """Greedy log-probs of a fixed prompt: engines holding the same weights agree exactly."""
-        async with SGLangClient(handle.client.base_url) as ec:
+        async with SGLangClient(handle.client.base_url, api_key=handle.client.api_key) as ec:
             out = await ec.generate(task.codec.encode_prompt(task.evals[0]),
                                     {"max_new_tokens": 8, "temperature": 0.0})
             return [round(float(x[0]), 7) for x in out["meta_info"]["output_token_logprobs"]]
@@ -166,7 +170,7 @@ def finish_run(controller: Controller, result: dict, initial: EvalResult, t_star
         first = pick()
         try:
             engine_version = asyncio.run(final_pull(first))
-            final = evaluate_engine(cfg, task, first.client.base_url)
+            final = evaluate_engine(cfg, task, first.client.base_url, first.client.api_key)
             break
         except EngineError as exc:
             if attempt == 2:
@@ -272,7 +276,7 @@ def run(cfg: LaminarConfig, token: str) -> dict:
                                       f"cluster.join_timeout_s={cfg.cluster.join_timeout_s}")
             time.sleep(0.2)
         first_engine = controller.rollout_nodes[0]["engines"][0]
-        initial = evaluate_engine(cfg, task, first_engine)
+        initial = evaluate_engine(cfg, task, first_engine, engine_api_key(controller.token))
         metrics.log("eval", step=0, **initial.record(), wall_s=0.0)
         log(f"[controller] {len(controller.rollout_nodes)} rollout node(s), "
             f"{len(controller.manager.engines)} engines; initial accuracy {initial.accuracy:.3f} "

@@ -17,6 +17,7 @@ import secrets
 import time
 
 from ..config import as_dict, typed
+from ..netutil import engine_api_key
 
 
 def run_train(cfg) -> dict:
@@ -58,7 +59,7 @@ def run_train(cfg) -> dict:
             f"{len(engines)} {cfg.rollout.backend} engines, {nproc} trainer processes "
             f"(tp={cfg.parallel.tp} pp={cfg.parallel.pp}); Prometheus: "
             f"{controller_url}/metrics/targets")
-        initial = evaluate_engine(cfg, task, engines[0].url)
+        initial = evaluate_engine(cfg, task, engines[0].url, engine_api_key(token))
         metrics.log("eval", step=0, **initial.record(), wall_s=0.0)
         log(f"[train] initial accuracy {initial.accuracy:.3f} (greedy "
             f"{initial.accuracy_greedy:.3f}) on {len(task.evals)} eval prompts")

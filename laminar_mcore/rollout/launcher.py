@@ -192,16 +192,39 @@ def engine_pull_spec(rollout_cfg, index: int, weight_sync=None) -> PullSpec:
     return transport_module(name).spec_for(rollout_cfg, weight_sync, devices)
 
 
-def engine_process(cfg, model_path: str, log_path: str, index: int) -> "EngineProcess":
+def engine_process(cfg, model_path: str, log_path: str, index: int,
+                   api_key: Optional[str] = None) -> "EngineProcess":
     """Engine ``index`` of a rollout node of run ``cfg`` (not started): the CPU engine picks
     its own port, SGLang gets a free one. ``start()`` waits for ``/ready`` for at most
-    ``rollout.start_timeout_s`` (``engine_start_timeout_s``)."""
+    ``rollout.start_timeout_s`` (``engine_start_timeout_s``). ``api_key`` (a run's:
+    ``netutil.engine_api_key`` of its token) never goes on the command line, which every user
+    of the machine can read: the CPU engine takes it from its environment, SGLang from a
+    ``--config`` file only its owner can read, next to the log."""
     port = 0 if cfg.rollout.backend == "cpu" else free_port()
-    return EngineProcess(engine_command_from_config(cfg.rollout, model_path, port=port,
-                                                    index=index, seed=cfg.seed,
-                                                    routed_experts=bool(cfg.algo.routing_replay)),
-                         log_path=log_path, host=cfg.rollout.host, port=port or None,
+    command = engine_command_from_config(cfg.rollout, model_path, port=port, index=index,
+                                         seed=cfg.seed,
+                                         routed_experts=bool(cfg.algo.routing_replay))
+    env = {}
+    if api_key and cfg.rollout.backend == "cpu":
+        env["LAMINAR_ENGINE_API_KEY"] = api_key
+    elif api_key:
+        command += ["--config", _private_config(log_path + ".args.yaml", {"api_key": api_key})]
+    return EngineProcess(command, log_path=log_path, host=cfg.rollout.host, port=port or None,
+                         env=env, api_key=api_key,
                          start_timeout_s=engine_start_timeout_s(cfg.rollout))
+
+
+def _private_config(path: str, options: dict) -> str:
+    """SGLang's ``--config`` YAML of ``options``, readable by its owner only."""
+    import json
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        for key, value in options.items():
+            f.write(f"{key}: {json.dumps(value)}\n")  # a JSON string is a YAML scalar
+    os.chmod(path, 0o600)
+    return path
 
 
 class EngineProcess(ServerProcess):

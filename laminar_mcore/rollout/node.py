@@ -14,16 +14,20 @@ import os
 import socket
 import time
 import urllib.error
+from typing import Optional
+
 from ..config.schema import LaminarConfig
+from ..netutil import engine_api_key
 from .launcher import engine_process
 
 
 def start_engines(cfg: LaminarConfig, model_path: str, logs: str, procs: list,
-                  name: str = "master") -> list:
+                  name: str = "master", api_key: Optional[str] = None) -> list:
     """``rollout.num_engines`` engines of this node (appended to ``procs`` as they start)."""
     engines = []
     for i in range(cfg.rollout.num_engines):
-        engine = engine_process(cfg, model_path, os.path.join(logs, f"engine-{name}-{i}.log"), i)
+        engine = engine_process(cfg, model_path, os.path.join(logs, f"engine-{name}-{i}.log"), i,
+                                api_key=api_key)
         procs.append(engine.start())
         engines.append(engine)
     return engines
@@ -85,7 +89,8 @@ def _run_remote_node(cfg, client, name, logs, procs, log):
     info = client.wait_for("the master relay", client.cluster,
                            lambda a: a.get("master_relay"), cfg.cluster.join_timeout_s)
     relay_url = info["master_relay"]["url"]
-    engines = start_engines(cfg, info["model_path"], logs, procs, name)
+    engines = start_engines(cfg, info["model_path"], logs, procs, name,
+                            api_key=engine_api_key(client.token))
     agent = PullAgent(relay_url, [e.url for e in engines],
                       [engine_pull_spec(cfg.rollout, i, cfg.weight_sync)
                        for i in range(len(engines))], client.token, host=cfg.rollout.host)

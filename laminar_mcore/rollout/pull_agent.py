@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 import aiohttp
 from aiohttp import web
 
-from ..netutil import token_middleware
+from ..netutil import engine_api_key, token_middleware
 from ..relay.client import RelayClient, RelayError, WeightApplyError
 from ..relay.transports import Puller, PullSpec, make_puller
 from .client import EngineError, SGLangClient
@@ -67,7 +67,8 @@ class PullAgent:
     async def _main(self) -> None:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         relay = RelayClient(self.relay_url, self.token, timeout_s=60)
-        engines = [SGLangClient(u, retries=0, timeout_s=60) for u in self.engine_urls]
+        engines = [SGLangClient(u, retries=0, timeout_s=60, api_key=engine_api_key(self.token))
+                   for u in self.engine_urls]
         pullers: List[Puller] = [make_puller(s) for s in self.specs]
         locks: Dict[int, asyncio.Lock] = {i: asyncio.Lock() for i in range(len(engines))}
 

@@ -43,6 +43,7 @@ import urllib.request
 from collections import deque
 from typing import Callable, Dict, List, Optional
 
+from ..netutil import engine_api_key
 from ..relay.launch import relay_process
 from ..relay.server import RelayConfig
 from ..server_process import ServerProcess
@@ -161,7 +162,8 @@ class NodeSupervisor:
 
     def _new_engine(self, index: int) -> EngineProcess:
         return engine_process(self.cfg, self.model_path,
-                              os.path.join(self.logs, f"engine-{self.name}-{index}.log"), index)
+                              os.path.join(self.logs, f"engine-{self.name}-{index}.log"), index,
+                              api_key=engine_api_key(self.client.token))
 
     def _start_relay(self) -> None:
         role = self.client.relay_role(self.cfg.cluster.join_timeout_s)
