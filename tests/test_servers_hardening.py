@@ -320,6 +320,13 @@ def test_publish_port_admits_only_a_trainer_with_the_token(tmp_path):
             reply = recv_frame(s)
             assert reply["accept"] is False and "authentication failed" in reply["reason"]
             assert nonce not in json.dumps(reply)
+        # strangers holding every unauthenticated slot (one trickling a byte at a time) do not
+        # keep the trainer out: the oldest is dropped for each newcomer
+        from laminar_mcore.relay.rendezvous import MAX_PENDING
+
+        squatters = [socket.create_connection(("127.0.0.1", port), timeout=10)
+                     for _ in range(MAX_PENDING + 4)]
+        squatters[-1].sendall(b"\x00")
         # the next publish arrives whole and bit for bit; the relay still serves
         _publish(port, 2)
         _wait(lambda: json.loads(_get(relay.url + "/latest")[1])["version"] == 2, 30, "v2")
@@ -327,6 +334,8 @@ def test_publish_port_admits_only_a_trainer_with_the_token(tmp_path):
         log = (tmp_path / "master.log").read_text()
         assert log.count("refused a publish join from") >= 4, log[-2000:]
         assert relay.alive()
+        for s in squatters:
+            s.close()
     finally:
         if silent is not None:
             silent.close()

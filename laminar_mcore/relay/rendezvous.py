@@ -36,6 +36,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
 
@@ -71,11 +72,21 @@ def relay_proof(token: str, relay_nonce: str, trainer_nonce: str, session: int) 
     return _mac(token, f"laminar-publish-relay/{trainer_nonce}/{relay_nonce}/{session}")
 
 
-def _recv_small(sock: socket.socket, limit: int) -> Any:
-    """One frame of at most ``limit`` bytes (before the proof, nothing bigger is read)."""
+def _recv_small(sock: socket.socket, limit: int, deadline: Optional[float] = None) -> Any:
+    """One frame of at most ``limit`` bytes (before the proof, nothing bigger is read), all
+    of it before ``deadline`` (``time.monotonic()``; a peer that trickles bytes gets no more
+    time than one that sends none)."""
+    def recv(n: int) -> bytes:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("the opening frame did not arrive in time")
+            sock.settimeout(left)
+        return sock.recv(n)
+
     head = b""
     while len(head) < 4:
-        chunk = sock.recv(4 - len(head))
+        chunk = recv(4 - len(head))
         if not chunk:
             raise ConnectionError("peer closed the connection")
         head += chunk
@@ -84,7 +95,7 @@ def _recv_small(sock: socket.socket, limit: int) -> Any:
         raise ConnectionError(f"an opening frame of {length} bytes (at most {limit})")
     data = b""
     while len(data) < length:
-        chunk = sock.recv(length - len(data))
+        chunk = recv(length - len(data))
         if not chunk:
             raise ConnectionError("peer closed the connection")
         data += chunk
@@ -128,7 +139,10 @@ class PublishRendezvous:
         self.sessions: Dict[int, int] = {s: 0 for s in range(stages)}
         self.refused = 0
         self._lock = threading.Lock()
-        self._pending = threading.BoundedSemaphore(MAX_PENDING)
+        # connections that have not proved the token yet, oldest first: when MAX_PENDING are
+        # open the oldest is dropped for the newcomer, so strangers holding slots cannot keep
+        # a trainer out (each has HANDSHAKE_S in all to prove the token)
+        self._pending: Dict[socket.socket, float] = {}
         self._thread = threading.Thread(target=self._accept_loop, daemon=True,
                                         name="laminar-relay-rendezvous")
 
@@ -137,22 +151,50 @@ class PublishRendezvous:
         return self
 
     def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        for how in (lambda s: s.shutdown(socket.SHUT_RDWR), lambda s: s.close()):
+            try:  # shutdown wakes the thread blocked in accept()
+                how(self.sock)
+            except OSError:
+                pass
 
     def _accept_loop(self) -> None:
+        import errno
+
         while not self.stop.is_set():
             try:
                 conn, addr = self.sock.accept()
-            except OSError:
-                return
-            if not self._pending.acquire(blocking=False):
-                conn.close()  # too many connections that have not proved the token
+            except OSError as exc:
+                if self.stop.is_set() or exc.errno in (errno.EBADF, errno.EINVAL):
+                    return  # the port was closed
+                logger.warning("publish port: accept failed (%s); still listening", exc)
+                time.sleep(0.1)  # e.g. out of file descriptors for a moment
                 continue
-            threading.Thread(target=self._serve, args=(conn, "%s:%s" % addr[:2]), daemon=True,
-                             name="laminar-relay-rendezvous-conn").start()
+            with self._lock:
+                if len(self._pending) >= MAX_PENDING:
+                    oldest = min(self._pending, key=self._pending.get)
+                    self._pending.pop(oldest)
+                    try:
+                        oldest.shutdown(socket.SHUT_RDWR)  # its handshake fails now
+                    except OSError:
+                        pass
+                self._pending[conn] = time.monotonic()
+            try:
+                threading.Thread(target=self._serve, args=(conn, "%s:%s" % addr[:2]),
+                                 daemon=True, name="laminar-relay-rendezvous-conn").start()
+            except RuntimeError as exc:  # no thread to be had: drop this one, keep listening
+                with self._lock:
+                    self._pending.pop(conn, None)
+                conn.close()
+                logger.warning("publish port: cannot serve a connection (%s)", exc)
+
+    def _refused(self, peer: str, exc: BaseException) -> None:
+        """Count a refusal; log the first ten, then one in a hundred (a scan is not a flood)."""
+        with self._lock:
+            self.refused += 1
+            n = self.refused
+        if n <= 10 or n % 100 == 0:
+            logger.warning("refused a publish join from %s: %s (%d refused so far)", peer, exc,
+                           n)
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
         with conn:
@@ -160,23 +202,20 @@ class PublishRendezvous:
                 try:
                     store = self._handshake(conn)
                 finally:
-                    self._pending.release()
-            except RendezvousRefused as exc:
-                self.refused += 1
-                logger.warning("refused a publish join from %s: %s", peer, exc)
-                return
-            except (OSError, ValueError, TypeError, RecursionError) as exc:  # not our protocol
-                self.refused += 1
-                logger.warning("refused a publish join from %s: %s", peer, exc)
+                    with self._lock:
+                        self._pending.pop(conn, None)
+            except (RendezvousRefused, OSError, ValueError, TypeError, RecursionError) as exc:
+                self._refused(peer, exc)  # no proof, or not our protocol at all
                 return
             serve_store(conn, store)
 
     def _handshake(self, conn: socket.socket) -> "dist.Store":
+        deadline = time.monotonic() + HANDSHAKE_S
         conn.settimeout(HANDSHAKE_S)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         nonce = secrets.token_hex(16)
         send_frame(conn, {"type": "publish-challenge", "nonce": nonce})
-        hello = _recv_small(conn, MAX_HELLO)
+        hello = _recv_small(conn, MAX_HELLO, deadline)
         stage = hello.get("stage") if isinstance(hello, dict) else None
         theirs = hello.get("nonce") if isinstance(hello, dict) else None
         proof = hello.get("proof") if isinstance(hello, dict) else None
@@ -275,8 +314,13 @@ class RemoteStore(dist.Store):
         self.set_timeout(datetime.timedelta(seconds=self._timeout_s))
 
     def _wait_s(self, timeout=None) -> float:
-        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
-            return timeout.total_seconds()
+        """A wait's bound: ``timeout``, else the store's (``set_timeout``); c10d's zero
+        ("no timeout") is the longest wait a session allows."""
+        if timeout is None:
+            timeout = self.timeout
+        if isinstance(timeout, datetime.timedelta):
+            seconds = timeout.total_seconds()
+            return seconds if seconds > 0 else 30 * 86400.0
         return self._timeout_s
 
     def _call(self, op: str, wait_s: float = 0.0, **args) -> Any:
@@ -288,8 +332,16 @@ class RemoteStore(dist.Store):
                 send_frame(self._sock, {"op": op, **args})
                 reply = recv_frame(self._sock)
             except (OSError, ValueError) as exc:
+                # a half-read reply would answer the next call: the session is over
+                sock, self._sock = self._sock, None
+                try:
+                    sock.close()
+                except OSError:
+                    pass
                 raise RuntimeError(f"the publish session with {self.where} broke during "
                                    f"{op}: {exc}") from None
+        if not isinstance(reply, dict):
+            raise RuntimeError(f"the relay's store at {self.where} answered {str(reply)[:100]}")
         if not reply.get("ok"):
             error = f"the relay's store at {self.where}: {reply.get('error')}"
             if reply.get("timeout") and hasattr(dist, "DistStoreError"):
@@ -335,7 +387,17 @@ class RemoteStore(dist.Store):
     def num_keys(self):
         return int(self._call("num_keys"))
 
+    # the names torch's C++ trampoline looks up
+    getNumKeys = num_keys
+    deleteKey = delete_key
+
     def close(self) -> None:
+        sock = self._sock
+        if sock is not None:
+            try:  # wakes a call waiting on the relay without taking its lock
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         with self._lock:
             sock, self._sock = self._sock, None
         if sock is not None:
@@ -379,7 +441,12 @@ def join_publish_session(host: str, port: int, token: str, stage: int,
         mine = secrets.token_hex(16)
         send_frame(sock, {"type": "join", "stage": int(stage), "nonce": mine,
                           "proof": join_proof(token, challenge["nonce"], int(stage), mine)})
-        reply = recv_frame(sock)
+        try:
+            reply = _recv_small(sock, MAX_HELLO)  # the relay has proved nothing yet
+        except ValueError:
+            reply = None
+        if not isinstance(reply, dict):
+            raise RendezvousRefused(f"{host}:{port} answered the join with no valid reply")
         if not reply.get("accept"):
             raise RendezvousRefused(f"the master relay at {host}:{port} refused the join: "
                                     f"{reply.get('reason')}")

@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -203,19 +205,26 @@ class RelayServer(MasterRelay):
         self.closing = True
         if self._newer is not None:
             self._announce()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal must not cut the cleanup
+            with contextlib.suppress(Exception):
+                loop.remove_signal_handler(sig)
+                signal.signal(sig, signal.SIG_IGN)
 
     def shutdown(self) -> None:
+        """Stop every thread and free the shared memory -- the last whatever fails before."""
         self.stop_event.set()
-        if self.rendezvous is not None:
-            self.rendezvous.close()
-        self.forwarder.stop(timeout_s=2.0)
         try:
-            self.data_sock.close()
-        except OSError:
-            pass
-        for exporter in self.exporters.values():
-            exporter.close()
-        self.store.close()
+            steps = [lambda: self.rendezvous and self.rendezvous.close(),
+                     lambda: self.forwarder.stop(timeout_s=1.0), self.data_sock.close]
+            steps += [exporter.close for exporter in self.exporters.values()]
+            for step in steps:
+                try:
+                    step()
+                except Exception:  # noqa: BLE001 - the next step, and the memory, still go
+                    logger.exception("relay shutdown step failed")
+        finally:
+            self.store.close()
 
     def _accept_loop(self) -> None:
         while not self.stop_event.is_set():
