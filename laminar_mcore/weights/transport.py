@@ -1,9 +1,9 @@
 """The trainer -> master relay publish channel: one two-rank ``torch.distributed`` group per
-pipeline stage (rank 0 the master relay, rank 1 the stage's lead), formed on the relay's own
-TCPStore, outside the trainer's world.
+pipeline stage and session (rank 0 the master relay, rank 1 the stage's lead), formed on the
+store of an authenticated publish session (``relay/rendezvous.py``), outside the trainer's world.
 
-The relay chooses the backend and announces it in the store; trainers follow, so the two ends
-never disagree: NCCL where the relay has a GPU (``--publish-backend auto`` or ``nccl``), gloo
+The relay chooses the backend and tells it in its answer to the join; trainers follow, so the
+two ends never disagree: NCCL where the relay has a GPU (``--publish-backend auto`` or ``nccl``), gloo
 otherwise. Payloads live in host buffers at both ends (the trainer's pinned export buckets, the
 relay's shared-memory version store); with NCCL each chunk goes through a device staging
 buffer of one chunk on either side (host -> GPU -> NCCL -> GPU -> host), with gloo it is sent
@@ -19,7 +19,6 @@ from typing import Optional
 import torch
 
 PUBLISH_GROUP_PREFIX = "laminar-publish"
-BACKEND_KEY = "laminar-publish-backend"
 BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -35,26 +34,11 @@ def resolve_backend(requested: str) -> str:
     return requested
 
 
-def announce_backend(store, backend: str) -> None:
-    store.set(BACKEND_KEY, backend)
-
-
-def announced_backend(store) -> str:
-    """The backend the relay chose (blocks until the relay has announced it)."""
-    return store.get(BACKEND_KEY).decode()
-
-
-def session_key(stage: int) -> str:
-    """The store counter of stage ``stage``'s publish sessions: each trainer process that
-    connects (the first, or one restarted after a crash) takes the next number with
-    ``store.add(key, 1)`` and the relay forms a fresh group for it."""
-    return f"{PUBLISH_GROUP_PREFIX}-stage{stage}-sessions"
-
-
 def stage_group(store, stage: int, rank: int, backend: str, timeout: datetime.timedelta,
                 session: int = 1):
-    """The two-rank publish group of pipeline stage ``stage``'s session ``session`` (see
-    ``session_key``): rank 0 relay, rank 1 trainer."""
+    """The two-rank publish group of pipeline stage ``stage``'s session ``session`` (each
+    trainer process that joins -- the first, or one restarted after a crash -- gets the next
+    number from the relay): rank 0 relay, rank 1 trainer."""
     import torch.distributed as dist
 
     prefixed = dist.PrefixStore(f"{PUBLISH_GROUP_PREFIX}-stage{stage}-s{session}", store)
