@@ -51,6 +51,9 @@ def test_fault_isolation_settings_are_checked():
     for override, message in (("rollout.engine_heartbeat_s=0", "engine_heartbeat_s=0.0 must be > 0"),
                               ("weight_sync.publish_timeout_s=-1", "publish_timeout_s=-1.0"),
                               ("trainer.max_restarts=-1", "max_restarts=-1 must be >= 0"),
+                              ("rollout.start_timeout_s=0", r"start_timeout_s=0(\.0)? must be > 0 "
+                               r"\(seconds\), or null for the backend's default"),
+                              ("rollout.cpu_startup_delay_s=-1", "cpu_startup_delay_s=-1.0"),
                               ("cluster.rollout_nodes=0", "rollout_nodes=0 must be >= 1")):
         with pytest.raises(ConfigError, match=message):
             validate_config(_compose(override))

@@ -159,6 +159,11 @@ def validate_config(cfg: DictConfig) -> None:
                        ("weight_sync.failover_timeout_s", ws.failover_timeout_s)):
         if value <= 0:
             problems.append(f"{key}={value} must be > 0 (seconds)")
+    if r.start_timeout_s is not None and not r.start_timeout_s > 0:
+        problems.append(f"rollout.start_timeout_s={r.start_timeout_s} must be > 0 (seconds), or "
+                        "null for the backend's default (1800 sglang, 180 cpu)")
+    if r.cpu_startup_delay_s < 0:
+        problems.append(f"rollout.cpu_startup_delay_s={r.cpu_startup_delay_s} must be >= 0")
     for key, value in (("rollout.engine_restarts_per_hour", r.engine_restarts_per_hour),
                        ("rollout.max_buffered_batches", r.max_buffered_batches),
                        ("trainer.max_restarts", cfg.trainer.max_restarts)):
