@@ -114,7 +114,8 @@ def test_256_streams_on_one_engine_with_a_pause_and_an_update(checkpoints):
     assert state["generated_tokens"] == STREAMS * new_tokens  # no token generated twice
 
 
-async def _stand_in_sglang(table: bytes, prompt_len: int, response: list, logprobs: list):
+async def _stand_in_sglang(table: bytes, prompt_len: int, response: list, logprobs: list,
+                           miscount: bool = False):
     """An HTTP server streaming SGLang 0.5.23's incremental chunks for one request: the tokens
     in two chunks, then the finished chunk with ``meta_info.routed_experts`` on its one line
     (``batch_result_processor.py``: base64 of int32 [seqlen - 1 - start, layers, top-k])."""
@@ -123,13 +124,14 @@ async def _stand_in_sglang(table: bytes, prompt_len: int, response: list, logpro
     async def generate(request):
         body = await request.json()
         seen[body["rid"]] = body
-        assert len(body["input_ids"]) == prompt_len
+        assert len(body["input_ids"]) == prompt_len or miscount
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         half = len(response) // 2
         for a, b, done in ((0, half, False), (half, len(response), True)):
             meta = {"id": body["rid"], "finish_reason": {"type": "length", "length": len(response)}
-                    if done else None, "completion_tokens": b, "weight_version": "0",
+                    if done else None, "completion_tokens": b + (5 if miscount else 0),
+                    "weight_version": "0",
                     "output_token_logprobs": [[lp, t, None] for lp, t in
                                               zip(logprobs[a:b], response[a:b])]}
             if done:
@@ -272,3 +274,41 @@ def test_a_retracted_then_aborted_request_continues_elsewhere_exactly(checkpoint
     assert len(ids) == len(lps) == held
     assert ids + rest_ids == ref_ids
     assert torch.allclose(torch.tensor(lps + rest_lps), torch.tensor(ref_lps), atol=1e-5)
+
+
+def test_a_stream_that_cannot_be_reconciled_costs_its_trajectory_not_the_engine():
+    """A chunk whose ``completion_tokens`` disagrees with its ids is a protocol error of that
+    request: the manager discards the trajectory (``protocol_error``), counts it
+    (``protocol_errors``) and keeps the engine in service."""
+    async def scenario():
+        runner, url, _ = await _stand_in_sglang(b"", 3, [5, 6, 7, 8], [-0.5, -0.25, -1.0, -2.0],
+                                               miscount=True)
+        try:
+            handle = EngineHandle("e0", SGLangClient(url, retries=0, incremental_stream=True),
+                                  RelayClient("http://127.0.0.1:9", "t"),
+                                  make_puller(PullSpec("shm")), capacity=4)
+            codec = TaskCodec(encode_prompt=lambda row: row["prompt_ids"],
+                              decode=lambda ids: " ".join(map(str, ids)))
+            manager = RolloutManager([handle], RolloutData(
+                PromptPool([{"prompt_ids": [1, 2, 3]}], n_samples=1, seed=0),
+                PartialResponsePool(), ExperienceBuffer(1)),
+                SingleTurn(codec, {"max_new_tokens": 4}, None), policy_for("laminar"),
+                RolloutConfig(repack=False), trainer_version=lambda: 0, batch_trajectories=1)
+            traj = Trajectory(prompt_ids=[1, 2, 3], response_ids=[], behav_logprobs=[],
+                              weight_version=0, group_id="g-0", uid="g-0-0-y")
+            item = InFlight(traj, "e0", max_new_tokens=4, sampling={"max_new_tokens": 4})
+            manager.partial.start(item)
+            handle.in_flight[item.rid] = item
+            from laminar_mcore.controller.episode import Discard
+
+            with pytest.raises(Discard) as discarded:
+                await manager.generate(item)
+            await handle.client.close()
+            return manager, handle, discarded.value
+        finally:
+            await runner.cleanup()
+
+    manager, handle, discarded = asyncio.run(scenario())
+    assert discarded.reason == "protocol_error" and "cannot be reconciled" in str(discarded)
+    assert manager.stats.protocol_errors == 1
+    assert handle.healthy and not manager.stats.unhealthy

@@ -79,7 +79,7 @@ def controller_metrics(ctrl) -> Iterable[Metric]:
                 "version after a failure", s.resumed if s else 0),
         counter(p + "trajectories_interrupted", "mode=areal: requests aborted for a weight "
                 "update and resubmitted", s.interrupted if s else 0),
-        counter(p + "stream_protocol_errors", "Engine streams that could not be read as "
+        counter(p + "protocol_errors", "Engine streams that could not be read as "
                 "SGLang's protocol (their trajectories discarded, the engines kept)",
                 s.protocol_errors if s else 0),
         counter(p + "engine_restarts", "Engines restarted by their node's supervisor",

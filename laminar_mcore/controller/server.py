@@ -486,7 +486,7 @@ class Controller(ClusterAPI):
                 "engine_pulls": s.pulls if s else 0, "resumed": s.resumed if s else 0,
                 "repacked": s.repacked if s else 0, "repack_rounds": s.repack_rounds if s else 0,
                 "trajectories_interrupted": s.interrupted if s else 0,
-                "stream_protocol_errors": s.protocol_errors if s else 0,
+                "protocol_errors": s.protocol_errors if s else 0,
                 "reward_worker_restarts": self.reward.restarts,
                 "engine_versions": ({e.name: e.version for e in self.manager.engines}
                                     if self.manager else {}),
