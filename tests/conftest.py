@@ -26,3 +26,35 @@ def repo_root():
 @pytest.fixture
 def python():
     return sys.executable
+
+
+def wait_until(predicate, timeout=60.0, what="condition"):
+    """Poll ``predicate`` every 50 ms until it holds; fail the test after ``timeout`` s."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def running_controller(tmp_path, token):
+    """A real controller on loopback with a toy task and no engines; yields it, stops it."""
+    from laminar_mcore.config.schema import LaminarConfig
+    from laminar_mcore.controller.episode import TaskCodec
+    from laminar_mcore.controller.server import Controller, TaskData
+    from laminar_mcore.metrics import MetricsWriter
+
+    task = TaskData(rows=[{"prompt": "ab", "answer": "ba"}] * 4, evals=[],
+                    codec=TaskCodec(lambda row: [1, 2], lambda ids: ""), model_path="/none")
+    metrics = MetricsWriter(str(tmp_path), loggers=["jsonl"])
+    c = Controller(LaminarConfig(output_dir=str(tmp_path)), task, metrics, token,
+                   info={"model_path": "/none"})
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+        metrics.close()

@@ -15,20 +15,14 @@ from laminar_mcore.controller.server import Controller, TaskData
 from laminar_mcore.data.trace import read_trace
 from laminar_mcore.metrics import MetricsWriter
 
+from .conftest import running_controller
+
 TOKEN = "controller-token-0123"
 
 
 @pytest.fixture
 def controller(tmp_path):
-    task = TaskData(rows=[{"prompt": "ab", "answer": "ba"}] * 4, evals=[],
-                    codec=TaskCodec(lambda row: [1, 2], lambda ids: ""), model_path="/none")
-    metrics = MetricsWriter(str(tmp_path), loggers=["jsonl"])
-    c = Controller(LaminarConfig(output_dir=str(tmp_path)), task, metrics, TOKEN,
-                   info={"model_path": "/none"})
-    c.start()
-    yield c
-    c.stop()
-    metrics.close()
+    yield from running_controller(tmp_path, TOKEN)
 
 
 def _call(url, method="GET", body=None, token=None, raw=None):

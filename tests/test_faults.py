@@ -1,6 +1,7 @@
 """Fault isolation: processes killed with -9 while a run goes on, and engines paused rather than
 hung (real processes, loopback)."""
 
+import contextlib
 import json
 import os
 import signal
@@ -114,14 +115,11 @@ def test_chaos_engine_relay_master_relay_and_trainer_die_and_the_run_loses_nothi
     assert "restart_failed" not in result.output, summary_text
 
 
-@pytest.mark.multiprocess
-def test_a_paused_engine_is_not_restarted_and_a_hung_one_is(tmp_path, monkeypatch):
-    """Pauses are not failures. A node's supervisor (real relay, real CPU engine, real
-    controller) checks an engine that is paused for a weight update: SGLang's check fails after
-    its health window (SGLANG_HEALTH_CHECK_TIMEOUT, 1 s here), but while the controller reports
-    the engine paused no failure counts and the engine keeps running. Once the controller no
-    longer reports it paused, the same failing checks count: two in a row and it is gone
-    (evicted here: rollout.engine_restarts_per_hour=0)."""
+@contextlib.contextmanager
+def _supervised_node(tmp_path, token, **rollout):
+    """A real controller (it gives the engine no work: capacity 0, so only the supervisor's
+    checks reach it) and one rollout node's supervisor with one CPU engine, started and
+    registered; yields (controller, supervisor, the supervisor's log lines) and stops both."""
     from dataclasses import replace
 
     from laminar_mcore.config.schema import LaminarConfig
@@ -130,23 +128,18 @@ def test_a_paused_engine_is_not_restarted_and_a_hung_one_is(tmp_path, monkeypatc
     from laminar_mcore.controller.server import Controller, TaskData
     from laminar_mcore.metrics import MetricsWriter
     from laminar_mcore.models.hf import initial_hf_state, save_hf_checkpoint, tiny_hf_config
-    from laminar_mcore.netutil import engine_api_key
     from laminar_mcore.rollout.supervisor import NodeSupervisor
 
-    monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "1")  # the engine's window, and ours
     model = str(tmp_path / "m")
     hf = tiny_hf_config("llama", tie_word_embeddings=True)
     save_hf_checkpoint(model, hf, initial_hf_state(type("M", (), {"path": None})(), hf, 0))
     base = LaminarConfig(output_dir=str(tmp_path), seed=0)
     cfg = replace(base, rollout=replace(base.rollout, num_engines=1, engine_heartbeat_s=0.2,
-                                        engine_heartbeat_timeout_s=1.0,
-                                        engine_restarts_per_hour=0, start_timeout_s=120))
-    # the controller gives the engine no work (capacity 0): only the checks reach it
+                                        start_timeout_s=120, **rollout))
     controller_cfg = replace(cfg, rollout=replace(cfg.rollout, max_running_requests=0))
     metrics = MetricsWriter(str(tmp_path), loggers=["jsonl"])
     task = TaskData(rows=[{"prompt": "ab", "answer": "ba"}] * 4, evals=[],
                     codec=TaskCodec(lambda row: [1, 2], lambda ids: ""), model_path=model)
-    token = "faults-token-0123"
     controller = Controller(controller_cfg, task, metrics, token, info={"model_path": model})
     controller.start()
     lines = []
@@ -155,6 +148,27 @@ def test_a_paused_engine_is_not_restarted_and_a_hung_one_is(tmp_path, monkeypatc
     try:
         supervisor.start()
         supervisor.register()
+        yield controller, supervisor, lines
+    finally:
+        supervisor.stop()
+        controller.stop()
+        metrics.close()
+
+
+@pytest.mark.multiprocess
+def test_a_paused_engine_is_not_restarted_and_a_hung_one_is(tmp_path, monkeypatch):
+    """Pauses are not failures. A node's supervisor (real relay, real CPU engine, real
+    controller) checks an engine that is paused for a weight update: SGLang's check fails after
+    its health window (SGLANG_HEALTH_CHECK_TIMEOUT, 1 s here), but while the controller reports
+    the engine paused no failure counts and the engine keeps running. Once the controller no
+    longer reports it paused, the same failing checks count: two in a row and it is gone
+    (evicted here: rollout.engine_restarts_per_hour=0)."""
+    from laminar_mcore.netutil import engine_api_key
+
+    monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "1")  # the engine's window, and ours
+    token = "faults-token-0123"
+    with _supervised_node(tmp_path, token, engine_heartbeat_timeout_s=1.0,
+                          engine_restarts_per_hour=0) as (controller, supervisor, lines):
         engine = supervisor.engines[0]
         assert any("engine checks wait 6 s" in line for line in lines), lines  # 1 s window + 5
         handle = controller.manager.engines[0]
@@ -187,10 +201,6 @@ def test_a_paused_engine_is_not_restarted_and_a_hung_one_is(tmp_path, monkeypatc
         assert handle.evicted is not None, lines
         assert "twice in a row" in handle.evicted and "neither paused" in handle.evicted
         assert not engine.alive()
-    finally:
-        supervisor.stop()
-        controller.stop()
-        metrics.close()
 
 
 @pytest.mark.multiprocess
@@ -199,35 +209,7 @@ def test_an_engine_the_controller_took_out_of_service_is_restarted(tmp_path):
     stream that broke) gets no more work, yet may still pass its health checks: its
     supervisor sees the controller's word and restarts it, and the new process takes its
     place in service (it was lost for good before)."""
-    from dataclasses import replace
-
-    from laminar_mcore.config.schema import LaminarConfig
-    from laminar_mcore.controller.client import ControllerClient
-    from laminar_mcore.controller.episode import TaskCodec
-    from laminar_mcore.controller.server import Controller, TaskData
-    from laminar_mcore.metrics import MetricsWriter
-    from laminar_mcore.models.hf import initial_hf_state, save_hf_checkpoint, tiny_hf_config
-    from laminar_mcore.rollout.supervisor import NodeSupervisor
-
-    model = str(tmp_path / "m")
-    hf = tiny_hf_config("llama", tie_word_embeddings=True)
-    save_hf_checkpoint(model, hf, initial_hf_state(type("M", (), {"path": None})(), hf, 0))
-    base = LaminarConfig(output_dir=str(tmp_path), seed=0)
-    cfg = replace(base, rollout=replace(base.rollout, num_engines=1, engine_heartbeat_s=0.2,
-                                        start_timeout_s=120))
-    controller_cfg = replace(cfg, rollout=replace(cfg.rollout, max_running_requests=0))
-    metrics = MetricsWriter(str(tmp_path), loggers=["jsonl"])
-    task = TaskData(rows=[{"prompt": "ab", "answer": "ba"}] * 4, evals=[],
-                    codec=TaskCodec(lambda row: [1, 2], lambda ids: ""), model_path=model)
-    token = "faults-token-4567"
-    controller = Controller(controller_cfg, task, metrics, token, info={"model_path": model})
-    controller.start()
-    lines = []
-    supervisor = NodeSupervisor(cfg, ControllerClient(controller.url, token), model,
-                                str(tmp_path / "logs"), "n0", log=lines.append)
-    try:
-        supervisor.start()
-        supervisor.register()
+    with _supervised_node(tmp_path, "faults-token-4567") as (controller, supervisor, lines):
         supervisor.watch()
         old = supervisor.engines[0]
         handle = controller.manager.engines[0]
@@ -240,7 +222,3 @@ def test_an_engine_the_controller_took_out_of_service_is_restarted(tmp_path):
         assert handle.client.base_url == supervisor.engines[0].url
         down = [line for line in lines if " down engine0" in line]
         assert len(down) == 1 and "took it out of service" in down[0], lines
-    finally:
-        supervisor.stop()
-        controller.stop()
-        metrics.close()

@@ -26,7 +26,7 @@ from laminar_mcore.relay.server import RelayConfig
 from laminar_mcore.weights.bucket import SHM_DIR
 from laminar_mcore.testing.dist import run_torchrun
 
-from .conftest import WORKERS
+from .conftest import WORKERS, wait_until
 
 pytestmark = pytest.mark.multiprocess
 TOKEN = "run-token"
@@ -45,15 +45,6 @@ def _get(url, path, token=TOKEN):
         req.add_header("Authorization", f"Bearer {token}")
     with urllib.request.urlopen(req, timeout=5) as resp:
         return json.loads(resp.read())
-
-
-def _wait(predicate, timeout=60.0, what="condition"):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _reference(version):
@@ -87,7 +78,7 @@ def chain(tmp_path):
         procs.append(master)
         for name in ("r1", "r2"):
             procs.append(_relay(tmp_path, name, master_url=master.url))
-        _wait(lambda: _get(master.url, "/chain")["chain"] == ["master", "r1", "r2"], what="chain")
+        wait_until(lambda: _get(master.url, "/chain")["chain"] == ["master", "r1", "r2"], what="chain")
         yield procs
     finally:
         for p in procs:
@@ -115,7 +106,7 @@ def test_tp2_pp2_publish_reaches_the_end_of_the_chain_bit_exact(chain, tmp_path)
         results = run_torchrun(os.path.join(WORKERS, "publish.py"), 4,
                                ["--publish-port", str(port), "--versions", "3"], timeout=600,
                                env={TOKEN_ENV: TOKEN})  # the publisher proves it
-        _wait(lambda: _get(r2.url, "/latest")["version"] == 3, what="version 3 at the last relay")
+        wait_until(lambda: _get(r2.url, "/latest")["version"] == 3, what="version 3 at the last relay")
     finally:
         stop.set()
         thread.join()
@@ -166,25 +157,25 @@ def test_killed_relay_is_bypassed_and_a_restarted_one_catches_up(tmp_path):
         r1 = _relay(tmp_path, "r1", master_url=master.url)
         r2 = _relay(tmp_path, "r2", master_url=master.url)
         procs += [r1, r2]
-        _wait(lambda: _get(master.url, "/chain")["chain"] == ["master", "r1", "r2"], what="chain")
+        wait_until(lambda: _get(master.url, "/chain")["chain"] == ["master", "r1", "r2"], what="chain")
         port = int(master.wait_printed("LAMINAR_RELAY_PUBLISH_PORT"))
         publishes = _publish_in_process(port, [1, 2, 3])
         next(publishes)
-        _wait(lambda: _get(r2.url, "/latest")["version"] == 1, what="v1 at r2")
+        wait_until(lambda: _get(r2.url, "/latest")["version"] == 1, what="v1 at r2")
 
         os.killpg(r1.proc.pid, signal.SIGKILL)  # a relay dies mid-chain
         killed.append(r1.proc.pid)
-        _wait(lambda: _get(master.url, "/chain")["chain"] == ["master", "r2"], timeout=30,
+        wait_until(lambda: _get(master.url, "/chain")["chain"] == ["master", "r2"], timeout=30,
               what="chain rebuilt without r1")
         next(publishes)
-        _wait(lambda: _get(r2.url, "/latest")["version"] == 2, what="v2 at r2 around the dead relay")
+        wait_until(lambda: _get(r2.url, "/latest")["version"] == 2, what="v2 at r2 around the dead relay")
 
         r1b = _relay(tmp_path, "r1", master_url=master.url)  # restarted: rejoins at the end
         procs.append(r1b)
-        _wait(lambda: _get(master.url, "/chain")["chain"] == ["master", "r2", "r1"], what="rejoined")
-        _wait(lambda: _get(r1b.url, "/latest")["version"] == 2, what="restarted relay caught up")
+        wait_until(lambda: _get(master.url, "/chain")["chain"] == ["master", "r2", "r1"], what="rejoined")
+        wait_until(lambda: _get(r1b.url, "/latest")["version"] == 2, what="restarted relay caught up")
         next(publishes)
-        _wait(lambda: _get(r1b.url, "/latest")["version"] == 3, what="v3 through the new chain")
+        wait_until(lambda: _get(r1b.url, "/latest")["version"] == 3, what="v3 through the new chain")
         seen = set()
         asyncio.run(_lease_and_check(r1b.url, {3: _reference(3)}, seen))
         assert seen == {3}
@@ -226,7 +217,7 @@ def test_state_changing_endpoints_need_the_token(tmp_path):
                 assert reply["accept"] is False and "authentication failed" in reply["reason"]
                 with contextlib.suppress(OSError):  # the relay has closed the connection
                     send_frame(sock, {"type": "chunk", "nbytes": 4}, b"evil")
-        _wait(lambda: (tmp_path / "solo.log").read_text().count("refused a push from") == 3,
+        wait_until(lambda: (tmp_path / "solo.log").read_text().count("refused a push from") == 3,
               what="three refusals logged")
         assert _get(master.url, "/latest")["version"] is None  # nothing reached the store
         for path, body in (("/pull", {}), ("/release", {"lease_id": "x"}),
@@ -258,7 +249,7 @@ def test_pulls_go_bucket_by_bucket_and_bad_pulls_are_refused(tmp_path):
         port = int(master.wait_printed("LAMINAR_RELAY_PUBLISH_PORT"))
         publishes = _publish_in_process(port, [1])
         next(publishes)
-        _wait(lambda: _get(master.url, "/latest")["version"] == 1, what="v1")
+        wait_until(lambda: _get(master.url, "/latest")["version"] == 1, what="v1")
 
         async def go():
             async with RelayClient(master.url, TOKEN) as client:

@@ -114,6 +114,17 @@ def test_256_streams_on_one_engine_with_a_pause_and_an_update(checkpoints):
     assert state["generated_tokens"] == STREAMS * new_tokens  # no token generated twice
 
 
+def _manager_of(handle: EngineHandle) -> RolloutManager:
+    """A rollout manager of the one engine ``handle`` (its trajectories are driven by hand)."""
+    codec = TaskCodec(encode_prompt=lambda row: row["prompt_ids"],
+                      decode=lambda ids: " ".join(map(str, ids)))
+    return RolloutManager([handle], RolloutData(
+        PromptPool([{"prompt_ids": [1]}], n_samples=1, seed=0), PartialResponsePool(),
+        ExperienceBuffer(1)), SingleTurn(codec, {"max_new_tokens": 4}, None),
+        policy_for("laminar"), RolloutConfig(repack=False), trainer_version=lambda: 0,
+        batch_trajectories=1)
+
+
 async def _stand_in_sglang(table: bytes, prompt_len: int, response: list, logprobs: list,
                            miscount: bool = False):
     """An HTTP server streaming SGLang 0.5.23's incremental chunks for one request: the tokens
@@ -172,13 +183,7 @@ def test_a_235b_routing_table_on_one_stream_line_reaches_the_trajectory():
             handle = EngineHandle("big", SGLangClient(url, retries=0, incremental_stream=True),
                                   RelayClient("http://127.0.0.1:9", "t"),
                                   make_puller(PullSpec("shm")), capacity=256)
-            codec = TaskCodec(encode_prompt=lambda row: row["prompt_ids"],
-                              decode=lambda ids: " ".join(map(str, ids)))
-            episode = SingleTurn(codec, {"max_new_tokens": 4}, None)
-            manager = RolloutManager([handle], RolloutData(
-                PromptPool([{"prompt_ids": [1]}], n_samples=1, seed=0), PartialResponsePool(),
-                ExperienceBuffer(1)), episode, policy_for("laminar"), RolloutConfig(repack=False),
-                trainer_version=lambda: 0, batch_trajectories=1)
+            manager = _manager_of(handle)
             manager.routed_experts = True
             traj = Trajectory(prompt_ids=list(range(prompt_len)), response_ids=[],
                               behav_logprobs=[], weight_version=0, group_id="g-0", uid="g-0-0-x")
@@ -287,13 +292,7 @@ def test_a_stream_that_cannot_be_reconciled_costs_its_trajectory_not_the_engine(
             handle = EngineHandle("e0", SGLangClient(url, retries=0, incremental_stream=True),
                                   RelayClient("http://127.0.0.1:9", "t"),
                                   make_puller(PullSpec("shm")), capacity=4)
-            codec = TaskCodec(encode_prompt=lambda row: row["prompt_ids"],
-                              decode=lambda ids: " ".join(map(str, ids)))
-            manager = RolloutManager([handle], RolloutData(
-                PromptPool([{"prompt_ids": [1, 2, 3]}], n_samples=1, seed=0),
-                PartialResponsePool(), ExperienceBuffer(1)),
-                SingleTurn(codec, {"max_new_tokens": 4}, None), policy_for("laminar"),
-                RolloutConfig(repack=False), trainer_version=lambda: 0, batch_trajectories=1)
+            manager = _manager_of(handle)
             traj = Trajectory(prompt_ids=[1, 2, 3], response_ids=[], behav_logprobs=[],
                               weight_version=0, group_id="g-0", uid="g-0-0-y")
             item = InFlight(traj, "e0", max_new_tokens=4, sampling={"max_new_tokens": 4})

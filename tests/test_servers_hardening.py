@@ -31,10 +31,6 @@ import urllib.request
 import pytest
 import torch
 
-from laminar_mcore.config.schema import LaminarConfig
-from laminar_mcore.controller.episode import TaskCodec
-from laminar_mcore.controller.server import Controller, TaskData
-from laminar_mcore.metrics import MetricsWriter
 from laminar_mcore.netutil import TOKEN_ENV
 from laminar_mcore.relay.chain import recv_frame, send_frame
 from laminar_mcore.relay.client import RelayClient, open_lease
@@ -44,7 +40,7 @@ from laminar_mcore.relay.server import RelayConfig
 from laminar_mcore.weights.bucket import SHM_DIR, layout, write_bucket
 from laminar_mcore.weights.transport import Channel, stage_group
 
-from .conftest import WORKERS
+from .conftest import WORKERS, running_controller, wait_until
 from .malformed import Endpoint, check_server, tokenless_answers
 
 TOKEN = "hardening-token-0123"
@@ -135,15 +131,6 @@ def _get(url, token=TOKEN, timeout=10):
         return exc.code, exc.read().decode()
 
 
-def _wait(predicate, timeout=60.0, what="condition"):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _weights(version):
     g = torch.Generator().manual_seed(version)
     return {"w": torch.randn(300, 7, generator=g), "b": torch.arange(13, dtype=torch.int64),
@@ -202,15 +189,7 @@ def _segments(pid):
 
 @pytest.fixture
 def controller(tmp_path):
-    task = TaskData(rows=[{"prompt": "ab", "answer": "ba"}] * 4, evals=[],
-                    codec=TaskCodec(lambda row: [1, 2], lambda ids: ""), model_path="/none")
-    metrics = MetricsWriter(str(tmp_path), loggers=["jsonl"])
-    c = Controller(LaminarConfig(output_dir=str(tmp_path)), task, metrics, TOKEN,
-                   info={"model_path": "/none"})
-    c.start()
-    yield c
-    c.stop()
-    metrics.close()
+    yield from running_controller(tmp_path, TOKEN)
 
 
 # ---------------------------------------------------------------------- relay
@@ -262,7 +241,7 @@ def test_relay_stops_within_seconds_of_sigterm_with_a_long_poll_pending(tmp_path
     try:
         port = int(relay.wait_printed("LAMINAR_RELAY_PUBLISH_PORT"))
         _publish(port, 1)
-        _wait(lambda: json.loads(_get(relay.url + "/latest")[1])["version"] == 1, 30, "v1")
+        wait_until(lambda: json.loads(_get(relay.url + "/latest")[1])["version"] == 1, 30, "v1")
         pid = relay.proc.pid
         assert _segments(pid), "the relay holds its version in shared memory"
         answers = []
@@ -295,7 +274,7 @@ def test_publish_port_admits_only_a_trainer_with_the_token(tmp_path):
     try:
         port = int(relay.wait_printed("LAMINAR_RELAY_PUBLISH_PORT"))
         _publish(port, 1)
-        _wait(lambda: json.loads(_get(relay.url + "/latest")[1])["version"] == 1, 30, "v1")
+        wait_until(lambda: json.loads(_get(relay.url + "/latest")[1])["version"] == 1, 30, "v1")
         # a stranger that connects and says nothing holds no session (and is dropped later)
         silent = socket.create_connection(("127.0.0.1", port), timeout=10)
         # garbage
@@ -329,7 +308,7 @@ def test_publish_port_admits_only_a_trainer_with_the_token(tmp_path):
         squatters[-1].sendall(b"\x00")
         # the next publish arrives whole and bit for bit; the relay still serves
         _publish(port, 2)
-        _wait(lambda: json.loads(_get(relay.url + "/latest")[1])["version"] == 2, 30, "v2")
+        wait_until(lambda: json.loads(_get(relay.url + "/latest")[1])["version"] == 2, 30, "v2")
         assert _pull_exact(relay.url, 2)
         log = (tmp_path / "master.log").read_text()
         assert log.count("refused a publish join from") >= 4, log[-2000:]

@@ -114,6 +114,22 @@ def add_weight_versions(meta: dict, req: Request, upto: int, current: str) -> No
     meta["weight_version"] = spans[-1]["version"]
 
 
+def add_logprobs(meta: dict, req: Request, since: int, upto: int, text_of) -> None:
+    """The log-prob fields of an answer: output positions ``[since, upto)``, the prompt's
+    (from ``logprob_start_len``) and the top log-probs when asked for."""
+    meta["output_token_logprobs"] = logprob_entries(
+        zip(req.output_logprobs[since:upto], req.output_ids[since:upto]), text_of)
+    if req.input_logprobs is not None:
+        meta["input_token_logprobs"] = logprob_entries(
+            zip(req.input_logprobs, req.input_ids[max(req.logprob_start_len, 0):]), text_of)
+    if req.top_logprobs_num > 0:
+        meta["output_top_logprobs"] = [logprob_entries(top, text_of)
+                                       for top in req.output_top_logprobs[since:upto]]
+        if req.input_top_logprobs is not None:
+            meta["input_top_logprobs"] = [None if top is None else logprob_entries(top, text_of)
+                                          for top in req.input_top_logprobs]
+
+
 def waiting_abort_result(req: Request, *, upto: int, version: str, return_logprob: bool,
                          return_text: bool, decode, incremental_stream: bool) -> dict:
     """SGLang 0.5.23's answer for a request aborted in its waiting queue (never started, or
@@ -124,26 +140,13 @@ def waiting_abort_result(req: Request, *, upto: int, version: str, return_logpro
     from the first ``upto`` output tokens: those the tokenizer manager has received."""
     meta = {"id": req.rid, "finish_reason": req.finish_reason, "weight_version": version,
             "e2e_latency": time.time() - req.created}
-    n = upto
-    add_weight_versions(meta, req, n, current=version)
-    out_ids = req.output_ids[:n]
+    add_weight_versions(meta, req, upto, current=version)
+    out_ids = req.output_ids[:upto]
     if return_logprob:
-        text_of = decode if return_text else None
-        if req.input_logprobs is not None:
-            meta["input_token_logprobs"] = logprob_entries(
-                zip(req.input_logprobs, req.input_ids[max(req.logprob_start_len, 0):]), text_of)
-        else:
-            meta["input_token_logprobs"] = []
-        meta["output_token_logprobs"] = logprob_entries(
-            zip(req.output_logprobs[:n], out_ids), text_of)
-        meta["output_token_logprobs_length"] = n
-        if req.top_logprobs_num > 0:
-            meta["output_top_logprobs"] = [logprob_entries(top, text_of)
-                                           for top in req.output_top_logprobs[:n]]
-            if req.input_top_logprobs is not None:
-                meta["input_top_logprobs"] = [None if top is None else logprob_entries(top, text_of)
-                                              for top in req.input_top_logprobs]
-    meta["completion_tokens"] = n
+        add_logprobs(meta, req, 0, upto, decode if return_text else None)
+        meta.setdefault("input_token_logprobs", [])
+        meta["output_token_logprobs_length"] = upto
+    meta["completion_tokens"] = upto
     ids = list(out_ids)
     if incremental_stream:
         ids = ids[-1:]
@@ -168,18 +171,7 @@ def generate_result(req: Request, *, upto: int, since: int = 0, version: str,
                 routed.contiguous().numpy().tobytes()).decode("ascii")
     ids = req.output_ids[since:upto]
     if return_logprob:
-        text_of = decode if return_text else None
-        meta["output_token_logprobs"] = logprob_entries(
-            zip(req.output_logprobs[since:upto], ids), text_of)
-        if req.input_logprobs is not None:
-            meta["input_token_logprobs"] = logprob_entries(
-                zip(req.input_logprobs, req.input_ids[max(req.logprob_start_len, 0):]), text_of)
-        if req.top_logprobs_num > 0:
-            meta["output_top_logprobs"] = [logprob_entries(top, text_of)
-                                           for top in req.output_top_logprobs[since:upto]]
-            if req.input_top_logprobs is not None:
-                meta["input_top_logprobs"] = [None if top is None else logprob_entries(top, text_of)
-                                              for top in req.input_top_logprobs]
+        add_logprobs(meta, req, since, upto, decode if return_text else None)
     text = ""
     if decode is not None:
         # A delta chunk's text is the difference of decoded prefixes (multi-byte tokens).
