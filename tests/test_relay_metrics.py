@@ -15,7 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from laminar_mcore.metrics.prometheus import Histogram, SECONDS_BUCKETS
 from laminar_mcore.relay.client import RelayClient, open_lease
 
-from .test_relay_chain import TOKEN, _get, _publish_in_process, _relay, _wait
+from .test_relay_chain import TOKEN, _get, _publish_in_process, _relay
+from .conftest import wait_until
 
 
 def _scrape(url, token=None):
@@ -69,18 +70,18 @@ def test_relay_metrics_count_publishes_pulls_and_chain_changes(tmp_path):
         procs.append(master)
         r1 = _relay(tmp_path, "r1", master_url=master.url)
         procs.append(r1)
-        _wait(lambda: _get(master.url, "/chain")["chain"] == ["master", "r1"], what="chain")
+        wait_until(lambda: _get(master.url, "/chain")["chain"] == ["master", "r1"], what="chain")
         port = int(master.wait_printed("LAMINAR_RELAY_PUBLISH_PORT"))
         publishes = _publish_in_process(port, [1, 2])
         for v in (1, 2):  # one at a time: the master forwards each whole
             next(publishes)
-            _wait(lambda: _get(r1.url, "/latest")["version"] == v, what=f"v{v} at r1")
+            wait_until(lambda: _get(r1.url, "/latest")["version"] == v, what=f"v{v} at r1")
         assert next(publishes, None) is None  # the trainer closed its publisher
         version, nbytes = asyncio.run(_pull_all(r1.url))
         assert version == 2 and nbytes > 0
 
         # the master: published by the trainer, forwarded to r1 (booked once r1 answers)
-        _wait(lambda: _value(master.url, "laminar_relay_versions_forwarded_total") == 2,
+        wait_until(lambda: _value(master.url, "laminar_relay_versions_forwarded_total") == 2,
               what="two versions forwarded")
         content_type, m = _scrape(master.url)
         assert content_type.startswith("text/plain") and "version=" in content_type
@@ -133,7 +134,7 @@ def test_relay_metrics_count_publishes_pulls_and_chain_changes(tmp_path):
         r1.stop()
         # the chain loses r1 before the master counts the fault, rebuilds and recovers: wait
         # for the last of them
-        _wait(lambda: _scrape(master.url)[1].get(
+        wait_until(lambda: _scrape(master.url)[1].get(
             "laminar_relay_recoveries_total{kind=rechained}") == 1, timeout=30,
             what="the chain rebuilt without r1")
         assert _get(master.url, "/chain")["chain"] == ["master"]

@@ -19,7 +19,8 @@ from laminar_mcore.rollout.client import SGLangClient
 from laminar_mcore.rollout.launcher import EngineProcess, cpu_engine_command
 from laminar_mcore.weights.bucket import read_bucket
 
-from .test_relay_chain import TOKEN, _get, _publish_in_process, _reference, _wait
+from .test_relay_chain import TOKEN, _get, _publish_in_process, _reference
+from .conftest import wait_until
 from .test_rollout_manager import _reference_logprobs, _state
 
 pytestmark = pytest.mark.multiprocess
@@ -50,7 +51,7 @@ def test_mooncake_pull_is_bit_exact_and_updates_an_engine(tmp_path):
         publishes = _publish_in_process(int(master.wait_printed("LAMINAR_RELAY_PUBLISH_PORT")),
                                         [1, 2])
         next(publishes)
-        _wait(lambda: _get(plain.url, "/latest")["version"] == 1, what="v1 at both relays")
+        wait_until(lambda: _get(plain.url, "/latest")["version"] == 1, what="v1 at both relays")
         reader = mooncake.MooncakeReader("127.0.0.1", "tcp")
 
         async def read_version():
@@ -73,7 +74,7 @@ def test_mooncake_pull_is_bit_exact_and_updates_an_engine(tmp_path):
         assert _get(master.url, "/latest")["leases"] == 0
 
         next(publishes)  # version 2 arrives; the engine (at 0) pulls it across "nodes"
-        _wait(lambda: _get(master.url, "/latest")["version"] == 2, what="v2")
+        wait_until(lambda: _get(master.url, "/latest")["version"] == 2, what="v2")
 
         async def pull_and_generate():
             async with RelayClient(master.url, TOKEN) as relay, SGLangClient(engine.url) as eng:
