@@ -309,7 +309,8 @@ def test_weights_from_a_gloo_broadcast_group(engine, models):
     port = free_port()
 
     async def go(c):
-        from laminar_mcore.weights.update_group import init_custom_process_group, send_tensors
+        from laminar_mcore.weights.update_group import (destroy_update_group,
+                                                        init_custom_process_group, send_tensors)
 
         # The sender joins as a trainer joins real SGLang engines (init_custom_process_group).
         sender = asyncio.create_task(asyncio.to_thread(
@@ -337,13 +338,17 @@ def test_weights_from_a_gloo_broadcast_group(engine, models):
             results[f"{fmt}-version"] = await c.get_weight_version()
             results[f"{fmt}-greedy"] = await c.generate([2, 7], {"max_new_tokens": 8, "temperature": 0})
             await c.update_weights_from_disk(paths[1], weight_version="0")
-        await c.destroy_weights_update_group("wsync")
+        results["destroyed"] = await c.destroy_weights_update_group("wsync")
+        with pytest.raises(EngineError, match="no weight update group 'wsync'"):
+            await c.destroy_weights_update_group("wsync")
+        destroy_update_group(pg)
         return results, results["flattened_bucket-greedy"]
 
     out, greedy = run(_with_client(engine.url, go))
     assert out["prefixed"].status == 400 and "'torch.float32' is not a torch dtype name" in \
         out["prefixed"].message
     assert out[None]["success"] and out["flattened_bucket"]["success"]
+    assert out["destroyed"]["success"]
     assert out["None-version"] == "dist-None" and out["flattened_bucket-version"] == "dist-flattened_bucket"
     assert out["None-greedy"]["output_ids"] == greedy["output_ids"]
     from laminar_mcore.rollout.model import DecoderLM

@@ -73,18 +73,20 @@ def test_flattened_layout_is_back_to_back_and_refuses_what_sglang_refuses():
 
 _RECEIVER = textwrap.dedent("""
     import datetime, sys, torch
-    from laminar_mcore.weights.update_group import init_custom_process_group, receive_tensors
+    from laminar_mcore.weights.update_group import (destroy_update_group,
+                                                    init_custom_process_group, receive_tensors)
     port, out, specs = sys.argv[1], sys.argv[2], torch.load(sys.argv[3])
     pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 1, "payloads",
                                    datetime.timedelta(seconds=60))
     got = {fmt: receive_tensors(pg, specs, fmt, device="cpu") for fmt in (None, "flattened_bucket")}
+    destroy_update_group(pg)
     torch.save(got, out)
 """)
 
 
 def test_mixed_dtypes_round_trip_bit_for_bit_over_a_two_process_gloo_group(tmp_path):
     from laminar_mcore.rollout.launcher import free_port
-    from laminar_mcore.weights.update_group import init_custom_process_group
+    from laminar_mcore.weights.update_group import destroy_update_group, init_custom_process_group
 
     named = flattened_order(_mixed())
     specs = [(n, t.dtype, tuple(t.shape)) for n, t in named.items()]
@@ -98,6 +100,7 @@ def test_mixed_dtypes_round_trip_bit_for_bit_over_a_two_process_gloo_group(tmp_p
                                        datetime.timedelta(seconds=60))
         for fmt in (None, "flattened_bucket"):
             send_tensors(pg, named, fmt)
+        destroy_update_group(pg)
         assert proc.wait(timeout=120) == 0
     finally:
         if proc.poll() is None:

@@ -224,7 +224,13 @@ class WeightUpdateRoutes:
         group = body.get("group_name", "weight_update_group")
         if self.dist_group is None or self.dist_group["name"] != group:
             return self._answer(False, f"no weight update group {group!r}")
-        self.dist_group = None
+        from ..weights.update_group import destroy_update_group
+
+        pg, self.dist_group = self.dist_group["pg"], None
+        try:
+            await asyncio.to_thread(destroy_update_group, pg)
+        except Exception as exc:  # noqa: BLE001 - reported as SGLang reports it
+            return self._answer(False, f"Failed to destroy custom process group: {exc}.")
         return self._answer(True, "Succeeded to destroy custom process group.")
 
     async def update_weight_version(self, request: web.Request):

@@ -59,6 +59,15 @@ def join_update_group(master_address: str, master_port: int, world_size: int, ra
                                      datetime.timedelta(seconds=timeout_s))
 
 
+def destroy_update_group(pg) -> None:
+    """Tear a group down as SGLang's ``destroy_weights_update_group`` does. A process that exits
+    with a gloo group alive can abort in the group's destructor ("terminate called without an
+    active exception"), so every side destroys its group before it goes."""
+    import torch.distributed as dist
+
+    dist.destroy_process_group(pg)
+
+
 def flattened_layout(specs: Sequence[TensorSpec]) -> Tuple[List[Tuple[int, int]], int]:
     """(offset, nbytes) of each tensor in SGLang's flattened bucket and its total size, exactly as
     ``FlattenedTensorBucket.empty`` computes them: back to back, no padding, each offset a
