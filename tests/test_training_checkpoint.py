@@ -127,3 +127,60 @@ def test_resume_setting_is_checked(tmp_path):
     assert resolve_resume("auto", str(tmp_path / "missing")) is None
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         resolve_resume(str(tmp_path), str(tmp_path))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", ["te", "apex"])
+def test_resume_with_the_fused_adam_megatron_picks_on_gpu_machines(tmp_path, kind):
+    """With Transformer Engine (or Apex) importable, Megatron's Adam is that package's FusedAdam,
+    which keeps its step in the param groups and (TE) refuses any other state key. The DP2
+    save/resume round trip with a CPU twin of that optimizer, selected as Megatron selects it,
+    equals the uninterrupted run bit for bit: losses, weights, moments and the groups' step."""
+    ckpt = str(tmp_path / "ckpt")
+    full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
+    full_dir.mkdir()
+    resumed_dir.mkdir()
+    common = ["--tp", "1", "--steps", "5", "--ckpt", ckpt, "--optimizer", kind]
+    full = run_torchrun(SCRIPT, 2, common + ["--save-at", "3"], out_dir=str(full_dir))
+    resumed = run_torchrun(SCRIPT, 2, common + ["--resume", "auto"], out_dir=str(resumed_dir))
+    twin = {"te": "TEFusedAdamTwin", "apex": "ApexFusedAdamTwin"}[kind]
+    for a, b in zip(full, resumed):
+        assert a["optimizer_class"] == b["optimizer_class"] == [twin]
+        assert b["start"] == 3 and b["version"] == 5
+        assert a["group_steps"] == b["group_steps"] and set(a["group_steps"]) == {5}
+        assert [b["losses"][s]["loss"] for s in ("4", "5")] == \
+            [a["losses"][s]["loss"] for s in ("4", "5")]
+    wa = load_file(full_dir / "final.safetensors")
+    wb = load_file(resumed_dir / "final.safetensors")
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+    for rank in (0, 1):
+        ma = load_file(full_dir / f"adam_rank{rank}.safetensors")
+        mb = load_file(resumed_dir / f"adam_rank{rank}.safetensors")
+        assert ma.keys() == mb.keys() and not any(k.endswith(".step") for k in ma)
+        for key in ma:
+            assert torch.equal(ma[key], mb[key]), key
+
+
+def test_the_te_twin_refuses_a_step_in_parameter_state_as_te_does():
+    """The twin is faithful where the old resume broke: TE's FusedAdam looks every state key up
+    in name_to_dtype_map, so a torch-style per-parameter ``step`` is a KeyError both ways."""
+    from laminar_mcore.testing.fused_adam import TEFusedAdamTwin
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = TEFusedAdamTwin([p], lr=0.1)
+    p.grad = torch.full((3,), 0.5)
+    opt.step()
+    assert opt.param_groups[0]["step"] == 1 and set(opt.state[p]) == {"exp_avg", "exp_avg_sq"}
+    sd = opt.state_dict()
+    ref = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1, weight_decay=0.0)
+    ref.param_groups[0]["params"][0].grad = torch.full((3,), 0.5)
+    ref.step()  # the same arithmetic as torch's AdamW at weight decay 0
+    torch.testing.assert_close(p.data, ref.param_groups[0]["params"][0].data, rtol=0, atol=1e-7)
+    opt.state[p]["step"] = torch.tensor(1.0)
+    with pytest.raises(KeyError, match="step"):
+        opt.state_dict()
+    sd["state"][0]["step"] = torch.tensor(1.0)
+    with pytest.raises(KeyError, match="step"):
+        opt.load_state_dict(sd)

@@ -97,7 +97,10 @@ def init_trainer_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 123
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         context_parallel_size=cp, expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=expert_tp)
+        expert_tensor_parallel_size=expert_tp,
+        # Megatron's TP/PP/DP/EP subgroups take their timeout from here, not from the world
+        # group (default 30 minutes): a hung TP collective fails after timeout_s as well.
+        distributed_timeout_minutes=timeout_s / 60.0)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
 

@@ -87,14 +87,23 @@ def _sharding_metadata(actor) -> dict:
             "chained_optim_avoid_prefix": True}
 
 
-def _prime_optimizer_state(optimizer) -> None:
-    """Give a fresh torch optimizer its state before Megatron reads it.
+def _is_torch_adam(inner) -> bool:
+    """Megatron-Core's fallback optimizer (neither Transformer Engine nor Apex importable):
+    torch's Adam/AdamW, which keeps a per-parameter ``step`` tensor in its state. TE's and Apex's
+    ``FusedAdam`` keep the step in each param group instead."""
+    return isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))
 
-    Without Apex or Transformer Engine (Megatron falls back to ``torch.optim.Adam``),
+
+def _prime_optimizer_state(optimizer) -> None:
+    """Give an optimizer that has not stepped yet (a resume, a save at step 0) its state before
+    Megatron reads it.
+
+    Megatron's own ``init_state_fn`` creates the moments (what the first step would create; a
+    load overwrites them). Only on the torch-Adam fallback is a per-parameter ``step`` added:
     Megatron-Core 0.19.2's ``DistributedOptimizer.state_dict()`` asserts that every parameter's
-    state has one ``step``, which an optimizer that has not stepped yet (a resume, a save at
-    step 0) does not have. Zero moments and step 0 are what the first step would create; a
-    load overwrites them.
+    state has one there. TE's ``FusedAdam`` must not get one: its ``state_dict`` and
+    ``load_state_dict`` look every state key up in ``name_to_dtype_map`` and raise
+    ``KeyError: 'step'`` (``transformer_engine/pytorch/optimizers/fused_adam.py``, 2.20.2).
     """
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
@@ -102,14 +111,17 @@ def _prime_optimizer_state(optimizer) -> None:
             continue
         if getattr(opt, "init_state_fn", None) is not None:
             opt.init_state_fn(inner, getattr(opt, "config", None))
+        if not _is_torch_adam(inner):
+            continue
         for group in inner.param_groups:
             for param in group["params"]:
                 inner.state[param].setdefault("step", torch.tensor(0.0))
 
 
 def _torch_optimizers(optimizer):
+    """The torch Adam/AdamW optimizers inside Megatron's (none with TE's or Apex's FusedAdam)."""
     return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])
-            if getattr(o, "optimizer", None) is not None]
+            if _is_torch_adam(getattr(o, "optimizer", None))]
 
 
 def _adam_step(optimizer) -> Optional[float]:
@@ -146,7 +158,7 @@ def _tolerate_missing_step(optimizer):
     patched = []
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         original = getattr(opt, "_set_main_param_and_optimizer_states", None)
-        if original is None:
+        if original is None or not _is_torch_adam(getattr(opt, "optimizer", None)):
             continue
         opt._set_main_param_and_optimizer_states = (
             lambda model_param, tensors, __orig=original: __orig(model_param,

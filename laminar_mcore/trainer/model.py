@@ -27,12 +27,23 @@ def resolve_dtype(name: str) -> torch.dtype:
     return table[name]
 
 
-def te_available() -> bool:
+def te_importable() -> bool:
+    """Whether Transformer Engine's torch layers load, as Megatron-Core checks it
+    (``megatron/core/extensions/transformer_engine.py`` imports ``transformer_engine`` and
+    ``transformer_engine.pytorch``). The top-level package can import while its torch extension,
+    built against one torch version, fails to load: then Megatron falls back to its local
+    layers, and so must we."""
     try:
         import transformer_engine  # noqa: F401
+        import transformer_engine.pytorch  # noqa: F401 - loads the torch extension
     except Exception:  # noqa: BLE001 - any import failure means "not usable"
         return False
-    return torch.cuda.is_available()
+    return True
+
+
+def te_available() -> bool:
+    """Transformer Engine layers are used: TE's torch layers load and there is a GPU."""
+    return torch.cuda.is_available() and te_importable()
 
 
 RECOMPUTE = ("none", "selective", "full")

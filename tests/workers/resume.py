@@ -20,8 +20,21 @@ def main():
     ap.add_argument("--local-optimizer", action="store_true")
     ap.add_argument("--also-fully-reshardable", default=None,
                     help="also save the --save-at checkpoint fully_reshardable under this root")
+    ap.add_argument("--optimizer", default="torch", choices=("torch", "te", "apex"),
+                    help="the Adam Megatron picks: torch's (no TE/Apex), or the CPU twin of TE's "
+                         "or Apex's FusedAdam selected as Megatron selects it")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.optimizer == "torch":
+        run(args)
+    else:
+        from laminar_mcore.testing.fused_adam import megatron_selects
+
+        with megatron_selects(args.optimizer):
+            run(args)
+
+
+def run(args):
 
     from laminar_mcore.config.schema import AlgoConfig, ParallelConfig, TrainerConfig
     from laminar_mcore.models import get_adapter
@@ -70,12 +83,18 @@ def main():
                 for key, value in opt.optimizer.state[param].items():
                     moments[f"{g}.{i}.{key}"] = value.detach().clone().reshape(-1)
     save_file(moments, os.path.join(args.out, f"adam_rank{os.environ['RANK']}.safetensors"))
+    group_steps = [g.get("step") for opt in actor.optimizer.chained_optimizers
+                   for g in opt.optimizer.param_groups]
+    optimizer_class = [type(opt.optimizer).__name__ for opt in actor.optimizer.chained_optimizers]
     weights = stage_full_tensors(actor.model.module, cfg)
     if torch.distributed.get_rank() == 0:
         save_file(weights, os.path.join(args.out, "final.safetensors"))
     write_rank_result(args.out, {"rank": int(os.environ["RANK"]), "resumed_from": path,
                                  "start": start, "extra": extra, "losses": losses,
-                                 "version": actor.version})
+                                 "version": actor.version,
+                                 "group_steps": [s if s is None or isinstance(s, int) else float(s)
+                                                 for s in group_steps],
+                                 "optimizer_class": optimizer_class})
     torch.distributed.destroy_process_group()
 
 
