@@ -1,7 +1,8 @@
 """The GPU check's CPU rehearsal: every check of ``bench.gpu`` runs its logic here (gloo for
 NCCL, the Triton interpreter at small shapes, the CPU twin of IPC), with Hydra, OmegaConf,
 aiohttp, SGLang and Transformer Engine made unimportable -- as on a bare GPU machine -- so that
-a run on a GPU can fail only for GPU reasons."""
+a run on a GPU can fail only for GPU reasons. Every check says what it exercised and what it did
+not (issue 31, item 5)."""
 
 import json
 import os
@@ -36,6 +37,86 @@ def test_cpu_rehearsal_runs_every_check_without_hydra_or_sglang(tmp_path):
     assert figures["world_backend"] == "gloo" and figures["cuda_ipc_classes"] == "stand-in"
     for n in names:
         assert f"[PASS] {n}" in proc.stdout
+    _assert_coverage(figures, proc.stdout)
+
+
+CHECKS = ("kernels", "train_step", "checkpoint", "publish", "staging", "cuda_ipc", "plan", "moe")
+
+
+def _entry(entries, what):
+    """The one entry of ``entries`` about ``what`` ("what: how/why")."""
+    found = [e for e in entries if e.startswith(f"{what}: ")]
+    assert len(found) == 1, (what, entries)
+    return found[0]
+
+
+def _assert_coverage(figures, stdout):
+    missed = []
+    for n in CHECKS:
+        done, nots = figures[f"{n}_exercised"], figures[f"{n}_not_exercised"]
+        assert done and all(isinstance(e, str) and ": " in e for e in done + nots), n
+        assert figures["coverage"]["checks"][n] == \
+            f"exercised {len(done)} / not exercised {len(nots)}"
+        for e in done:
+            assert f"    exercised: {e}\n" in stdout
+        for e in nots:
+            assert f"not exercised: {e}\n" in stdout
+            assert f"    [{n}] {e}\n" in stdout  # in the closing summary too
+        missed += [f"[{n}] {e}" for e in nots]
+    # the summary lists every entry not exercised, and nothing else
+    assert figures["coverage"]["not_exercised"] == missed and missed
+    # the rehearsal is a world of one, on gloo, with one rank holding every optimizer shard
+    nots = figures["train_step_not_exercised"]
+    assert "world of 1 rank" in _entry(nots, "nccl_multi_rank")
+    assert "DP=1" in _entry(nots, "distributed_optimizer_sharding")
+    assert "gloo" in _entry(nots, "nccl_backend")
+    assert not any(e.startswith("nccl_multi_rank") for e in figures["train_step_exercised"])
+    # a second process rebuilt every bucket from the payloads, byte for byte
+    assert figures["cuda_ipc_second_process_equal"] is True
+    assert figures["cuda_ipc_second_process_buckets"] == figures["publish_buckets"] > 1
+    assert figures["cuda_ipc_second_process_device"] == "cpu"
+    opened = _entry(figures["cuda_ipc_exercised"], "second_process_open")
+    assert f"rebuilt {figures['publish_buckets']} of {figures['publish_buckets']} buckets" in \
+        opened and "CPU shared memory" in opened and "bytes equal" in opened
+    assert "no GPU" in _entry(figures["cuda_ipc_not_exercised"], "cuda_ipc_handles")
+    assert "SGLang not importable" in \
+        _entry(figures["cuda_ipc_not_exercised"], "sglang_format_and_patched_reductions")
+    # the checkpoint names the Adam Megatron picked (torch's: TE is blocked), and the TE state
+    # contract ran on its CPU twin
+    optimizer = figures["checkpoint_optimizer_class"]
+    assert optimizer in ("torch.optim.adam.Adam", "torch.optim.adamw.AdamW")
+    assert f"optimizer_class: {optimizer}" in figures["checkpoint_exercised"]
+    assert "not importable" in _entry(figures["checkpoint_not_exercised"], "te_fused_adam")
+    twin = "laminar_mcore.testing.fused_adam.TEFusedAdamTwin"
+    assert figures["checkpoint_te_twin_optimizer_class"] == twin
+    assert f"te_fused_adam_state_contract: CPU twin ({twin})" in figures["checkpoint_exercised"]
+    assert figures["checkpoint_te_twin_adam_err"] == 0.0
+    assert figures["checkpoint_te_twin_next_step_err"] <= 1e-6
+    # the publish channel went to a second process over gloo, not NCCL
+    assert figures["staging_channel_backend"] == "gloo" and figures["staging_channel_equal"]
+    assert "bytes equal" in _entry(figures["staging_exercised"], "publish_channel")
+    assert "no GPU" in _entry(figures["staging_not_exercised"], "nccl_publish_channel")
+    assert "EP=1" in _entry(figures["moe_not_exercised"], "moe_all_to_all")
+
+
+@pytest.mark.multiprocess
+def test_the_two_rank_train_step_rehearses_on_gloo():
+    """What ``train_step`` runs with two GPUs (a second world: DP=2 with the distributed
+    optimizer), here on gloo: both ranks step, each holds half the optimizer, weights agree."""
+    code = ("import json; from laminar_mcore.bench import gpu; "
+            "r = gpu._two_rank_train_step(timeout_s=500); "
+            "print('RESULT', json.dumps([r, gpu._ranks_agree(r)]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, PYTHONWARNINGS="ignore",
+                                                TRITON_INTERPRET="1"))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    ranks, (agree, note) = json.loads(line[len("RESULT "):])
+    assert [r["rank"] for r in ranks] == [0, 1] and agree, note
+    assert {r["backend"] for r in ranks} == {"gloo"} and {r["dp"] for r in ranks} == {2}
+    assert len({r["digest"] for r in ranks}) == 1 and all(r["moved"] > 0 for r in ranks)
+    assert sum(r["optimizer_numel"] for r in ranks) >= ranks[0]["model_numel"] > \
+        max(r["optimizer_numel"] for r in ranks)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

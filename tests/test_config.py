@@ -273,7 +273,7 @@ def test_plan_matches_megatrons_published_memory_formulas():
 def test_a_run_that_does_not_fit_is_refused_naming_the_item_and_the_knob():
     cfg = _compose("experiment=qwen2_5_72b_math", "model.path=null",
                    "cluster.controller_addr=10.0.0.1", "trainer.recompute=none")
-    with pytest.raises(ConfigError, match=r"first pipeline stage\) needs 9\d\.\d GB.*largest item "
+    with pytest.raises(ConfigError, match=r"first pipeline stage\) needs 10\d\.\d GB.*largest item "
                                           r"is activations .*trainer.recompute=full"):
         validate_config(cfg)
     cfg = _compose("experiment=qwen2_5_72b_math", "model.path=null",

@@ -29,6 +29,27 @@ Checks, each printed as pass/fail with its figure:
    Hugging Face tensors (experts under their per-expert names) equal to the source, and a
    decoupled-PPO step with routing replay whose recomputed log-probs match the engine's.
 
+Each check also says what it exercised and what it did not, computed from the run (world size,
+device, which classes ran, whether a second process opened what was exported): two lists of
+"what: how" / "what: why" entries, printed under its PASS/FAIL line and written as
+``<check>_exercised`` / ``<check>_not_exercised``; ``coverage`` sums them up and lists every entry
+not exercised. Beyond one process and one GPU:
+
+- ``cuda_ipc`` hands each payload to a second process, which rebuilds the bucket as SGLang does
+  (SGLang's serializer with its patched reductions when importable, the stand-in otherwise) and
+  returns a SHA-256 of its bytes, compared with the exported bucket's (on CPU the payload carries
+  shared memory instead of CUDA IPC handles);
+- ``staging`` sends a buffer over the trainer -> relay publish channel (``weights.transport``)
+  to a second process: NCCL with two or more GPUs, gloo otherwise;
+- ``checkpoint`` reports the Adam class Megatron picked (Transformer Engine's ``FusedAdam`` when
+  TE is importable); the CPU rehearsal runs its round trip a second time with the CPU twin of
+  TE's ``FusedAdam`` (``testing.fused_adam``);
+- ``train_step`` runs a second, two-rank NCCL world (distributed optimizer at DP2; both ranks
+  must end with the same weights) when two GPUs are visible.
+
+What one GPU cannot reach stays in the ``not_exercised`` lists: the multi-rank NCCL world, the
+NCCL publish channel, MoE all-to-all between ranks.
+
 Needs torch >= 2.11, triton, transformers, megatron-core, safetensors and this package -- no
 Hydra, OmegaConf, SGLang or Transformer Engine -- so it runs on a bare GPU machine after
 ``pip install --no-deps`` of those wheels (README, "Checking the GPU paths"). Without a GPU it
@@ -41,6 +62,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
+import hashlib
+import importlib
 import importlib.metadata
 import json
 import os
@@ -48,7 +72,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, Iterable, List, Tuple
 
 import torch
 
@@ -64,9 +88,30 @@ class Bench:
         self.cuda = torch.cuda.is_available() and not rehearsal
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda \
             else torch.device("cpu")
+        self.gpus = torch.cuda.device_count() if self.cuda else 0
         self.figures: Dict[str, object] = {}
         self.results: List[Tuple[str, bool, str]] = []
         self.shared: Dict[str, object] = {}
+        # check name -> (exercised, not exercised): "what: how" / "what: why" entries
+        self.coverage: Dict[str, Tuple[List[str], List[str]]] = {}
+        self.check = ""  # the running check, whose lists exercised()/not_exercised() extend
+
+    def exercised(self, what: str, how: str) -> None:
+        self.coverage.setdefault(self.check, ([], []))[0].append(f"{what}: {how}")
+
+    def not_exercised(self, what: str, why: str) -> None:
+        self.coverage.setdefault(self.check, ([], []))[1].append(f"{what}: {why}")
+
+    def covered(self, what: str, done: bool, how: str, why: str) -> None:
+        """``what`` exercised (``how``) if ``done``, else not exercised (``why``)."""
+        if done:
+            self.exercised(what, how)
+        else:
+            self.not_exercised(what, why)
+
+    def short_of(self, gpus: int) -> str:
+        """Why a path that needs ``gpus`` GPUs did not run on this machine."""
+        return f"{self.gpus} GPU (needs {gpus})" if self.cuda else "no GPU (CPU rehearsal)"
 
     def sync(self):
         if self.cuda:
@@ -96,6 +141,71 @@ class Bench:
             out[key] = (torch.cuda.max_memory_allocated() - base) / GB
         else:
             out[key] = 0.0
+
+
+def _digest(named: Iterable[Tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 of tensors' names, dtypes, shapes and bytes, in order (compared across processes)."""
+    h = hashlib.sha256()
+    for name, t in named:
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def _own(name: str) -> Callable:
+    """This module's function ``name`` as a spawned process can find it: through the module's
+    importable name (run with ``python -m`` or ``runpy``, this file's functions belong to a
+    ``__main__`` that a child cannot import)."""
+    return getattr(importlib.import_module("laminar_mcore.bench.gpu"), name)
+
+
+class _Peer:
+    """A helper process (spawned: CUDA is initialised here) running ``_own(target)(conn,
+    *args)``, spoken to over a pipe. The child sends its pid once it is ready, then answers;
+    a child that fails sends ``{"error": traceback}``, raised here as ``RuntimeError``."""
+
+    def __init__(self, target: str, *args, timeout_s: float = 300.0):
+        import torch.multiprocessing
+
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.timeout_s = timeout_s
+        self.proc = ctx.Process(target=_own(target), args=(child, *args), daemon=True)
+        self.proc.start()
+        child.close()
+        try:
+            self.pid = self.recv()
+        except BaseException:
+            self.close()
+            raise
+
+    def recv(self):
+        if not self.conn.poll(self.timeout_s):
+            raise TimeoutError(f"helper process {self.proc.pid} did not answer within "
+                               f"{self.timeout_s:.0f} s")
+        msg = self.conn.recv()  # EOFError if it died
+        if isinstance(msg, dict) and "error" in msg:
+            raise RuntimeError(f"helper process {self.proc.pid} failed:\n{msg['error']}")
+        return msg
+
+    def ask(self, msg):
+        self.conn.send(msg)
+        return self.recv()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.conn.send(None)  # "stop"
+        self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
+
+
+def _child_failed(conn) -> None:
+    """In a helper process: report the exception being handled to the parent."""
+    with contextlib.suppress(OSError, ValueError):
+        conn.send({"error": traceback.format_exc()})
 
 
 # ---------------------------------------------------------------------- 1. kernels
@@ -183,6 +293,18 @@ def check_kernels(b: Bench) -> Tuple[bool, str]:
     b.figures["packing_matches_cpu"] = same
     ok &= same
     notes.append(f"packing on {b.device}: {'equal' if same else 'DIFFERS from'} the CPU reference")
+    how = f"{'compiled' if b.cuda else 'interpreted'} Triton, {str(dtype)[6:]}"
+    b.exercised("logprob_entropy_kernel", f"{how}, forward and backward at "
+                f"{', '.join(f'{n}x{v}' for n, v in shapes)} against fp32 torch")
+    b.exercised("ppo_kernel", f"{how}, forward and backward against torch")
+    most = max(n * v for n, v in shapes)
+    b.covered("int64_logit_offsets", most > 2**31 - 1, f"{most / 1e9:.2f}e9 logits > 2**31",
+              f"at most {most} logits, below 2**31 (the interpreter runs small shapes)")
+    b.covered("compiled_triton", b.cuda, f"on {b.figures.get('gpu')}",
+              "no GPU (CPU rehearsal: the Triton interpreter)")
+    b.covered("bf16_logits", dtype == torch.bfloat16, "bf16 in, fp32 math",
+              f"{str(dtype)[6:]} in (the interpreter computes in numpy)")
+    b.exercised("packing", f"on {b.device.type} against the CPU reference")
     return ok, "; ".join(notes)
 
 
@@ -209,17 +331,30 @@ def _weights(actor) -> Dict[str, torch.Tensor]:
 
 
 def _adam(actor) -> Dict[str, torch.Tensor]:
+    """Adam's state: each parameter's (moments, and torch Adam's per-parameter ``step``) and,
+    for TE's and Apex's ``FusedAdam``, each param group's ``step`` (where they keep it; a load
+    also writes one into torch Adam's groups, which never read it)."""
     out = {}
-    for opt in actor.optimizer.chained_optimizers:
+    for c, opt in enumerate(actor.optimizer.chained_optimizers):
+        per_group = not isinstance(opt.optimizer, (torch.optim.Adam, torch.optim.AdamW))
         for g, group in enumerate(opt.optimizer.param_groups):
+            if per_group and "step" in group:
+                out[f"{c}.{g}.step"] = torch.tensor(float(group["step"]))
             for i, param in enumerate(group["params"]):
                 for key, value in opt.optimizer.state[param].items():
-                    out[f"{g}.{i}.{key}"] = value.detach().float().cpu().clone()
+                    out[f"{c}.{g}.{i}.{key}"] = value.detach().float().cpu().clone()
     return out
+
+
+def _optimizer_class(actor) -> str:
+    """The Adam Megatron picked at import (TE's ``FusedAdam``, Apex's, or torch's), qualified."""
+    inner = type(actor.optimizer.chained_optimizers[0].optimizer)
+    return f"{inner.__module__}.{inner.__qualname__}"
 
 
 def check_train_step(b: Bench) -> Tuple[bool, str]:
     import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
     from ..parallel import wait_for_rank0
     from ..parallel.groups import backend
@@ -234,20 +369,130 @@ def check_train_step(b: Bench) -> Tuple[bool, str]:
     on_device = next(actor.model.parameters()).device.type == b.device.type
     b.shared["actor"] = (cfg, actor)
     world_backend = str(dist.get_backend())
+    world, dp = dist.get_world_size(), ps.get_data_parallel_world_size()
+    opt = type(actor.optimizer.chained_optimizers[0]).__name__
     b.figures.update({"train_step_grad_norm": stats["grad_norm"], "train_step_weight_change": moved,
                       "world_backend": world_backend})
     ok = (stats["skipped"] == 0.0 and moved > 0 and flag and on_device
-          and world_backend == backend() and
-          type(actor.optimizer.chained_optimizers[0]).__name__ == "DistributedOptimizer")
-    return ok, (f"world {world_backend}, grad norm {stats['grad_norm']:.3f}, max weight change "
-                f"{moved:.2e}, DistributedOptimizer, model on {b.device}")
+          and world_backend == backend() and opt == "DistributedOptimizer")
+    note = (f"world {world_backend}, grad norm {stats['grad_norm']:.3f}, max weight change "
+            f"{moved:.2e}, {opt}, model on {b.device}")
+    b.exercised("decoupled_ppo_step", f"tiny qwen2 on {b.device.type}, "
+                f"{str(next(actor.model.parameters()).dtype)[6:]}")
+    b.exercised("trainer_world", f"{world_backend}, a world of {world} rank(s)")
+    b.exercised("cpu_helper_collectives", "a flag over the long-timeout gloo group")
+    b.covered("distributed_optimizer", opt == "DistributedOptimizer", f"{opt} at DP={dp}",
+              f"{opt} built instead")
+    two = None
+    if b.cuda and world < 2 and b.gpus >= 2:  # a real NCCL world of its own, in two processes
+        two = _two_rank_train_step()
+        two_ok, two_note = _ranks_agree(two)
+        ok &= two_ok
+        note += f"; two ranks: {two_note}"
+        b.figures.update({"train_step_two_rank_agree": two_ok,
+                          "train_step_two_rank_weight_digests": [r["digest"] for r in two]})
+    if two is not None:
+        r0 = two[0]
+        b.exercised("nccl_multi_rank", f"{r0['backend']}, a second world of {r0['world']} "
+                    f"ranks, {'same weights on both' if _ranks_agree(two)[0] else 'RANKS DIFFER'}")
+        b.exercised("distributed_optimizer_sharding", f"DP={r0['dp']}: Adam state of "
+                    f"{[r['optimizer_numel'] for r in two]} of {r0['model_numel']} values per rank")
+    else:
+        b.covered("nccl_multi_rank", world > 1 and "nccl" in world_backend,
+                  f"{world_backend}, a world of {world} ranks",
+                  f"{b.short_of(2)}, a world of {world} rank(s)")
+        b.covered("distributed_optimizer_sharding", dp > 1, f"DP={dp}",
+                  f"DP={dp}: one rank holds every shard, nothing is sharded")
+    b.covered("nccl_backend", "nccl" in world_backend, world_backend,
+              "no GPU (CPU rehearsal: gloo for every collective)")
+    return ok, note
 
 
-def check_checkpoint(b: Bench) -> Tuple[bool, str]:
+def _train_rank(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of ``_two_rank_train_step`` (``torch.multiprocessing`` target): the trainer's
+    world from torchrun's variables, a tiny model's step with the distributed optimizer at
+    DP=``world``, and what the ranks must agree on, written to ``out/rank{rank}.json``."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from ..parallel import destroy_trainer_parallel, init_trainer_parallel
+    from ..testing.synthetic import random_trajectories
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)
+    init_trainer_parallel(tp=1, pp=1, seed=1, timeout_s=300)
+    try:
+        b = Bench(rehearsal=not torch.cuda.is_available())
+        cfg, actor = _tiny_actor(b)
+        before = _weights(actor)
+        # rank 0's batch, scattered over DP as the trainer does
+        batch = random_trajectories(8, 4, cfg.vocab_size, seed=7) if rank == 0 else None
+        stats = actor.train_step(batch)
+        after = _weights(actor)
+        result = {
+            "rank": rank, "world": dist.get_world_size(), "backend": str(dist.get_backend()),
+            "dp": ps.get_data_parallel_world_size(), "skipped": stats["skipped"],
+            "grad_norm": stats["grad_norm"], "digest": _digest(sorted(after.items())),
+            "moved": max((after[k] - before[k]).abs().max().item() for k in before),
+            "optimizer": type(actor.optimizer.chained_optimizers[0]).__name__,
+            # the distributed optimizer's main parameters on this rank: its shard
+            "optimizer_numel": sum(p.numel() for opt in actor.optimizer.chained_optimizers
+                                   for g in opt.optimizer.param_groups for p in g["params"]),
+            "model_numel": sum(p.numel() for p in actor.model.parameters())}
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+    finally:
+        destroy_trainer_parallel()
+
+
+def _two_rank_train_step(world: int = 2, timeout_s: float = 600.0) -> List[dict]:
+    """``_train_rank`` in ``world`` spawned processes (NCCL with GPUs, one each; gloo without):
+    each rank's result."""
+    import torch.multiprocessing as mp
+
+    from ..netutil import free_port
+
+    with tempfile.TemporaryDirectory(prefix="laminar-bench-dp2-") as out:
+        ctx = mp.start_processes(_own("_train_rank"), args=(world, free_port(), out),
+                                 nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=5):  # raises if a rank failed
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the {world}-rank train step took over {timeout_s:.0f} s")
+        finally:
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+        results = []
+        for rank in range(world):
+            with open(os.path.join(out, f"rank{rank}.json")) as f:
+                results.append(json.load(f))
+    return results
+
+
+def _ranks_agree(results: List[dict]) -> Tuple[bool, str]:
+    """Every rank stepped (no skip, weights moved), at DP=world with the distributed optimizer
+    holding a part of the model's values only, and ends with the same weights and grad norm."""
+    r0 = results[0]
+    same = all(r["digest"] == r0["digest"] and r["grad_norm"] == r0["grad_norm"] for r in results)
+    each = all(r["skipped"] == 0.0 and r["moved"] > 0 and r["dp"] == len(results) and
+               r["optimizer"] == "DistributedOptimizer" and
+               0 < r["optimizer_numel"] < r["model_numel"] for r in results)
+    return same and each, (f"{r0['backend']} world of {len(results)}, DP={r0['dp']}, weights "
+                           f"{'equal' if same else 'DIFFER'} across ranks, Adam shards "
+                           f"{[r['optimizer_numel'] for r in results]} of {r0['model_numel']}")
+
+
+def _round_trip(b: Bench, cfg, actor) -> Dict[str, float]:
+    """Save ``actor``, load it into a new one, compare weights and Adam state; then one more
+    step on both must give the same weights."""
     from ..testing.synthetic import random_trajectories
     from ..trainer.checkpoint import load_checkpoint, save_checkpoint
 
-    cfg, actor = b.shared["actor"]
     with tempfile.TemporaryDirectory(prefix="laminar-bench-ckpt-") as root:
         t0 = time.perf_counter()
         path = save_checkpoint(root, 1, actor)
@@ -264,11 +509,67 @@ def check_checkpoint(b: Bench) -> Tuple[bool, str]:
         resumed.train_step(batch)
         step_err = max((x - y).abs().max().item() for x, y in
                        zip(_weights(actor).values(), _weights(resumed).values()))
-    b.figures.update({"checkpoint_weights_err": w_err, "checkpoint_adam_err": m_err,
-                      "checkpoint_next_step_err": step_err, "checkpoint_save_s": save_s})
-    ok = w_err == 0.0 and m_err == 0.0 and step_err <= 1e-6
-    return ok, (f"weights err {w_err:.1e}, Adam moments/step err {m_err:.1e}, next step err "
-                f"{step_err:.1e}, save {save_s:.2f} s")
+    return {"weights_err": w_err, "adam_err": m_err, "next_step_err": step_err, "save_s": save_s}
+
+
+def _round_trip_ok(r: Dict[str, float]) -> bool:
+    return r["weights_err"] == 0.0 and r["adam_err"] == 0.0 and r["next_step_err"] <= 1e-6
+
+
+def check_checkpoint(b: Bench) -> Tuple[bool, str]:
+    import torch.distributed as dist
+
+    from ..testing.synthetic import random_trajectories
+    from ..trainer.model import te_importable
+
+    cfg, actor = b.shared["actor"]
+    optimizer = _optimizer_class(actor)  # read before the round trip: what the step ran with
+    r = _round_trip(b, cfg, actor)
+    b.figures.update({"checkpoint_weights_err": r["weights_err"],
+                      "checkpoint_adam_err": r["adam_err"],
+                      "checkpoint_next_step_err": r["next_step_err"],
+                      "checkpoint_save_s": r["save_s"], "checkpoint_optimizer_class": optimizer})
+    ok = _round_trip_ok(r)
+    note = (f"{optimizer.rsplit('.', 1)[-1]}: weights err {r['weights_err']:.1e}, Adam "
+            f"moments/step err {r['adam_err']:.1e}, next step err {r['next_step_err']:.1e}, "
+            f"save {r['save_s']:.2f} s")
+    world = dist.get_world_size()
+    b.exercised("distributed_optimizer_round_trip", f"{actor.trainer.ckpt_optim_sharding}, "
+                f"a world of {world} rank(s)")
+    b.exercised("optimizer_class", optimizer)
+    te_ran = optimizer.startswith("transformer_engine.")
+    if te_ran:
+        b.exercised("te_fused_adam_state_contract", "Transformer Engine's FusedAdam")
+    else:
+        if te_importable():
+            why = f"Transformer Engine imports but Megatron picked {optimizer}"
+        else:
+            why = "Transformer Engine not importable" + (" (CPU rehearsal)" if b.rehearsal else "")
+        b.not_exercised("te_fused_adam", why)
+        if b.rehearsal:
+            # TE's FusedAdam keeps the step per param group and refuses a per-parameter one;
+            # its CPU twin, selected as Megatron selects TE, runs the same round trip.
+            from ..testing.fused_adam import megatron_selects
+
+            with megatron_selects("te"):
+                cfg2, first = _tiny_actor(b)
+                twin = _optimizer_class(first)
+                first.train_step(random_trajectories(4, 4, cfg2.vocab_size, seed=7))
+                t = _round_trip(b, cfg2, first)
+            twin_ok = _round_trip_ok(t) and twin.endswith(".TEFusedAdamTwin")
+            ok &= twin_ok
+            b.figures.update({"checkpoint_te_twin_optimizer_class": twin,
+                              "checkpoint_te_twin_weights_err": t["weights_err"],
+                              "checkpoint_te_twin_adam_err": t["adam_err"],
+                              "checkpoint_te_twin_next_step_err": t["next_step_err"]})
+            b.exercised("te_fused_adam_state_contract", f"CPU twin ({twin})")
+            note += (f"; TE FusedAdam's CPU twin: {'equal' if twin_ok else 'DIFFERS'} "
+                     f"(Adam err {t['adam_err']:.1e}, next step err {t['next_step_err']:.1e})")
+        else:
+            b.not_exercised("te_fused_adam_state_contract", f"{optimizer} ran instead")
+    b.covered("multi_rank_checkpoint", world > 1, f"{world} ranks",
+              f"a world of {world} rank(s): every shard written and read by one rank")
+    return ok, note
 
 
 # ---------------------------------------------------------------------- 4. publish export
@@ -302,6 +603,16 @@ def check_publish(b: Bench) -> Tuple[bool, str]:
     if b.cuda:
         torch.cuda.empty_cache()
     ok = packer.nbytes() >= nbytes and len(sizes) > 1 and (packer.pin_memory or not b.cuda)
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    b.exercised("stage_export", f"{cfg.num_hidden_layers} layers of hidden size "
+                f"{cfg.hidden_size}, {str(dtype)[6:]}, into {len(sizes)} host buckets")
+    b.covered("pinned_host_buckets", packer.pin_memory, f"{packer.nbytes() / GB:.2f} GB pinned",
+              "no GPU (CPU rehearsal: pageable host memory)")
+    b.covered("qwen2.5_7b_stage_size", b.cuda, "a PP4 stage (7 of 28 layers)",
+              "no GPU (CPU rehearsal: a tiny model)")
+    b.covered("tp_gathers_in_export", tp > 1, f"TP={tp}", f"TP={tp}: nothing to gather")
     return ok, (f"{nbytes / GB:.2f} GB in {len(sizes)} buckets: blocked {steady:.2f} s "
                 f"({nbytes / GB / max(steady, 1e-9):.1f} GB/s; first {first:.2f} s), "
                 f"{packer.nbytes() / GB:.2f} GB {'pinned' if packer.pin_memory else 'host'}")
@@ -343,9 +654,82 @@ def check_staging(b: Bench) -> Tuple[bool, str]:
     b.figures.update({"staging_chunk_mb": chunk / 2**20, "staging_side_stream_ms": side * 1e3,
                       "staging_default_stream_ms": default * 1e3, "staging_gemm_queue_ms": gemm_s * 1e3})
     ok = side < 0.5 * default if b.cuda else True  # CPU: no streams to compare
-    return ok, (f"a {chunk / 2**20:.0f} MiB chunk completes in {side * 1e3:.1f} ms on its own stream, "
-                f"{default * 1e3:.1f} ms behind {gemm_s * 1e3:.0f} ms of queued GEMMs on the default "
-                "stream" + ("" if b.cuda else " (CPU: streams are no-ops, logic only)"))
+    note = (f"a {chunk / 2**20:.0f} MiB chunk completes in {side * 1e3:.1f} ms on its own stream, "
+            f"{default * 1e3:.1f} ms behind {gemm_s * 1e3:.0f} ms of queued GEMMs on the default "
+            "stream" + ("" if b.cuda else " (CPU: streams are no-ops, logic only)"))
+    b.covered("side_stream_h2d_staging", b.cuda, f"{chunk / 2**20:.0f} MiB chunks behind queued "
+              "GEMMs", "no GPU (CPU rehearsal: streams are no-ops)")
+    # The channel itself: NCCL needs one GPU per rank (the relay's and the trainer's).
+    backend = "nccl" if b.gpus >= 2 else "gloo"
+    channel_ok, channel_note = _publish_channel(b, backend, chunk)
+    b.covered("nccl_publish_channel", backend == "nccl", "GPU 0 -> GPU 1",
+              f"{b.short_of(2)}: NCCL needs one GPU per rank (gloo ran instead)")
+    return ok and channel_ok, f"{note}; publish channel: {channel_note}"
+
+
+def _publish_channel(b: Bench, backend: str, chunk: int) -> Tuple[bool, str]:
+    """A buffer of 3.5 chunks sent as the publisher sends a bucket (a header, then chunk by
+    chunk through ``weights.transport.Channel`` over a two-rank ``stage_group``) to a relay in
+    a second process (on GPU 1 over NCCL), which returns a SHA-256 of what it received."""
+    import torch.distributed as dist
+
+    from ..weights.transport import Channel, stage_group
+
+    nbytes = chunk * 3 + chunk // 2 + 13  # a short, odd last chunk
+    g = torch.Generator().manual_seed(11)
+    host = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+    if b.cuda:
+        host = host.pin_memory()
+    timeout = datetime.timedelta(seconds=300)
+    # The relay's rendezvous store: here, hosted by this (the trainer's) end.
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timeout)
+    relay = _Peer("_relay_main", backend, store.port, chunk, 1 if backend == "nccl" else None)
+    try:
+        pg = stage_group(store, 0, 1, backend, timeout)  # rank 1: the stage's lead
+        channel = Channel(pg, 0, backend, chunk)
+        channel.send_header({"type": "bucket", "nbytes": nbytes, "chunk_bytes": chunk})
+        t0 = time.perf_counter()
+        for off in range(0, nbytes, chunk):
+            channel.send(host[off:off + chunk])
+        channel.flush()
+        digest, where = relay.recv()
+        send_s = time.perf_counter() - t0
+    finally:
+        relay.close()
+    equal = digest == hashlib.sha256(host.numpy()).hexdigest()
+    b.figures.update({"staging_channel_backend": backend, "staging_channel_equal": equal,
+                      "staging_channel_gb_per_s": nbytes / GB / max(send_s, 1e-9)})
+    b.exercised("publish_channel", f"{backend}: stage_group + Channel to a second process "
+                f"(pid {relay.pid}, staged on {where}), {nbytes} bytes in "
+                f"{-(-nbytes // chunk)} chunks, bytes {'equal' if equal else 'DIFFERENT'}")
+    return equal, (f"{backend} to pid {relay.pid}, {nbytes / 2**20:.1f} MiB "
+                   f"{'equal' if equal else 'DIFFERENT'}, {nbytes / GB / max(send_s, 1e-9):.2f} GB/s")
+
+
+def _relay_main(conn, backend: str, port: int, chunk: int, device) -> None:
+    """The relay end of ``_publish_channel`` (a ``_Peer``): receive one bucket as
+    ``relay/chain.py`` does and answer (SHA-256, where it was staged)."""
+    try:
+        import torch.distributed as dist
+
+        from ..weights.transport import Channel, stage_group
+
+        if device is not None:
+            torch.cuda.set_device(device)
+        conn.send(os.getpid())
+        timeout = datetime.timedelta(seconds=300)
+        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timeout)
+        pg = stage_group(store, 0, 0, backend, timeout)  # rank 0: the relay
+        channel = Channel(pg, 1, backend, chunk)
+        header = channel.recv_header()
+        host = torch.empty(header["nbytes"], dtype=torch.uint8)
+        for off in range(0, header["nbytes"], header["chunk_bytes"]):
+            channel.recv_into(host[off:off + header["chunk_bytes"]])
+        where = str(channel.staging.device) if channel.staging is not None else "host"
+        conn.send((hashlib.sha256(host.numpy()).hexdigest(), where))
+        conn.recv()  # stop: the groups live until the sender has flushed
+    except Exception:  # noqa: BLE001 - reported to the parent, which fails the check
+        _child_failed(conn)
 
 
 # ---------------------------------------------------------------------- 6. CUDA IPC
@@ -361,28 +745,104 @@ def check_cuda_ipc(b: Bench) -> Tuple[bool, str]:
     except ImportError:
         classes, which = standin_bucket_classes(), "stand-in"
     exporter = CudaIpcExporter(classes=classes, require_cuda=b.cuda)
-    device = str(b.device)
+    devices = [str(b.device)]  # the engine's GPUs, one per TP rank: an engine at TP=1
     mem: Dict[str, float] = {}
     payload_bytes = 0
     buffers = packer.last_buckets
-    with b.peak(mem, "pull"):
-        for i, bucket in enumerate(buffers):
-            if i >= 2:  # the engine applied bucket i-2 (the relay's /bucket protocol)
-                exporter.free("lease", [i - 2])
-            per_rank = exporter.payload("lease", i, read_bucket(bucket.buffer, bucket.metas),
-                                        [device])
-            payload_bytes += sum(len(p) for p in per_rank)
-        held = exporter.held("lease")
-        exporter.release("lease")
+    # The engine: a second process that opens each payload as SGLang's TP worker does, before
+    # the next bucket is served (started first: its imports and CUDA context are not measured).
+    engine = _Peer("_engine_main", which == "SGLang's")
+    opened, equal, where = 0, True, set()
+    try:
+        with b.peak(mem, "pull"):
+            for i, bucket in enumerate(buffers):
+                if i >= 2:  # the engine applied bucket i-2 (the relay's /bucket protocol)
+                    exporter.free("lease", [i - 2])
+                named = read_bucket(bucket.buffer, bucket.metas)
+                per_rank = exporter.payload("lease", i, named, devices)
+                payload_bytes += sum(len(p) for p in per_rank)
+                index, digest, on = engine.ask((i, per_rank[0]))
+                opened += index == i
+                equal &= digest == _digest(named.items())
+                where.add(on)
+            held = exporter.held("lease")
+            exporter.release("lease")
+    finally:
+        engine.close()
     left = (torch.cuda.memory_allocated() / GB) if b.cuda else 0.0
     b.figures.update({"cuda_ipc_gpu_peak_gb": mem["pull"], "cuda_ipc_largest_bucket_gb": largest / GB,
                       "cuda_ipc_payload_bytes": payload_bytes, "cuda_ipc_peak_buckets":
-                      exporter.peak_buckets_held, "cuda_ipc_classes": which})
+                      exporter.peak_buckets_held, "cuda_ipc_classes": which,
+                      "cuda_ipc_second_process_buckets": opened,
+                      "cuda_ipc_second_process_equal": equal,
+                      "cuda_ipc_second_process_device": ",".join(sorted(where))})
+    reopened = opened == len(buffers) and equal and where == {b.device.type}
     ok = (exporter.peak_buckets_held <= 2 and held == sorted(held)[-2:] and
-          mem["pull"] <= 2 * largest / GB * 1.05 + 0.01 and not exporter.held("lease"))
+          mem["pull"] <= 2 * largest / GB * 1.05 + 0.01 and not exporter.held("lease") and
+          reopened)
+    carrier = "CUDA IPC handles" if b.cuda else "CPU shared memory (torch's fd passing)"
+    b.exercised("ipc_payloads", f"{which} classes, {len(buffers)} buckets, at most "
+                f"{exporter.peak_buckets_held} held")
+    b.covered("second_process_open", opened > 0, f"pid {engine.pid} rebuilt {opened} of "
+              f"{len(buffers)} buckets from {carrier} on {','.join(sorted(where))}, bytes "
+              f"{'equal (SHA-256)' if equal else 'DIFFERENT'}", "the engine process opened none")
+    b.covered("cuda_ipc_handles", b.cuda, "opened by another process",
+              "no GPU (CPU rehearsal: the same payload over CPU shared memory)")
+    b.covered("sglang_format_and_patched_reductions", which == "SGLang's",
+              "SGLang's MultiprocessingSerializer/SafeUnpickler, device UUIDs",
+              "SGLang not importable (stand-in classes, handles by device index)")
+    b.covered("one_payload_per_engine_tp_rank", len(devices) > 1, f"{len(devices)} GPUs",
+              f"an engine on {len(devices)} device: one payload per bucket")
     return ok, (f"{len(buffers)} buckets, {which} classes: at most {exporter.peak_buckets_held} "
                 f"held, engine-GPU peak {mem['pull']:.2f} GB (largest bucket {largest / GB:.2f} GB), "
-                f"{payload_bytes} payload bytes, {left:.2f} GB allocated after release")
+                f"{payload_bytes} payload bytes, {left:.2f} GB allocated after release; "
+                f"{opened} rebuilt in pid {engine.pid}, bytes {'equal' if equal else 'DIFFERENT'}")
+
+
+def _engine_main(conn, sglang: bool) -> None:
+    """The engine of ``check_cuda_ipc`` (a ``_Peer``): for each ``(index, payload)``, what an
+    SGLang TP worker does with its entry of ``serialized_named_tensors`` -- deserialize it
+    (SGLang's serializer after its ``monkey_patch_torch_reductions``, or, with the stand-in
+    classes, the pickle they make), rebuild the bucket's tensors by their metadata -- and answer
+    ``(index, SHA-256 of the tensors, device type)``, dropping them before it answers."""
+    try:
+        if sglang:
+            from sglang.srt.utils import MultiprocessingSerializer
+            from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+            from sglang.srt.weight_sync.tensor_bucket import (FlattenedTensorBucket,
+                                                              FlattenedTensorMetadata)
+
+            monkey_patch_torch_reductions()  # device UUIDs back to this process's indices
+
+            def rebuild(payload):  # weight_updater._update_weights_from_flattened_bucket
+                obj = MultiprocessingSerializer.deserialize(payload)
+                meta = [FlattenedTensorMetadata(name=m.name, shape=m.shape, dtype=m.dtype,
+                                                start_idx=m.start_idx, end_idx=m.end_idx,
+                                                numel=m.numel) for m in obj["metadata"]]
+                flat = obj["flattened_tensor"]
+                return flat, FlattenedTensorBucket(flattened_tensor=flat,
+                                                   metadata=meta).reconstruct_tensors()
+        else:
+            import base64
+            from multiprocessing.reduction import ForkingPickler
+
+            import torch.multiprocessing  # noqa: F401 - registers torch's reductions
+
+            from ..relay.transports.cuda_ipc import reconstruct_tensors
+
+            def rebuild(payload):
+                obj = ForkingPickler.loads(base64.b64decode(payload))
+                flat = obj["flattened_tensor"]
+                return flat, reconstruct_tensors(flat, obj["metadata"])
+        conn.send(os.getpid())
+        while (msg := conn.recv()) is not None:
+            index, payload = msg
+            flat, named = rebuild(payload)
+            answer = (index, _digest(named), flat.device.type)
+            del flat, named  # the exporter may free the bucket once we answer
+            conn.send(answer)
+    except Exception:  # noqa: BLE001 - reported to the parent, which fails the check
+        _child_failed(conn)
 
 
 # ---------------------------------------------------------------------- 7. plan vs measured
@@ -429,6 +889,14 @@ def check_plan(b: Bench) -> Tuple[bool, str]:
     # On CPU the SwiGLU and RoPE run unfused (bias_activation_fusion needs CUDA) and keep a few
     # more f-wide tensors: the rehearsal checks the logic, the GPU the figure.
     low, high = (0.7, 1.3) if b.cuda else (0.5, 2.5)
+    te = any(type(m).__module__.startswith("transformer_engine") for m in layer.modules())
+    b.exercised("activation_bytes_vs_plan", f"one layer of hidden size {h}, {tokens} tokens, "
+                f"{'Transformer Engine' if te else 'local'} layers, ratio band {low}-{high}")
+    b.covered("flash_attention", saved["scores"] == 0, "no [s, s] scores kept",
+              f"unfused attention keeps {saved['scores']} bytes of scores ("
+              + ("no GPU (CPU rehearsal)" if not b.cuda else "Transformer Engine not used") + ")")
+    b.covered("fused_swiglu_rope", b.cuda, "bias_activation_fusion on CUDA",
+              "no GPU (CPU rehearsal: unfused, so the wider ratio band)")
     return low <= ratio <= high, (f"{tokens} tokens, one layer: {measured / 2**20:.1f} MiB saved for "
                                  f"backward vs the plan's {planned / 2**20:.1f} MiB: ratio "
                                  f"{ratio:.2f} (plus {saved['scores'] / 2**20:.1f} MiB of unfused "
@@ -464,6 +932,18 @@ def check_moe(b: Bench) -> Tuple[bool, str]:
                       "moe_export_equal": export_ok, "moe_mismatch_max": stats["mismatch_max"]})
     ok = export_ok and gap < 1e-3 and stats["skipped"] == 0.0 and \
         grouped == bool(b.cuda and te_available())
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    ep, world = ps.get_expert_model_parallel_world_size(), dist.get_world_size()
+    b.exercised("moe_experts", f"{'TE grouped GEMM' if grouped else 'SequentialMLP'} on "
+                f"{next(actor.model.parameters()).device.type}")
+    b.covered("te_grouped_gemm", grouped, "Transformer Engine's grouped GEMM",
+              "no GPU (CPU rehearsal)" if not b.cuda else "Transformer Engine not importable")
+    b.exercised("routing_replay", f"recomputed log-probs within {gap:.1e} of the engine's")
+    b.exercised("expert_export", f"{len(exported)} Hugging Face tensors, experts by name")
+    b.covered("moe_all_to_all", ep > 1, f"EP={ep}", f"EP={ep} in a world of {world} rank(s): "
+              "no token leaves its rank")
     return ok, (f"experts {'TE grouped GEMM' if grouped else 'SequentialMLP'}, export "
                 f"{'equal' if export_ok else 'DIFFERENT'} ({len(exported)} tensors), replayed "
                 f"log-prob gap to the engine {gap:.1e}, step mismatch max "
@@ -488,6 +968,15 @@ def _versions() -> Dict[str, str]:
     out["cuda"] = str(torch.version.cuda)
     out["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     return out
+
+
+def _report_coverage(b: Bench, name: str) -> None:
+    """Check ``name``'s two lists into the figures, and printed under its PASS/FAIL line."""
+    done, nots = b.coverage[name]
+    b.figures[f"{name}_exercised"], b.figures[f"{name}_not_exercised"] = list(done), list(nots)
+    for label, entries in (("exercised", done), ("not exercised", nots)):
+        for entry in entries:
+            print(f"    {label:>13}: {entry}", flush=True)
 
 
 def main(argv=None) -> int:
@@ -523,23 +1012,37 @@ def main(argv=None) -> int:
         for name, fn in CHECKS:
             if only and name not in only:
                 continue
+            b.check = name
+            b.coverage[name] = ([], [])
             if NEEDS.get(name) and not passed.get(NEEDS[name]):
                 passed[name] = False
+                b.not_exercised("everything", f"skipped: needs {NEEDS[name]}, which failed")
                 print(f"[FAIL] {name}: skipped, needs {NEEDS[name]}", flush=True)
+                _report_coverage(b, name)
                 continue
             t0 = time.perf_counter()
             try:
                 ok, note = fn(b)
             except Exception as exc:  # noqa: BLE001 - report it and go on with the others
                 ok, note = False, f"{type(exc).__name__}: {exc}"
+                b.not_exercised("the rest of the check", f"stopped by {type(exc).__name__}")
                 traceback.print_exc()
             passed[name] = bool(ok)
             b.figures[f"{name}_passed"] = bool(ok)
             print(f"[{'PASS' if ok else 'FAIL'}] {name} ({time.perf_counter() - t0:.1f} s): {note}",
                   flush=True)
+            _report_coverage(b, name)
     finally:
         destroy_trainer_parallel()
     b.figures["all_passed"] = all(passed.values())
+    missed = [f"[{name}] {entry}" for name, (_, nots) in b.coverage.items() for entry in nots]
+    b.figures["coverage"] = {
+        "checks": {name: f"exercised {len(done)} / not exercised {len(nots)}"
+                   for name, (done, nots) in b.coverage.items()},
+        "not_exercised": missed}
+    print(f"bench.gpu: not exercised in this run ({len(missed)}):", flush=True)
+    for entry in missed:
+        print(f"    {entry}", flush=True)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

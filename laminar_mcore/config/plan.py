@@ -19,7 +19,15 @@ size):
   working set; 1F1B pipelining keeps ``min(PP, micro-batches)`` micro-batches in flight on the
   first stage (``max_tokens_per_microbatch`` tokens each);
 * logits on the last stage: ``tokens x vocab / TP`` in bf16 plus their fp32 gradient;
-* a fixed ``OVERHEAD_GB`` per GPU for the CUDA context, NCCL buffers and allocator slack.
+* MoE layers: each token's top-k routed copies (the experts' fc1/SwiGLU intermediates, the
+  dispatched input and the combined output), divided by TP under sequence parallelism (each TP
+  rank dispatches its own ``s/TP`` tokens) and multiplied by ``plan.moe_imbalance`` (the busiest
+  rank over a balanced router);
+* the publish-time gather (MoE): ``trainer/export.py`` gathers one layer's experts over EP on
+  every rank of the stage -- a whole layer's experts, plus their Hugging Face copies -- between
+  training steps, when activations are freed: the peak is the larger of the two phases;
+* overhead: ``OVERHEAD_FRACTION`` of what the GPU holds (the caching allocator's fragmentation)
+  on top of ``OVERHEAD_FLOOR_GB`` (the CUDA context, NCCL communicators and their buffers).
 
 Rollout nodes: ``num_engines x engine_tp`` GPUs; each engine GPU holds its weight shard, the KV
 cache up to ``mem_fraction_static`` of the GPU, and at most two of the relay's buckets while it
@@ -33,7 +41,14 @@ from __future__ import annotations
 import math
 from typing import Dict
 
-OVERHEAD_GB = 5.0  # CUDA context (~0.5), NCCL communicators and buffers, allocator slack
+# The CUDA context (~0.5 GB with the kernels of torch, Transformer Engine and NCCL loaded) and
+# NCCL's communicators: each keeps NCCL_BUFFSIZE (4 MiB) per channel and peer, and a trainer rank
+# has a dozen groups (TP, PP, DP, EP, their combinations) -- about 2-3 GB in all at 8 GPUs/node.
+OVERHEAD_FLOOR_GB = 3.0
+# PyTorch's caching allocator: reserved exceeds allocated by fragmentation, typically 5-10% in
+# Megatron training with variable sequence lengths (PyTorch's "Understanding CUDA Memory Usage"
+# notes; expandable_segments lowers it). 8% of everything the rank holds.
+OVERHEAD_FRACTION = 0.08
 RELAY_VERSIONS = 3  # the newest complete version, one being received, one still leased
 GB = 1e9
 
@@ -107,7 +122,8 @@ def param_counts(arch: dict) -> Dict[str, int]:
                 total=embedding + dense_total + expert_total + h + output)
 
 
-def _activation_bytes_per_token_layer(arch: dict, tp: int, sp: bool, etp: int = 1) -> float:
+def _activation_bytes_per_token_layer(arch: dict, tp: int, sp: bool, etp: int = 1,
+                                      imbalance: float = 1.0) -> float:
     h, f = arch["hidden"], arch["ffn"]
     q, kv = arch["heads"] * arch["head_dim"], arch["kv_heads"] * arch["head_dim"]
     split = 2 * (q + 2 * kv) + 2 * q + 4 * f + 2 * f  # QKV, attention out, fc1 (2f), SwiGLU (f)
@@ -117,10 +133,12 @@ def _activation_bytes_per_token_layer(arch: dict, tp: int, sp: bool, etp: int = 
     if not n_moe:
         return dense
     # an MoE layer: each token's top-k expert copies (fc1 2f', SwiGLU f', dispatched input and
-    # combined output, h each) in place of the dense MLP's; averaged over the layers
+    # combined output, h each) in place of the dense MLP's; under SP a TP rank dispatches only
+    # its s/TP tokens; the busiest rank gets `imbalance` times the balanced share. Averaged over
+    # the layers.
     fm, k = arch["moe_ffn"], arch["topk"]
-    moe = (2 * (q + 2 * kv) + 2 * q) / tp + around / (tp if sp else 1) \
-        + k * 2 * (3 * fm / etp + 2 * h)
+    routed = k * imbalance * 2 * (3 * fm / etp + 2 * h) / (tp if sp else 1)
+    moe = (2 * (q + 2 * kv) + 2 * q) / tp + around / (tp if sp else 1) + routed
     return (dense * (arch["layers"] - n_moe) + moe * n_moe) / arch["layers"]
 
 
@@ -143,7 +161,8 @@ def capacity_plan(cfg) -> dict:
     in_flight = min(pp, microbatches)
     ep, etp = max(p.ep, 1), max(p.expert_tp, 1)
     edp = max(world // (etp * ep * pp), 1)  # the experts' data-parallel size
-    per_tl = _activation_bytes_per_token_layer(arch, tp, p.sequence_parallel, etp)
+    imbalance = float(cfg.plan.moe_imbalance) if "plan" in cfg else 1.25
+    per_tl = _activation_bytes_per_token_layer(arch, tp, p.sequence_parallel, etp, imbalance)
     if t.recompute == "full":
         group = max(t.recompute_num_layers, 1)
         kept = (layers_per_stage / group) * 2 * arch["hidden"] / (tp if p.sequence_parallel else 1)
@@ -159,6 +178,10 @@ def capacity_plan(cfg) -> dict:
     # the stage's experts: ep ranks share them, expert TP splits each
     experts_per_rank = counts["expert_total"] / pp / (ep * etp)
     body = dense_per_layer * layers_per_stage / tp
+    # The publish-time gather (MoE): one layer's experts, all of them, on every rank of the stage
+    # (gather_ep), and their Hugging Face tensors converted from them: twice the layer's experts.
+    publish_gb = (2 * counts["expert_total"] / max(counts["moe_layers"], 1) * weight_b / GB
+                  if counts["moe_layers"] else 0.0)
     stages = {}
     for name, params, act, extra in (
             ("first", body + counts["embedding"] / tp, act_first, 0.0),
@@ -172,11 +195,15 @@ def capacity_plan(cfg) -> dict:
         items = {"weights_gb": params * weight_b / GB, "grads_gb": params * grad_b / GB,
                  "optimizer_gb": ((params - experts_per_rank) * optim_b + expert_optim) / GB,
                  "activations_gb": act / GB,
-                 "logits_gb": extra / GB, "overhead_gb": OVERHEAD_GB}
-        stages[name] = dict(items, peak_gb=sum(items.values()), params=params)
+                 "logits_gb": extra / GB, "publish_gather_gb": publish_gb}
+        static = items["weights_gb"] + items["grads_gb"] + items["optimizer_gb"]
+        held = static + max(items["activations_gb"] + items["logits_gb"], publish_gb)
+        items["overhead_gb"] = OVERHEAD_FLOOR_GB + OVERHEAD_FRACTION * held
+        stages[name] = dict(items, peak_gb=held + items["overhead_gb"], params=params)
     peak_stage = max(stages, key=lambda k: stages[k]["peak_gb"])
     peak = stages[peak_stage]
-    largest = max((k for k in peak if k.endswith("_gb") and k not in ("peak_gb", "overhead_gb")),
+    largest = max((k for k in peak if k.endswith("_gb")
+                   and k not in ("peak_gb", "overhead_gb", "publish_gather_gb")),
                   key=lambda k: peak[k])
 
     # -------------------------------------------------------------- rollout node
@@ -240,7 +267,7 @@ def capacity_plan(cfg) -> dict:
     return {
         "model": cfg.model.name, "arch_source": arch["source"], "params_b": counts["total"] / 1e9,
         "tp": tp, "pp": pp, "dp": dp, "ep": ep, "expert_tp": etp, "expert_dp": edp,
-        "experts": arch.get("experts", 0), "active_params_b": (
+        "experts": arch.get("experts", 0), "moe_imbalance": imbalance, "active_params_b": (
             counts["total"] - counts["expert_total"] + counts["moe_layers"] * arch.get("topk", 0)
             * counts["expert"]) / 1e9,
         "sequence_parallel": bool(p.sequence_parallel),
@@ -273,7 +300,8 @@ def format_plan(plan: dict) -> str:
              f"{plan['micro_batch_tokens']} tokens/micro-batch, "
              f"{plan['in_flight_microbatches']} in flight on stage 0",
              f"  per trainer GPU (GB)        {'first stage':>12} {'last stage':>12}"]
-    for item in ("weights", "grads", "optimizer", "activations", "logits", "overhead", "peak"):
+    for item in ("weights", "grads", "optimizer", "activations", "logits", "publish_gather",
+                 "overhead", "peak"):
         lines.append(f"    {item:<26} {plan[f'trainer_first_{item}_gb']:>12.1f} "
                      f"{plan[f'trainer_last_{item}_gb']:>12.1f}")
     lines += [

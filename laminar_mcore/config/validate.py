@@ -216,6 +216,9 @@ def validate_config(cfg: DictConfig) -> None:
     if tr.batch_timeout_s <= 0 or tr.collective_timeout_s <= 0:
         problems.append(f"trainer.batch_timeout_s={tr.batch_timeout_s} and "
                         f"trainer.collective_timeout_s={tr.collective_timeout_s} must be > 0")
+    if cfg.plan.moe_imbalance < 1.0:
+        problems.append(f"plan.moe_imbalance={cfg.plan.moe_imbalance} must be >= 1 (the busiest "
+                        "expert-parallel rank over a balanced router's share; 1 is balanced)")
     if tr.lr <= 0 or tr.min_lr < 0 or tr.min_lr > tr.lr:
         problems.append(f"trainer.lr={tr.lr} must be > 0 and trainer.min_lr={tr.min_lr} in [0, lr]")
     if cfg.algo.eps_clip <= 0 or (cfg.algo.eps_clip_high is not None and cfg.algo.eps_clip_high <= 0):
