@@ -58,6 +58,17 @@ def test_resume_matches_the_uninterrupted_run(tmp_path):
         for key in ma:
             torch.testing.assert_close(ma[key], mb[key], atol=1e-7, rtol=1e-5, msg=key)
 
+    # The same checkpoint resumed where Megatron picks TE's FusedAdam (its TE extension was
+    # broken when the run started): the step saved by torch's Adam (a float) becomes the
+    # group's int step, which TE's kernel binding requires.
+    (tmp_path / "te").mkdir()
+    te = run_torchrun(SCRIPT, 2, common + ["--resume", "auto", "--optimizer", "te"],
+                      out_dir=str(tmp_path / "te"))
+    for rank in te:
+        assert rank["start"] == 3 and rank["optimizer_class"] == ["TEFusedAdamTwin"]
+        assert set(rank["group_steps"]) == {5}
+        assert abs(rank["losses"]["4"]["loss"] - full[0]["losses"]["4"]["loss"]) <= 1e-5
+
     dp1 = run_torchrun(SCRIPT, 1, common + ["--resume", "auto"], out_dir=str(out["dp1"]))[0]
     _assert_continues(full[0], wa, dp1, out["dp1"])
 
@@ -161,6 +172,15 @@ def test_resume_with_the_fused_adam_megatron_picks_on_gpu_machines(tmp_path, kin
         assert ma.keys() == mb.keys() and not any(k.endswith(".step") for k in ma)
         for key in ma:
             assert torch.equal(ma[key], mb[key]), key
+    if kind == "te":  # the checkpoint resumed on torch's Adam: every parameter's own step
+        (tmp_path / "torch").mkdir()
+        back = run_torchrun(SCRIPT, 2, ["--tp", "1", "--steps", "5", "--ckpt", ckpt, "--resume",
+                                        "auto"], out_dir=str(tmp_path / "torch"))
+        assert back[0]["start"] == 3 and back[0]["optimizer_class"] == ["AdamW"]
+        for rank in (0, 1):
+            steps = {k: v for k, v in load_file(tmp_path / "torch" / f"adam_rank{rank}"
+                                                ".safetensors").items() if k.endswith(".step")}
+            assert steps and all(v.item() == 5 for v in steps.values())
 
 
 def test_the_te_twin_refuses_a_step_in_parameter_state_as_te_does():

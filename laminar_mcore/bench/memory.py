@@ -10,14 +10,16 @@ world (``init_process_group("fake")`` on torch's ``FakeStore``, at the rank whos
 on ``FakeTensorMode`` tensors: nothing is allocated, every shape and dtype is the real one. It
 runs a forward and a backward pass of one ``trainer.max_tokens_per_microbatch``-token micro-batch
 under torch's ``MemTracker`` and initialises the optimizer's state with Megatron's own
-``init_state_fn``, for ``--layers N`` and ``N + 1`` layers in the stage (the embedding or output
-layer where the stage has them), and compares item by item with ``config/plan.py`` evaluated
-for the same traced stage:
+``init_state_fn``, for ``--layers N`` layers in the stage (the embedding or output layer where
+the stage has them), and compares item by item with ``config/plan.py`` evaluated for the same
+traced stage (unrounded):
 
 * weights, gradients (Megatron's DDP buffers) and optimizer state (fp32 main params and Adam's
   moments, sharded by the distributed optimizer): the bytes of the real tensors;
-* activations per layer: the growth of MemTracker's activation memory from N to N + 1 layers
-  after the forward pass (what the backward pass will need), with trainer.recompute=none;
+* activations per layer: every storage autograd saves for the backward pass inside the
+  transformer layers (each once; parameters are not activations), divided by N, with
+  trainer.recompute=none. MemTracker's own activation and peak figures are reported beside
+  (they include this CPU build's attention scores).
 
 ``<recipe>plan_vs_traced_max_error`` is the largest relative error over those items.
 
@@ -272,7 +274,8 @@ def trace(experiment: str, layers: int) -> Dict[str, object]:
     hf = hf_config_from_arch(cfg.model.arch)
     a = _trace_stage(hf, cfg, plan, layers, tokens)
     # the plan of the traced stage: the same recipe with `layers` layers per stage
-    small = capacity_plan(compose(experiment, [f"model.arch.num_hidden_layers={layers * pp}"]))
+    small = capacity_plan(compose(experiment, [f"model.arch.num_hidden_layers={layers * pp}"]),
+                          digits=None)
     arch = model_arch(cfg)
     per_layer_plan = _activation_bytes_per_token_layer(
         arch, tp, bool(p.sequence_parallel), max(p.expert_tp, 1),

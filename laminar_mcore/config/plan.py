@@ -133,17 +133,20 @@ def _activation_bytes_per_token_layer(arch: dict, tp: int, sp: bool, etp: int = 
     if not n_moe:
         return dense
     # an MoE layer: each token's top-k expert copies (fc1 2f', SwiGLU f', dispatched input and
-    # combined output, h each) in place of the dense MLP's; under SP a TP rank dispatches only
-    # its s/TP tokens; the busiest rank gets `imbalance` times the balanced share. Averaged over
-    # the layers.
+    # combined output, h each) in place of the dense MLP's. Under SP a TP rank dispatches only
+    # its s/TP tokens; Megatron's alltoall dispatcher then gathers the rows over expert TP
+    # (token_dispatcher.py: tp_group = expt_tp), so a rank holds etp x s/TP x k rows, each with
+    # the etp-split intermediates; the busiest rank gets `imbalance` times the balanced share.
+    # Averaged over the layers.
     fm, k = arch["moe_ffn"], arch["topk"]
-    routed = k * imbalance * 2 * (3 * fm / etp + 2 * h) / (tp if sp else 1)
+    routed = k * imbalance * 2 * (3 * fm + 2 * h * etp) / (tp if sp else 1)
     moe = (2 * (q + 2 * kv) + 2 * q) / tp + around / (tp if sp else 1) + routed
     return (dense * (arch["layers"] - n_moe) + moe * n_moe) / arch["layers"]
 
 
-def capacity_plan(cfg) -> dict:
-    """The plan of ``cfg`` (a composed run config) as a flat-ish dict; see the module doc."""
+def capacity_plan(cfg, digits: int = 2) -> dict:
+    """The plan of ``cfg`` (a composed run config) as a flat-ish dict; see the module doc.
+    ``digits``: the GB figures' rounding (None: unrounded, for comparisons)."""
     arch = model_arch(cfg)
     counts = param_counts(arch)
     p, t, r, cl = cfg.parallel, cfg.trainer, cfg.rollout, cfg.cluster
@@ -275,7 +278,8 @@ def capacity_plan(cfg) -> dict:
         "in_flight_microbatches": in_flight,
         "trainer_gpu_peak_gb": round(peak["peak_gb"], 2), "trainer_peak_stage": peak_stage,
         "trainer_largest_item": largest[:-3],
-        **{f"trainer_{stage}_{k}": round(v, 2) for stage, items in stages.items()
+        **{f"trainer_{stage}_{k}": v if digits is None else round(v, digits)
+           for stage, items in stages.items()
            for k, v in items.items() if k.endswith("_gb")},
         "gpus_per_node": gpus, "gpu_memory_gb": mem,
         "engine_gpus_per_node": engine_gpus, "engine_tp": r.engine_tp,

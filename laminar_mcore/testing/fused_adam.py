@@ -19,7 +19,11 @@ on CPU with the optimizer class a GPU machine gets:
 - ``ApexFusedAdamTwin``: ``apex/optimizers/fused_adam.py`` of NVIDIA/apex (commit 004da4e; Apex
   has no PyPI release): torch's own ``state_dict``/``load_state_dict``, ``group["step"]`` advanced
   before the parameters are visited, ``exp_avg``/``exp_avg_sq`` created as fp32 zeros at a
-  parameter's first step, ``zero_grad()`` without arguments.
+  parameter's first step, ``zero_grad()`` without arguments; an empty param group fails (it
+  reads the group's first parameter's device before anything else).
+
+Both kernels' bindings take ``int step`` (a float step, as torch's Adam saves it, is a
+TypeError).
 
 Only fp32 optimizer states are covered (Megatron's default: no precision-aware optimizer); the
 twins refuse the other options instead of computing something else.
@@ -55,6 +59,14 @@ def _adam_update(p, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, step, a
     if adam_w_mode and weight_decay != 0:
         update = update + weight_decay * param
     p.data.copy_(param - lr * update)
+
+
+def _kernel_int(step) -> None:
+    """TE's and Apex's ``multi_tensor_adam`` bindings take ``const int step``: pybind11 refuses
+    a float (a step restored from a checkpoint torch's Adam wrote) with a TypeError."""
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise TypeError(f"multi_tensor_adam(): incompatible function arguments: step={step!r} "
+                        f"({type(step).__name__}), expected int")
 
 
 class TEFusedAdamTwin(torch.optim.Optimizer):
@@ -144,6 +156,7 @@ class TEFusedAdamTwin(torch.optim.Optimizer):
         for group in self.param_groups:
             # TE advances every group's step, empty or not, before it skips empty groups.
             group["step"] = group["step"] + 1 if "step" in group else 1
+            _kernel_int(group["step"])
             beta1, beta2 = group["betas"]
             for p in group["params"]:
                 state = self.state[p]
@@ -188,7 +201,9 @@ class ApexFusedAdamTwin(torch.optim.Optimizer):
              grad_scaler=None):
         loss = closure() if closure is not None else None
         for group in self.param_groups:
+            group["params"][0].device  # Apex (004da4e) reads it first: an empty group fails
             group["step"] = group["step"] + 1 if "step" in group else 1
+            _kernel_int(group["step"])
             beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:

@@ -112,40 +112,69 @@ def _prime_optimizer_state(optimizer) -> None:
         if getattr(opt, "init_state_fn", None) is not None:
             opt.init_state_fn(inner, getattr(opt, "config", None))
         if not _is_torch_adam(inner):
+            if not getattr(inner, "capturable", False):
+                # FusedAdam's step lives in the group: step 0 is what it has before its first
+                # step (its step() adds one either way). Saved as 0, a checkpoint taken before
+                # the first step can also be resumed on torch's Adam.
+                for group in inner.param_groups:
+                    group.setdefault("step", 0)
             continue
         for group in inner.param_groups:
             for param in group["params"]:
                 inner.state[param].setdefault("step", torch.tensor(0.0))
 
 
-def _torch_optimizers(optimizer):
-    """The torch Adam/AdamW optimizers inside Megatron's (none with TE's or Apex's FusedAdam)."""
+def _inner_optimizers(optimizer):
     return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])
-            if _is_torch_adam(getattr(o, "optimizer", None))]
+            if getattr(o, "optimizer", None) is not None]
 
 
 def _adam_step(optimizer) -> Optional[float]:
-    """The step count of torch's Adam (one per parameter state, all equal), or None."""
-    steps = {float(st["step"]) for inner in _torch_optimizers(optimizer)
-             for st in inner.state.values() if torch.is_tensor(st.get("step"))}
+    """Adam's step count: torch's per-parameter ``step`` (all equal), or FusedAdam's
+    per-group one (groups with parameters); None when there is no single count."""
+    steps = set()
+    for inner in _inner_optimizers(optimizer):
+        if _is_torch_adam(inner):
+            steps |= {float(st["step"]) for st in inner.state.values()
+                      if torch.is_tensor(st.get("step"))}
+        else:
+            steps |= {float(g["step"]) for g in inner.param_groups
+                      if g["params"] and "step" in g and not torch.is_tensor(g["step"])}
     return steps.pop() if len(steps) == 1 else None
 
 
 def _restore_adam_step(optimizer, step: Optional[float]) -> None:
-    """Put back torch Adam's per-parameter ``step`` after Megatron's load.
+    """Put back Adam's step after Megatron's load.
 
-    Megatron-Core 0.19.2's distributed optimizer, on its torch-Adam fallback (no Apex or
-    Transformer Engine), copies the *template's* ``step`` over the loaded one when it loads a
-    ``dp_reshardable`` state, and gives every parameter the same step tensor, which torch's
-    Adam then increments once per parameter. Each parameter gets its own tensor with the saved
-    count, so the bias correction of the first step after a resume is the uninterrupted run's.
+    torch's Adam: Megatron-Core 0.19.2's distributed optimizer, on its torch-Adam fallback (no
+    Apex or Transformer Engine), copies the *template's* ``step`` over the loaded one when it
+    loads a ``dp_reshardable`` state, and gives every parameter the same step tensor, which
+    torch's Adam then increments once per parameter. Each parameter gets its own tensor with the
+    saved count, so the bias correction of the first step after a resume is the uninterrupted
+    run's. This also gives a checkpoint saved with TE's or Apex's FusedAdam its count.
+
+    FusedAdam (TE, Apex): Megatron replaces each param group with the saved one, as it was
+    saved. From a checkpoint torch's Adam wrote, the step is a float, which TE's and Apex's
+    kernels refuse (their bindings take ``int step``): it is made an int, or set from ``step``
+    where none was saved; and the group lacks FusedAdam's own keys (``bias_correction``, which
+    its ``step`` reads): they come back from the optimizer's defaults, as torch's Adam's
+    ``__setstate__`` does for its own keys.
     """
-    if step is None:
-        return
-    for inner in _torch_optimizers(optimizer):
-        for st in inner.state.values():
-            if torch.is_tensor(st.get("step")):
-                st["step"] = torch.full_like(st["step"], step)
+    for inner in _inner_optimizers(optimizer):
+        if _is_torch_adam(inner):
+            if step is None:
+                continue
+            for st in inner.state.values():
+                if torch.is_tensor(st.get("step")):
+                    st["step"] = torch.full_like(st["step"], step)
+        elif not getattr(inner, "capturable", False):
+            for group in inner.param_groups:
+                for key, value in inner.defaults.items():
+                    group.setdefault(key, value)
+                if "step" in group:
+                    group["step"] = int(group["step"])
+                elif step is not None:
+                    group["step"] = int(step)
 
 
 @contextlib.contextmanager
@@ -179,6 +208,7 @@ def _trainer_state(actor) -> dict:
     return {"scheduler": actor.scheduler.state_dict(), "version": actor.version,
             "total_nonfinite": actor.total_nonfinite, "layout": _layout(),
             "optimizer_step": _adam_step(actor.optimizer),
+            "optimizer_classes": [type(o).__name__ for o in _inner_optimizers(actor.optimizer)],
             "optim_sharding": _sharding_metadata(actor)["distrib_optim_sharding_type"],
             "distributed_optimizer": actor.use_distributed_optimizer,
             "optimizers": _optimizer_count(actor.optimizer)}
