@@ -10,10 +10,13 @@ import pytest
 
 
 @pytest.mark.multiprocess
-def test_the_moe_recipe_plan_matches_its_traced_model(tmp_path):
+@pytest.mark.parametrize("overrides", [[], ["parallel.expert_tp=2"]], ids=["etp1", "etp2"])
+def test_the_moe_recipe_plan_matches_its_traced_model(tmp_path, overrides):
+    """As shipped (expert TP 1), and with expert TP 2, where Megatron's dispatcher gathers the
+    routed rows over expert TP and reduce-scatters the experts' outputs back."""
     out = tmp_path / "memory.json"
     proc = subprocess.run([sys.executable, "-m", "laminar_mcore.bench.memory", "--experiment",
-                           "qwen3_235b_a22b_math", "--json", str(out)],
+                           "qwen3_235b_a22b_math", "--json", str(out), *overrides],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     f = json.loads(out.read_text())

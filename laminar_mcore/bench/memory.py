@@ -243,8 +243,8 @@ def _trace_stage(hf, cfg, plan, layers: int, tokens: int) -> Dict[str, float]:
             "outside_layers_gb": saved["other"] / GB, "layers": n}
 
 
-def trace(experiment: str, layers: int) -> Dict[str, object]:
-    """Child process: trace ``experiment``'s peak stage at ``layers`` and ``layers + 1``."""
+def trace(experiment: str, layers: int, overrides=()) -> Dict[str, object]:
+    """Child process: trace ``experiment``'s (with Hydra ``overrides``) peak stage."""
     import torch
 
     from ..config.plan import _activation_bytes_per_token_layer, capacity_plan, model_arch
@@ -252,7 +252,7 @@ def trace(experiment: str, layers: int) -> Dict[str, object]:
     from ..parallel.cpu_compat import apply_cpu_compat
 
     torch.set_num_threads(1)
-    cfg = compose(experiment)
+    cfg = compose(experiment, overrides)
     plan = capacity_plan(cfg)
     p = cfg.parallel
     tp, pp = max(p.tp, 1), max(p.pp, 1)
@@ -274,7 +274,8 @@ def trace(experiment: str, layers: int) -> Dict[str, object]:
     hf = hf_config_from_arch(cfg.model.arch)
     a = _trace_stage(hf, cfg, plan, layers, tokens)
     # the plan of the traced stage: the same recipe with `layers` layers per stage
-    small = capacity_plan(compose(experiment, [f"model.arch.num_hidden_layers={layers * pp}"]),
+    small = capacity_plan(compose(experiment, [*overrides,
+                                               f"model.arch.num_hidden_layers={layers * pp}"]),
                           digits=None)
     arch = model_arch(cfg)
     per_layer_plan = _activation_bytes_per_token_layer(
@@ -317,12 +318,14 @@ def main(argv=None) -> int:
     ap.add_argument("--experiment", action="append", default=None,
                     help=f"a recipe (repeatable); default: {', '.join(RECIPES.values())}")
     ap.add_argument("--layers", type=int, default=1, help="layers in the traced stage (N)")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides applied to every recipe, "
+                                                 "e.g. parallel.expert_tp=2")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:  # one recipe per process: the fake world and Megatron's state are global
         with open(args.out, "w") as f:
-            json.dump(trace(args.child, args.layers), f)
+            json.dump(trace(args.child, args.layers, args.overrides), f)
         return 0
     experiments = args.experiment or list(RECIPES.values())
     prefixes = {v: k for k, v in RECIPES.items()}
@@ -335,7 +338,7 @@ def main(argv=None) -> int:
             out = os.path.join(tmp, "trace.json")
             proc = subprocess.run(
                 [sys.executable, "-m", "laminar_mcore.bench.memory", "--child", experiment,
-                 "--layers", str(args.layers), "--out", out],
+                 "--layers", str(args.layers), "--out", out, *args.overrides],
                 capture_output=True, text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
             if proc.returncode != 0:
                 print(f"[FAIL] {experiment}: the trace exited {proc.returncode}\n"

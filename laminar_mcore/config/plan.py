@@ -135,11 +135,12 @@ def _activation_bytes_per_token_layer(arch: dict, tp: int, sp: bool, etp: int = 
     # an MoE layer: each token's top-k expert copies (fc1 2f', SwiGLU f', dispatched input and
     # combined output, h each) in place of the dense MLP's. Under SP a TP rank dispatches only
     # its s/TP tokens; Megatron's alltoall dispatcher then gathers the rows over expert TP
-    # (token_dispatcher.py: tp_group = expt_tp), so a rank holds etp x s/TP x k rows, each with
-    # the etp-split intermediates; the busiest rank gets `imbalance` times the balanced share.
-    # Averaged over the layers.
+    # (token_dispatcher.py: tp_group = expt_tp), so a rank's experts see etp x s/TP x k rows
+    # (h-wide inputs, etp-split intermediates), and reduce-scatter their outputs back to its
+    # own s/TP x k rows; the busiest rank gets `imbalance` times the balanced share. Averaged
+    # over the layers. (bench.memory traces it: etp=2 at 235B within 1% of this term.)
     fm, k = arch["moe_ffn"], arch["topk"]
-    routed = k * imbalance * 2 * (3 * fm + 2 * h * etp) / (tp if sp else 1)
+    routed = k * imbalance * 2 * (3 * fm + h * etp + h) / (tp if sp else 1)
     moe = (2 * (q + 2 * kv) + 2 * q) / tp + around / (tp if sp else 1) + routed
     return (dense * (arch["layers"] - n_moe) + moe * n_moe) / arch["layers"]
 
