@@ -103,7 +103,7 @@ def _assert_coverage(figures, stdout):
 def test_the_two_rank_train_step_rehearses_on_gloo():
     """What ``train_step`` runs with two GPUs (a second world: DP=2 with the distributed
     optimizer), here on gloo: both ranks step, each holds half the optimizer, weights agree."""
-    code = ("import json; from laminar_mcore.bench import gpu_train as gpu; "
+    code = ("import json; from laminar_mcore.bench.gpu_checks import train as gpu; "
             "r = gpu._two_rank_train_step(timeout_s=500); "
             "print('RESULT', json.dumps([r, gpu._ranks_agree(r)]))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

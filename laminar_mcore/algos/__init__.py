@@ -1,11 +1,41 @@
-"""RL algorithms over plain tensors: advantage estimators and the decoupled PPO loss.
+"""RL algorithms over plain tensors: advantage estimators, policy losses, loss aggregation.
 
 Nothing here knows about Megatron or engines; the trainer feeds these functions flat per-token
-tensors, and users can call them with their own estimators.
+tensors, and users can call them with their own estimators. The registries use verl's names:
+
+    advantage_fn(name)(rewards, group_ids, *, lengths=None, std_normalize=True,
+                       leave_one_out=False, eps=1e-6) -> per-trajectory advantages
+    policy_loss_fn(name)(logprobs, prox_logprobs, behav_logprobs, advantages, loss_mask, *,
+                         seq_ids=None, behav_imp_weight_cap=None, cap_mode="mask",
+                         cap_level="token", **options) -> (per-token terms, stat sums)
+
+(see ``advantages.py`` and ``losses.py``); ``aggregation.py`` turns per-token terms into a
+batch's loss (verl's ``loss_agg_mode``s); ``spec.py`` holds the names and the valid
+combinations, torch-free. The submodules load on first use, so that ``config/validate.py`` can
+read ``spec`` without importing torch.
 """
 
-from .advantages import get_advantage_fn, grpo_advantages, register_advantage
-from .ppo import decoupled_ppo_loss, decoupled_ppo_token_terms, finalize_stats
+from importlib import import_module
 
-__all__ = ["decoupled_ppo_loss", "decoupled_ppo_token_terms", "finalize_stats",
-           "grpo_advantages", "get_advantage_fn", "register_advantage"]
+from .spec import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, algo_problems
+
+_EXPORTS = {
+    "advantage_fn": "advantages", "get_advantage_fn": "advantages",
+    "register_advantage": "advantages", "grpo_advantages": "advantages",
+    "policy_loss_fn": "losses", "register_policy_loss": "losses",
+    "policy_loss_options": "losses", "policy_loss": "losses",
+    "decoupled_ppo_loss": "ppo", "decoupled_ppo_token_terms": "ppo", "finalize_stats": "ppo",
+    "behaviour_weights": "ppo",
+    "agg_loss": "aggregation", "aggregate_terms": "aggregation", "batch_counts": "aggregation",
+    "denominator": "aggregation",
+    "kl_penalty": "kl",
+}
+
+__all__ = sorted(_EXPORTS) + ["ADVANTAGE_ESTIMATORS", "LOSS_AGG_MODES", "POLICY_LOSSES",
+                              "algo_problems"]
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

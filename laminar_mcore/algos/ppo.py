@@ -30,6 +30,44 @@ def _sequence_mean(values: Tensor, mask: Tensor, seq_ids: Tensor) -> Tensor:
     return (total / count.clamp(min=1))[seq]
 
 
+def check_inputs(logprobs: Tensor, prox_logprobs: Tensor, behav_logprobs: Tensor,
+                 advantages: Tensor, loss_mask: Tensor, *, cap_mode: str, cap_level: str,
+                 seq_ids: Optional[Tensor]) -> None:
+    """The argument checks every policy loss shares (shapes and the behaviour-weight cap)."""
+    if cap_mode not in ("mask", "clamp"):
+        raise ValueError(f"cap_mode must be 'mask' or 'clamp', got {cap_mode!r}")
+    if cap_level not in ("token", "sequence"):
+        raise ValueError(f"cap_level must be 'token' or 'sequence', got {cap_level!r}")
+    if cap_level == "sequence" and seq_ids is None:
+        raise ValueError("cap_level='sequence' needs seq_ids (the sequence of every token)")
+    shapes = {t.shape for t in (logprobs, prox_logprobs, behav_logprobs, advantages, loss_mask)}
+    if len(shapes) != 1:
+        raise ValueError(f"all per-token inputs must have one shape, got {sorted(map(tuple, shapes))}")
+
+
+def behaviour_weights(prox: Tensor, behav: Tensor, mask: Tensor, *,
+                      behav_imp_weight_cap: Optional[float] = None, cap_mode: str = "mask",
+                      cap_level: str = "token", seq_ids: Optional[Tensor] = None
+                      ) -> Tuple[Tensor, Tensor]:
+    """AReaL's behaviour importance weight w = pi_prox / pi_behav per token (with
+    ``cap_level='sequence'`` the geometric mean over the token's sequence), capped: tokens over
+    ``behav_imp_weight_cap`` get 0 (mask) or the cap (clamp). Returns (weight, capped), capped
+    1.0 where the cap applied. In the dtype of ``prox``; no gradient."""
+    behav_log_w = prox - behav
+    if cap_level == "sequence":
+        behav_log_w = _sequence_mean(behav_log_w, mask, seq_ids)  # geometric mean per sequence
+    weight = torch.exp(behav_log_w)
+    capped = torch.zeros_like(weight)
+    if behav_imp_weight_cap is not None:
+        over = weight > behav_imp_weight_cap
+        capped = over.to(weight.dtype)
+        if cap_mode == "mask":
+            weight = torch.where(over, torch.zeros_like(weight), weight)
+        else:
+            weight = torch.clamp(weight, max=behav_imp_weight_cap)
+    return weight, capped
+
+
 def decoupled_ppo_token_terms(
     logprobs: Tensor, prox_logprobs: Tensor, behav_logprobs: Tensor, advantages: Tensor,
     loss_mask: Tensor, *, eps_clip: float = 0.2, eps_clip_high: Optional[float] = None,
@@ -37,17 +75,10 @@ def decoupled_ppo_token_terms(
     cap_mode: str = "mask", cap_level: str = "token", seq_ids: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """Per-token loss terms (zero where masked) and per-token stat numerators (all summed)."""
-    if cap_mode not in ("mask", "clamp"):
-        raise ValueError(f"cap_mode must be 'mask' or 'clamp', got {cap_mode!r}")
-    if cap_level not in ("token", "sequence"):
-        raise ValueError(f"cap_level must be 'token' or 'sequence', got {cap_level!r}")
-    if cap_level == "sequence" and seq_ids is None:
-        raise ValueError("cap_level='sequence' needs seq_ids (the sequence of every token)")
+    check_inputs(logprobs, prox_logprobs, behav_logprobs, advantages, loss_mask,
+                 cap_mode=cap_mode, cap_level=cap_level, seq_ids=seq_ids)
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-    shapes = {t.shape for t in (logprobs, prox_logprobs, behav_logprobs, advantages, loss_mask)}
-    if len(shapes) != 1:
-        raise ValueError(f"all per-token inputs must have one shape, got {sorted(map(tuple, shapes))}")
 
     mask = loss_mask.to(torch.float32)
     lp = logprobs.float()
@@ -68,19 +99,8 @@ def decoupled_ppo_token_terms(
         dual_hit = ((loss3 < pg) & (adv < 0)).float()
         pg = torch.where(adv < 0, torch.minimum(pg, loss3), pg)
 
-    behav_log_w = prox - behav
-    if cap_level == "sequence":
-        behav_log_w = _sequence_mean(behav_log_w, mask, seq_ids)  # geometric mean per sequence
-    weight = torch.exp(behav_log_w)
-    capped = torch.zeros_like(weight)
-    if behav_imp_weight_cap is not None:
-        over = weight > behav_imp_weight_cap
-        if cap_mode == "mask":
-            capped = over.float()
-            weight = torch.where(over, torch.zeros_like(weight), weight)
-        else:
-            capped = over.float()
-            weight = torch.clamp(weight, max=behav_imp_weight_cap)
+    weight, capped = behaviour_weights(prox, behav, mask, behav_imp_weight_cap=behav_imp_weight_cap,
+                                       cap_mode=cap_mode, cap_level=cap_level, seq_ids=seq_ids)
 
     from ..kernels.ppo import ppo_terms
 
@@ -100,15 +120,19 @@ def decoupled_ppo_token_terms(
     return terms, stats
 
 
-_MEAN_STATS = ("clip_frac", "dual_clip_frac", "imp_weight_mean", "behav_masked_frac", "approx_kl")
+# Summed over tokens, reported as means over the loss tokens. ``ppo_kl`` and
+# ``clip_frac_lower`` are verl's ``actor/ppo_kl`` and ``actor/pg_clipfrac_lower`` (see losses.py).
+_MEAN_STATS = ("clip_frac", "dual_clip_frac", "imp_weight_mean", "behav_masked_frac", "approx_kl",
+               "ppo_kl", "clip_frac_lower")
 
 
 def finalize_stats(sums: Dict[str, Tensor]) -> Dict[str, float]:
-    """Turn summed stat numerators into means over the loss tokens."""
+    """Turn summed stat numerators into means over the loss tokens (those of ``sums``)."""
     n = float(sums["n_tokens"])
     out = {"n_tokens": n, "imp_weight_max": float(sums["imp_weight_max"])}
     for key in _MEAN_STATS:
-        out[key] = float(sums[key]) / n if n > 0 else 0.0
+        if key in sums:
+            out[key] = float(sums[key]) / n if n > 0 else 0.0
     return out
 
 

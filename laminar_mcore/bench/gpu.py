@@ -72,9 +72,9 @@ from typing import Dict, Tuple
 
 import torch
 
-from .gpu_common import QWEN2_5_7B, Bench
-from .gpu_train import check_checkpoint, check_kernels, check_train_step
-from .gpu_transfer import check_cuda_ipc, check_publish, check_staging
+from .gpu_checks.common import QWEN2_5_7B, Bench
+from .gpu_checks.train import check_checkpoint, check_kernels, check_train_step
+from .gpu_checks.transfer import check_cuda_ipc, check_publish, check_staging
 
 
 # ---------------------------------------------------------------------- 7. plan vs measured

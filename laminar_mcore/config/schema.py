@@ -72,18 +72,39 @@ class ParallelConfig:
 
 @dataclass
 class AlgoConfig:
-    """Advantage estimation and the (decoupled) PPO objective, as in AReaL."""
+    """Advantage estimation and the policy loss: AReaL's decoupled PPO by default, or one of
+    verl's estimators and losses under verl's names (laminar_mcore/algos)."""
 
-    advantage: str = "grpo"  # advantage estimator: grpo (group-normalised rewards)
-    std_normalize: bool = True  # divide by the group's reward std (Dr. GRPO: false)
-    leave_one_out: bool = False  # baseline is the mean of the group's other samples
+    # Advantage estimator: grpo (group-normalised rewards), rloo, reinforce_plus_plus,
+    # reinforce_plus_plus_baseline, opo, gpg or grpo_passk. remax is refused: it needs an extra
+    # greedy rollout of every prompt, which the rollout tier does not generate.
+    advantage: str = "grpo"
+    std_normalize: bool = True  # grpo(_passk): divide by the group's reward std (Dr. GRPO: false)
+    leave_one_out: bool = False  # grpo: baseline is the mean of the group's other samples
+    # Policy loss: decoupled_ppo (AReaL's), gspo, cispo, sapo, geo_mean, clip_cov or kl_cov.
+    # Each uses the ratio pi_theta/pi_prox and the weight pi_prox/pi_behav (behav_imp_weight_cap).
+    policy_loss: str = "decoupled_ppo"
+    # How per-token losses make the batch's loss, over the whole batch (all micro-batches and
+    # DP ranks): token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean or
+    # seq-mean-token-sum-norm. sapo and geo_mean need seq-mean-token-mean.
+    loss_agg_mode: str = "token-mean"
+    # seq-mean-token-sum-norm divides each sequence's token sum by this constant (verl's
+    # actor.loss_scale_factor; e.g. rollout.sampling.max_new_tokens); required by that mode.
+    loss_scale_factor: Optional[float] = None
     use_decoupled_loss: bool = True  # false: pi_prox = pi_behav (plain PPO/GRPO)
-    eps_clip: float = 0.2  # lower clip of the ratio pi_theta/pi_prox
+    eps_clip: float = 0.2  # lower clip of the ratio pi_theta/pi_prox (sapo, kl_cov: none)
     eps_clip_high: Optional[float] = 0.28  # upper clip (clip-higher); null: eps_clip
     dual_clip: Optional[float] = None  # dual-clip bound c > 1 on negative advantages; null: off
     behav_imp_weight_cap: Optional[float] = None  # cap on pi_prox/pi_behav (AReaL: 5.0); null: none
     cap_mode: str = "mask"  # mask | clamp
     cap_level: str = "token"  # token | sequence
+    sapo_tau_pos: float = 1.0  # sapo: gate temperature for positive advantages
+    sapo_tau_neg: float = 1.05  # sapo: gate temperature for negative advantages
+    clip_cov_ratio: float = 0.0002  # clip_cov: fraction of tokens whose gradient is cut
+    clip_cov_lb: float = 1.0  # clip_cov: lower bound of the covariance of the cut tokens
+    clip_cov_ub: float = 5.0  # clip_cov: upper bound of the covariance of the cut tokens
+    kl_cov_ratio: float = 0.0002  # kl_cov: fraction of tokens given the |log ratio| penalty
+    kl_cov_coef: float = 0.1  # kl_cov: coefficient of that penalty (verl's ppo_kl_coef)
     # AReaL's admission control eta; null: unbounded, as in Laminar.
     max_staleness: Optional[int] = None
     n_samples_per_prompt: int = 8  # GRPO group size: trajectories per prompt
@@ -295,7 +316,8 @@ class TrainerConfig:
     # 16 samples x 8k tokens can take many minutes). The other ranks wait without a timeout of
     # their own tripping (parallel/groups.py: wait_group).
     batch_timeout_s: float = 3600.0
-    # Trainer collectives (NCCL/gloo) fail after this long: a hung rank ends the run.
+    # Trainer collectives (NCCL/gloo: the world and Megatron's TP/PP/DP/EP groups, the
+    # publish-time gathers included) fail after this long: a hung rank ends the run.
     collective_timeout_s: float = 600.0
     # A trainer process that dies restarts the trainer world (job=train on one machine: the
     # launcher does it, up to max_restarts times; on a cluster the scheduler re-runs torchrun)

@@ -30,7 +30,6 @@ _CHOICES = {
     "data.task": TASKS,
     "algo.cap_mode": ("mask", "clamp"),
     "algo.cap_level": ("token", "sequence"),
-    "algo.advantage": ("grpo",),
     "trainer.lr_decay_style": ("constant", "linear", "cosine"),
     "trainer.ckpt_optim_sharding": ("dp_reshardable", "fully_reshardable"),
     "trainer.recompute": ("none", "selective", "full"),
@@ -110,6 +109,10 @@ def validate_config(cfg: DictConfig) -> None:
         problems.append("algo.routing_replay=true with parallel.sequence_parallel=true is not "
                         "supported yet (each TP rank routes only its slice of the tokens); set "
                         "parallel.sequence_parallel=false")
+    # estimator / policy loss / aggregation names and their combinations (torch-free)
+    from ..algos.spec import algo_problems
+
+    problems += algo_problems(cfg.algo)
     if cfg.algo.mismatch_threshold <= 0:
         problems.append(f"algo.mismatch_threshold={cfg.algo.mismatch_threshold} must be > 0")
     if cfg.trainer.moe_aux_loss_coeff < 0 or cfg.trainer.moe_z_loss_coeff < 0:

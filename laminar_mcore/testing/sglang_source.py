@@ -16,11 +16,10 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
-import subprocess
 import sys
-import tempfile
-import zipfile
 from typing import Dict, Optional, Set, Tuple
+
+from .wheel_source import default_cache, fetch_wheel_files
 
 VERSION = "0.5.23"
 FILES = ("sglang/api/v1/api_types.py", "sglang/srt/entrypoints/http_server.py",
@@ -35,29 +34,13 @@ FILES = ("sglang/api/v1/api_types.py", "sglang/srt/entrypoints/http_server.py",
 
 
 def cache_dir() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return os.environ.get("LAMINAR_SGLANG_SOURCE",
-                          os.path.join(root, ".venv", f"sglang-{VERSION}-source"))
+    return default_cache(f"sglang-{VERSION}-source", "LAMINAR_SGLANG_SOURCE")
 
 
 def fetch(timeout_s: float = 600) -> str:
     """The cache directory, downloading and extracting the wheel if it is not there yet.
     Raises ``RuntimeError`` saying why when it cannot be had."""
-    target = cache_dir()
-    if all(os.path.exists(os.path.join(target, f)) for f in FILES):
-        return target
-    with tempfile.TemporaryDirectory(prefix="laminar-sglang-") as tmp:
-        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q",
-                               "--disable-pip-version-check", f"sglang=={VERSION}", "-d", tmp],
-                              capture_output=True, text=True, timeout=timeout_s)
-        wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
-        if proc.returncode != 0 or not wheels:
-            raise RuntimeError(f"pip download sglang=={VERSION} failed: "
-                               f"{(proc.stderr or proc.stdout).strip()[-500:]}")
-        with zipfile.ZipFile(os.path.join(tmp, wheels[0])) as wheel:
-            for name in FILES:
-                wheel.extract(name, target)
-    return target
+    return fetch_wheel_files("sglang", VERSION, FILES, cache_dir(), timeout_s)
 
 
 def read(relpath: str) -> str:

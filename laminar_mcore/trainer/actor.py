@@ -6,8 +6,10 @@ schedule, the weight version counter, and one train step:
   1. rank 0 computes advantages, plans balanced micro-batches per DP rank and scatters them;
   2. pi_prox is recomputed once per batch with a forward-only pass (skipped, pi_prox = pi_behav,
      when ``use_decoupled_loss`` is false);
-  3. Megatron's forward-backward schedule computes vocab-parallel log-probs and the decoupled PPO
-     loss, normalised by the global loss-token count (so splitting does not change the gradient);
+  3. Megatron's forward-backward schedule computes vocab-parallel log-probs and the policy loss
+     (``algo.policy_loss``: AReaL's decoupled PPO by default), aggregated over the whole batch
+     (``algo.loss_agg_mode``; default: over the global loss-token count), so that splitting into
+     micro-batches and DP ranks does not change the gradient;
   4. a non-finite loss or gradient norm skips the step (warned and counted); too many in a row
      stop the run with a clear error.
 
@@ -23,7 +25,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..algos import decoupled_ppo_token_terms, finalize_stats, get_advantage_fn
+from ..algos import (advantage_fn, aggregate_terms, batch_counts, denominator, finalize_stats,
+                     policy_loss_fn, policy_loss_options)
 from ..config.schema import AlgoConfig, ParallelConfig, TrainerConfig
 from ..data.trajectory import Trajectory
 from ..parallel import apply_cpu_compat, device
@@ -128,9 +131,10 @@ class MegatronActor:
         rewards = [t.reward for t in trajectories]
         if any(r is None for r in rewards):
             raise ValueError("every trajectory needs a reward before training on it")
-        adv_fn = get_advantage_fn(a.advantage)
-        adv = adv_fn(rewards, [t.group_id for t in trajectories], std_normalize=a.std_normalize,
-                     leave_one_out=a.leave_one_out).tolist()
+        adv_fn = advantage_fn(a.advantage)
+        adv = adv_fn(rewards, [t.group_id for t in trajectories],
+                     lengths=[len(t.response_ids) for t in trajectories],
+                     std_normalize=a.std_normalize, leave_one_out=a.leave_one_out).tolist()
         multiple = pad_multiple(self.ps.get_tensor_model_parallel_world_size(),
                                 self.ps.get_context_parallel_world_size())
         lengths = [padded_length(t.num_tokens, multiple) for t in trajectories]
@@ -240,14 +244,21 @@ class MegatronActor:
     def train_step(self, trajectories: Optional[Sequence[Trajectory]]) -> Dict[str, float]:
         """One optimizer step on rank 0's batch. Returns the same stats on every rank."""
         s = self.algo
+        loss_fn, loss_options = policy_loss_fn(s.policy_loss), policy_loss_options(s)
+        mode = s.loss_agg_mode
         micro_batches = self.distribute(trajectories)
         num_mb = len(micro_batches)
         dp_group = self.ps.get_data_parallel_group()
         dp_size = self.ps.get_data_parallel_world_size()
-        count = torch.tensor([float(sum(mb.loss_mask.sum() for mb in micro_batches))],
+        # The whole batch's loss tokens (and, for the seq-* modes, sequences with one): the
+        # aggregation's denominator, so that splitting does not change the loss.
+        seqs = sum(batch_counts(mb.loss_mask[0], mb.seq_ids[0])[1] for mb in micro_batches) \
+            if mode.startswith("seq-") else 0.0
+        count = torch.tensor([float(sum(mb.loss_mask.sum() for mb in micro_batches)), seqs],
                              dtype=torch.float64)
         dist.all_reduce(count, group=dp_group)
-        global_tokens = float(count.item())
+        global_tokens = float(count[0].item())
+        norm = denominator(mode, global_tokens, float(count[1].item()), s.loss_scale_factor)
 
         if s.use_decoupled_loss:
             self.compute_logprobs(micro_batches)
@@ -258,13 +269,12 @@ class MegatronActor:
                 lp, entropy = self._logprobs(logits, mb)
                 mask = mb.loss_mask[0]
                 prox = mb.prox_logprobs[0] if mb.prox_logprobs is not None else mb.behav_logprobs[0]
-                terms, stats = decoupled_ppo_token_terms(
-                    lp, prox, mb.behav_logprobs[0], mb.advantages[0], mask,
-                    eps_clip=s.eps_clip, eps_clip_high=s.eps_clip_high, dual_clip=s.dual_clip,
-                    behav_imp_weight_cap=s.behav_imp_weight_cap, cap_mode=s.cap_mode,
-                    cap_level=s.cap_level, seq_ids=mb.seq_ids[0])
-                loss_sum = terms.sum()
+                terms, stats = loss_fn(lp, prox, mb.behav_logprobs[0], mb.advantages[0], mask,
+                                       seq_ids=mb.seq_ids[0], **loss_options)
+                loss_sum = aggregate_terms(terms, mask, mb.seq_ids[0], mode)  # token-mean: sum
                 stats["loss"] = loss_sum.detach()
+                if mode != "token-mean":  # _reduce_stats reports the summed loss / token count
+                    stats["loss"] = stats["loss"] * (global_tokens / norm)
                 stats["entropy"] = (entropy.detach() * mask).sum()
                 stats.update(mismatch_terms(lp.detach(), mb.behav_logprobs[0],
                                             mask * mb.extras["same_version"][0].to(mask.dtype),
@@ -276,8 +286,9 @@ class MegatronActor:
                     else:
                         sums[key] = sums.get(key, torch.zeros((), dtype=torch.float64)) + value
                 # The schedule divides by num_mb and DDP averages over DP: undo both so that the
-                # gradient is that of (sum over all loss tokens) / (global loss-token count).
-                scale = num_mb * dp_size / max(global_tokens, 1.0)
+                # gradient is that of (sum over all loss tokens) / (the whole batch's
+                # denominator; token-mean: its loss-token count).
+                scale = num_mb * dp_size / norm
                 return loss_sum * scale, {}
 
             return loss_func
@@ -347,8 +358,8 @@ class MegatronActor:
     def _reduce_stats(self, sums: Dict[str, torch.Tensor]) -> Dict[str, float]:
         """Sum the per-micro-batch stats over DP on the last stage, then share them over PP."""
         keys = ["loss", "entropy", "n_tokens", "clip_frac", "dual_clip_frac", "imp_weight_mean",
-                "behav_masked_frac", "approx_kl", "mismatch_sum", "mismatch_count",
-                "mismatch_above"]
+                "behav_masked_frac", "approx_kl", "ppo_kl", "clip_frac_lower", "mismatch_sum",
+                "mismatch_count", "mismatch_above"]
         maxes = ["imp_weight_max", "mismatch_max"]
         vec = torch.tensor([float(sums.get(k, 0.0)) for k in keys], dtype=torch.float64)
         vmax = torch.tensor([float(sums.get(k, 0.0)) for k in maxes], dtype=torch.float64)

@@ -11,17 +11,17 @@ from typing import Dict, Tuple
 
 import torch
 
-from .gpu_common import GB, QWEN2_5_7B, Bench, _child_failed, _digest, _Peer
+from .common import GB, QWEN2_5_7B, Bench, _child_failed, _digest, _Peer
 
 
 # ---------------------------------------------------------------------- 4. publish export
 def check_publish(b: Bench) -> Tuple[bool, str]:
     from megatron.core import parallel_state as ps
 
-    from ..models.hf import build_hf_config, tiny_hf_config
-    from ..trainer.model import build_gpt_model
-    from ..trainer.export import iter_stage_hf_tensors
-    from ..weights.bucket import BucketPacker
+    from ...models.hf import build_hf_config, tiny_hf_config
+    from ...trainer.model import build_gpt_model
+    from ...trainer.export import iter_stage_hf_tensors
+    from ...weights.bucket import BucketPacker
 
     if b.cuda:  # one PP4 stage of Qwen2.5-7B with the embedding and the output layer
         cfg = build_hf_config("qwen2", hidden_act="silu", num_hidden_layers=7, **QWEN2_5_7B)
@@ -116,7 +116,7 @@ def _publish_channel(b: Bench, backend: str, chunk: int) -> Tuple[bool, str]:
     a second process (on GPU 1 over NCCL), which returns a SHA-256 of what it received."""
     import torch.distributed as dist
 
-    from ..weights.transport import Channel, stage_group
+    from ...weights.transport import Channel, stage_group
 
     nbytes = chunk * 3 + chunk // 2 + 13  # a short, odd last chunk
     g = torch.Generator().manual_seed(11)
@@ -126,7 +126,7 @@ def _publish_channel(b: Bench, backend: str, chunk: int) -> Tuple[bool, str]:
     timeout = datetime.timedelta(seconds=300)
     # The relay's rendezvous store: here, hosted by this (the trainer's) end.
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timeout)
-    relay = _Peer("gpu_transfer:_relay_main", backend, store.port, chunk, 1 if backend == "nccl" else None)
+    relay = _Peer("transfer:_relay_main", backend, store.port, chunk, 1 if backend == "nccl" else None)
     try:
         pg = stage_group(store, 0, 1, backend, timeout)  # rank 1: the stage's lead
         channel = Channel(pg, 0, backend, chunk)
@@ -156,7 +156,7 @@ def _relay_main(conn, backend: str, port: int, chunk: int, device) -> None:
     try:
         import torch.distributed as dist
 
-        from ..weights.transport import Channel, stage_group
+        from ...weights.transport import Channel, stage_group
 
         if device is not None:
             torch.cuda.set_device(device)
@@ -178,12 +178,12 @@ def _relay_main(conn, backend: str, port: int, chunk: int, device) -> None:
 
 # ---------------------------------------------------------------------- 6. CUDA IPC
 def check_cuda_ipc(b: Bench) -> Tuple[bool, str]:
-    from ..relay.transports.cuda_ipc import CudaIpcExporter, standin_bucket_classes
-    from ..weights.bucket import read_bucket
+    from ...relay.transports.cuda_ipc import CudaIpcExporter, standin_bucket_classes
+    from ...weights.bucket import read_bucket
 
     packer, count, largest = b.shared["publish"]
     try:
-        from ..relay.transports.cuda_ipc import _sglang_bucket_classes
+        from ...relay.transports.cuda_ipc import _sglang_bucket_classes
 
         classes, which = _sglang_bucket_classes(), "SGLang's"
     except ImportError:
@@ -195,7 +195,7 @@ def check_cuda_ipc(b: Bench) -> Tuple[bool, str]:
     buffers = packer.last_buckets
     # The engine: a second process that opens each payload as SGLang's TP worker does, before
     # the next bucket is served (started first: its imports and CUDA context are not measured).
-    engine = _Peer("gpu_transfer:_engine_main", which == "SGLang's")
+    engine = _Peer("transfer:_engine_main", which == "SGLang's")
     opened, equal, where = 0, True, set()
     try:
         with b.peak(mem, "pull"):
@@ -272,7 +272,7 @@ def _engine_main(conn, sglang: bool) -> None:
 
             import torch.multiprocessing  # noqa: F401 - registers torch's reductions
 
-            from ..relay.transports.cuda_ipc import reconstruct_tensors
+            from ...relay.transports.cuda_ipc import reconstruct_tensors
 
             def rebuild(payload):
                 obj = ForkingPickler.loads(base64.b64decode(payload))

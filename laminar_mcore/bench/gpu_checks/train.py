@@ -11,13 +11,13 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from .gpu_common import Bench, _digest, _own
+from .common import Bench, _digest, _own
 
 
 # ---------------------------------------------------------------------- 1. kernels
 def check_kernels(b: Bench) -> Tuple[bool, str]:
-    from ..kernels.logprobs import logprobs_entropy_triton
-    from ..kernels.ppo import ppo_terms_torch, ppo_terms_triton
+    from ...kernels.logprobs import logprobs_entropy_triton
+    from ...kernels.ppo import ppo_terms_torch, ppo_terms_triton
 
     shapes = [(4096, 151936), (16384, 152064)] if b.cuda else [(48, 1000), (17, 4099)]
     dtype = torch.bfloat16 if b.cuda else torch.float32  # the interpreter computes in numpy
@@ -83,8 +83,8 @@ def check_kernels(b: Bench) -> Tuple[bool, str]:
         b.figures[f"ppo_kernel_{n}_err"] = err_ppo
         ok &= err_ppo < 1e-5
     # the trainer's packing on the model's device (the Triton kernel on GPUs) against CPU's
-    from ..data.trajectory import Trajectory
-    from ..trainer.packing import pack_trajectories
+    from ...data.trajectory import Trajectory
+    from ...trainer.packing import pack_trajectories
 
     g = torch.Generator().manual_seed(7)
     trajs = [Trajectory(torch.randint(1, 150_000, (p,), generator=g).tolist(),
@@ -116,10 +116,10 @@ def check_kernels(b: Bench) -> Tuple[bool, str]:
 
 # ---------------------------------------------------------------------- 2-3. train, checkpoint
 def _tiny_actor(b: Bench, **kw):
-    from ..config.schema import AlgoConfig, TrainerConfig
-    from ..models import get_adapter
-    from ..models.hf import initial_hf_state, tiny_hf_config
-    from ..trainer.actor import MegatronActor
+    from ...config.schema import AlgoConfig, TrainerConfig
+    from ...models import get_adapter
+    from ...models.hf import initial_hf_state, tiny_hf_config
+    from ...trainer.actor import MegatronActor
 
     cfg = tiny_hf_config("qwen2")
     full = get_adapter(cfg).hf_to_mcore(cfg, initial_hf_state(type("M", (), {"path": None})(),
@@ -162,9 +162,9 @@ def check_train_step(b: Bench) -> Tuple[bool, str]:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from ..parallel import wait_for_rank0
-    from ..parallel.groups import backend
-    from ..testing.synthetic import random_trajectories
+    from ...parallel import wait_for_rank0
+    from ...parallel.groups import backend
+    from ...testing.synthetic import random_trajectories
 
     cfg, actor = _tiny_actor(b)
     before = _weights(actor)
@@ -224,8 +224,8 @@ def _train_rank(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from ..parallel import destroy_trainer_parallel, init_trainer_parallel
-    from ..testing.synthetic import random_trajectories
+    from ...parallel import destroy_trainer_parallel, init_trainer_parallel
+    from ...testing.synthetic import random_trajectories
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -261,10 +261,10 @@ def _two_rank_train_step(world: int = 2, timeout_s: float = 600.0) -> List[dict]
     each rank's result."""
     import torch.multiprocessing as mp
 
-    from ..netutil import free_port
+    from ...netutil import free_port
 
     with tempfile.TemporaryDirectory(prefix="laminar-bench-dp2-") as out:
-        ctx = mp.start_processes(_own("gpu_train:_train_rank"), args=(world, free_port(), out),
+        ctx = mp.start_processes(_own("train:_train_rank"), args=(world, free_port(), out),
                                  nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:
@@ -299,8 +299,8 @@ def _ranks_agree(results: List[dict]) -> Tuple[bool, str]:
 def _round_trip(b: Bench, cfg, actor) -> Dict[str, float]:
     """Save ``actor``, load it into a new one, compare weights and Adam state; then one more
     step on both must give the same weights."""
-    from ..testing.synthetic import random_trajectories
-    from ..trainer.checkpoint import load_checkpoint, save_checkpoint
+    from ...testing.synthetic import random_trajectories
+    from ...trainer.checkpoint import load_checkpoint, save_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="laminar-bench-ckpt-") as root:
         t0 = time.perf_counter()
@@ -328,8 +328,8 @@ def _round_trip_ok(r: Dict[str, float]) -> bool:
 def check_checkpoint(b: Bench) -> Tuple[bool, str]:
     import torch.distributed as dist
 
-    from ..testing.synthetic import random_trajectories
-    from ..trainer.model import te_importable
+    from ...testing.synthetic import random_trajectories
+    from ...trainer.model import te_importable
 
     cfg, actor = b.shared["actor"]
     optimizer = _optimizer_class(actor)  # read before the round trip: what the step ran with
@@ -358,7 +358,7 @@ def check_checkpoint(b: Bench) -> Tuple[bool, str]:
         if b.rehearsal:
             # TE's FusedAdam keeps the step per param group and refuses a per-parameter one;
             # its CPU twin, selected as Megatron selects TE, runs the same round trip.
-            from ..testing.fused_adam import megatron_selects
+            from ...testing.fused_adam import megatron_selects
 
             with megatron_selects("te"):
                 cfg2, first = _tiny_actor(b)

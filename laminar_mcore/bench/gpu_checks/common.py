@@ -90,11 +90,11 @@ def _digest(named: Iterable[Tuple[str, torch.Tensor]]) -> str:
 
 def _own(name: str) -> Callable:
     """The GPU check's function ``name`` ("module:function", module under
-    ``laminar_mcore.bench``) as a spawned process can find it: through its module's importable
+    ``laminar_mcore.bench.gpu_checks``) as a spawned process can find it: through its module's importable
     name (run with ``python -m`` or ``runpy``, ``bench/gpu.py``'s functions belong to a
     ``__main__`` that a child cannot import)."""
     module, func = name.split(":")
-    return getattr(importlib.import_module(f"laminar_mcore.bench.{module}"), func)
+    return getattr(importlib.import_module(f"laminar_mcore.bench.gpu_checks.{module}"), func)
 
 
 class _Peer:

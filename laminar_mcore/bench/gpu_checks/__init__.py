@@ -1,0 +1,1 @@
+"""The checks of ``python -m laminar_mcore.bench.gpu`` (see ``bench/gpu.py``), by subject."""
