@@ -9,8 +9,8 @@ stage the plan says peaks, at that rank's shapes, in a fake process group of the
 world (``init_process_group("fake")`` on torch's ``FakeStore``, at the rank whose stage that is),
 on ``FakeTensorMode`` tensors: nothing is allocated, every shape and dtype is the real one. It
 runs a forward and a backward pass of one ``trainer.max_tokens_per_microbatch``-token micro-batch
-under torch's ``MemTracker`` and initialises the optimizer's state with Megatron's own
-``init_state_fn``, for ``--layers N`` layers in the stage (the embedding or output layer where
+under torch's ``MemTracker``, then the optimizer step (Megatron's main gradients from DDP's
+buffers and the inner Adam's step, which creates Adam's state), for ``--layers N`` layers in the stage (the embedding or output layer where
 the stage has them), and compares item by item with ``config/plan.py`` evaluated for the same
 traced stage (unrounded):
 
@@ -163,16 +163,6 @@ def _trace_stage(hf, cfg, plan, layers: int, tokens: int) -> Dict[str, float]:
         weights = _unique_bytes(model.parameters())
         grads = sum(b.grad_data.numel() * b.grad_data.element_size()
                     for b in list(ddp.buffers) + list(ddp.expert_parallel_buffers))
-        opt_tensors = []
-        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-            opt.init_state_fn(opt.optimizer, opt.config)  # Megatron's own state init
-            for group in opt.optimizer.param_groups:
-                for main in group["params"]:
-                    if main.dtype == torch.float32 and dtype != torch.float32:
-                        opt_tensors.append(main)  # the fp32 main copy (bf16 runs)
-                    opt_tensors += [v for v in opt.optimizer.state[main].values()
-                                    if torch.is_tensor(v) and v.dim() > 0]
-        optim = _unique_bytes(opt_tensors)
 
         # What the backward pass needs: every storage autograd saves during the forward pass,
         # once, charged to where it was saved -- inside an attention core (unfused on this
@@ -229,7 +219,23 @@ def _trace_stage(hf, cfg, plan, layers: int, tokens: int) -> Dict[str, float]:
             act_bytes = sum(v for d in act.values() for k, v in d.items() if "ACT" in str(k))
         with tracker:
             out.float().sum().backward()
+            # The optimizer step as Megatron takes it, past its gradient-norm and clipping
+            # (a fake tensor has no norm): the main gradients from DDP's buffers, then the
+            # inner Adam's step, which creates its state.
+            chained = getattr(optimizer, "chained_optimizers", [optimizer])
+            for opt in chained:
+                opt._copy_model_grads_to_main_grads()
+                opt.optimizer.step()
         peak = tracker.get_tracker_snapshot("peak")
+        opt_tensors = []
+        for opt in chained:
+            for group in opt.optimizer.param_groups:
+                for main in group["params"]:
+                    if main.dtype == torch.float32 and dtype != torch.float32:
+                        opt_tensors.append(main)  # the fp32 main copy (bf16 runs)
+                    opt_tensors += [v for v in opt.optimizer.state[main].values()
+                                    if torch.is_tensor(v) and v.dim() > 0]
+        optim = _unique_bytes(opt_tensors)
         peak_bytes = max(d.get("Total", 0) for d in peak.values())
         for h in hooks:
             h.remove()
