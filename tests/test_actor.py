@@ -21,7 +21,8 @@ SCRIPT = os.path.join(WORKERS, "actor_step.py")
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("actor1"))
-    results = run_torchrun(SCRIPT, 1, ["--layouts", "1x1,1x1-full,1x1-selective", "--budgets", "4096,40",
+    results = run_torchrun(SCRIPT, 1, ["--layouts", "1x1,1x1-full,1x1-selective,1x1-gspo",
+                                       "--budgets", "4096,40",
                                           "--nan-fault"],
                            out_dir=out, timeout=600)
     return out, results[0]
@@ -30,7 +31,7 @@ def single(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("actor2"))
-    results = run_torchrun(SCRIPT, 2, ["--layouts", "2x1,1x2,1x1,2x1-sp", "--budgets", "60"],
+    results = run_torchrun(SCRIPT, 2, ["--layouts", "2x1,1x2,1x1,2x1-sp,1x1-gspo", "--budgets", "60"],
                            out_dir=out, timeout=600)
     return out, results
 
@@ -60,15 +61,32 @@ def test_one_step_changes_the_weights_and_reports_stats(single):
     assert max((updated[k] - initial[k]).abs().max().item() for k in initial) > 5e-4
 
 
-def test_microbatch_split_does_not_change_the_update(single):
+@pytest.mark.parametrize("layout", ["1x1", "1x1-gspo"])
+def test_microbatch_split_does_not_change_the_update(single, layout):
+    """Also for a verl loss aggregated per sequence (GSPO, RLOO, seq-mean-token-mean): the
+    sequence count is the whole batch's, so the split does not change the loss."""
     out, result = single
-    a, b = result["stats"]["1x1@4096"], result["stats"]["1x1@40"]
+    a, b = result["stats"][f"{layout}@4096"], result["stats"][f"{layout}@40"]
     assert b["num_microbatches"] > 3
     assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
     assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
-    ref, split = _weights(out, "1x1@4096"), _weights(out, "1x1@40")
+    ref, split = _weights(out, f"{layout}@4096"), _weights(out, f"{layout}@40")
     for name in ref:
         torch.testing.assert_close(split[name], ref[name], atol=1e-5, rtol=0)
+    if layout == "1x1-gspo":  # a different objective from the default's
+        assert a["grad_norm"] != pytest.approx(result["stats"]["1x1@4096"]["grad_norm"], rel=1e-3)
+
+
+def test_a_verl_loss_gives_the_same_update_at_dp2(single, pair):
+    out1, result1 = single
+    out2, results2 = pair
+    ref = _weights(out1, "1x1-gspo@4096")
+    updated = _weights(out2, "1x1-gspo@60")
+    for name in ref:
+        torch.testing.assert_close(updated[name], ref[name], atol=1e-5, rtol=0)
+    for r in results2:
+        assert r["stats"]["1x1-gspo@60"]["loss"] == pytest.approx(
+            result1["stats"]["1x1-gspo@4096"]["loss"], abs=1e-6)
 
 
 def test_tp2_pp2_dp2_give_the_same_update(single, pair):

@@ -73,7 +73,8 @@ def main():
     result = {"rank": int(os.environ["RANK"]), "stats": {}}
 
     for layout in args.layouts.split(","):
-        # "TxP" or "TxP-lever": sp (sequence parallel), selective or full (recompute).
+        # "TxP" or "TxP-lever": sp (sequence parallel), selective or full (recompute), gspo
+        # (GSPO with RLOO advantages and seq-mean-token-mean aggregation).
         shape, _, lever = layout.partition("-")
         tp, pp = (int(x) for x in shape.split("x"))
         init_trainer_parallel(tp=tp, pp=pp, seed=1)
@@ -83,6 +84,10 @@ def main():
             result["vocab_parallel_check"] = vocab_parallel_check(ps)
         for budget in (int(b) for b in args.budgets.split(",")):
             algo = AlgoConfig(eps_clip=0.2, eps_clip_high=0.28, behav_imp_weight_cap=5.0)
+            if lever == "gspo":  # a verl loss, estimator and aggregation mode
+                algo = AlgoConfig(policy_loss="gspo", loss_agg_mode="seq-mean-token-mean",
+                                  advantage="rloo", eps_clip=3e-4, eps_clip_high=4e-4,
+                                  behav_imp_weight_cap=5.0)
             trainer = TrainerConfig(lr=1e-3, adam_eps=1e-6, grad_clip=1.0,
                                     max_tokens_per_microbatch=budget, logprob_chunk_size=7,
                                     recompute=lever if lever in ("selective", "full") else "none",
