@@ -71,34 +71,6 @@ def _group_index(group_ids: Union[Sequence[Hashable], torch.Tensor]) -> torch.Te
     return torch.tensor([index.setdefault(g, len(index)) for g in group_ids], dtype=torch.long)
 
 
-@register_advantage("grpo")
-def grpo_advantages(rewards, group_ids, *, lengths=None, std_normalize: bool = True,
-                    leave_one_out: bool = False, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO advantages (float32, one per trajectory) from rewards and group ids."""
-    r = torch.as_tensor(rewards, dtype=torch.float64).flatten()
-    g = _group_index(group_ids)
-    if r.numel() != g.numel():
-        raise ValueError(f"{r.numel()} rewards but {g.numel()} group ids")
-    if not torch.isfinite(r).all():
-        raise ValueError("rewards must be finite")
-    n_groups = int(g.max()) + 1 if g.numel() else 0
-    count = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, g, torch.ones_like(r))
-    total = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, g, r)
-    mean = total / count
-    n = count[g]
-    if leave_one_out:
-        baseline = torch.where(n > 1, (total[g] - r) / (n - 1).clamp(min=1), r)
-    else:
-        baseline = mean[g]
-    adv = r - baseline
-    if std_normalize:
-        sq = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, g, (r - mean[g]) ** 2)
-        std = torch.sqrt(sq / (count - 1).clamp(min=1))  # unbiased, as torch.std
-        adv = adv / (std[g] + eps)
-    adv = torch.where(n > 1, adv, torch.zeros_like(adv))
-    return adv.float()
-
-
 class _Groups:
     """Rewards (float64), group index and per-group sums of one batch, checked."""
 
@@ -129,6 +101,27 @@ class _Groups:
         """Each trajectory's group mean; 0 for a group of one (verl's convention)."""
         n = self.count[self.g]
         return torch.where(n > 1, (self.sum(self.r) / self.count)[self.g], torch.zeros_like(n))
+
+
+@register_advantage("grpo")
+def grpo_advantages(rewards, group_ids, *, lengths=None, std_normalize: bool = True,
+                    leave_one_out: bool = False, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantages (float32, one per trajectory) from rewards and group ids."""
+    b = _Groups(rewards, group_ids, lengths)
+    r, g, count = b.r, b.g, b.count
+    total = b.sum(r)
+    mean = total / count
+    n = count[g]
+    if leave_one_out:
+        baseline = torch.where(n > 1, (total[g] - r) / (n - 1).clamp(min=1), r)
+    else:
+        baseline = mean[g]
+    adv = r - baseline
+    if std_normalize:
+        std = torch.sqrt(b.sum((r - mean[g]) ** 2) / (count - 1).clamp(min=1))  # as torch.std
+        adv = adv / (std[g] + eps)
+    adv = torch.where(n > 1, adv, torch.zeros_like(adv))
+    return adv.float()
 
 
 def _grpo_options_only(name: str, std_normalize: bool, leave_one_out: bool,

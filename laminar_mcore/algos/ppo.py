@@ -18,16 +18,15 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from .aggregation import segment_sum, sequence_index
+
 Tensor = torch.Tensor
 
 
 def _sequence_mean(values: Tensor, mask: Tensor, seq_ids: Tensor) -> Tensor:
     """Per-token value of the masked mean of ``values`` over the token's sequence."""
-    seq = torch.unique(seq_ids, return_inverse=True)[1]
-    n = int(seq.max()) + 1 if seq.numel() else 0
-    total = torch.zeros(n, dtype=values.dtype, device=values.device).index_add_(0, seq, values * mask)
-    count = torch.zeros(n, dtype=values.dtype, device=values.device).index_add_(0, seq, mask)
-    return (total / count.clamp(min=1))[seq]
+    seq, n = sequence_index(seq_ids)
+    return (segment_sum(values * mask, seq, n) / segment_sum(mask, seq, n).clamp(min=1))[seq]
 
 
 def check_inputs(logprobs: Tensor, prox_logprobs: Tensor, behav_logprobs: Tensor,

@@ -252,9 +252,9 @@ class MegatronActor:
         dp_size = self.ps.get_data_parallel_world_size()
         # The whole batch's loss tokens (and, for the seq-* modes, sequences with one): the
         # aggregation's denominator, so that splitting does not change the loss.
-        seqs = sum(batch_counts(mb.loss_mask[0], mb.seq_ids[0])[1] for mb in micro_batches) \
-            if mode.startswith("seq-") else 0.0
-        count = torch.tensor([float(sum(mb.loss_mask.sum() for mb in micro_batches)), seqs],
+        counts = [batch_counts(mb.loss_mask[0], mb.seq_ids[0] if mode.startswith("seq-") else None)
+                  for mb in micro_batches]
+        count = torch.tensor([sum(c[0] for c in counts), sum(c[1] for c in counts)],
                              dtype=torch.float64)
         dist.all_reduce(count, group=dp_group)
         global_tokens = float(count[0].item())
