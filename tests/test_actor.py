@@ -21,7 +21,7 @@ SCRIPT = os.path.join(WORKERS, "actor_step.py")
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("actor1"))
-    results = run_torchrun(SCRIPT, 1, ["--layouts", "1x1,1x1-full,1x1-selective,1x1-gspo",
+    results = run_torchrun(SCRIPT, 1, ["--layouts", "1x1,1x1-full,1x1-selective,1x1-gspo,1x1-kl,1x1-kl-offload",
                                        "--budgets", "4096,40",
                                           "--nan-fault"],
                            out_dir=out, timeout=600)
@@ -31,7 +31,8 @@ def single(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("actor2"))
-    results = run_torchrun(SCRIPT, 2, ["--layouts", "2x1,1x2,1x1,2x1-sp,1x1-gspo", "--budgets", "60"],
+    results = run_torchrun(SCRIPT, 2, ["--layouts", "2x1,1x2,1x1,2x1-sp,1x1-gspo,1x1-kl,1x2-kl",
+                                       "--budgets", "60"],
                            out_dir=out, timeout=600)
     return out, results
 
@@ -61,10 +62,11 @@ def test_one_step_changes_the_weights_and_reports_stats(single):
     assert max((updated[k] - initial[k]).abs().max().item() for k in initial) > 5e-4
 
 
-@pytest.mark.parametrize("layout", ["1x1", "1x1-gspo"])
+@pytest.mark.parametrize("layout", ["1x1", "1x1-gspo", "1x1-kl"])
 def test_microbatch_split_does_not_change_the_update(single, layout):
     """Also for a verl loss aggregated per sequence (GSPO, RLOO, seq-mean-token-mean): the
-    sequence count is the whole batch's, so the split does not change the loss."""
+    sequence count is the whole batch's, so the split does not change the loss; and with the
+    entropy bonus and the KL penalty against the reference (two steps)."""
     out, result = single
     a, b = result["stats"][f"{layout}@4096"], result["stats"][f"{layout}@40"]
     assert b["num_microbatches"] > 3
@@ -87,6 +89,49 @@ def test_a_verl_loss_gives_the_same_update_at_dp2(single, pair):
     for r in results2:
         assert r["stats"]["1x1-gspo@60"]["loss"] == pytest.approx(
             result1["stats"]["1x1-gspo@4096"]["loss"], abs=1e-6)
+
+
+def test_kl_penalty_and_entropy_bonus_against_the_frozen_reference(single):
+    """algo.kl_coef=0.5 (k3) and algo.entropy_coef=0.01: the first step's KL is 0 (the policy
+    is the reference), the second's is the token mean of k3(pi_theta, pi_ref) over the batch,
+    computed outside the actor from the reference pass and a fresh actor on the initial
+    weights; the loss is pg_loss - 0.01 entropy + 0.5 KL; offloading changes nothing."""
+    _, result = single
+    for lever in ("kl", "kl-offload"):
+        for budget in (4096, 40):
+            key = f"1x1-{lever}@{budget}"
+            first, second = result["stats"][key + "#1"], result["stats"][key]
+            check = result[f"ref_check_{key}"]
+            assert check["ref_equal_initial"] is True and check["ref_params_frozen"] is True
+            assert first["kl_loss"] == pytest.approx(0.0, abs=1e-9)
+            assert second["kl_loss"] > 1e-3
+            assert second["kl_loss"] == pytest.approx(check["kl_sum"] / check["n_tokens"],
+                                                      rel=1e-5)
+            for stats in (first, second):
+                assert stats["entropy_loss"] == pytest.approx(stats["entropy"], rel=1e-12)
+                assert stats["loss"] == pytest.approx(
+                    stats["pg_loss"] - 0.01 * stats["entropy_loss"] + 0.5 * stats["kl_loss"],
+                    rel=1e-6, abs=1e-9)  # fp32 sums
+    assert "kl_loss" not in result["stats"]["1x1@4096"]
+    assert "entropy_loss" not in result["stats"]["1x1@4096"]
+    # on CPU the offloaded reference is where the actor is: the same numbers, bit for bit
+    out = single[0]
+    a, b = _weights(out, "1x1-kl@4096"), _weights(out, "1x1-kl-offload@4096")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_kl_penalty_gives_the_same_update_at_dp2_and_pp2(single, pair):
+    out1, result1 = single
+    out2, results2 = pair
+    ref = _weights(out1, "1x1-kl@4096")
+    for layout in ("1x1-kl", "1x2-kl"):  # DP2, PP2
+        updated = _weights(out2, f"{layout}@60")
+        for name in ref:
+            torch.testing.assert_close(updated[name], ref[name], atol=1e-5, rtol=0,
+                                       msg=lambda m: f"{layout} {name}: {m}")
+        for r in results2:
+            assert r["stats"][f"{layout}@60"]["kl_loss"] == pytest.approx(
+                result1["stats"]["1x1-kl@4096"]["kl_loss"], rel=1e-5)
 
 
 def test_tp2_pp2_dp2_give_the_same_update(single, pair):

@@ -218,6 +218,10 @@ def test_the_default_section_selects_todays_loss_with_todays_options():
           behav_imp_weight_cap=5.0), "set algo.cap_level=sequence"),
     (dict(loss_agg_mode="seq-mean-token-sum-norm"), "set algo.loss_scale_factor"),
     (dict(policy_loss="clip_cov", clip_cov_lb=6.0), "clip_cov_lb"),
+    (dict(kl_coef=0.1, kl_estimator="k4"), "not one of k1, kl, abs, k2, mse, k3, low_var_kl"),
+    (dict(kl_coef=-0.1), "algo.kl_coef=-0.1 must be >= 0"),
+    (dict(ref_offload=True), "set algo.kl_coef or algo.ref_offload=false"),
+    (dict(entropy_coef=float("nan")), "algo.entropy_coef=nan must be a finite number"),
 ])
 def test_invalid_combinations_are_refused_with_the_fix(kw, message):
     assert any(message in p for p in algo_problems(AlgoConfig(**kw)))

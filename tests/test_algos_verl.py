@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from laminar_mcore.algos import advantage_fn, agg_loss, kl_penalty, policy_loss
+from laminar_mcore.algos import (advantage_fn, agg_loss, aggregate_terms, batch_counts,
+                                 denominator, kl_penalty, policy_loss, policy_loss_fn,
+                                 regularized_sums)
 from laminar_mcore.algos.kl import KL_ESTIMATORS
 from laminar_mcore.algos.spec import FIXED_AGGREGATION, LOSS_AGG_MODES, POLICY_LOSSES
 from laminar_mcore.testing import verl_source
@@ -182,6 +184,64 @@ def test_aggregation_equals_verl_agg_loss(verl, mode):
         ref.backward()
         torch.testing.assert_close(ours.detach(), ref.detach(), **F64)
         torch.testing.assert_close(x.grad, y.grad.reshape(-1), **F64)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_entropy_bonus_and_kl_penalty_compose_as_verl_ppo_loss(verl, mode):
+    """The actor's loss with algo.entropy_coef and algo.kl_coef (``regularized_sums`` over the
+    policy loss's numerator, one denominator) against verl's ``ppo_loss``
+    (verl/workers/utils/losses.py): ``pg_loss - entropy_coeff * agg_loss(entropy) +
+    kl_loss_coef * agg_loss(kl_penalty(log_prob, ref_log_prob, kl_loss_type))``, value and
+    gradient w.r.t. the log-probs and the entropy."""
+    kinds = ("k1", "k2", "k3", "k3+", "low_var_kl", "abs")
+    for seed in range(CASES):
+        name = ("gspo", "cispo", "clip_cov", "kl_cov")[seed % 4] if mode != \
+            "seq-mean-token-mean" else ("gspo", "sapo", "geo_mean", "cispo")[seed % 4]
+        c = _case(400 + seed, name)
+        g = torch.Generator().manual_seed(500 + seed)
+        entropy = torch.rand(c["mask"].shape, generator=g, dtype=torch.float64) * 5
+        ref_lp = c["lp"] + torch.randn(c["mask"].shape, generator=g, dtype=torch.float64) * (
+            0.05, 0.5, 4.0)[seed % 3]
+        ec, kc, kind = (0.0, 0.01, 0.3)[seed % 3], (0.001, 0.5, 2.0)[seed % 3], kinds[seed % 6]
+        factor = 9.0
+        flat = {k: c[k].reshape(-1) for k in ("lp", "prox", "behav", "adv", "mask")}
+        mask, seq = flat["mask"], c["seq"]
+
+        torch.manual_seed(seed)
+        x = flat["lp"].clone().requires_grad_()
+        h = entropy.reshape(-1).clone().requires_grad_()
+        terms, _ = policy_loss_fn(name)(x, flat["prox"], flat["behav"], flat["adv"], mask,
+                                        seq_ids=seq, **c["opts"])
+        numerator, parts = regularized_sums(
+            aggregate_terms(terms, mask, seq, mode), x, h, ref_lp.reshape(-1), mask, seq, mode,
+            entropy_coef=ec, kl_coef=kc, kl_estimator=kind)
+        ours = numerator / denominator(mode, *batch_counts(mask, seq), factor)
+        ours.backward()
+
+        torch.manual_seed(seed)
+        y, e = c["lp"].clone().requires_grad_(), entropy.clone().requires_grad_()
+        info = {"loss_scale_factor": factor} if mode == "seq-mean-token-sum-norm" else {}
+        config = verl_source.actor_config(**c["config"], global_batch_info=info)
+        pg, _ = verl.get_policy_loss_fn(name)(
+            c["prox"], y, c["adv"], c["mask"], loss_agg_mode=mode, config=config,
+            rollout_is_weights=_weights(c) if c["decoupled"] else None)
+        # verl/workers/utils/losses.py, ppo_loss: the entropy and KL terms, as written there
+        entropy_loss = verl.agg_loss(loss_mat=e, loss_mask=c["mask"], loss_agg_mode=mode, **info)
+        kld = verl.kl_penalty(logprob=y, ref_logprob=ref_lp, kl_penalty=kind)
+        kl_loss = verl.agg_loss(loss_mat=kld, loss_mask=c["mask"], loss_agg_mode=mode, **info)
+        ref = pg - ec * entropy_loss + kl_loss * kc
+        ref.backward()
+        where = f"{name} {mode} {kind} seed {seed}"
+        torch.testing.assert_close(ours.detach(), ref.detach(), **F64, msg=where)
+        torch.testing.assert_close(x.grad, y.grad.reshape(-1), **F64, msg=where)
+        h_grad = h.grad if h.grad is not None else torch.zeros_like(h)  # entropy_coef 0
+        torch.testing.assert_close(h_grad, e.grad.reshape(-1), **F64, msg=where)
+        d = denominator(mode, *batch_counts(mask, seq), factor)
+        torch.testing.assert_close(parts["kl_loss"] / d, kl_loss.detach(), **F64, msg=where)
+        if ec:
+            torch.testing.assert_close(parts["entropy_loss"] / d, entropy_loss.detach(), **F64)
+        else:
+            assert "entropy_loss" not in parts
 
 
 @pytest.mark.parametrize("kind", KL_ESTIMATORS + ("k1+", "k3+", "low_var_kl+"))

@@ -71,6 +71,10 @@ def _assert_coverage(figures, stdout):
     assert "DP=1" in _entry(nots, "distributed_optimizer_sharding")
     assert "gloo" in _entry(nots, "nccl_backend")
     assert not any(e.startswith("nccl_multi_rank") for e in figures["train_step_exercised"])
+    # the reference model (algo.kl_coef): KL 0 on the first step, positive on the second
+    assert "k3 KL" in _entry(figures["train_step_exercised"], "reference_model")
+    assert "no GPU" in _entry(nots, "reference_offload")
+    assert figures["reference_kl_step1"] < 1e-3 < figures["reference_kl_step2"]
     # a second process rebuilt every bucket from the payloads, byte for byte
     assert figures["cuda_ipc_second_process_equal"] is True
     assert figures["cuda_ipc_second_process_buckets"] == figures["publish_buckets"] > 1

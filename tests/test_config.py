@@ -298,3 +298,31 @@ def test_loggers_are_checked_before_the_run_starts(monkeypatch):
                                           r"mlflow-skinny"):
         validate_config(cfg)
     validate_config(_compose("trainer.loggers=[jsonl,mlflow]", "job=smoke"))  # writes no metrics
+
+
+def test_plan_counts_the_reference_model_held_or_offloaded():
+    """algo.kl_coef > 0 keeps a frozen copy of the stage's weights (2 bytes per parameter in
+    bf16, no gradients or optimizer state); offloaded, it costs host memory instead, and the GPU
+    holds it only for the reference's forward pass (beside that pass's logits)."""
+    from laminar_mcore.config.plan import capacity_plan, format_plan
+
+    base = capacity_plan(_compose("experiment=qwen2_5_7b_math"), digits=None)
+    held = capacity_plan(_compose("experiment=qwen2_5_7b_math", "algo.kl_coef=0.001"),
+                         digits=None)
+    off = capacity_plan(_compose("experiment=qwen2_5_7b_math", "algo.kl_coef=0.001",
+                                 "algo.ref_offload=true"), digits=None)
+    for stage in ("first", "last"):
+        assert base[f"trainer_{stage}_reference_gb"] == 0.0
+        assert held[f"trainer_{stage}_reference_gb"] == pytest.approx(
+            held[f"trainer_{stage}_weights_gb"])
+        assert off[f"trainer_{stage}_reference_gb"] == 0.0
+    gained = held["trainer_gpu_peak_gb"] - base["trainer_gpu_peak_gb"]
+    stage = held["trainer_peak_stage"]
+    assert gained == pytest.approx(held[f"trainer_{stage}_reference_gb"] * 1.08, rel=0.01)
+    assert base["trainer_gpu_peak_gb"] <= off["trainer_gpu_peak_gb"] < held["trainer_gpu_peak_gb"]
+    assert (base["reference_model"], held["reference_model"], off["reference_model"]) == (
+        "none", "held", "offloaded")
+    per_node = 8 * off["trainer_first_weights_gb"]  # 8 ranks a node, one stage each
+    assert off["reference_host_gb_per_trainer_node"] == pytest.approx(per_node, abs=0.1)
+    assert "offloaded reference model" in format_plan(off)
+    assert "reference" in format_plan(held)

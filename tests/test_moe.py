@@ -288,6 +288,36 @@ def test_routing_replay_makes_the_trainer_match_the_engine_on_near_ties():
     assert s_off["mismatch_mean"] <= s_off["mismatch_p99"] <= s_off["mismatch_max"]
 
 
+def test_the_reference_model_replays_the_engines_routing_too():
+    """algo.kl_coef with routing replay: the frozen reference (the initial weights, which the
+    engine generated with) routes each token as the engine did, so its log-probs equal the
+    engine's on near ties (without replay they differ by > 1e-2, test above), and the first
+    step's KL is 0."""
+    from laminar_mcore.config.schema import AlgoConfig, TrainerConfig
+    from laminar_mcore.parallel import destroy_trainer_parallel, init_trainer_parallel
+    from laminar_mcore.trainer.actor import MegatronActor
+
+    cfg, hf = near_tie_model()
+    trajs = engine_trajectories(cfg, hf)
+    full = get_adapter(cfg).hf_to_mcore(cfg, hf)
+    init_trainer_parallel(seed=1)
+    try:
+        actor = MegatronActor(cfg, AlgoConfig(routing_replay=True, kl_coef=0.1),
+                              TrainerConfig(lr=1e-6, max_tokens_per_microbatch=64),
+                              full_state=full)
+        assert actor._ref_replays and not set(map(id, actor._ref_replays)) & set(
+            map(id, actor._replays))
+        mbs = actor.distribute(trajs)
+        actor.compute_ref_logprobs(mbs)
+        diffs = torch.cat([(mb.extras["ref_logprobs"] - mb.behav_logprobs)[mb.loss_mask > 0]
+                           .abs() for mb in mbs])
+        stats = actor.train_step(trajs)
+    finally:
+        destroy_trainer_parallel()
+    assert diffs.max() < 1e-4, diffs.max()
+    assert stats["kl_loss"] == pytest.approx(0.0, abs=1e-6)
+
+
 def test_replay_needs_the_engines_routing_and_says_so():
     from laminar_mcore.trainer.packing import routed_experts_rows
 

@@ -10,14 +10,17 @@ tensors, and users can call them with their own estimators. The registries use v
                          cap_level="token", **options) -> (per-token terms, stat sums)
 
 (see ``advantages.py`` and ``losses.py``); ``aggregation.py`` turns per-token terms into a
-batch's loss (verl's ``loss_agg_mode``s); ``spec.py`` holds the names and the valid
+batch's loss (verl's ``loss_agg_mode``s); ``kl.py`` holds the KL estimators and
+``regularized_sums`` (the entropy bonus and the KL penalty against the reference policy, added
+to the policy loss as verl's ``ppo_loss`` adds them); ``spec.py`` holds the names and the valid
 combinations, torch-free. The submodules load on first use, so that ``config/validate.py`` can
 read ``spec`` without importing torch.
 """
 
 from importlib import import_module
 
-from .spec import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, algo_problems
+from .spec import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES,
+                   algo_problems)
 
 _EXPORTS = {
     "advantage_fn": "advantages", "get_advantage_fn": "advantages",
@@ -28,11 +31,11 @@ _EXPORTS = {
     "behaviour_weights": "ppo",
     "agg_loss": "aggregation", "aggregate_terms": "aggregation", "batch_counts": "aggregation",
     "denominator": "aggregation",
-    "kl_penalty": "kl",
+    "kl_penalty": "kl", "regularized_sums": "kl",
 }
 
-__all__ = sorted(_EXPORTS) + ["ADVANTAGE_ESTIMATORS", "LOSS_AGG_MODES", "POLICY_LOSSES",
-                              "algo_problems"]
+__all__ = sorted(_EXPORTS) + ["ADVANTAGE_ESTIMATORS", "KL_ESTIMATORS", "LOSS_AGG_MODES",
+                              "POLICY_LOSSES", "algo_problems"]
 
 
 def __getattr__(name):

@@ -6,6 +6,7 @@ any process starts; the registries (``advantages.py``, ``losses.py``) hold exact
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List
 
 # verl's names (verl.trainer.ppo.core_algos), so that a verl config's key carries over.
@@ -26,6 +27,8 @@ STD_NORMALIZED = ("grpo", "grpo_passk")
 POLICY_LOSSES = ("decoupled_ppo", "gspo", "cispo", "sapo", "geo_mean", "clip_cov", "kl_cov")
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
                   "seq-mean-token-sum-norm")
+# verl's kl_penalty names (each also with a '+' suffix: k2's gradient, the estimate's value).
+KL_ESTIMATORS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 # Losses whose verl implementation fixes its aggregation whatever loss_agg_mode says.
 FIXED_AGGREGATION = {"sapo": "seq-mean-token-mean", "geo_mean": "seq-mean-token-mean"}
 
@@ -82,4 +85,23 @@ def algo_problems(algo: Any) -> List[str]:
     if loss == "kl_cov" and not (algo.kl_cov_ratio > 0 and algo.kl_cov_coef >= 0):
         out.append(f"algo.kl_cov_ratio={algo.kl_cov_ratio} must be > 0 and algo.kl_cov_coef="
                    f"{algo.kl_cov_coef} >= 0")
+    out += _regularizer_problems(algo)
+    return out
+
+
+def _regularizer_problems(algo: Any) -> List[str]:
+    """The entropy bonus and the KL penalty against the reference policy."""
+    out: List[str] = []
+    ec, kc = float(algo.entropy_coef), float(algo.kl_coef)
+    if not math.isfinite(ec):
+        out.append(f"algo.entropy_coef={ec} must be a finite number (0: entropy only logged)")
+    if not (math.isfinite(kc) and kc >= 0):
+        out.append(f"algo.kl_coef={kc} must be >= 0 (0: no reference model, no KL penalty)")
+    est = str(algo.kl_estimator)
+    if (est[:-1] if est.endswith("+") else est) not in KL_ESTIMATORS:
+        out.append(f"algo.kl_estimator={est!r} is not one of {', '.join(KL_ESTIMATORS)} (each "
+                   "with an optional '+': the value of the estimate, the gradient of k2)")
+    if algo.ref_offload and not kc > 0:
+        out.append("algo.ref_offload=true offloads the reference model, which only "
+                   "algo.kl_coef > 0 builds: set algo.kl_coef or algo.ref_offload=false")
     return out

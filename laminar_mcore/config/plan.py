@@ -26,6 +26,9 @@ size):
 * the publish-time gather (MoE): ``trainer/export.py`` gathers one layer's experts over EP on
   every rank of the stage -- a whole layer's experts, plus their Hugging Face copies -- between
   training steps, when activations are freed: the peak is the larger of the two phases;
+* the reference policy (``algo.kl_coef > 0``): the stage's weights once more, frozen (no
+  gradients, no optimizer state); with ``algo.ref_offload`` they live in host memory and visit
+  the GPU for the reference's forward pass, before the training pass, beside that pass's logits;
 * overhead: ``OVERHEAD_FRACTION`` of what the GPU holds (the caching allocator's fragmentation)
   on top of ``OVERHEAD_FLOOR_GB`` (the CUDA context, NCCL communicators and their buffers).
 
@@ -176,6 +179,8 @@ def capacity_plan(cfg, digits: int = 2) -> dict:
         act_first = tokens * per_tl * layers_per_stage * in_flight
         act_last = tokens * per_tl * layers_per_stage
     weight_b, grad_b = (4, 4) if fp32 else (2, 4)
+    reference = float(cfg.algo.get("kl_coef", 0.0) or 0.0) > 0
+    ref_offload = reference and bool(cfg.algo.get("ref_offload", False))
     adam_b = 8 if fp32 else 12
     optim_b = adam_b / (dp if p.use_distributed_optimizer else 1)
     dense_per_layer = counts["dense_layers_total"] / arch["layers"]
@@ -196,12 +201,19 @@ def capacity_plan(cfg, digits: int = 2) -> dict:
             extra = tokens * arch["vocab"] / tp * (2 + 4)
         expert_optim = experts_per_rank * adam_b / (edp if p.use_distributed_optimizer else 1)
         params = params + experts_per_rank
+        # the frozen reference policy (algo.kl_coef > 0): the stage's weights once more, held
+        # (reference_gb) or, offloaded, only while its forward pass runs (reference_visit_gb,
+        # beside that pass's logits; no training activations are held then)
+        ref_gb = params * weight_b / GB if reference else 0.0
         items = {"weights_gb": params * weight_b / GB, "grads_gb": params * grad_b / GB,
                  "optimizer_gb": ((params - experts_per_rank) * optim_b + expert_optim) / GB,
+                 "reference_gb": 0.0 if ref_offload else ref_gb,
                  "activations_gb": act / GB,
                  "logits_gb": extra / GB, "publish_gather_gb": publish_gb}
-        static = items["weights_gb"] + items["grads_gb"] + items["optimizer_gb"]
-        held = static + max(items["activations_gb"] + items["logits_gb"], publish_gb)
+        static = (items["weights_gb"] + items["grads_gb"] + items["optimizer_gb"]
+                  + items["reference_gb"])
+        visit = ref_gb + items["logits_gb"] if ref_offload else 0.0
+        held = static + max(items["activations_gb"] + items["logits_gb"], publish_gb, visit)
         items["overhead_gb"] = OVERHEAD_FLOOR_GB + OVERHEAD_FRACTION * held
         stages[name] = dict(items, peak_gb=held + items["overhead_gb"], params=params)
     peak_stage = max(stages, key=lambda k: stages[k]["peak_gb"])
@@ -236,6 +248,9 @@ def capacity_plan(cfg, digits: int = 2) -> dict:
         node = (s * tp * max(p.cp, 1) * dp) // per_node
         leads[node] = leads.get(node, 0.0) + stage_bytes[s]
     pinned_gb = max(leads.values()) / GB if leads else 0.0
+    # an offloaded reference: every trainer rank's stage of it in host memory
+    ref_host_gb = (max(stages["first"]["params"], stages["last"]["params"]) * weight_b
+                   * per_node / GB if ref_offload else 0.0)
 
     problems = []
     if gpus > 0:
@@ -248,6 +263,8 @@ def capacity_plan(cfg, digits: int = 2) -> dict:
                     "optimizer_gb": "add trainer nodes (a larger DP shards Adam further) or "
                                     "raise parallel.pp",
                     "weights_gb": "raise parallel.tp or parallel.pp",
+                    "reference_gb": "set algo.ref_offload=true (the reference waits in host "
+                                    "memory) or raise parallel.tp or parallel.pp",
                     "grads_gb": "raise parallel.tp or parallel.pp",
                     "logits_gb": "lower trainer.max_tokens_per_microbatch or raise parallel.tp"}
             problems.append(
@@ -290,6 +307,8 @@ def capacity_plan(cfg, digits: int = 2) -> dict:
         "relay_device": relay_device, "relay_shares_an_engine_gpu": bool(relay_shares),
         "relay_shm_gb_per_rollout_node": round(RELAY_VERSIONS * model_gb, 1),
         "pinned_publish_gb_per_trainer_node": round(pinned_gb, 1),
+        "reference_model": "offloaded" if ref_offload else "held" if reference else "none",
+        "reference_host_gb_per_trainer_node": round(ref_host_gb, 1),
         "fits": not problems, "problems": problems,
     }
 
@@ -305,7 +324,8 @@ def format_plan(plan: dict) -> str:
              f"{plan['micro_batch_tokens']} tokens/micro-batch, "
              f"{plan['in_flight_microbatches']} in flight on stage 0",
              f"  per trainer GPU (GB)        {'first stage':>12} {'last stage':>12}"]
-    for item in ("weights", "grads", "optimizer", "activations", "logits", "publish_gather",
+    for item in ("weights", "grads", "optimizer", "reference", "activations", "logits",
+                 "publish_gather",
                  "overhead", "peak"):
         lines.append(f"    {item:<26} {plan[f'trainer_first_{item}_gb']:>12.1f} "
                      f"{plan[f'trainer_last_{item}_gb']:>12.1f}")
@@ -320,6 +340,7 @@ def format_plan(plan: dict) -> str:
         + (" (shared with an engine)" if plan["relay_shares_an_engine_gpu"] else ""),
         f"  host: relay /dev/shm {plan['relay_shm_gb_per_rollout_node']:.0f} GB per rollout node; "
         f"pinned publish buffers {plan['pinned_publish_gb_per_trainer_node']:.0f} GB per trainer "
-        "node",
+        "node" + (f"; offloaded reference model {plan['reference_host_gb_per_trainer_node']:.0f} "
+                  "GB per trainer node" if plan["reference_model"] == "offloaded" else ""),
         "  fits: " + ("yes" if plan["fits"] else "NO\n    - " + "\n    - ".join(plan["problems"]))]
     return "\n".join(lines)

@@ -114,6 +114,19 @@ class AlgoConfig:
     # Train/inference mismatch: |log pi_engine - log pi_trainer| on tokens of the trainer's own
     # version; metrics report the fraction of such tokens above this threshold.
     mismatch_threshold: float = 0.1
+    # Entropy bonus: the loss subtracts entropy_coef x the policy's per-token entropy, aggregated
+    # like the policy loss (verl's actor.entropy_coeff). 0: the entropy is only logged.
+    entropy_coef: float = 0.0
+    # KL penalty against a frozen reference policy (the initial weights, sharded like the actor):
+    # the loss adds kl_coef x kl_estimator(pi_theta, pi_ref), aggregated like the policy loss
+    # (verl's actor.use_kl_loss, kl_loss_coef, kl_loss_type). 0: no reference model is built.
+    kl_coef: float = 0.0
+    # k1, k2 or k3 (verl's kl, mse, low_var_kl; also abs); a '+' suffix (k3+) keeps the value and
+    # takes k2's gradient, the unbiased gradient of KL.
+    kl_estimator: str = "k3"
+    # true: the reference weights wait in host memory and visit the accelerator for their
+    # forward pass only (accelerator memory for host memory and a copy per step).
+    ref_offload: bool = False
 
 
 @dataclass
@@ -219,6 +232,10 @@ class WeightSyncConfig:
     # or the restarted one) for up to failover_timeout_s and sends the version again, whole.
     publish_timeout_s: float = 300.0
     failover_timeout_s: float = 180.0  # how long to look for a new master relay
+    # Benchmark knob (bench.staleness): at step v publish the weights of step v - publish_lag
+    # (the final weights go out at the end), so every trajectory is at least publish_lag
+    # versions stale. 0: every version is published as it is made.
+    publish_lag: int = 0
 
 
 @dataclass

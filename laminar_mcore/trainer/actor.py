@@ -6,11 +6,16 @@ schedule, the weight version counter, and one train step:
   1. rank 0 computes advantages, plans balanced micro-batches per DP rank and scatters them;
   2. pi_prox is recomputed once per batch with a forward-only pass (skipped, pi_prox = pi_behav,
      when ``use_decoupled_loss`` is false);
-  3. Megatron's forward-backward schedule computes vocab-parallel log-probs and the policy loss
-     (``algo.policy_loss``: AReaL's decoupled PPO by default), aggregated over the whole batch
-     (``algo.loss_agg_mode``; default: over the global loss-token count), so that splitting into
-     micro-batches and DP ranks does not change the gradient;
-  4. a non-finite loss or gradient norm skips the step (warned and counted); too many in a row
+  3. with ``algo.kl_coef > 0``, the frozen reference policy (the initial weights, sharded like
+     the actor; in host memory between passes with ``algo.ref_offload``) gives its log-probs in
+     one more forward-only pass;
+  4. Megatron's forward-backward schedule computes vocab-parallel log-probs and entropy (one
+     fused pass) and the policy loss (``algo.policy_loss``: AReaL's decoupled PPO by default),
+     minus ``algo.entropy_coef`` x entropy, plus ``algo.kl_coef`` x the KL estimate against the
+     reference, each aggregated over the whole batch (``algo.loss_agg_mode``; default: over the
+     global loss-token count), so that splitting into micro-batches and DP ranks does not change
+     the gradient;
+  5. a non-finite loss or gradient norm skips the step (warned and counted); too many in a row
      stop the run with a clear error.
 
 It never imports engine code; weights leave it only through ``laminar_mcore.weights`` formats.
@@ -26,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..algos import (advantage_fn, aggregate_terms, batch_counts, denominator, finalize_stats,
-                     policy_loss_fn, policy_loss_options)
+                     policy_loss_fn, policy_loss_options, regularized_sums)
 from ..config.schema import AlgoConfig, ParallelConfig, TrainerConfig
 from ..data.trajectory import Trajectory
 from ..parallel import apply_cpu_compat, device
@@ -87,17 +92,21 @@ class MegatronActor:
             moe_aux_loss_coeff=float(t.moe_aux_loss_coeff),
             moe_z_loss_coeff=float(t.moe_z_loss_coeff) or None,
             moe_enable_routing_replay=self.routing_replay) if self.moe else {}
-        model = build_gpt_model(hf_config, dtype=dtype, use_te=self.use_te, **memory_config(
+        build = dict(dtype=dtype, use_te=self.use_te, **memory_config(
             sequence_parallel=parallel.sequence_parallel, recompute=t.recompute,
             recompute_num_layers=t.recompute_num_layers), **moe_kwargs)
+        model = build_gpt_model(hf_config, **build)
         # this model's routers (Megatron's RouterReplay keeps a process-wide list of every
         # router ever built; ours are the ones of this stage)
-        self._replays = [m.router_replay for m in model.modules()
-                         if getattr(m, "router_replay", None) is not None]
+        self._replays = _router_replays(model)
         if full_state is not None:
             load_full_state(model, hf_config, full_state)
         if init_weights is not None:
             init_weights(model)
+        self.ref_model, self._ref_replays = None, []
+        if algo.kl_coef > 0:
+            self.ref_model = _frozen_copy(model, hf_config, build, offload=algo.ref_offload)
+            self._ref_replays = _router_replays(self.ref_model)
         self.model = DistributedDataParallel(
             model.config,
             DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -184,38 +193,40 @@ class MegatronActor:
             return dict(attention_mask=None, packed_seq_params=mb.packed_seq_params())
         return dict(attention_mask=mb.attention_mask())
 
-    def _run_schedule(self, micro_batches, loss_func_factory, forward_only: bool):
+    def _run_schedule(self, micro_batches, loss_func_factory, forward_only: bool, model=None):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         dev = device()
+        model = self.model if model is None else model
+        replays = self._ref_replays if model is self.ref_model else self._replays
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             mb.to(dev)
             if self.routing_replay:
-                self._replay(mb)
+                self._replay(mb, replays)
             output = model(mb.tokens, mb.position_ids, **self._model_inputs(mb))
             return output, loss_func_factory(mb)
 
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.model],
+            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
             num_microbatches=len(micro_batches),
             seq_length=max(mb.num_tokens for mb in micro_batches), micro_batch_size=1,
             forward_only=forward_only)
 
-    def _replay(self, mb: PackedMicroBatch) -> None:
+    def _replay(self, mb: PackedMicroBatch, replays) -> None:
         """Route this micro-batch's tokens to the experts the engine chose (Megatron's router
         replay, forward pass): each router takes its own layer's [T, top-k] slice."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         routed = mb.extras["routed_experts"]
-        for replay in self._replays:
+        for replay in replays:
             replay.clear_indices()
             replay.set_target_indices(routed[:, replay.layer_number - 1].to(device()))
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def _end_replay(self) -> None:
-        for replay in self._replays:
+        for replay in self._replays + self._ref_replays:
             replay.clear_indices()
             replay.clear_router_replay_action()
 
@@ -240,6 +251,31 @@ class MegatronActor:
         self._end_replay()
         self.model.train()
 
+    @torch.no_grad()
+    def compute_ref_logprobs(self, micro_batches: List[PackedMicroBatch]) -> None:
+        """Forward only through the frozen reference policy: ``mb.extras["ref_logprobs"]``.
+        With ``algo.ref_offload`` its weights come to the accelerator for this pass only."""
+        if self.ref_model is None:
+            raise RuntimeError("no reference model: it is built when algo.kl_coef > 0")
+
+        def factory(mb):
+            def loss_func(logits):
+                lp, _ = self._logprobs(logits, mb)
+                mb.extras["ref_logprobs"] = lp.detach().float().unsqueeze(0)
+                return torch.zeros((), device=logits.device), {}
+
+            return loss_func
+
+        offload = self.algo.ref_offload  # (on CPU both moves are no-ops)
+        if offload:
+            self.ref_model.to(device())
+        try:
+            self._run_schedule(micro_batches, factory, forward_only=True, model=self.ref_model)
+        finally:
+            self._end_replay()
+            if offload:
+                self.ref_model.to("cpu")
+
     # ------------------------------------------------------------------ train step
     def train_step(self, trajectories: Optional[Sequence[Trajectory]]) -> Dict[str, float]:
         """One optimizer step on rank 0's batch. Returns the same stats on every rank."""
@@ -262,6 +298,8 @@ class MegatronActor:
 
         if s.use_decoupled_loss:
             self.compute_logprobs(micro_batches)
+        if self.ref_model is not None:
+            self.compute_ref_logprobs(micro_batches)
         sums: Dict[str, torch.Tensor] = {}
 
         def factory(mb):
@@ -271,10 +309,17 @@ class MegatronActor:
                 prox = mb.prox_logprobs[0] if mb.prox_logprobs is not None else mb.behav_logprobs[0]
                 terms, stats = loss_fn(lp, prox, mb.behav_logprobs[0], mb.advantages[0], mask,
                                        seq_ids=mb.seq_ids[0], **loss_options)
-                loss_sum = aggregate_terms(terms, mask, mb.seq_ids[0], mode)  # token-mean: sum
-                stats["loss"] = loss_sum.detach()
-                if mode != "token-mean":  # _reduce_stats reports the summed loss / token count
-                    stats["loss"] = stats["loss"] * (global_tokens / norm)
+                pg_sum = aggregate_terms(terms, mask, mb.seq_ids[0], mode)  # token-mean: sum
+                ref = mb.extras.get("ref_logprobs")
+                loss_sum, parts = regularized_sums(
+                    pg_sum, lp, entropy, None if ref is None else ref[0], mask, mb.seq_ids[0],
+                    mode, entropy_coef=s.entropy_coef, kl_coef=s.kl_coef,
+                    kl_estimator=s.kl_estimator)
+                stats.update(parts, loss=loss_sum.detach())
+                # _reduce_stats reports each numerator / the token count: scaled, it is the
+                # numerator / the batch's denominator (token-mean: the token count itself)
+                for key in ("loss", *parts):
+                    stats[key] = stats[key] * (global_tokens / norm)
                 stats["entropy"] = (entropy.detach() * mask).sum()
                 stats.update(mismatch_terms(lp.detach(), mb.behav_logprobs[0],
                                             mask * mb.extras["same_version"][0].to(mask.dtype),
@@ -357,7 +402,7 @@ class MegatronActor:
 
     def _reduce_stats(self, sums: Dict[str, torch.Tensor]) -> Dict[str, float]:
         """Sum the per-micro-batch stats over DP on the last stage, then share them over PP."""
-        keys = ["loss", "entropy", "n_tokens", "clip_frac", "dual_clip_frac", "imp_weight_mean",
+        keys = ["loss", "pg_loss", "entropy_loss", "kl_loss", "entropy", "n_tokens", "clip_frac", "dual_clip_frac", "imp_weight_mean",
                 "behav_masked_frac", "approx_kl", "ppo_kl", "clip_frac_lower", "mismatch_sum",
                 "mismatch_count", "mismatch_above"]
         maxes = ["imp_weight_max", "mismatch_max"]
@@ -378,10 +423,40 @@ class MegatronActor:
         raw["imp_weight_max"] = float(vmax[0].item())
         out = finalize_stats({k: torch.tensor(v) for k, v in raw.items()})
         n = raw["n_tokens"]
-        out["loss"] = raw["loss"] / n if n > 0 else 0.0
-        out["entropy"] = raw["entropy"] / n if n > 0 else 0.0
+        for key in ("loss", "pg_loss", "entropy", "entropy_loss", "kl_loss"):
+            out[key] = raw[key] / n if n > 0 else 0.0
+        if not self.algo.entropy_coef:
+            out.pop("entropy_loss")
+        if self.ref_model is None:
+            out.pop("kl_loss")
         out.update(mismatch_summary(mismatch, float(vmax[1].item()), hist))
         return out
+
+
+def _router_replays(model) -> list:
+    return [m.router_replay for m in model.modules()
+            if getattr(m, "router_replay", None) is not None]
+
+
+def _frozen_copy(model, hf_config, build: dict, *, offload: bool):
+    """The reference policy: a second stage of the same layout holding ``model``'s (initial)
+    weights, without gradients; built without random initialisation (its weights are copied)
+    and without touching the RNG streams the actor's own run draws from."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    tracker = get_cuda_rng_tracker()
+    states = tracker.get_states()
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()]
+                               if torch.cuda.is_available() else []):
+        ref = build_gpt_model(hf_config, perform_initialization=False, **build)
+    tracker.set_states(states)
+    ref.load_state_dict(model.state_dict(), strict=True)
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    ref.eval()
+    if offload:
+        ref.to("cpu")
+    return ref
 
 
 # |log pi_engine - log pi_trainer| histogram: log-spaced edges from 1e-8 to 100 (25 per decade);

@@ -47,6 +47,33 @@ def vocab_parallel_check(ps):
     return out
 
 
+def reference_check(actor, cfg, full, batch, trainer):
+    """The reference's log-probs equal a fresh actor's on the initial weights (bit for bit),
+    and the k3 KL the next step should report: token mean over this batch of k3(pi_theta,
+    pi_ref), pi_theta being the current weights (the prox log-probs)."""
+    from laminar_mcore.algos import kl_penalty
+    from laminar_mcore.config.schema import AlgoConfig
+    from laminar_mcore.trainer.actor import MegatronActor
+
+    mbs = actor.distribute(batch)
+    actor.compute_ref_logprobs(mbs)
+    actor.compute_logprobs(mbs)
+    fresh = MegatronActor(cfg, AlgoConfig(), trainer, full_state=full)
+    again = fresh.distribute(batch)
+    fresh.compute_logprobs(again)
+    out = {"ref_equal_initial": all(torch.equal(a.extras["ref_logprobs"], b.prox_logprobs)
+                                    for a, b in zip(mbs, again)) if mbs[0].prox_logprobs
+           is not None else None,
+           "ref_params_frozen": not any(p.requires_grad for p in actor.ref_model.parameters()),
+           "ref_param_device": str(next(actor.ref_model.parameters()).device)}
+    if mbs and mbs[0].prox_logprobs is not None:  # the last pipeline stage
+        kl = sum(float((kl_penalty(m.prox_logprobs, m.extras["ref_logprobs"], "k3")
+                        * m.loss_mask).sum()) for m in mbs)
+        n = sum(float(m.loss_mask.sum()) for m in mbs)
+        out.update(kl_sum=kl, n_tokens=n)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layouts", default="1x1")
@@ -74,7 +101,8 @@ def main():
 
     for layout in args.layouts.split(","):
         # "TxP" or "TxP-lever": sp (sequence parallel), selective or full (recompute), gspo
-        # (GSPO with RLOO advantages and seq-mean-token-mean aggregation).
+        # (GSPO with RLOO advantages and seq-mean-token-mean aggregation), kl / kl-offload
+        # (entropy bonus and a KL penalty against the reference, two steps).
         shape, _, lever = layout.partition("-")
         tp, pp = (int(x) for x in shape.split("x"))
         init_trainer_parallel(tp=tp, pp=pp, seed=1)
@@ -92,9 +120,18 @@ def main():
                                     max_tokens_per_microbatch=budget, logprob_chunk_size=7,
                                     recompute=lever if lever in ("selective", "full") else "none",
                                     recompute_num_layers=2)
+            if lever.startswith("kl"):  # entropy bonus + k3 KL against the reference
+                algo = AlgoConfig(eps_clip=0.2, eps_clip_high=0.28, behav_imp_weight_cap=5.0,
+                                  entropy_coef=0.01, kl_coef=0.5, kl_estimator="k3",
+                                  ref_offload=lever == "kl-offload")
             actor = MegatronActor(cfg, algo, trainer, ParallelConfig(sequence_parallel=lever == "sp"),
                                   full_state=full)
             stats = actor.train_step(batch)
+            if lever.startswith("kl"):  # a second step: the policy has left the reference
+                result["stats"][f"{layout}@{budget}#1"] = stats
+                result[f"ref_check_{layout}@{budget}"] = reference_check(
+                    actor, cfg, full, batch, trainer)
+                stats = actor.train_step(batch)
             result["stats"][f"{layout}@{budget}"] = stats
             weights = stage_full_tensors(actor.model.module, cfg)
             if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:

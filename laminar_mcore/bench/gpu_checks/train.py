@@ -115,7 +115,7 @@ def check_kernels(b: Bench) -> Tuple[bool, str]:
 
 
 # ---------------------------------------------------------------------- 2-3. train, checkpoint
-def _tiny_actor(b: Bench, **kw):
+def _tiny_actor(b: Bench, algo=None, **kw):
     from ...config.schema import AlgoConfig, TrainerConfig
     from ...models import get_adapter
     from ...models.hf import initial_hf_state, tiny_hf_config
@@ -125,7 +125,7 @@ def _tiny_actor(b: Bench, **kw):
     full = get_adapter(cfg).hf_to_mcore(cfg, initial_hf_state(type("M", (), {"path": None})(),
                                                               cfg, 3))
     dtype = torch.bfloat16 if b.cuda else torch.float32
-    actor = MegatronActor(cfg, AlgoConfig(eps_clip_high=0.28),
+    actor = MegatronActor(cfg, algo or AlgoConfig(eps_clip_high=0.28),
                           TrainerConfig(lr=1e-3, total_steps=10, max_tokens_per_microbatch=64),
                           full_state=full, dtype=dtype, **kw)
     return cfg, actor
@@ -214,7 +214,35 @@ def check_train_step(b: Bench) -> Tuple[bool, str]:
                   f"DP={dp}: one rank holds every shard, nothing is sharded")
     b.covered("nccl_backend", "nccl" in world_backend, world_backend,
               "no GPU (CPU rehearsal: gloo for every collective)")
-    return ok, note
+    ref_ok, ref_note = _reference_steps(b)
+    return ok and ref_ok, f"{note}; {ref_note}"
+
+
+def _reference_steps(b: Bench) -> Tuple[bool, str]:
+    """Two steps with algo.kl_coef (k3) and algo.ref_offload: the reference visits the device
+    for its pass and goes back to host memory; the first step's KL is 0 (the policy is the
+    reference), the second's positive and finite."""
+    from ...config.schema import AlgoConfig
+    from ...testing.synthetic import random_trajectories
+
+    try:
+        cfg, actor = _tiny_actor(b, AlgoConfig(eps_clip_high=0.28, kl_coef=0.1, kl_estimator="k3",
+                                               entropy_coef=0.001, ref_offload=True))
+        batch = random_trajectories(4, 4, cfg.vocab_size, seed=7)
+        first, second = actor.train_step(batch), actor.train_step(batch)
+    except Exception as exc:  # noqa: BLE001 - reported, the other checks go on
+        traceback.print_exc()
+        b.not_exercised("reference_model", f"failed: {type(exc).__name__}: {exc}")
+        return False, f"reference model FAILED: {type(exc).__name__}: {exc}"
+    where = next(actor.ref_model.parameters()).device.type
+    kl0, kl1 = first["kl_loss"], second["kl_loss"]
+    ok = where == "cpu" and abs(kl0) < 1e-3 and 0 < kl1 < float("inf")
+    b.figures.update({"reference_kl_step1": kl0, "reference_kl_step2": kl1,
+                      "reference_between_passes_on": where})
+    b.covered("reference_offload", b.cuda, f"reference on {b.device.type} for its pass, then "
+              f"{where}", "no GPU: host and device are the same memory")
+    b.exercised("reference_model", f"k3 KL {kl0:.2e} then {kl1:.2e}, entropy bonus")
+    return ok, f"reference model: KL {kl0:.2e} -> {kl1:.2e}, held on {where} between passes"
 
 
 def _train_rank(rank: int, world: int, port: int, out: str) -> None:
