@@ -185,6 +185,7 @@ def validate_config(cfg: DictConfig) -> None:
     if cfg.weight_sync.publish_backend not in ("auto", "gloo", "nccl"):
         problems.append(f"weight_sync.publish_backend={cfg.weight_sync.publish_backend!r} must be "
                         "auto, gloo or nccl")
+    _check_publish_lag(cfg, problems)
     rd = cfg.weight_sync.relay_device
     if not (rd in ("auto", "cpu") or (rd.startswith("cuda:") and rd[5:].isdigit())):
         problems.append(f"weight_sync.relay_device={rd!r} must be auto, cpu or cuda:N")
@@ -258,6 +259,31 @@ def _check_against_schema(cfg: DictConfig) -> None:
         key = getattr(exc, "full_key", None) or "?"
         raise ConfigError(f"invalid configuration: key '{key}': {exc.msg if hasattr(exc, 'msg') else exc}; "
                           "remove it or fix its name/type (see laminar_mcore/config/schema.py)") from None
+
+
+def _check_publish_lag(cfg: DictConfig, problems: List[str]) -> None:
+    """``weight_sync.publish_lag`` (bench.staleness): engines hold weights that many versions
+    behind the trainer, which a barrier mode or a smaller staleness bound cannot allow."""
+    from ..controller.modes import policy_for
+
+    lag = cfg.weight_sync.publish_lag
+    if lag < 0:
+        problems.append(f"weight_sync.publish_lag={lag} must be >= 0 (0: publish every version "
+                        "as it is made)")
+        return
+    if lag == 0 or cfg.mode not in MODES:
+        return
+    policy = policy_for(cfg.mode, cfg.algo.max_staleness)
+    if policy.barrier:
+        problems.append(f"weight_sync.publish_lag={lag} with mode={cfg.mode}: this mode's engines "
+                        "generate only with the trainer's current weights, which a lagged "
+                        "publication never gives them (the run would stall); use mode=laminar "
+                        "or mode=areal, or weight_sync.publish_lag=0")
+    elif policy.bound is not None and lag > policy.bound:
+        problems.append(f"weight_sync.publish_lag={lag} > algo.max_staleness={policy.bound}: the "
+                        f"engines hold weights at least {lag} versions behind the trainer, so no "
+                        "trajectory could be consumed within the bound; set "
+                        "algo.max_staleness=null (unbounded), or a bound >= publish_lag")
 
 
 def _check_model_divisibility(shape: dict, p, problems: List[str]) -> None:

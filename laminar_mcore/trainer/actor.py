@@ -267,14 +267,20 @@ class MegatronActor:
             return loss_func
 
         offload = self.algo.ref_offload  # (on CPU both moves are no-ops)
-        if offload:
-            self.ref_model.to(device())
+        failed = True
         try:
+            if offload:
+                self.ref_model.to(device())
             self._run_schedule(micro_batches, factory, forward_only=True, model=self.ref_model)
+            failed = False
         finally:
             self._end_replay()
             if offload:
-                self.ref_model.to("cpu")
+                try:  # back to host memory, also after a failed load or pass (all of it)
+                    self.ref_model.to("cpu")
+                except Exception:  # noqa: BLE001 - never hide the first error
+                    if not failed:
+                        raise
 
     # ------------------------------------------------------------------ train step
     def train_step(self, trajectories: Optional[Sequence[Trajectory]]) -> Dict[str, float]:

@@ -4,7 +4,10 @@ Rank 0 takes each batch from the controller (``GET /batch``) and the batch is sc
 ranks by the actor; after each optimizer step every stage publishes the new version once to the
 master relay (the trainer waits only for the host copy) and rank 0 reports the step
 (``POST /trained``). Checkpoints are saved every ``trainer.save_interval`` steps and
-``trainer.resume=auto`` continues from the newest complete one.
+``trainer.resume=auto`` continues from the newest complete one. ``weight_sync.publish_lag`` = L
+(a benchmark knob) publishes, at step v, the weights of step v - L instead (``lag.py``) and the
+final weights after the last step; a resumed world publishes its resumed weights at once, then
+lags again from there.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
     from ..models.hf import SafetensorsReader, load_hf_config
     from ..parallel import destroy_trainer_parallel, init_trainer_parallel
     from ..parallel.groups import broadcast_int
+    from .lag import LaggedPublisher
     from .publisher import WeightPublisher
     from .actor import MegatronActor
     from .checkpoint import load_checkpoint, save_checkpoint
@@ -77,6 +81,9 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
                 controller.resumed(start, actor.version, restarts)
                 print(f"[trainer] resumed at step {start} ({path or 'initial weights'}) as "
                       f"version {actor.version} (restart {restarts})", flush=True)
+        # at step v, the weights of step v - publish_lag (0: v itself); the engines start with
+        # version 0 or, after a resume, the version just published
+        lagged = LaggedPublisher(publisher, actor.model, ws.publish_lag, published=actor.version)
         steps_done = start
         for step in range(start + 1, trainer.total_steps + 1):
             waited = time.perf_counter()
@@ -96,7 +103,7 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
                                    "(trainer.batch_timeout_s); are the engines alive?")
             waited = time.perf_counter() - waited
             stats = actor.train_step(batch)
-            published = publisher.publish(actor.version)
+            published = lagged.publish(actor.version)
             if rank == 0:
                 controller.trained(step, actor.version, stats, published.blocked_s, waited)
             if trainer.save_interval and step % trainer.save_interval == 0:
@@ -105,6 +112,7 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
                 extra = controller.state() if rank == 0 else None
                 save_checkpoint(ckpt_dir, step, actor, extra_state=extra)
             steps_done = step
+        lagged.finish(actor.version)  # the final weights, for the final evaluation
         publisher.wait()
         publisher.close()
         return {"steps": steps_done, "version": actor.version}
