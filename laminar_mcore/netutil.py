@@ -269,3 +269,73 @@ def token_middleware(token: str, needs_token=lambda request: True,
                                                f"{str(exc)[:300]}"}, status=400)
 
     return middleware
+
+
+# ------------------------------------------------------------------ addresses across hosts
+SOCKET_IFNAME_ENVS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def resolve(host: str) -> str:
+    """``host`` as an IP address (a name is looked up); ValueError naming it if it cannot be."""
+    try:
+        return socket.getaddrinfo(host, None)[0][4][0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(f"cannot resolve the host name {host!r}: {exc}") from None
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and names that resolve to them (Debian's and Ubuntu's
+    ``127.0.1.1 <hostname>`` line included)."""
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(resolve(host)).is_loopback
+    except ValueError:
+        return False
+
+
+def is_unspecified(host: str) -> bool:
+    """0.0.0.0 or :: (bind to every interface; not an address another host can dial)."""
+    return host in ("0.0.0.0", "::", "")
+
+
+def route_source_address(target: str) -> str:
+    """This host's address on its route to ``target`` (the kernel's choice; a UDP connect sends
+    no packet). For this host's own address it is that address, not loopback."""
+    address = resolve(target)
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect((address, 9))
+        except OSError as exc:
+            raise ValueError(f"this host has no route to {target} ({address}): {exc}") from None
+        return sock.getsockname()[0]
+
+
+def interface_of(address: str) -> Optional[str]:
+    """The name of the network interface that holds ``address`` (None if none does)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == address for a in addrs):
+            return name
+    return None
+
+
+def pin_socket_interfaces(address: str, environ=None) -> Optional[str]:
+    """Make gloo and NCCL open their sockets on the interface that holds ``address`` (this
+    host's address on the route to its peers), by setting ``GLOO_SOCKET_IFNAME`` and
+    ``NCCL_SOCKET_IFNAME`` where the user has not. Without them gloo binds the address the host
+    name resolves to -- loopback where /etc/hosts maps the name to 127.0.1.1, and then no other
+    host can connect. Returns the interface pinned (None: a loopback address, or none found)."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    if is_loopback(address) or is_unspecified(address):
+        return None
+    name = interface_of(resolve(address))
+    if name is None:
+        return None
+    for key in SOCKET_IFNAME_ENVS:
+        environ.setdefault(key, name)
+    return name

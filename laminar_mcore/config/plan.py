@@ -3,7 +3,8 @@ config alone (no checkpoint, no cluster, no GPU), and whether it fits.
 
 ``python -m laminar_mcore.launch job=plan experiment=...`` prints it and writes
 ``outputs/<run_name>/plan.json``; ``validate_config`` refuses a GPU run that does not fit, before
-any process starts, naming the largest item and the knob to turn.
+any process starts, naming the largest item and the knob to turn. ``fits_gpu`` and ``fits_host``
+say which budget a problem is in; ``fits`` is both.
 
 The model (bytes per element; ``p`` = this rank's parameters, TP-split; ``DP`` = data-parallel
 size):
@@ -34,9 +35,16 @@ size):
 
 Rollout nodes: ``num_engines x engine_tp`` GPUs; each engine GPU holds its weight shard, the KV
 cache up to ``mem_fraction_static`` of the GPU, and at most two of the relay's buckets while it
-pulls; the relay's GPU (``weight_sync.relay_device``); host memory for the relay's versions in
-``/dev/shm`` (``RELAY_VERSIONS`` copies of the model at the rollout dtype). Trainer nodes: the
-pinned publish buffers of the stage leads placed on the node (one stage's weights each).
+pulls; the relay's GPU (``weight_sync.relay_device``).
+
+Host memory (``cluster.host_memory_gb`` per node; 0: not checked): a rollout node's relay keeps
+``weight_sync.relay_versions`` copies of the model at the rollout dtype in ``/dev/shm``, which
+must fit ``cluster.shm_gb`` (the tmpfs size; default half of the RAM, Linux's default) -- the
+relay's store never holds more (relay/store.py); a trainer node holds the pinned publish
+buffers of the stage leads placed on it (one stage's weights each) and, with
+``algo.ref_offload``, every rank's stage of the reference model. Each node also gets
+``PROCESS_HOST_GB`` per GPU process (trainer rank, engine worker, the relay): Python, torch, the
+CUDA and NCCL host-side allocations.
 """
 
 from __future__ import annotations
@@ -52,8 +60,21 @@ OVERHEAD_FLOOR_GB = 3.0
 # Megatron training with variable sequence lengths (PyTorch's "Understanding CUDA Memory Usage"
 # notes; expandable_segments lowers it). 8% of everything the rank holds.
 OVERHEAD_FRACTION = 0.08
-RELAY_VERSIONS = 3  # the newest complete version, one being received, one still leased
+# A GPU process's own host memory: the interpreter, torch and its CUDA libraries (a few GB of
+# resident code and data), CUDA's and NCCL's pinned host buffers; trainer and SGLang worker
+# processes typically hold 4-8 GB resident besides what the plan counts apart.
+PROCESS_HOST_GB = 8.0
 GB = 1e9
+
+
+def relay_model_bytes(cfg) -> int:
+    """One version of the model as a relay stores it (the rollout dtype), for its start-up
+    check of ``/dev/shm`` (``RelayConfig.model_bytes``); ``cfg``: composed or typed."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.structured(cfg)
+    return int(param_counts(model_arch(cfg))["total"] * (4 if cfg.model.dtype == "fp32" else 2))
 
 
 def model_arch(cfg) -> dict:
@@ -252,6 +273,7 @@ def capacity_plan(cfg, digits: int = 2) -> dict:
     ref_host_gb = (max(stages["first"]["params"], stages["last"]["params"]) * weight_b
                    * per_node / GB if ref_offload else 0.0)
 
+    host = _host_plan(cfg, model_gb, pinned_gb, ref_host_gb, engine_gpus)
     problems = []
     if gpus > 0:
         if peak["peak_gb"] > mem:
@@ -305,12 +327,64 @@ def capacity_plan(cfg, digits: int = 2) -> dict:
         "engine_kv_gb_per_gpu": round(max(kv_gb, 0.0), 2),
         "relay_buckets_gb_per_engine_gpu": round(relay_buckets_gb, 2),
         "relay_device": relay_device, "relay_shares_an_engine_gpu": bool(relay_shares),
-        "relay_shm_gb_per_rollout_node": round(RELAY_VERSIONS * model_gb, 1),
+        "relay_shm_gb_per_rollout_node": round(cfg.weight_sync.relay_versions * model_gb, 1),
         "pinned_publish_gb_per_trainer_node": round(pinned_gb, 1),
         "reference_model": "offloaded" if ref_offload else "held" if reference else "none",
         "reference_host_gb_per_trainer_node": round(ref_host_gb, 1),
-        "fits": not problems, "problems": problems,
+        **{k: v for k, v in host.items() if k != "problems"},
+        "fits_gpu": not problems, "fits_host": not host["problems"],
+        "fits": not problems and not host["problems"], "problems": problems + host["problems"],
     }
+
+
+def _host_plan(cfg, model_gb: float, pinned_gb: float, ref_host_gb: float,
+               engine_gpus: int) -> dict:
+    """Host memory per rollout and trainer node, against ``cluster.host_memory_gb`` and
+    ``cluster.shm_gb``; the problems name the key to change."""
+    cl, rv = cfg.cluster, int(cfg.weight_sync.relay_versions)
+    host_gb = float(cl.host_memory_gb)
+    shm_default = cl.shm_gb is None
+    shm_gb = host_gb / 2 if shm_default else float(cl.shm_gb)
+    shm_need = rv * model_gb
+    rollout_gb = shm_need + PROCESS_HOST_GB * (engine_gpus + 1)  # engine workers, the relay
+    trainer_gb = pinned_gb + ref_host_gb + PROCESS_HOST_GB * cl.trainer.nproc_per_node
+    problems = []
+    if rv < 2:
+        problems.append(f"weight_sync.relay_versions={rv} must be >= 2: a relay keeps the newest "
+                        "complete version for pulls while it receives the next")
+    if host_gb > 0:
+        shm_key = ("cluster.shm_gb unset: half of cluster.host_memory_gb" if shm_default
+                   else "cluster.shm_gb")
+        if shm_gb > host_gb:
+            problems.append(f"cluster.shm_gb={shm_gb:g} is more than cluster.host_memory_gb="
+                            f"{host_gb:g}: /dev/shm is a tmpfs, it lives in RAM; lower it")
+        if shm_need > shm_gb:
+            size = math.ceil(shm_need * 1.05 / 10) * 10
+            problems.append(
+                f"a rollout node's relay keeps weight_sync.relay_versions={rv} versions of "
+                f"{model_gb:.1f} GB in /dev/shm ({shm_need:.1f} GB), but /dev/shm holds "
+                f"{shm_gb:g} GB ({shm_key}): "
+                f"remount it larger (mount -o remount,size={size}G /dev/shm; docker: "
+                f"--shm-size={size}g) and set cluster.shm_gb={size}"
+                + (", or lower weight_sync.relay_versions (2 is the least)" if rv > 2 else ""))
+        if rollout_gb > host_gb:
+            problems.append(
+                f"a rollout node needs {rollout_gb:.1f} GB of host memory (the relay's "
+                f"{shm_need:.1f} GB in /dev/shm, {PROCESS_HOST_GB:g} GB for each of its "
+                f"{engine_gpus + 1} GPU processes), cluster.host_memory_gb={host_gb:g}: "
+                + ("lower weight_sync.relay_versions (2 is the least), or " if rv > 2 else "")
+                + "use nodes with more RAM (cluster.host_memory_gb)")
+        if trainer_gb > host_gb:
+            problems.append(
+                f"a trainer node needs {trainer_gb:.1f} GB of host memory ({pinned_gb:.1f} GB of "
+                f"pinned publish buffers, {ref_host_gb:.1f} GB of offloaded reference model, "
+                f"{PROCESS_HOST_GB:g} GB for each of its {cl.trainer.nproc_per_node} ranks), "
+                f"cluster.host_memory_gb={host_gb:g}: raise parallel.pp (smaller stages, their "
+                "leads on other nodes)"
+                + (" or set algo.ref_offload=false" if ref_host_gb else ""))
+    return {"host_memory_gb": host_gb, "shm_gb": shm_gb, "relay_versions": rv,
+            "rollout_host_gb_per_node": round(rollout_gb, 1),
+            "trainer_host_gb_per_node": round(trainer_gb, 1), "problems": problems}
 
 
 def format_plan(plan: dict) -> str:
@@ -338,9 +412,18 @@ def format_plan(plan: dict) -> str:
         f"{plan['relay_buckets_gb_per_engine_gpu']:.2f} GB of relay buckets while pulling; relay "
         f"on {plan['relay_device']}"
         + (" (shared with an engine)" if plan["relay_shares_an_engine_gpu"] else ""),
-        f"  host: relay /dev/shm {plan['relay_shm_gb_per_rollout_node']:.0f} GB per rollout node; "
+        f"  host: relay /dev/shm {plan['relay_shm_gb_per_rollout_node']:.0f} GB per rollout node "
+        f"({plan['relay_versions']} versions)"
+        + (f" of {plan['shm_gb']:g} GB" if plan["host_memory_gb"] else "") + "; "
         f"pinned publish buffers {plan['pinned_publish_gb_per_trainer_node']:.0f} GB per trainer "
         "node" + (f"; offloaded reference model {plan['reference_host_gb_per_trainer_node']:.0f} "
                   "GB per trainer node" if plan["reference_model"] == "offloaded" else ""),
-        "  fits: " + ("yes" if plan["fits"] else "NO\n    - " + "\n    - ".join(plan["problems"]))]
+        f"  host memory per node: rollout {plan['rollout_host_gb_per_node']:.0f} GB, trainer "
+        f"{plan['trainer_host_gb_per_node']:.0f} GB"
+        + (f", of {plan['host_memory_gb']:g} GB" if plan["host_memory_gb"] else
+           " (not checked: cluster.host_memory_gb=0)"),
+        "  fits: " + ("yes" if plan["fits"] else
+                      f"NO (GPU: {'yes' if plan['fits_gpu'] else 'no'}, host: "
+                      f"{'yes' if plan['fits_host'] else 'no'})\n    - "
+                      + "\n    - ".join(plan["problems"]))]
     return "\n".join(lines)

@@ -232,6 +232,14 @@ class WeightSyncConfig:
     # or the restarted one) for up to failover_timeout_s and sends the version again, whole.
     publish_timeout_s: float = 300.0
     failover_timeout_s: float = 180.0  # how long to look for a new master relay
+    # Versions whose buffers a relay keeps in /dev/shm at once, its free buffers included
+    # (>= 2: the newest complete one, which pulls lease, and the one being received). A version
+    # arriving while an older one is still leased by a slow pull (or pinned by a push down the
+    # chain) waits until that lease is released or lapses (never cut short, never overwritten):
+    # a relay's push retries until then, a trainer's publish is refused at that relay after 30
+    # s (the next version is taken). One more lets a slow pull hold on without delaying
+    # anything, for one more model's worth of /dev/shm per rollout node (job=plan shows it).
+    relay_versions: int = 2
     # Benchmark knob (bench.staleness): at step v publish the weights of step v - publish_lag
     # (the final weights go out at the end), so every trajectory is at least publish_lag
     # versions stale. 0: every version is published as it is made.
@@ -262,6 +270,15 @@ class ClusterConfig:
     # that does not fit before anything starts. 0: no GPU (CPU runs; nothing to check).
     gpus_per_node: int = 8
     gpu_memory_gb: float = 80.0  # one GPU's memory (GB), for job=plan and that check
+    # One node's RAM (GB), for job=plan and the same check: a rollout node's relay versions in
+    # /dev/shm and a trainer node's pinned publish buffers (and an offloaded reference model)
+    # must fit it. 0: not checked (local_cpu: the machine is shared with everything else).
+    host_memory_gb: float = 2048.0
+    # The size of /dev/shm (a tmpfs) on a rollout node (GB), which holds the relay's versions;
+    # null: half of host_memory_gb, Linux's default. Larger only after remounting it, e.g.
+    # mount -o remount,size=1100G /dev/shm (docker: --shm-size=1100g). A relay also checks the
+    # real free space and refuses, naming the mount, rather than die of SIGBUS when it fills.
+    shm_gb: Optional[float] = None
 
 
 @dataclass

@@ -15,7 +15,9 @@ register hosts the master relay that trainers publish to, the others chain from 
 wait until ``cluster.rollout_nodes`` nodes have registered. When training ends the controller
 evaluates, writes the summary and tells the rollout nodes to stop; a rollout node whose
 controller is gone stops its engines on its own. This module only finds the token and the
-controller and hands them to the role (controller/role.py, rollout/node.py, trainer/loop.py).
+controller, settles the addresses other hosts will dial (a rollout node's ``rollout.host``; the
+interface a trainer's gloo/NCCL sockets use) and hands over to the role (controller/role.py,
+rollout/node.py, trainer/loop.py).
 """
 
 from __future__ import annotations
@@ -24,8 +26,14 @@ import os
 
 from ..config import typed
 from ..controller.client import TOKEN_ENV, ControllerClient, ControllerError, controller_url
+from ..netutil import (SOCKET_IFNAME_ENVS, is_loopback, is_unspecified, pin_socket_interfaces,
+                       route_source_address)
 
 ClusterError = ControllerError
+
+
+def environ_rank0() -> bool:
+    return os.environ.get("LOCAL_RANK", "0") == "0"
 
 
 def run_token() -> str:
@@ -34,6 +42,43 @@ def run_token() -> str:
         raise ClusterError(f"multi-node roles share a secret run token: export {TOKEN_ENV}=<at "
                            "least 8 characters, e.g. $(openssl rand -hex 16)> on every node")
     return token
+
+
+def advertised_host(cfg) -> str:
+    """The address a rollout node binds and advertises (its relay, engines, pull agent):
+    ``rollout.host`` when it is one other hosts can dial; when it is loopback or unspecified
+    (the default 127.0.0.1, ``$(hostname -i)`` where /etc/hosts maps the name to 127.0.1.1,
+    0.0.0.0) and the controller is on another host, this host's address on its route to the
+    controller. With a loopback controller address every role is on this machine and
+    loopback stays."""
+    host, controller = str(cfg.rollout.host), str(cfg.cluster.controller_addr)
+    if not (is_loopback(host) or is_unspecified(host)) or is_loopback(controller):
+        return host
+    address = route_source_address(controller)
+    if is_loopback(address):
+        raise ClusterError(f"rollout.host={host!r} is not an address other hosts can reach and "
+                           f"the route to the controller ({controller}) leaves from {address}: "
+                           "set rollout.host to this node's address on the cluster network")
+    print(f"[rollout] rollout.host={host!r} is not an address other hosts can reach: "
+          f"advertising {address}, this host's address on its route to the controller "
+          f"{controller} (set rollout.host to choose another)", flush=True)
+    return address
+
+
+def pin_trainer_interfaces(environ=None) -> str:
+    """A trainer rank's gloo/NCCL sockets on the interface that routes to torchrun's rendezvous
+    (``MASTER_ADDR``), unless the user set ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``:
+    where the host name resolves to loopback, gloo would otherwise advertise 127.0.0.1 to the
+    other trainer nodes and the world could not form. Returns a line for the log ('' if
+    nothing was pinned)."""
+    environ = os.environ if environ is None else environ
+    master = environ.get("MASTER_ADDR", "")
+    if not master or is_loopback(master):
+        return ""
+    address = route_source_address(master)
+    name = pin_socket_interfaces(address, environ)
+    return (f"[trainer] collectives on {name} ({address}, the route to {master}): "
+            + ", ".join(f"{k}={environ[k]}" for k in SOCKET_IFNAME_ENVS)) if name else ""
 
 
 def run_role(job: str, cfg) -> object:
@@ -46,9 +91,15 @@ def run_role(job: str, cfg) -> object:
     if job == "rollout":
         from ..rollout.node import run
 
+        cfg.rollout.host = advertised_host(cfg)
+        # the relay's publish group (gloo) with trainers on other hosts: this host's interface
+        pin_socket_interfaces(cfg.rollout.host)
         return run(cfg, ControllerClient(controller_url(cfg), token))
     if job == "trainer":
         from ..trainer.loop import run
 
+        line = pin_trainer_interfaces()
+        if line and environ_rank0():
+            print(line, flush=True)
         return run(cfg, token)
     raise ValueError(f"job={job!r} is not a cluster role")

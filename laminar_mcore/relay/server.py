@@ -3,15 +3,16 @@
     LAMINAR_RUN_TOKEN=T python -m laminar_mcore.relay --master --trainer-stages P [--publish-port N]
     LAMINAR_RUN_TOKEN=T python -m laminar_mcore.relay --master-url http://HOST:PORT
 
-Owns a ``VersionStore`` in shared host memory, a TCP data port that receives pushed versions,
-a ``Forwarder`` that pushes every newer version to its downstream relay, and an HTTP control
-API: ``/pull`` (lease the newest complete version), ``/bucket`` (one of its flattened buckets at
-a time: shared-memory handles for local CPU engines, CUDA IPC for local SGLang engines, Mooncake
-transfer-engine buffers for pullers on other machines when started with
-``--mooncake-protocol``), ``/release``,
-``/latest``, ``/health``, ``/metrics`` (Prometheus text, relay/metrics.py); the formats are the
-weight transports of ``relay/transports``. On the master also ``/register``,
-``/report_failure`` and ``/chain``.
+Owns a ``VersionStore`` in shared host memory (at most ``weight_sync.relay_versions`` versions'
+buffers; given ``model_bytes`` it refuses to start when /dev/shm cannot hold that many, naming
+the mount to enlarge, rather than die of SIGBUS when the tmpfs fills), a TCP data port that
+receives pushed versions, a ``Forwarder`` that pushes every newer version to its downstream
+relay, and an HTTP control API: ``/pull`` (lease the newest complete version), ``/bucket`` (one
+of its flattened buckets at a time: shared-memory handles for local CPU engines, CUDA IPC for
+local SGLang engines, Mooncake transfer-engine buffers for pullers on other machines when
+started with ``--mooncake-protocol``), ``/release``, ``/latest``, ``/health``, ``/metrics``
+(Prometheus text, relay/metrics.py); the formats are the weight transports of
+``relay/transports``. On the master also ``/register``, ``/report_failure`` and ``/chain``.
 The master hosts the trainer's publish group (outside the trainer's world; a trainer joins it only
 after proving the run token, relay/rendezvous.py), orders the chain, watches every relay's
 heartbeat and rebuilds the chain around a dead one; a relay that restarts registers again, joins
@@ -46,13 +47,13 @@ from aiohttp import web
 from ..config.schema import WeightSyncConfig
 from ..metrics.prometheus import Scrape
 from ..netutil import TOKEN_ENV, BadRequest, bearer_ok, read_json, read_query, token_middleware
-from ..weights.bucket import reclaim_segments
+from ..weights.bucket import SHM_DIR, reclaim_segments
 from ..weights.transport import resolve_backend
 from .chain import Forwarder, PushRefused, serve_push
 from .master import MasterRelay
 from .metrics import RelayBooks, relay_families
 from .requests import BUCKET, LATEST, PULL, RELEASE, SET_DOWNSTREAM
-from .store import VersionStore
+from .store import ShmFull, VersionStore, shm_shortfall, shm_space, size_text
 from .transports import (TRANSPORTS, Exporter, TransportUnavailable, enabled_at_start,
                          make_exporter)
 
@@ -75,6 +76,9 @@ class RelayConfig:
     chunk_bytes: int = 0  # chain push chunks; 0: Laminar's T(p, k) model or chain_chunks
     heartbeat_s: float = 0.5
     lease_ttl_s: float = 600.0
+    # one version's bytes at the rollout dtype (config.plan.relay_model_bytes), for the
+    # start-up check of /dev/shm; 0: unknown (the store checks once a version's size is known)
+    model_bytes: int = 0
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
 
     def to_json(self) -> str:
@@ -131,6 +135,14 @@ class RelayServer(MasterRelay):
         if cfg.master == bool(cfg.master_url):
             raise ValueError("a relay is either the master (--master) or joins one (--master-url)")
         ws = cfg.weight_sync
+        need = ws.relay_versions * cfg.model_bytes
+        short = need and shm_shortfall(need, f"weight_sync.relay_versions={ws.relay_versions} "
+                                             f"versions of {size_text(cfg.model_bytes)} need")
+        if short:
+            raise ShmFull(f"cannot start: {short}")
+        free, total = shm_space()
+        logger.info("%s: %.1f GB free of %.1f GB; weight_sync.relay_versions=%d", SHM_DIR,
+                    free / 1e9, total / 1e9, ws.relay_versions)
         self.cfg = cfg
         self.token = cfg.token
         self.host = cfg.host
@@ -146,7 +158,8 @@ class RelayServer(MasterRelay):
             torch.cuda.set_device(torch.device(self.relay_device))
         self.heartbeat_s = cfg.heartbeat_s
         self.metrics = RelayBooks(formats=TRANSPORTS)
-        self.store = VersionStore(lease_ttl_s=cfg.lease_ttl_s)
+        self.store = VersionStore(lease_ttl_s=cfg.lease_ttl_s, max_versions=ws.relay_versions,
+                                  model_bytes=cfg.model_bytes)
         # a listener runs under the store's lock right after ``latest`` became the version
         self.store.on_complete.append(lambda version: self.metrics.completed(self.store.latest))
         self.forwarder = Forwarder(self.store, cfg.chunk_bytes or None, self._downstream_failed,
@@ -244,7 +257,9 @@ class RelayServer(MasterRelay):
             except OSError:
                 peer = "?"
             try:
-                serve_push(conn, self.store, owner=f"push-{id(conn)}", token=self.token)
+                # an owner of its own: a refusal of this push is not one of the next
+                serve_push(conn, self.store, owner=f"push-{uuid.uuid4().hex[:12]}",
+                           token=self.token)
             except PushRefused as exc:
                 logger.warning("refused a push from %s: %s", peer, exc)
             except Exception as exc:  # noqa: BLE001 - a broken push only fails that version
@@ -422,12 +437,13 @@ def _config_from_args(args) -> RelayConfig:
     ws = WeightSyncConfig(chain_chunks=args.chain_chunks, publish_backend=args.publish_backend,
                           relay_device=args.relay_device,
                           mooncake_protocol=args.mooncake_protocol,
-                          mooncake_device=args.mooncake_device)
+                          mooncake_device=args.mooncake_device,
+                          relay_versions=args.relay_versions)
     return RelayConfig(token=args.token, host=args.host, port=args.port, relay_id=args.relay_id,
                        master=args.master, master_url=args.master_url,
                        trainer_stages=args.trainer_stages, publish_port=args.publish_port,
                        chunk_bytes=args.chunk_bytes, heartbeat_s=args.heartbeat_s,
-                       weight_sync=ws)
+                       model_bytes=args.model_bytes, weight_sync=ws)
 
 
 def main(argv=None) -> None:
@@ -458,6 +474,11 @@ def main(argv=None) -> None:
                     help="also serve cross-node pulls through Mooncake's transfer engine")
     ap.add_argument("--mooncake-device", default="",
                     help="RDMA NIC(s) for Mooncake, e.g. mlx5_0 (empty: auto-discover)")
+    ap.add_argument("--relay-versions", type=int, default=2,
+                    help="versions kept in /dev/shm at once (weight_sync.relay_versions)")
+    ap.add_argument("--model-bytes", type=int, default=0,
+                    help="one version's bytes: refuse to start if /dev/shm cannot hold "
+                         "relay-versions of them (0: check once a version has arrived)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.token:

@@ -1,11 +1,24 @@
 """A relay's versioned weight store in shared host memory.
 
-Invariants (each tested):
+Invariants (each tested: tests/test_relay_store.py, tests/test_host_memory.py):
   * pullers only ever see a *complete* version, and a lease pins exactly one version;
   * a buffer is never overwritten while a lease holds it (or a forwarder pushing it pins it): a
     new version is written into fresh buffers or into buffers of a retired version that nobody
     holds any more;
-  * versions only increase: a version at or below the latest complete one is refused.
+  * versions only increase: a version at or below the latest complete one is refused;
+  * with ``max_versions`` (``weight_sync.relay_versions``) at most that many versions hold
+    buffers at once -- the newest complete one, those being received, retired ones still leased
+    or pinned -- and the free buffers kept for reuse are trimmed so that all of them together
+    stay within that many of the largest version's bytes. A new version that would be one too
+    many *waits* in ``begin`` until a lease is released or lapses (its TTL) or a pin ends; a
+    lease is never cut short, since its puller may still be reading the buffers. After
+    ``full_wait_s`` it is refused with ``StoreFull`` (a ``BusyError``: a pushing relay tries
+    again), and the same sender's later ``begin`` of that version is refused at once, so a
+    stream that goes on sending it bucket by bucket (the trainer's) never starts a partial copy;
+  * /dev/shm is a tmpfs: writing past its size kills the writer with SIGBUS. A fresh buffer is
+    therefore allocated whole up front (``posix_fallocate``), and ``begin`` checks the free space
+    for one more version once its size is known (``model_bytes``, or the last version's); both
+    refuse with ``ShmFull``, naming the mount to enlarge, instead.
 
 Buckets are keyed by (pipeline stage, index within the stage). Writers report progress in bytes
 so that forwarders can stream a version down the chain while it is still arriving.
@@ -13,15 +26,19 @@ so that forwarders can stream a version down the chain while it is still arrivin
 
 from __future__ import annotations
 
+import errno
+import logging
+import os
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
-from ..weights.bucket import ShmBucket, TensorMeta
+from ..weights.bucket import SHM_DIR, ShmBucket, TensorMeta
 
 BucketKey = Tuple[int, int]
+logger = logging.getLogger(__name__)
 
 
 class VersionError(ValueError):
@@ -30,6 +47,57 @@ class VersionError(ValueError):
 
 class BusyError(VersionError):
     """The version is being received from another source right now."""
+
+
+class StoreFull(BusyError):
+    """``max_versions`` versions hold buffers and none was released in time."""
+
+
+class ShmFull(VersionError):
+    """/dev/shm has no room for what the relay must hold."""
+
+
+def shm_space() -> Tuple[int, int]:
+    """(free, total) bytes of the filesystem the relay's buffers live in (``SHM_DIR``)."""
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def shm_shortfall(need: int, what: str) -> Optional[str]:
+    """None if ``SHM_DIR`` has ``need`` bytes free; else the message saying that ``what`` (a
+    subject and its verb: "version 3 needs") needs them, and the mount size that would hold
+    them beside what is there now."""
+    free, total = shm_space()
+    if need <= free:
+        return None
+    mount = total - free + need
+    size = f"{-(-mount // 10**9)}G" if mount >= 10**9 else f"{-(-mount // 10**6)}M"
+    return (f"{SHM_DIR} has {size_text(free)} free of {size_text(total)}, but {what} "
+            f"{size_text(need)}: enlarge it (mount -o remount,size={size} {SHM_DIR}; docker: "
+            f"--shm-size={size.lower()}) and set cluster.shm_gb to its size (job=plan checks "
+            "the run against it), or free what else fills it")
+
+
+def size_text(nbytes: float) -> str:
+    """``nbytes`` in GB (MB below 0.1 GB), for messages."""
+    return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.2f} MB"
+
+
+def _reserve(shm: ShmBucket) -> None:
+    """Allocate every page of ``shm``'s file now: a full tmpfs says ENOSPC here, where a write
+    to a sparse page would kill the process with SIGBUS."""
+    fd = os.open(shm.path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, shm.nbytes)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            return  # a filesystem without fallocate: nothing to reserve
+        shm.close()
+        raise ShmFull(shm_shortfall(shm.nbytes, "a weight bucket needs")
+                      or f"cannot allocate a {size_text(shm.nbytes)} weight bucket in {SHM_DIR}: "
+                         f"{exc} (a memory limit on this container or cgroup?)") from None
+    finally:
+        os.close(fd)
 
 
 @dataclass
@@ -66,13 +134,26 @@ class StoredVersion:
 
 
 class VersionStore:
-    def __init__(self, lease_ttl_s: float = 600.0):
+    def __init__(self, lease_ttl_s: float = 600.0, max_versions: Optional[int] = None,
+                 model_bytes: int = 0, full_wait_s: float = 30.0):
+        """``max_versions``: how many versions may hold buffers at once (None: no bound; a
+        relay passes ``weight_sync.relay_versions``); ``model_bytes``: one version's size if
+        known beforehand (0: learnt from the first complete version); ``full_wait_s``: how long
+        ``begin`` waits for a lease or pin to end when ``max_versions`` are held."""
+        if max_versions is not None and max_versions < 2:
+            raise ValueError(f"weight_sync.relay_versions={max_versions} must be >= 2: a relay "
+                             "keeps the newest complete version for pulls while it receives "
+                             "the next")
         self.cond = threading.Condition()
         self.latest: Optional[StoredVersion] = None
         self.receiving: Dict[int, StoredVersion] = {}
         self.retired: List[StoredVersion] = []
         self.leases: Dict[str, Tuple[StoredVersion, float]] = {}
         self.lease_ttl_s = lease_ttl_s
+        self.max_versions = max_versions
+        self.version_bytes = int(model_bytes)  # the largest version's bytes (once known)
+        self.full_wait_s = full_wait_s
+        self._refused: Dict[Tuple[int, Optional[str]], VersionError] = {}  # (version, owner)
         self._pool: Dict[int, List[ShmBucket]] = {}
         self.versions_failed = 0  # broken while arriving (for /metrics)
         # called (under the lock: keep them short) with each version that becomes the newest
@@ -83,21 +164,68 @@ class VersionStore:
     def latest_version(self) -> int:
         return self.latest.version if self.latest else -1
 
-    def begin(self, version: int, num_stages: int, owner: Optional[str] = None) -> StoredVersion:
+    def begin(self, version: int, num_stages: int, owner: Optional[str] = None,
+              wait_s: Optional[float] = None) -> StoredVersion:
         """Start receiving ``version`` from ``owner`` (the same owner may call it again, e.g.
-        one call per trainer stage; another owner is refused while it is being received)."""
+        one call per trainer stage; another owner is refused while it is being received).
+        With ``max_versions`` held, waits up to ``wait_s`` (default ``full_wait_s``) for one
+        to be let go, then raises ``StoreFull``; ``ShmFull`` when /dev/shm has no room."""
+        deadline = time.monotonic() + (self.full_wait_s if wait_s is None else wait_s)
         with self.cond:
-            if version <= self.latest_version:
-                raise VersionError(f"version {version} is not newer than {self.latest_version}")
-            if version in self.receiving:
-                current = self.receiving[version]
-                if current.owner != owner:
-                    raise BusyError(f"version {version} is being received from {current.owner}")
-                return current
+            while True:
+                if version <= self.latest_version:
+                    raise VersionError(f"version {version} is not newer than "
+                                       f"{self.latest_version}")
+                if version in self.receiving:
+                    current = self.receiving[version]
+                    if current.owner != owner:
+                        raise BusyError(f"version {version} is being received from "
+                                        f"{current.owner}")
+                    return current
+                refused = self._refused.get((version, owner))
+                if refused is not None:
+                    raise type(refused)(str(refused))
+                self._recycle()  # leases that lapsed let their versions go
+                if not self._full():
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._refuse(version, owner, StoreFull(
+                        f"version {version} refused: weight_sync.relay_versions="
+                        f"{self.max_versions} versions hold this relay's buffers ("
+                        f"{self._holders()}) and no lease or pin ended within "
+                        f"{self.full_wait_s:g} s; a newer version will be taken (raise "
+                        "weight_sync.relay_versions, with its host memory, to let slow pulls "
+                        "hold on without delaying versions)"))
+                # woken by a release, an unpin or a completion; at least every second, so a
+                # lease that lapses lets its version go
+                self.cond.wait(min(remaining, 1.0))
+            need = self.version_bytes - self.pooled_bytes
+            short = need > 0 and shm_shortfall(need, f"version {version} needs")
+            if short:
+                self._refuse(version, owner, ShmFull(f"version {version} refused: {short}"))
             sv = StoredVersion(version, num_stages, owner=owner)
             self.receiving[version] = sv
             self.cond.notify_all()
             return sv
+
+    def _holders(self) -> str:
+        """Which versions hold buffers, and why (for messages)."""
+        def why(v: StoredVersion) -> str:
+            if v is self.latest:
+                return "newest"
+            return "arriving" if v.version in self.receiving else "leased or pinned"
+
+        return ", ".join(f"{v.version} ({why(v)})" for v in self._holding())
+
+    def _full(self) -> bool:
+        return self.max_versions is not None and len(self._holding()) >= self.max_versions
+
+    def _refuse(self, version: int, owner: Optional[str], exc: VersionError) -> None:
+        """Refuse ``version`` from ``owner``, now and on its later ``begin`` calls."""
+        self._refused[(version, owner)] = exc
+        logger.error("%s", exc)
+        raise exc
 
     def add_bucket(self, sv: StoredVersion, key: BucketKey, nbytes: int,
                    metas: List[TensorMeta], last_of_stage: bool) -> StoredBucket:
@@ -105,7 +233,16 @@ class VersionStore:
             if key in sv.buckets:
                 raise ValueError(f"bucket {key} of version {sv.version} arrived twice")
             pool = self._pool.get(nbytes)
-            shm = pool.pop() if pool else ShmBucket(nbytes, prefix="laminar-relay")
+            shm = pool.pop() if pool else None
+            if shm is None:
+                self._trim_pool(nbytes)
+        if shm is None:  # outside the lock: allocating touches every page
+            shm = ShmBucket(nbytes, prefix="laminar-relay")
+            _reserve(shm)
+        with self.cond:
+            if key in sv.buckets:
+                self._pool.setdefault(nbytes, []).append(shm)
+                raise ValueError(f"bucket {key} of version {sv.version} arrived twice")
             bucket = StoredBucket(key, shm, metas, nbytes, last_of_stage=last_of_stage)
             sv.buckets[key] = bucket
             sv.order.append(key)
@@ -131,6 +268,8 @@ class VersionStore:
                 self._drop(sv)
                 return False
             sv.complete, sv.finished = True, time.time()
+            self.version_bytes = max(self.version_bytes, sv.nbytes)
+            self._refused = {k: why for k, why in self._refused.items() if k[0] > sv.version}
             self.receiving.pop(sv.version, None)
             if self.latest is not None:
                 self.retired.append(self.latest)
@@ -174,6 +313,30 @@ class VersionStore:
             sv.buckets = {}
         self.retired = keep
 
+    def _trim_pool(self, nbytes: int) -> None:
+        """Before a fresh ``nbytes`` buffer: close free buffers (of other sizes) while all the
+        buffers would exceed ``max_versions`` of the largest version."""
+        if self.max_versions is None or not self.version_bytes:
+            return
+        budget = self.max_versions * self.version_bytes
+        held = self.held_bytes
+        for size in sorted(self._pool, reverse=True):
+            pool = self._pool[size]
+            while pool and held + nbytes > budget:
+                pool.pop().close()
+                held -= size
+        self._pool = {size: pool for size, pool in self._pool.items() if pool}
+
+    def _holding(self) -> List[StoredVersion]:
+        """The versions holding buffers."""
+        return (([self.latest] if self.latest else []) + list(self.receiving.values())
+                + [v for v in self.retired if v.buckets])
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of every buffer the store holds, free ones included (read it under ``cond``)."""
+        return self.pooled_bytes + sum(sv.nbytes for sv in self._holding())
+
     @property
     def pooled_bytes(self) -> int:
         """Bytes of the free buffers kept for reuse (read it under ``cond``)."""
@@ -201,6 +364,7 @@ class VersionStore:
         with self.cond:
             sv.leases -= 1
             self._recycle()
+            self.cond.notify_all()  # a begin may be waiting for room
 
     def release(self, lease_id: str) -> bool:
         with self.cond:
@@ -209,6 +373,7 @@ class VersionStore:
                 return False
             entry[0].leases -= 1
             self._recycle()
+            self.cond.notify_all()  # a begin may be waiting for room
             return True
 
     def wait_for(self, predicate, timeout: Optional[float] = None) -> bool:
