@@ -24,7 +24,7 @@ OK, WHY = netns.available()
 @pytest.mark.skipif(not OK, reason=WHY or "network namespaces are available")
 def test_readme_commands_run_as_five_hosts(tmp_path):
     names = ["controller", "rollout0", "rollout1", "trainer0", "trainer1"]
-    with netns.Hosts(names) as hosts:
+    with netns.Hosts(names, workdir=str(tmp_path)) as hosts:
         ctl = hosts.addr("controller")
         # every host has its own port space: the README's fixed ports
         common = ["experiment=cpu_reverse", "mode=sync", "output_dir=out", "run_name=hosts",
@@ -48,15 +48,13 @@ def test_readme_commands_run_as_five_hosts(tmp_path):
                  hosts.start("rollout1", launch + ["job=rollout", *common,
                                                    f"rollout.host={hosts.addr('rollout1')}"],
                              logs["rollout1"], env, cwd=str(tmp_path))]
-        rdzv = f"{hosts.addr('trainer0')}:29400"
+        # as README writes it: the rendezvous on the first trainer node's host name
+        rdzv = "trainer0:29400"
         for n in ("trainer0", "trainer1"):
             procs.append(hosts.start(n, [sys.executable, "-m", "torch.distributed.run",
                                          "--nnodes=2", "--nproc-per-node=1",
                                          "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv}",
                                          "--rdzv-id=hosts",
-                                         # the host name resolves to loopback here, so torchrun
-                                         # cannot tell which node hosts the rendezvous store
-                                         f"--rdzv-conf=is_host={n == 'trainer0'}",
                                          "-m", "laminar_mcore.launch",
                                          "job=trainer", *common], logs[n], env,
                                      cwd=str(tmp_path)))

@@ -65,20 +65,28 @@ def advertised_host(cfg) -> str:
     return address
 
 
-def pin_trainer_interfaces(environ=None) -> str:
+def pin_trainer_interfaces(cfg=None, environ=None) -> str:
     """A trainer rank's gloo/NCCL sockets on the interface that routes to torchrun's rendezvous
-    (``MASTER_ADDR``), unless the user set ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``:
-    where the host name resolves to loopback, gloo would otherwise advertise 127.0.0.1 to the
-    other trainer nodes and the world could not form. Returns a line for the log ('' if
-    nothing was pinned)."""
+    host (``MASTER_ADDR``) or, where that is loopback (torchrun passes the rank-0 node's host
+    name, which Debian's and Ubuntu's /etc/hosts map to 127.0.1.1, or ``localhost``), to the
+    controller -- unless the user set ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``. Without
+    it gloo advertises loopback to the other trainer nodes and the world cannot form. Returns
+    a line for the log ('' if nothing was pinned: every role on this machine)."""
     environ = os.environ if environ is None else environ
-    master = environ.get("MASTER_ADDR", "")
-    if not master or is_loopback(master):
-        return ""
-    address = route_source_address(master)
-    name = pin_socket_interfaces(address, environ)
-    return (f"[trainer] collectives on {name} ({address}, the route to {master}): "
-            + ", ".join(f"{k}={environ[k]}" for k in SOCKET_IFNAME_ENVS)) if name else ""
+    controller = str(cfg.cluster.controller_addr) if cfg is not None else ""
+    for target, what in ((environ.get("MASTER_ADDR", ""), "the rendezvous host"),
+                         (controller, "the controller")):
+        if not target or is_loopback(target):
+            continue
+        try:
+            address = route_source_address(target)
+        except ValueError:
+            continue
+        name = pin_socket_interfaces(address, environ)
+        if name:
+            return (f"[trainer] collectives on {name} ({address}, the route to {what} "
+                    f"{target}): " + ", ".join(f"{k}={environ[k]}" for k in SOCKET_IFNAME_ENVS))
+    return ""
 
 
 def run_role(job: str, cfg) -> object:
@@ -98,7 +106,7 @@ def run_role(job: str, cfg) -> object:
     if job == "trainer":
         from ..trainer.loop import run
 
-        line = pin_trainer_interfaces()
+        line = pin_trainer_interfaces(cfg)
         if line and environ_rank0():
             print(line, flush=True)
         return run(cfg, token)

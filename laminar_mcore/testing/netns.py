@@ -1,7 +1,10 @@
 """Separate hosts on one machine, for tests of the multi-node roles: each host is a Linux network
 namespace with its own addresses and loopback, wired to the others through a bridge, and every
 process started on it gets a private ``/dev/shm`` (a fresh tmpfs in its own mount namespace), so
-nothing can cross between hosts except over the network.
+nothing can cross between hosts except over the network. Each host also has its own host name
+(a UTS namespace) and ``/etc/hosts`` as Debian and Ubuntu write it: its own name on
+``127.0.1.1``, the other hosts' names on their addresses (what a cluster's DNS would answer), so
+a role that trusts its host name to be reachable fails here as it would on such a cluster.
 
     with Hosts(["controller", "rollout0", "trainer0"]) as hosts:
         hosts.addr("controller")                     # e.g. 10.77.143.2
@@ -25,6 +28,7 @@ import random
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -51,11 +55,14 @@ def available() -> Tuple[bool, str]:
                               timeout=30)
         if made.returncode != 0:
             return False, f"ip netns add is not permitted: {made.stderr.strip()}"
-        probe = subprocess.run(["ip", "netns", "exec", name, "unshare", "-m", "--propagation",
-                                "private", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+        probe = subprocess.run(["ip", "netns", "exec", name, "unshare", "-m", "-u",
+                                "--propagation", "private", "sh", "-c",
+                                "mount -t tmpfs -o size=1m tmpfs /dev/shm && "
+                                "mount --bind /dev/null /etc/hosts && hostname probe"],
                                capture_output=True, text=True, timeout=30)
         if probe.returncode != 0:
-            return False, f"a private /dev/shm cannot be mounted: {probe.stderr.strip()}"
+            return False, ("a private /dev/shm, /etc/hosts or host name cannot be made: "
+                           f"{probe.stderr.strip()}")
         return True, ""
     finally:
         subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
@@ -64,7 +71,8 @@ def available() -> Tuple[bool, str]:
 class Hosts:
     """Hosts named ``names`` on one /24 (a random 10.77.x.0 unless ``subnet`` is given)."""
 
-    def __init__(self, names: List[str], *, subnet: Optional[str] = None, shm_mb: int = 2048):
+    def __init__(self, names: List[str], *, subnet: Optional[str] = None, shm_mb: int = 2048,
+                 workdir: Optional[str] = None):
         self.tag = f"lm{os.getpid() % 100000}{random.randrange(1000):03d}"
         self.subnet = subnet or f"10.77.{random.randrange(1, 255)}"
         self.shm_mb = int(shm_mb)
@@ -73,9 +81,18 @@ class Hosts:
         self.procs: List[subprocess.Popen] = []
         self._names = list(names)
         self._made: List[str] = []
+        self._workdir = workdir
+        self._tmp: Optional[str] = None
 
     # ------------------------------------------------------------------ set-up and teardown
     def __enter__(self) -> "Hosts":
+        # a SIGTERM (pytest killed by a time-out) still runs close(): no namespace outlives us
+        self._old_term = None
+        if threading.current_thread() is threading.main_thread():
+            def _term(signum, frame):
+                raise SystemExit(f"terminated by signal {signum}")
+
+            self._old_term = signal.signal(signal.SIGTERM, _term)
         try:
             self._build()
         except BaseException:
@@ -84,7 +101,11 @@ class Hosts:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        try:
+            self.close()
+        finally:
+            if self._old_term is not None:
+                signal.signal(signal.SIGTERM, self._old_term)
 
     def _add_ns(self, ns: str) -> None:
         subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True, timeout=30)
@@ -105,6 +126,17 @@ class Hosts:
             _ip("addr", "add", f"{addr}/24", "dev", "eth0", ns=ns)
             _ip("link", "set", "eth0", "up", ns=ns)
             self.hosts[name] = (ns, addr, port)
+        import tempfile
+
+        self._tmp = tempfile.mkdtemp(prefix=f"{self.tag}-etc-", dir=self._workdir)
+        for name in self._names:
+            lines = ["127.0.0.1\tlocalhost", f"127.0.1.1\t{name}", "::1\tlocalhost ip6-localhost"]
+            lines += [f"{a}\t{n}" for n, (_, a, _) in self.hosts.items() if n != name]
+            with open(self._hosts_file(name), "w") as fh:
+                fh.write("\n".join(lines) + "\n")
+
+    def _hosts_file(self, name: str) -> str:
+        return os.path.join(self._tmp, f"hosts.{name}")
 
     def close(self) -> None:
         """Kill every process started here (their whole groups), then delete the namespaces."""
@@ -130,6 +162,9 @@ class Hosts:
                     pass
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
         self._made.clear()
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
 
     # ------------------------------------------------------------------ use
     def addr(self, name: str) -> str:
@@ -137,11 +172,14 @@ class Hosts:
 
     def start(self, name: str, args: List[str], log_path: str, env: Optional[dict] = None,
               cwd: Optional[str] = None) -> subprocess.Popen:
-        """``args`` on host ``name``, in a new process group, with a private ``/dev/shm``."""
+        """``args`` on host ``name``, in a new process group, with a private ``/dev/shm``, its
+        own host name and ``/etc/hosts``."""
         ns = self.hosts[name][0]
-        cmd = ["ip", "netns", "exec", ns, "unshare", "-m", "--propagation", "private", "sh",
-               "-c", f'mount -t tmpfs -o size={self.shm_mb}m tmpfs /dev/shm && exec "$@"', "sh",
-               *args]
+        setup = (f"mount -t tmpfs -o size={self.shm_mb}m tmpfs /dev/shm && "
+                 f"mount --bind {self._hosts_file(name)} /etc/hosts && hostname {name} && "
+                 'exec "$@"')
+        cmd = ["ip", "netns", "exec", ns, "unshare", "-m", "-u", "--propagation", "private",
+               "sh", "-c", setup, "sh", *args]
         log = open(log_path, "w")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
                                 cwd=cwd, start_new_session=True)
