@@ -43,6 +43,7 @@ import urllib.request
 from collections import deque
 from typing import Callable, Dict, List, Optional
 
+from ..config.plan import relay_model_bytes
 from ..netutil import engine_api_key
 from ..relay.launch import relay_process
 from ..relay.server import RelayConfig
@@ -172,7 +173,9 @@ class NodeSupervisor:
                                 relay_id=self.name, master=self.master,
                                 master_url=None if self.master else role["master_url"],
                                 trainer_stages=self.cfg.parallel.pp,
-                                weight_sync=self.cfg.weight_sync)
+                                weight_sync=self.cfg.weight_sync,
+                                # /dev/shm checked at start-up for relay_versions of these
+                                model_bytes=relay_model_bytes(self.cfg))
         relay = relay_process(relay_cfg, os.path.join(self.logs, f"relay-{self.name}.log"))
         self._start(relay)
         self.publish_port = int(relay.wait_printed("LAMINAR_RELAY_PUBLISH_PORT")) \
