@@ -111,6 +111,9 @@ CONTROLLER_ENDPOINTS = [
                                               "publish": PUBLISH},
              fields={"old_url": "url", "new_url": "url", "publish": "dict"},
              required=("old_url", "new_url")),
+    Endpoint("POST", "/trainer_alive", body={"rank": 0, "node": 0, "host": "t0", "restarts": 0},
+             fields={"rank": "int", "node": "int", "host": "str", "restarts": "int"},
+             required=("rank", "node", "host")),
 ]
 
 

@@ -89,6 +89,11 @@ class ControllerClient:
         """The trainer world (re)started from step ``step`` and published ``version``."""
         self._call("POST", "/resumed", {"step": step, "version": version, "restarts": restarts})
 
+    def trainer_alive(self, rank: int, node: int, host: str, restarts: int) -> Optional[str]:
+        """A trainer rank's report; the controller's reason if it stopped the run, else None."""
+        return self._call("POST", "/trainer_alive", {"rank": rank, "node": node, "host": host,
+                                                     "restarts": restarts}, timeout=10)[1]["stop"]
+
     def call_post(self, path: str, body: dict) -> Optional[dict]:
         """A rollout node's report (``/engine_down``, ``/engine_replaced``,
         ``/relay_replaced``)."""

@@ -287,6 +287,10 @@ def run(cfg: LaminarConfig, token: str) -> dict:
             while not controller.trainer_done_event.wait(1.0):
                 if controller.error is not None:
                     raise ControllerError(f"controller failed: {controller.error}")
+                lost = controller.silent_trainer_node()
+                if lost is not None:  # the survivors learn it from their next report
+                    controller.stop_for_trainers(lost)
+                    raise ControllerError(lost)
         finally:
             progress.close()
         return finish_run(controller, controller.trainer_done, initial, t_start, out_dir, log)

@@ -42,6 +42,7 @@ from .evaluation import evaluate
 from .manager import RolloutManager
 from .metrics import controller_metrics, scrape_targets
 from .modes import policy_for
+from .trainers import TrainerWatch
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ def length_fn_from_config(rollout_cfg):
     return length
 
 
-class Controller(ClusterAPI):
+class Controller(ClusterAPI, TrainerWatch):
     def __init__(self, cfg: LaminarConfig, task: TaskData, metrics, token: str, *,
                  listen: Tuple[str, int] = ("127.0.0.1", 0), info: Optional[dict] = None,
                  initial_state: Optional[dict] = None):
@@ -114,6 +115,7 @@ class Controller(ClusterAPI):
         self.ready = False  # set by the launcher when training may start
         self.finished = False  # set by the launcher when the run's summary is written
         self._init_cluster()  # rollout nodes, the master relay, faults (controller/cluster.py)
+        self._init_trainer_watch()  # trainer ranks' reports (controller/trainers.py)
         self.trainer_done: Optional[dict] = None
         self.trainer_done_event = threading.Event()
         self.trainer_version = 0
@@ -262,6 +264,7 @@ class Controller(ClusterAPI):
                                                                    "done": self.finished}))
         app.router.add_post("/done", self._done)
         self._add_cluster_routes(app.router)
+        self._add_trainer_routes(app.router)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_S)
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.port)
@@ -448,6 +451,7 @@ class Controller(ClusterAPI):
         self.max_staleness_observed = int(state.get("max_staleness_observed", 0))
         lost = len(state.get("partial", []))
         self.manager.stats.generated = int(state["generated"]) + lost
+        self.manager.stats.started = self.manager.stats.generated  # nothing in flight yet
         if lost:
             self.buffer.discard(lost, "restart", [
                 Trajectory.from_dict(item["traj"]) for item in state["partial"]])
@@ -481,6 +485,11 @@ class Controller(ClusterAPI):
                 "trajectories_consumed": self.buffer.consumed,
                 "trajectories_buffered": self.buffer.buffered,
                 "trajectories_discarded": sum(self.buffer.discarded.values()),
+                # started but neither ended (kept or discarded with a reason) nor in flight,
+                # plus ended ones the books cannot place: 0 unless a trajectory vanished
+                "trajectories_lost": ((s.started - s.generated - len(self.partial)) if s else 0)
+                + ((s.generated - self.buffer.consumed - self.buffer.buffered
+                    - sum(self.buffer.discarded.values())) if s else 0),
                 "discarded_reasons": dict(self.buffer.discarded),
                 "max_staleness_observed": self.max_staleness_observed,
                 "engine_pulls": s.pulls if s else 0, "resumed": s.resumed if s else 0,

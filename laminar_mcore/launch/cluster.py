@@ -89,6 +89,25 @@ def pin_trainer_interfaces(cfg=None, environ=None) -> str:
     return ""
 
 
+def check_trainer_rendezvous(cfg, environ=None) -> None:
+    """Stop a trainer rank that torchrun handed a loopback rendezvous address on a node other
+    than the first, in a run whose controller is on another host: it would wait on its own
+    loopback for a store that lives on the first node. torchrun passes the first node's
+    ``--local-addr``, or else its host name, which there may resolve to loopback (Debian's and
+    Ubuntu's ``127.0.1.1`` line in /etc/hosts) and be sent to the other nodes as ``localhost``."""
+    environ = os.environ if environ is None else environ
+    master, node = environ.get("MASTER_ADDR", ""), int(environ.get("GROUP_RANK", "0") or 0)
+    if node > 0 and master and is_loopback(master) \
+            and not is_loopback(str(cfg.cluster.controller_addr)):
+        raise ClusterError(
+            f"torchrun gave trainer node {node} MASTER_ADDR={master}, a loopback address: the "
+            "first trainer node's host name resolves to loopback there (as /etc/hosts' "
+            "127.0.1.1 line makes it), so the other nodes cannot reach its store. Start "
+            "torchrun on every trainer node with --local-addr=<that node's cluster address> "
+            "(e.g. --local-addr=$(hostname -I | cut -d' ' -f1)), or map the host names to "
+            "cluster addresses in /etc/hosts")
+
+
 def run_role(job: str, cfg) -> object:
     cfg = typed(cfg)
     token = run_token()
@@ -106,6 +125,7 @@ def run_role(job: str, cfg) -> object:
     if job == "trainer":
         from ..trainer.loop import run
 
+        check_trainer_rendezvous(cfg)
         line = pin_trainer_interfaces(cfg)
         if line and environ_rank0():
             print(line, flush=True)

@@ -147,9 +147,11 @@ def _next_master(controller, failed, wait_s: float = 15.0):
 def run(cfg, token: str) -> dict:
     """One trainer rank of a multi-node run (``job=trainer``, under torchrun: RANK, WORLD_SIZE,
     MASTER_ADDR/PORT from its env): waits until the rollout nodes are up, trains, and rank 0
-    tells the controller it is done."""
+    tells the controller it is done. Local rank 0 reports the node to the controller meanwhile
+    (trainer/watch.py)."""
     from ..config import as_dict
     from ..controller.client import ControllerClient, ControllerError, controller_url
+    from .watch import NodeReporter
 
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise ControllerError("job=trainer runs under torchrun (it reads RANK and WORLD_SIZE); "
@@ -164,8 +166,19 @@ def run(cfg, token: str) -> dict:
     info = client.wait_for("the rollout nodes", client.cluster, lambda a: a.get("ready"),
                            cfg.cluster.join_timeout_s)
     relay = info["master_relay"]
-    result = trainer_main(as_dict(cfg), info["model_path"], url, token,
-                          relay["publish_host"], relay["publish_port"], info["checkpoint_dir"])
-    if int(os.environ["RANK"]) == 0:
-        client.done(result)
+    # local rank 0 reports this node to the controller; a node lost stops the run (watch.py)
+    reporter = NodeReporter(client, limit_s=cfg.trainer.collective_timeout_s / 2).start() \
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
+    try:
+        result = trainer_main(as_dict(cfg), info["model_path"], url, token,
+                              relay["publish_host"], relay["publish_port"], info["checkpoint_dir"])
+        if int(os.environ["RANK"]) == 0:
+            client.done(result)
+    except Exception as exc:
+        if reporter is not None:  # a trainer node lost? the controller says within limit_s
+            reporter.await_verdict(exc)
+        raise
+    finally:
+        if reporter is not None:
+            reporter.stop()
     return result
