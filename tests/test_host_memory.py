@@ -101,6 +101,48 @@ def test_a_run_whose_relay_does_not_fit_shm_is_refused_before_it_starts(job):
     validate_config(cfg)
 
 
+def test_a_cpu_cluster_with_its_ram_stated_is_checked_and_local_cpu_is_not(tmp_path):
+    """No GPUs but cluster.host_memory_gb set: the host budget is still checked before anything
+    starts (a relay and an engine worker at 8 GB each do not fit 10 GB); local_cpu states no
+    RAM (0) and is not; job=plan reports the same misfit instead of refusing it."""
+    from laminar_mcore.launch.plan import run_plan
+
+    validate_config(_compose("job=train"))  # local_cpu: gpus_per_node=0, host_memory_gb=0
+    small = _compose("job=train", "cluster.host_memory_gb=10")
+    assert small.cluster.gpus_per_node == 0
+    with pytest.raises(ConfigError, match=r"does not fit \(job=plan shows the whole plan\): a "
+                                          r"rollout node needs 16.0 GB .*cluster.host_memory_gb=10"):
+        validate_config(small)
+    with pytest.raises(ConfigError, match=r"cluster.shm_gb=100 is more than "
+                                          r"cluster.host_memory_gb=64: .*lower it"):
+        validate_config(_compose("job=train", "cluster.host_memory_gb=64", "cluster.shm_gb=100"))
+    validate_config(_compose("job=train", "cluster.host_memory_gb=64"))
+    plan_cfg = _compose("job=plan", "cluster.host_memory_gb=10", f"output_dir={tmp_path}")
+    validate_config(plan_cfg)  # reported, not refused
+    plan = run_plan(plan_cfg)
+    written = json.loads((tmp_path / plan_cfg.run_name / "plan.json").read_text())
+    assert written["fits_gpu"] and not written["fits_host"] and not written["fits"]
+    assert written["problems"] == plan["problems"] and "cluster.host_memory_gb=10" in \
+        written["problems"][0]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("weight_sync.relay_versions=1", r"weight_sync.relay_versions=1 must be >= 2 .*set "
+                                     r"weight_sync.relay_versions=2"),
+    ("cluster.host_memory_gb=-1", r"cluster.host_memory_gb=-1 must be >= 0 .*0: host memory "
+                                  r"not checked"),
+    ("cluster.shm_gb=0", r"cluster.shm_gb=0 must be > 0 .*or null for half of "
+                         r"cluster.host_memory_gb"),
+])
+@pytest.mark.parametrize("cluster", ["local_cpu", "multinode"])
+def test_host_memory_keys_out_of_range_are_refused_naming_the_key(override, message, cluster):
+    extra = (["experiment=qwen3_235b_a22b_math", "model.path=null",
+              "cluster.controller_addr=10.0.0.1"] if cluster == "multinode" else [])
+    for job in ("train", "plan"):  # a value that means nothing is refused by job=plan too
+        with pytest.raises(ConfigError, match=message):
+            validate_config(_compose(*extra, f"job={job}", override))
+
+
 # ---------------------------------------------------------------------- the store
 def _fill(store, version, value, owner="t", rows=64):
     sv = store.begin(version, 1, owner=owner, wait_s=0)

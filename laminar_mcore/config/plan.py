@@ -371,7 +371,8 @@ def _host_plan(cfg, model_gb: float, pinned_gb: float, ref_host_gb: float,
             problems.append(
                 f"a rollout node needs {rollout_gb:.1f} GB of host memory (the relay's "
                 f"{shm_need:.1f} GB in /dev/shm, {PROCESS_HOST_GB:g} GB for each of its "
-                f"{engine_gpus + 1} GPU processes), cluster.host_memory_gb={host_gb:g}: "
+                f"{engine_gpus + 1} processes: engine workers and the relay), "
+                f"cluster.host_memory_gb={host_gb:g}: "
                 + ("lower weight_sync.relay_versions (2 is the least), or " if rv > 2 else "")
                 + "use nodes with more RAM (cluster.host_memory_gb)")
         if trainer_gb > host_gb:

@@ -267,12 +267,14 @@ class ClusterConfig:
     # CPU threads per process on a shared machine; 0: leave torch's default.
     threads_per_process: int = 1
     # The GPUs of one node, for the capacity plan (job=plan) and the check that refuses a run
-    # that does not fit before anything starts. 0: no GPU (CPU runs; nothing to check).
+    # that does not fit before anything starts. 0: no GPU (CPU runs: only host memory is
+    # checked, when host_memory_gb > 0).
     gpus_per_node: int = 8
     gpu_memory_gb: float = 80.0  # one GPU's memory (GB), for job=plan and that check
     # One node's RAM (GB), for job=plan and the same check: a rollout node's relay versions in
     # /dev/shm and a trainer node's pinned publish buffers (and an offloaded reference model)
-    # must fit it. 0: not checked (local_cpu: the machine is shared with everything else).
+    # must fit it, with or without GPUs. 0: not checked (local_cpu: the machine is shared
+    # with everything else).
     host_memory_gb: float = 2048.0
     # The size of /dev/shm (a tmpfs) on a rollout node (GB), which holds the relay's versions;
     # null: half of host_memory_gb, Linux's default. Larger only after remounting it, e.g.

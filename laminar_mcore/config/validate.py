@@ -232,10 +232,24 @@ def validate_config(cfg: DictConfig) -> None:
     if cfg.algo.behav_imp_weight_cap is not None and cfg.algo.behav_imp_weight_cap <= 1:
         problems.append(f"algo.behav_imp_weight_cap={cfg.algo.behav_imp_weight_cap} must be > 1 "
                         "(AReaL uses 5.0) or null")
-    if cfg.cluster.gpus_per_node < 0 or cfg.cluster.gpu_memory_gb <= 0:
-        problems.append(f"cluster.gpus_per_node={cfg.cluster.gpus_per_node} must be >= 0 (0: no "
-                        f"GPU) and cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb} > 0")
-    elif not problems and cfg.cluster.gpus_per_node > 0 and cfg.job != "plan":
+    cl = cfg.cluster
+    if ws.relay_versions < 2:
+        problems.append(f"weight_sync.relay_versions={ws.relay_versions} must be >= 2 (a relay "
+                        "keeps the newest complete version for pulls while it receives the "
+                        "next); set weight_sync.relay_versions=2, or 3 to let a slow pull hold "
+                        "on without delaying versions")
+    if cl.host_memory_gb < 0:
+        problems.append(f"cluster.host_memory_gb={cl.host_memory_gb:g} must be >= 0 (one node's "
+                        "RAM in GB; 0: host memory not checked)")
+    if cl.shm_gb is not None and not cl.shm_gb > 0:
+        problems.append(f"cluster.shm_gb={cl.shm_gb:g} must be > 0 (the size of a rollout node's "
+                        "/dev/shm in GB), or null for half of cluster.host_memory_gb")
+    if cl.gpus_per_node < 0 or cl.gpu_memory_gb <= 0:
+        problems.append(f"cluster.gpus_per_node={cl.gpus_per_node} must be >= 0 (0: no "
+                        f"GPU) and cluster.gpu_memory_gb={cl.gpu_memory_gb} > 0")
+    elif not problems and cfg.job != "plan" and (cl.gpus_per_node > 0 or cl.host_memory_gb > 0):
+        # the GPU budget with GPUs; the host budget with a stated RAM (a CPU cluster's too;
+        # local_cpu states none: its machine is shared with everything else). job=plan reports.
         from .plan import capacity_plan
 
         problems += [f"does not fit (job=plan shows the whole plan): {msg}"
