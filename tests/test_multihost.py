@@ -145,7 +145,7 @@ def test_a_trainer_host_that_goes_away_stops_the_whole_run_naming_it(tmp_path):
     import time
 
     names = ["controller", "rollout0", "trainer0", "trainer1"]
-    timeout_s = 40
+    timeout_s = 24
     with netns.Hosts(names, workdir=str(tmp_path)) as hosts:
         common = ["experiment=cpu_reverse", "mode=sync", "output_dir=out", "run_name=lost",
                   f"cluster.controller_addr={hosts.addr('controller')}",
