@@ -62,6 +62,8 @@ RELAY_ENDPOINTS = [
              required=("lease_id", "index")),
     Endpoint("POST", "/release", body={"lease_id": "x"}, fields={"lease_id": "str"},
              required=("lease_id",)),
+    Endpoint("POST", "/release_holder", body={"host": "10.0.0.9"}, fields={"host": "str"},
+             required=("host",)),
     Endpoint("POST", "/set_downstream",
              body={"relays_after_source": 2, "data_host": "127.0.0.1", "data_port": 9},
              fields={"relays_after_source": "int", "data_host": "str", "data_port": "int"}),

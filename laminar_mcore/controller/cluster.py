@@ -9,8 +9,11 @@ died or hung (``/engine_down``), its replacement (``/engine_replaced``) and a re
 pulling or updating weights -- which is not a failure (``GET /engine_states``); trainer rank 0
 a restart of the trainer world (``/resumed``). The master
 relay is watched: when it is gone (or silent for 30 s) while other relays live, the first live
-one is promoted and the rest chain from it. Every event is recorded (``faults``, metrics
-"fault" records) and counted in the books.
+one is promoted and the rest chain from it. Engines are watched too, for the case no supervisor
+reports: a host that went away (every process killed, powered off, its link down for long) --
+its engines are ``lost``, their streams ended, and relays on other hosts release the leases its
+pull agent held. Every event is recorded (``faults``, metrics "fault" records) and counted in
+the books.
 
 Mixed into ``Controller`` (controller/server.py), which provides ``cfg``, ``token``, ``info``,
 ``metrics``, ``manager``, ``trainer_version``, ``ready``, ``finished``, ``closing`` and the
@@ -20,13 +23,15 @@ event loop this runs on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+import urllib.parse
 from typing import List, Optional
 
 from aiohttp import web
 
-from ..netutil import Field, engine_api_key, read_json, read_query
+from ..netutil import Field, engine_api_key, is_loopback, read_json, read_query
 from ..relay.client import RelayClient, RelayError, probe_relay
 from ..relay.transports import make_puller
 from ..rollout.client import SGLangClient
@@ -56,6 +61,24 @@ RELAY_ROLE_QUERY = {"timeout": Field("number", low=0, high=86400)}
 ENGINE_STATES_QUERY = {"url": Field("list", max_len=4096, item=URL)}
 
 
+async def reach(url: str, timeout_s: float = 2.0) -> str:
+    """Whether a TCP connection to ``url``'s host and port opens: alive, gone (refused:
+    nothing listens, the process is dead) or silent (no answer within ``timeout_s``: the host
+    is off or cut off)."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection(parts.hostname, parts.port or 80), timeout_s)
+    except ConnectionRefusedError:
+        return "gone"
+    except (OSError, asyncio.TimeoutError):
+        return "silent"
+    writer.close()
+    with contextlib.suppress(Exception):
+        await writer.wait_closed()
+    return "alive"
+
+
 class ClusterAPI:
     """The cluster and fault-isolation half of ``Controller`` (see the module docstring)."""
 
@@ -68,6 +91,7 @@ class ClusterAPI:
         self.trainer_restarts = 0
         self.relay_failovers = 0
         self._retired_clients: list = []
+        self.background: List[asyncio.Task] = []  # cancelled when the controller stops
 
     def _add_cluster_routes(self, router: web.UrlDispatcher) -> None:
         router.add_post("/relay_role", self._relay_role)
@@ -222,6 +246,92 @@ class ClusterAPI:
                         await self._elect()
                 misses, silent_since = 0, None
 
+    async def _watch_engines(self) -> None:
+        """Engines whose host went away. A node's supervisor reports an engine that died or
+        hung, but a host that goes away takes its supervisor with it: every
+        ``rollout.engine_heartbeat_s`` the controller opens a connection to each engine's port,
+        and an engine that nothing listens for any more (refused) for ``2 x
+        engine_heartbeat_s + 5`` s -- long enough for a living supervisor to have reported
+        it -- or that does not answer at all for ``2 x rollout.engine_heartbeat_timeout_s``
+        (a host that is silent: powered off, or its link down that long) is ``lost``: out of
+        service, its open streams ended (``RolloutManager.engine_lost``), a fault recorded.
+        A silence shorter than that (a link down for seconds) costs nothing: streams resume
+        when the link does. A lost engine's supervisor that comes back restarts it."""
+        r = self.cfg.rollout
+        period = max(float(r.engine_heartbeat_s), 0.5)
+        gone_s, silent_s = 2 * period + 5.0, 2 * float(r.engine_heartbeat_timeout_s)
+        down: dict = {}  # engine name -> [its epoch, unreachable since, refused every time]
+        while True:
+            await asyncio.sleep(period)
+            try:
+                self._check_engines(down, await self._reach_engines(), gone_s, silent_s)
+            except Exception:  # noqa: BLE001 - a watch that dies would leave hosts unwatched
+                logger.exception("watching the engines failed; watching on")
+
+    async def _reach_engines(self) -> list:
+        engines = [e for e in self.manager.engines if not (e.restarting or e.evicted or e.lost)]
+        return list(zip(engines, await asyncio.gather(*(reach(e.client.base_url)
+                                                        for e in engines))))
+
+    def _check_engines(self, down: dict, states: list, gone_s: float, silent_s: float,
+                       now: Optional[float] = None) -> None:
+        """One round of ``_watch_engines``: ``states``, (engine, reach()) pairs, seen ``now``."""
+        now = time.time() if now is None else now
+        for e, state in states:
+            mark = down.get(e.name)
+            if state == "alive" or (mark is not None and mark[0] != e.epoch):
+                down.pop(e.name, None)
+                mark = None
+            if state == "alive" or e.restarting or e.evicted or e.lost:
+                continue
+            if mark is None:
+                down[e.name] = [e.epoch, now, state == "gone"]
+                continue
+            mark[2] = mark[2] and state == "gone"
+            waited = now - mark[1]
+            if waited < (gone_s if mark[2] else silent_s):
+                continue
+            down.pop(e.name)
+            reason = (f"nothing has listened on its port for {waited:.0f} s" if mark[2] else
+                      f"it has not answered for {waited:.0f} s (2 x rollout."
+                      f"engine_heartbeat_timeout_s)") + \
+                " and its node's supervisor did not report it: its host is gone"
+            ended = self.manager.engine_lost(e, reason)
+            self._fault("engine", "lost", engine=e.name, url=e.client.base_url,
+                        reason=reason, streams_ended=ended, seconds=round(waited, 1))
+            self._maybe_host_lost(e)
+
+    def _maybe_host_lost(self, engine) -> None:
+        """Every engine of ``engine``'s host is lost: the host is (a fault record), and the
+        leases its pull agent took from relays on other hosts (``rollout.relay=remote``) are
+        released there now rather than at the lease TTL (a relay whose buffers they hold
+        takes no newer version). Never for loopback: that host is the controller's own."""
+        host = urllib.parse.urlsplit(engine.client.base_url).hostname or ""
+        same = [e for e in self.manager.engines
+                if urllib.parse.urlsplit(e.client.base_url).hostname == host]
+        if not all(e.lost for e in same):
+            return
+        self._fault("host", "lost", host=host, engines=",".join(e.name for e in same))
+        if not is_loopback(host):
+            self.background.append(asyncio.get_running_loop().create_task(
+                self._release_leases_of(host)))
+
+    async def _release_leases_of(self, host: str) -> None:
+        urls = {n["relay_url"] for n in self.rollout_nodes}
+        if self.master_relay:
+            urls.add(self.master_relay["url"])
+        for url in sorted(urls):
+            if urllib.parse.urlsplit(url).hostname == host:
+                continue  # that host's own relay went with it
+            try:
+                answer = await self._relay_post(url, "/release_holder", {"host": host}, 5.0)
+            except RelayError as exc:
+                logger.info("relay %s could not release the leases of %s: %s", url, host, exc)
+                continue
+            if answer.get("released"):
+                self._fault("host", "leases_released", host=host, relay=url,
+                            leases=int(answer["released"]))
+
     def _fault(self, kind: str, what: str, **info) -> None:
         event = {"kind": kind, "what": what, "time": time.time(), **info}
         self.faults.append(event)
@@ -253,7 +363,10 @@ class ClusterAPI:
                            "updating": updating, "busy": busy,
                            "busy_ago_s": 0.0 if busy else (
                                None if until is None else round(max(0.0, now - until), 3)),
-                           "healthy": bool(e.healthy), "restarting": bool(e.restarting)}
+                           "healthy": bool(e.healthy), "restarting": bool(e.restarting),
+                           "lost": e.lost,
+                           "version": e.version, "in_flight": len(e.in_flight),
+                           "relay": e.relay.url}
         return web.json_response({"engines": states})
 
     async def _engine_down(self, request: web.Request):

@@ -56,6 +56,9 @@ class EngineHandle:
     epoch: int = 0
     restarting: bool = False
     evicted: Optional[str] = None
+    # Why the controller found it lost with no report from its supervisor (its process gone
+    # or silent, the supervisor with it: a host that went away); None while it answers.
+    lost: Optional[str] = None
 
 
 @dataclass
@@ -63,6 +66,9 @@ class ManagerStats:
     # Trajectories whose generation ended, kept or not: generated = consumed + buffered +
     # discarded (with a reason) holds at every moment.
     generated: int = 0
+    # Trajectories started: started = generated + those still in flight (the partial pool);
+    # any other difference is a trajectory lost without a record (``trajectories_lost``).
+    started: int = 0
     resumed: int = 0
     pulls: int = 0
     repacked: int = 0  # trajectories moved off a long-tail engine (Laminar's repack)
@@ -76,6 +82,7 @@ class ManagerStats:
     discarded: Dict[str, int] = field(default_factory=dict)
     engine_restarts: int = 0
     evicted: Dict[str, str] = field(default_factory=dict)  # engine -> why
+    lost: Dict[str, str] = field(default_factory=dict)  # engine -> why (EngineHandle.lost)
     # seconds of each completed pull (request to the new version applied), for /metrics
     pull_seconds: Histogram = field(default_factory=lambda: Histogram(SECONDS_BUCKETS))
 

@@ -306,6 +306,7 @@ class RolloutManager(WeightPulls):
         group = self.prompts.next_group()
         self.accepted += group.n
         for item in self.episode.start(group, engine.version, engine.name):
+            self.stats.started += 1
             self.partial.start(item)
             engine.in_flight[item.rid] = item
             self._spawn(self._run_episode(item, group.row), f"trajectory {item.rid}",
@@ -499,6 +500,17 @@ class RolloutManager(WeightPulls):
         else:
             engine.restarting = True
 
+    def engine_lost(self, engine: EngineHandle, reason: str) -> int:
+        """The controller found ``engine`` gone or silent and no supervisor reported it (its
+        host went away): no more work for it, and the streams still open to it end now, so
+        their trajectories resume on engines of their version (or are discarded with a
+        reason) rather than wait for a host that may never answer. Returns how many streams
+        were ended. A supervisor that comes back restarts it (``replace_engine``)."""
+        self._mark_unhealthy(engine)
+        engine.lost = reason
+        self.stats.lost[engine.name] = reason
+        return engine.client.break_streams(f"engine {engine.name} lost: {reason}")
+
     def replace_engine(self, engine: EngineHandle, client: SGLangClient) -> SGLangClient:
         """The restarted engine takes ``engine``'s place: it holds the starting weights
         (version 0) and pulls the newest version before it takes work, like an engine that
@@ -506,7 +518,7 @@ class RolloutManager(WeightPulls):
         old, engine.client = engine.client, client
         engine.epoch += 1
         engine.version, engine.pulls = 0, 0
-        engine.healthy, engine.restarting, engine.evicted = True, False, None
+        engine.healthy, engine.restarting, engine.evicted, engine.lost = True, False, None, None
         engine.draining = engine.paused = engine.pulling = False
         engine.resuming = 0
         engine.in_flight = {}  # its trajectories moved on when it failed

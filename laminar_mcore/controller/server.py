@@ -273,13 +273,15 @@ class Controller(ClusterAPI, TrainerWatch):
         self.url = f"http://{self.host}:{port}"
         self._manager_task = asyncio.create_task(self.manager.run())
         self._election = asyncio.Lock()
-        master_watch = asyncio.create_task(self._watch_master())
+        watches = [asyncio.create_task(self._watch_master()),
+                   asyncio.create_task(self._watch_engines())]  # controller/cluster.py
         self._ready.set()
         await self._shutdown_event.wait()
         self.closing = True
         self._wake_long_polls()
-        master_watch.cancel()
-        await asyncio.gather(master_watch, return_exceptions=True)
+        for task in watches + self.background:
+            task.cancel()
+        await asyncio.gather(*watches, *self.background, return_exceptions=True)
         self.manager.stop()
         await self._manager_task
         await self._stop_evals()
@@ -502,6 +504,7 @@ class Controller(ClusterAPI, TrainerWatch):
                 "unhealthy_engines": list(s.unhealthy) if s else [],
                 "engine_restarts": s.engine_restarts if s else 0,
                 "evicted_engines": dict(s.evicted) if s else {},
+                "lost_engines": dict(s.lost) if s else {},
                 "relay_failovers": self.relay_failovers,
                 "trainer_restarts": self.trainer_restarts,
                 "faults": len(self.faults),

@@ -15,6 +15,7 @@ weights. The receiver then answers with whether it wants the version.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -235,6 +236,7 @@ class Forwarder:
         self.pushed: Dict[Tuple[str, int], int] = {}
         self.stats: Dict[str, float] = {}
         self._generation = 0
+        self._sock: Optional[socket.socket] = None  # the push under way
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="laminar-relay-forwarder", daemon=True)
 
@@ -263,11 +265,19 @@ class Forwarder:
         return self._generation
 
     def set_downstream(self, addr: Optional[Tuple[str, int]]) -> None:
+        """Push to ``addr`` from now on. A push under way to the previous downstream is cut
+        at once: one to a relay whose host went silent would otherwise block this thread (and
+        every relay after it in the chain) in a socket call for up to a minute."""
+        sock = None
         with self.store.cond:
             if addr != self.downstream:
                 self.downstream = addr
                 self._generation += 1
+                sock = self._sock
             self.store.cond.notify_all()
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def _candidate(self) -> Optional[StoredVersion]:
         if self.downstream is None:
@@ -292,8 +302,12 @@ class Forwarder:
             self.store.pin(sv)  # newer versions may complete meanwhile: keep sv's bytes intact
             try:
                 start = time.perf_counter()
-                with socket.create_connection(target, timeout=30) as sock:
+                with socket.create_connection(target, timeout=10) as sock:
                     sock.settimeout(60)
+                    with self.store.cond:
+                        self._sock = sock
+                    if abort():  # the downstream changed while connecting
+                        raise PushAborted("downstream changed")
                     complete = push_version(sock, self.store, sv, self.chunk_for(sv), abort,
                                             self.token)
                 if complete:
@@ -314,6 +328,8 @@ class Forwarder:
                 self.on_failure(f"{target[0]}:{target[1]}")
                 self._stop.wait(0.5)
             finally:
+                with self.store.cond:
+                    self._sock = None
                 self.store.unpin(sv)
 
 

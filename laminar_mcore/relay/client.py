@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -20,8 +21,17 @@ from ..netutil import EngineError
 from ..weights.bucket import decode_handle, open_handle
 
 
+logger = logging.getLogger(__name__)
+# how long a lease whose relay could not be reached is tried again (RelayClient.release)
+RELEASE_RETRY_S = 600.0
+
+
 class RelayError(RuntimeError):
-    pass
+    """A relay call failed; ``status``: the relay's HTTP answer, None when it gave none."""
+
+    def __init__(self, message: str, status: Optional[int] = None):
+        super().__init__(message)
+        self.status = status
 
 
 class WeightApplyError(RuntimeError):
@@ -77,6 +87,7 @@ class RelayClient:
         self.timeout_s = timeout_s
         self._session: Optional[aiohttp.ClientSession] = None
         self.last_release: dict = {}  # the relay's answer to the last /release (peak, served)
+        self._pending: set = set()  # releases being retried (``release``)
 
     async def __aenter__(self):
         return self
@@ -85,6 +96,8 @@ class RelayClient:
         await self.close()
 
     async def close(self):
+        for task in list(self._pending):
+            task.cancel()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -99,7 +112,7 @@ class RelayClient:
                                              timeout=aiohttp.ClientTimeout(total=self.timeout_s + extra_s)) as r:
                 text = await r.text()
                 if r.status >= 400:
-                    raise RelayError(f"{path}: HTTP {r.status}: {text[:300]}")
+                    raise RelayError(f"{path}: HTTP {r.status}: {text[:300]}", r.status)
                 return json.loads(text)
         except asyncio.TimeoutError:
             raise RelayError(f"{path}: relay {self.url} did not answer within {self.timeout_s:g} s "
@@ -148,9 +161,41 @@ class RelayClient:
                 for i in range(lease.num_buckets)]
 
     async def release(self, lease: Lease) -> bool:
-        out = await self._call("POST", "/release", {"lease_id": lease.lease_id})
+        """End ``lease``. A relay that cannot be reached now (its host's link down for a
+        while) is told later, in the background, until it answers or ``RELEASE_RETRY_S``
+        have passed (False here): a lease left behind holds its version's buffers until the
+        relay's lease TTL (600 s), and with ``weight_sync.relay_versions`` of them held the
+        relay takes no newer version meanwhile."""
+        try:
+            out = await self._call("POST", "/release", {"lease_id": lease.lease_id})
+        except RelayError as exc:
+            if exc.status is not None:  # it answered: nothing to try again
+                raise
+            task = asyncio.get_running_loop().create_task(self._release_later(lease, exc))
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+            return False
         self.last_release = out
         return out["released"]
+
+    async def _release_later(self, lease: Lease, first: RelayError) -> None:
+        deadline = asyncio.get_running_loop().time() + RELEASE_RETRY_S
+        last: Exception = first
+        while asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(1.0)
+            try:
+                self.last_release = await self._call("POST", "/release",
+                                                     {"lease_id": lease.lease_id})
+                logger.info("lease %s of version %d released at %s after %s", lease.lease_id,
+                            lease.version, self.url, first)
+                return
+            except RelayError as exc:
+                last = exc
+                if exc.status is not None:
+                    return
+        logger.warning("lease %s of version %d at %s could not be released (%s); it lapses "
+                       "with the relay's lease TTL", lease.lease_id, lease.version, self.url,
+                       last)
 
 
 @contextlib.contextmanager

@@ -6,7 +6,8 @@ proving the run token, relay/rendezvous.py), orders the
 chain of relays that registered with it (``/register``; ``/chain`` shows it), watches each one's
 heartbeat and rebuilds the chain around a dead one (also when a relay reports that its
 downstream failed, ``/report_failure``). A relay that is not the master registers with it, again
-after a restart, and joins the end of the chain. When the master dies, the controller promotes
+after a restart -- or once the master's heartbeat has stopped reaching it (the master cut it out
+while its host's link was down) -- and joins the end of the chain. When the master dies, the controller promotes
 another relay (``/promote``: it starts hosting the publish group and orders the chain of the
 others) and points the rest at it (``/set_master``).
 
@@ -23,6 +24,7 @@ import datetime
 import json
 import logging
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections import OrderedDict
@@ -69,6 +71,9 @@ class MasterRelay:
         self.publish_threads: List[threading.Thread] = []
         self.publish_ready = threading.Event()
         self.rendezvous: Optional[PublishRendezvous] = None
+        # a chained relay: when the master last reached it (its heartbeat, /set_downstream);
+        # silence means the master cut it out of the chain (_membership_loop)
+        self.master_seen = time.monotonic()
 
     def _add_master_routes(self, router: web.UrlDispatcher) -> None:
         router.add_post("/register", self.register)
@@ -198,6 +203,33 @@ class MasterRelay:
             except (urllib.error.URLError, OSError) as exc:
                 logger.info("master relay not reachable yet (%s); retrying", exc)
                 self.stop_event.wait(0.5)
+
+    def _membership_loop(self) -> None:
+        """A chained relay stays in the chain. The master probes every relay of its chain each
+        heartbeat and cuts out one that does not answer twice (a dead process -- or a host whose
+        link was down for a while, its relay alive). When the master's probes have stopped
+        reaching this relay, it asks the master for its chain and registers again if it is not
+        in it: it rejoins the end of the chain and is caught up. (Nothing is asked while the
+        probes arrive; the master it asks is the current one, after a promotion too.)"""
+        quiet_s = max(4 * self.heartbeat_s, 2.0)
+        while not self.stop_event.wait(quiet_s / 2) and not self.master:
+            if time.monotonic() - self.master_seen < quiet_s:
+                continue
+            url = self.master_url
+            try:
+                chain = _http("GET", url + "/chain", None, self.token, timeout=2.0)
+                if self.relay_id in chain.get("chain", ()) or self.master:
+                    continue
+                _http("POST", url + "/register", {
+                    "relay_id": self.relay_id, "control_url": self.control_url,
+                    "data_host": self.host, "data_port": self.data_port}, self.token)
+            except (urllib.error.URLError, OSError, ValueError) as exc:
+                logger.debug("master relay %s not reachable (%s)", url, exc)
+                continue
+            self.master_seen = time.monotonic()
+            self.metrics.recovery("rejoined")
+            logger.warning("the master relay %s had cut this relay out of its chain (its "
+                           "heartbeat did not reach it); registered again", url)
 
     # ------------------------------------------------------------------ HTTP
     async def register(self, request):

@@ -33,6 +33,9 @@ BUCKET = {"lease_id": LEASE_ID, "index": Field("int", required=True, low=0, high
 # POST /release
 RELEASE = {"lease_id": LEASE_ID}
 
+# POST /release_holder: every lease taken from this address (its host went away)
+RELEASE_HOLDER = {"host": Field("str", required=True, max_len=255)}
+
 # POST /set_downstream (the master: the next relay of the chain; none: this is the last)
 SET_DOWNSTREAM = {"relays_after_source": Field("int", low=1, high=100_000), "data_host": HOST,
                   "data_port": PORT}

@@ -10,8 +10,9 @@ receives pushed versions, a ``Forwarder`` that pushes every newer version to its
 relay, and an HTTP control API: ``/pull`` (lease the newest complete version), ``/bucket`` (one
 of its flattened buckets at a time: shared-memory handles for local CPU engines, CUDA IPC for
 local SGLang engines, Mooncake transfer-engine buffers for pullers on other machines when
-started with ``--mooncake-protocol``), ``/release``, ``/latest``, ``/health``, ``/metrics``
-(Prometheus text, relay/metrics.py); the formats are the weight transports of
+started with ``--mooncake-protocol``), ``/release``, ``/release_holder`` (every lease taken
+from a host that is gone), ``/latest``, ``/health``, ``/metrics`` (Prometheus text,
+relay/metrics.py); the formats are the weight transports of
 ``relay/transports``. On the master also ``/register``, ``/report_failure`` and ``/chain``.
 The master hosts the trainer's publish group (outside the trainer's world; a trainer joins it only
 after proving the run token, relay/rendezvous.py), orders the chain, watches every relay's
@@ -52,7 +53,7 @@ from ..weights.transport import resolve_backend
 from .chain import Forwarder, PushRefused, serve_push
 from .master import MasterRelay
 from .metrics import RelayBooks, relay_families
-from .requests import BUCKET, LATEST, PULL, RELEASE, SET_DOWNSTREAM
+from .requests import BUCKET, LATEST, PULL, RELEASE, RELEASE_HOLDER, SET_DOWNSTREAM
 from .store import ShmFull, VersionStore, shm_shortfall, shm_space, size_text
 from .transports import (TRANSPORTS, Exporter, TransportUnavailable, enabled_at_start,
                          make_exporter)
@@ -122,6 +123,7 @@ class PullState:
 
     fmt: str
     params: Any
+    holder: str = ""  # the address the lease was taken from
     outstanding: set = field(default_factory=set)
     applied: set = field(default_factory=set)
     peak: int = 0
@@ -195,6 +197,7 @@ class RelayServer(MasterRelay):
         r.add_post("/pull", self.pull)
         r.add_post("/bucket", self.bucket)
         r.add_post("/release", self.release)
+        r.add_post("/release_holder", self.release_holder)
         r.add_post("/set_downstream", self.set_downstream)
         self._add_master_routes(r)
 
@@ -210,6 +213,8 @@ class RelayServer(MasterRelay):
                              daemon=True).start()
         else:
             threading.Thread(target=self._register_loop, name="laminar-relay-register",
+                             daemon=True).start()
+            threading.Thread(target=self._membership_loop, name="laminar-relay-membership",
                              daemon=True).start()
 
     async def _on_shutdown(self, app) -> None:
@@ -271,6 +276,7 @@ class RelayServer(MasterRelay):
         of this relay (its ports are nobody else's business)."""
         if not bearer_ok(request, self.token):
             return web.json_response({"ok": True})
+        self.master_seen = time.monotonic()  # the master's heartbeat (or the controller)
         return web.json_response({"ok": True, "relay_id": self.relay_id, "master": self.master,
                                   "master_url": self.master_url,
                                   "control_url": self.control_url, "data_host": self.host,
@@ -349,7 +355,7 @@ class RelayServer(MasterRelay):
             expired = [k for k in self.pulls if k not in self.store.leases]
         for stale in expired:
             await asyncio.to_thread(self._forget_lease, stale)
-        self.pulls[lease_id] = PullState(fmt, params)
+        self.pulls[lease_id] = PullState(fmt, params, holder=request.remote or "")
         self.metrics.leased(fmt)
         return web.json_response({"version": sv.version, "lease_id": lease_id, "format": fmt,
                                   "num_buckets": len(sv.ordered()), "nbytes": sv.nbytes})
@@ -418,8 +424,24 @@ class RelayServer(MasterRelay):
                        buckets_served=len(state.applied | state.outstanding))
         return web.json_response(out)
 
+    async def release_holder(self, request):
+        """Release every lease taken from ``host``: the controller found that host gone (its
+        engines lost, no supervisor left to report them), so the pull agent that took them
+        will never release them; without this they would hold their versions' buffers for
+        the lease TTL and, with ``weight_sync.relay_versions`` of them held, keep this relay
+        from taking newer versions (a master relay: from the trainer)."""
+        host = (await read_json(request, RELEASE_HOLDER))["host"]
+        leases = [k for k, state in self.pulls.items() if state.holder == host]
+        for lease_id in leases:
+            await asyncio.to_thread(self._forget_lease, lease_id)
+            self.store.release(lease_id)
+        if leases:
+            logger.warning("released %d leases of %s, whose host is gone", len(leases), host)
+        return web.json_response({"released": len(leases)})
+
     async def set_downstream(self, request):
         body = await read_json(request, SET_DOWNSTREAM)
+        self.master_seen = time.monotonic()
         if body.get("data_port") and not body.get("data_host"):
             raise BadRequest("data_host", "is missing (a downstream is data_host and data_port)")
         if body.get("relays_after_source"):

@@ -89,6 +89,7 @@ class SGLangClient:
         self.max_line_bytes = int(max_line_bytes)
         self._session: Optional[aiohttp.ClientSession] = None  # control and weight calls
         self._stream_session: Optional[aiohttp.ClientSession] = None  # /generate streams
+        self._live_streams: set = set()  # responses of the streams being read now
 
     async def __aenter__(self) -> "SGLangClient":
         return self
@@ -173,10 +174,12 @@ class SGLangClient:
         size up to the limit is read (SGLang puts a whole routing table on one line).
         ``extra``: more GenerateReqInput fields (e.g. ``return_routed_experts``)."""
         body = self._generate_body(input_ids, sampling_params, return_logprob, rid, True, extra)
+        resp = None
         try:
             async with self._streams().post(
                     self.base_url + "/generate", json=body,
                     timeout=aiohttp.ClientTimeout(total=self.generate_timeout_s)) as resp:
+                self._live_streams.add(resp)
                 if resp.status >= 400:
                     raise EngineError("/generate", resp.status, _message(await resp.text()))
                 async for line in self._lines(resp.content):
@@ -200,6 +203,20 @@ class SGLangClient:
                     yield chunk
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise EngineError("/generate", None, f"stream broken at {self.base_url}: {exc!r}") from None
+        finally:
+            self._live_streams.discard(resp)
+
+    def break_streams(self, why: str) -> int:
+        """End every stream being read on this client now: each reader gets an
+        ``EngineError`` saying ``why``; returns how many. For an engine known to be lost (its
+        host silent): streams have no read timeout -- a request may wait long in the engine's
+        queue before its first token -- so a stream from a host that went silent (no FIN, no
+        RST) would otherwise wait forever; closing the session does not wake its reader."""
+        streams = list(self._live_streams)
+        for resp in streams:
+            resp.content.set_exception(aiohttp.ClientConnectionError(why))
+            resp.close()
+        return len(streams)
 
     async def _lines(self, content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
         """The stream's lines (without the newline), framed from raw reads: one pass over the

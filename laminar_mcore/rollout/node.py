@@ -101,8 +101,20 @@ def _run_remote_node(cfg, client, name, logs, procs, log):
     return agent
 
 
+def _refused(exc: BaseException) -> bool:
+    """Whether the controller's host answered that nothing listens (the controller ended),
+    rather than not answering at all (a network that is down, maybe for a while)."""
+    return isinstance(getattr(exc, "reason", exc), ConnectionRefusedError)
+
+
 def _watch(cfg, client, procs, log) -> None:
-    """Until the run is done (or the controller gone): every process of the node must live."""
+    """Until the run is done (or the controller gone): every process of the node must live.
+
+    A controller whose port refuses connections has ended: the node stops after
+    ``cluster.shutdown_grace_s``. One that does not answer at all may be behind a link that is
+    down (this host's or its own): the node keeps its relay and engines for
+    ``cluster.join_timeout_s`` (at least the grace) and goes on serving when the controller
+    answers again -- a network outage does not end a rollout host."""
     unreachable_since = None
     while True:
         for p in procs:
@@ -112,10 +124,19 @@ def _watch(cfg, client, procs, log) -> None:
             if client.health().get("done"):
                 log("the run is done; stopping")
                 return
+            if unreachable_since is not None:
+                log(f"the controller answers again after {time.time() - unreachable_since:.0f} s")
             unreachable_since = None
-        except (urllib.error.URLError, OSError):
+        except (urllib.error.URLError, OSError) as exc:
+            if unreachable_since is None:
+                log(f"the controller does not answer ({exc}); waiting for it")
             unreachable_since = unreachable_since or time.time()
-            if time.time() - unreachable_since > cfg.cluster.shutdown_grace_s:
-                log("the controller is gone; stopping")
+            refused = _refused(exc)
+            patience = cfg.cluster.shutdown_grace_s if refused else max(
+                cfg.cluster.shutdown_grace_s, cfg.cluster.join_timeout_s)
+            if time.time() - unreachable_since > patience:
+                log("the controller is gone; stopping" if refused else
+                    f"the controller has not answered for {patience:.0f} s "
+                    "(cluster.join_timeout_s); stopping")
                 return
         time.sleep(1.0)
