@@ -324,14 +324,20 @@ try:
     store.add_bucket(sv, (0, 0), 2_000_000, [], last_of_stage=True)
 except ShmFull as exc:  # fallocate says ENOSPC: no SIGBUS on a later write
     out["bucket"] = str(exc)
+try:  # the whole version is refused: its other buckets are drained by the receiver
+    store.begin(1, 1, owner="t")
+except ShmFull as exc:
+    out["again"] = str(exc)
+sv = store.begin(2, 1, owner="t")  # the next version is taken
 named = {"w": torch.ones(150_000)}  # 600 kB of the 1 MB
 metas, nbytes = layout(named)
 bucket = store.add_bucket(sv, (0, 1), nbytes, metas, last_of_stage=True)
 write_bucket(bucket.shm.buffer, named, metas)
 store.progress(sv, bucket, nbytes)
 out["complete"] = store.try_complete(sv)
+out["latest"] = store.latest_version
 try:
-    store.begin(2, 1, owner="t")
+    store.begin(3, 1, owner="t")
 except ShmFull as exc:  # a second version cannot fit beside the first
     out["version"] = str(exc)
 store.close()
@@ -342,7 +348,8 @@ print(json.dumps(out))
 def test_in_a_small_tmpfs_the_relay_refuses_instead_of_dying_of_sigbus():
     """A real 1 MB tmpfs mounted on /dev/shm in a private mount namespace: the relay refuses to
     start for 2 versions of 600 kB, a bucket larger than the free space is refused when it is
-    allocated (not with SIGBUS when written), and a second version that cannot fit beside the
+    allocated (not with SIGBUS when written), with its whole version (the next is taken), and
+    a second version that cannot fit beside the
     first is refused at its ``begin``; each message names the mount to enlarge."""
     import subprocess
     import sys
@@ -357,9 +364,10 @@ def test_in_a_small_tmpfs_the_relay_refuses_instead_of_dying_of_sigbus():
          _SMALL_SHM], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["complete"] is True
+    assert out["complete"] is True and out["latest"] == 2
+    assert out["again"] == out["bucket"] and out["bucket"].startswith("version 1 refused: ")
     for key in ("start", "bucket", "version"):
         assert "/dev/shm has" in out[key] and "MB free of 1.05 MB" in out[key], out
         assert "mount -o remount,size=2M /dev/shm" in out[key] and "cluster.shm_gb" in out[key]
     assert "weight_sync.relay_versions=2 versions" in out["start"]
-    assert "a weight bucket needs" in out["bucket"] and "version 2 needs" in out["version"]
+    assert "a weight bucket needs" in out["bucket"] and "version 3 needs" in out["version"]

@@ -353,13 +353,16 @@ def receive_publishes(channel, store: VersionStore, stop: threading.Event,
             except VersionError:
                 sv = None  # an old version (or one sent again after a relay failover): drain it
             if sv is None:
-                sink = torch.empty(min(nbytes, chunk), dtype=torch.uint8)
-                for start in range(0, nbytes, chunk):
-                    channel.recv_into(sink[:min(chunk, nbytes - start)])
+                _drain(channel, nbytes, chunk)
                 continue
-            bucket = store.add_bucket(sv, (stage, int(header["index"])), nbytes,
-                                      metas_from_dicts(header["metas"]),
-                                      bool(header["last_of_stage"]))
+            try:
+                bucket = store.add_bucket(sv, (stage, int(header["index"])), nbytes,
+                                          metas_from_dicts(header["metas"]),
+                                          bool(header["last_of_stage"]))
+            except VersionError:  # no room for it in /dev/shm: the version is refused, drain
+                sv = None
+                _drain(channel, nbytes, chunk)
+                continue
             for start in range(0, nbytes, chunk):
                 end = min(nbytes, start + chunk)
                 channel.recv_into(bucket.shm.buffer[start:end])
@@ -371,3 +374,10 @@ def receive_publishes(channel, store: VersionStore, stop: threading.Event,
         if sv is not None and not sv.complete:
             store.fail(sv, "the trainer's publish stream broke")
         raise
+
+
+def _drain(channel, nbytes: int, chunk: int) -> None:
+    """Read and drop a bucket of ``nbytes`` the store will not keep."""
+    sink = torch.empty(min(nbytes, chunk), dtype=torch.uint8)
+    for start in range(0, nbytes, chunk):
+        channel.recv_into(sink[:min(chunk, nbytes - start)])

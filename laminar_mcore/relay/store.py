@@ -170,7 +170,8 @@ class VersionStore:
         one call per trainer stage; another owner is refused while it is being received).
         With ``max_versions`` held, waits up to ``wait_s`` (default ``full_wait_s``) for one
         to be let go, then raises ``StoreFull``; ``ShmFull`` when /dev/shm has no room."""
-        deadline = time.monotonic() + (self.full_wait_s if wait_s is None else wait_s)
+        wait_s = self.full_wait_s if wait_s is None else wait_s
+        deadline = time.monotonic() + wait_s
         with self.cond:
             while True:
                 if version <= self.latest_version:
@@ -194,7 +195,7 @@ class VersionStore:
                         f"version {version} refused: weight_sync.relay_versions="
                         f"{self.max_versions} versions hold this relay's buffers ("
                         f"{self._holders()}) and no lease or pin ended within "
-                        f"{self.full_wait_s:g} s; a newer version will be taken (raise "
+                        f"{wait_s:g} s; a newer version will be taken (raise "
                         "weight_sync.relay_versions, with its host memory, to let slow pulls "
                         "hold on without delaying versions)"))
                 # woken by a release, an unpin or a completion; at least every second, so a
@@ -238,7 +239,21 @@ class VersionStore:
                 self._trim_pool(nbytes)
         if shm is None:  # outside the lock: allocating touches every page
             shm = ShmBucket(nbytes, prefix="laminar-relay")
-            _reserve(shm)
+            try:
+                _reserve(shm)
+            except ShmFull as exc:
+                # the whole version is refused, as at ``begin``: its other buckets are drained
+                # by the receiver, and its buffers go back for the next one
+                refused = ShmFull(f"version {sv.version} refused: {exc}")
+                with self.cond:
+                    self._refused[(sv.version, sv.owner)] = refused
+                    if not sv.complete:
+                        self.versions_failed += sv.failed is None
+                        sv.failed = str(refused)
+                        self._drop(sv)
+                    self.cond.notify_all()
+                logger.error("%s", refused)
+                raise refused from None
         with self.cond:
             if key in sv.buckets:
                 self._pool.setdefault(nbytes, []).append(shm)
