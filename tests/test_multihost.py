@@ -8,7 +8,6 @@ as `rollout.host=$(hostname -i)` would on a real node); two torchrun trainer nod
 cannot be made (not root)."""
 
 import json
-import os
 import sys
 
 import pytest
@@ -40,10 +39,7 @@ def test_readme_commands_run_as_five_hosts(tmp_path):
                   "trainer.train_batch_prompts=4", "data.num_eval=8", "data.warmup_steps=20",
                   "cluster.shutdown_grace_s=20"] + (
                       ["weight_sync.mooncake_protocol=tcp"] if remote else [])
-        env = dict(os.environ, PYTHONWARNINGS="ignore", LAMINAR_RUN_TOKEN=TOKEN,
-                   OMP_NUM_THREADS="1")
-        for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(key, None)
+        env = hosts.role_env(TOKEN)
         launch = [sys.executable, "-m", "laminar_mcore.launch"]
         logs = {n: str(tmp_path / f"{n}.log") for n in names}
         procs = [hosts.start("controller", launch + ["job=controller", *common],
@@ -155,10 +151,7 @@ def test_a_trainer_host_that_goes_away_stops_the_whole_run_naming_it(tmp_path):
                   "trainer.total_steps=200", f"trainer.collective_timeout_s={timeout_s}",
                   "trainer.train_batch_prompts=4", "data.num_eval=8", "data.warmup_steps=20",
                   "cluster.shutdown_grace_s=10"]
-        env = dict(os.environ, PYTHONWARNINGS="ignore", LAMINAR_RUN_TOKEN=TOKEN,
-                   OMP_NUM_THREADS="1")
-        for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(key, None)
+        env = hosts.role_env(TOKEN)
         launch = [sys.executable, "-m", "laminar_mcore.launch"]
         logs = {n: str(tmp_path / f"{n}.log") for n in names}
         procs = {n: hosts.start(n, launch + [job, *common], logs[n], env, cwd=str(tmp_path))

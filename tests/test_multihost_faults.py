@@ -79,10 +79,7 @@ class Cluster:
                        "rollout.num_engines=1", "trainer.total_steps=100000",
                        "trainer.train_batch_prompts=4", "trainer.eval_interval=0",
                        "data.num_eval=8", "data.warmup_steps=20", *extra]
-        self.env = dict(os.environ, PYTHONWARNINGS="ignore", LAMINAR_RUN_TOKEN=TOKEN,
-                        OMP_NUM_THREADS="1")
-        for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT"):
-            self.env.pop(key, None)
+        self.env = hosts.role_env(TOKEN)
         self.logs = {n: str(tmp_path / f"{run}-{n}.log") for n in NAMES}
         self.procs = {}
         self.gone: set = set()  # hosts whose processes were killed

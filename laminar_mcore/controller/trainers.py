@@ -1,11 +1,11 @@
-"""The controller watches the trainer ranks of a multi-node run, so a trainer node that dies
+"""The controller watches the trainer nodes of a multi-node run, so a trainer node that dies
 stops the whole run instead of leaving every other role waiting.
 
 Local rank 0 of every trainer node (``job=trainer``) reports ``POST /trainer_alive`` every
-couple of seconds: its global rank, torchrun's node index (``GROUP_RANK``), its host name. A node
-that has reported and then falls silent for half of ``trainer.collective_timeout_s`` is taken
-for dead (its host gone, its link cut, or the process hung): the controller stops the run with a message naming
-the node, and says so to the surviving ranks in its answer to their next report (they stop
+couple of seconds: its global rank, torchrun's node index (``GROUP_RANK``), its host name. A
+node that has reported and then falls silent for half of ``trainer.collective_timeout_s`` is
+taken for dead (its host gone, its link cut, or the process hung): the controller stops the
+run with a message naming the node, and says so to the surviving ranks in its answer to their next report (they stop
 their torchrun agents, trainer/watch.py). Half the time-out: the run stops before the
 survivors' own collectives would time out, and a torchrun restart of the world (a crashed
 rank: every rank restarts and its node reports again within seconds) is far inside it.

@@ -191,13 +191,17 @@ class MasterRelay:
                     misses.pop(relay["relay_id"], None)
                     self._remove(relay["relay_id"])
 
+    def _register_with(self, url: str) -> None:
+        """Join the chain of the master relay at ``url`` (at its end)."""
+        _http("POST", url + "/register", {
+            "relay_id": self.relay_id, "control_url": self.control_url,
+            "data_host": self.host, "data_port": self.data_port}, self.token)
+
     def _register_loop(self) -> None:
-        body = {"relay_id": self.relay_id, "control_url": self.control_url,
-                "data_host": self.host, "data_port": self.data_port}
         url = self.master_url
         while not self.stop_event.is_set() and not self.master and url == self.master_url:
             try:
-                _http("POST", url + "/register", body, self.token)
+                self._register_with(url)
                 logger.info("registered with the master relay %s", url)
                 return
             except (urllib.error.URLError, OSError) as exc:
@@ -220,9 +224,7 @@ class MasterRelay:
                 chain = _http("GET", url + "/chain", None, self.token, timeout=2.0)
                 if self.relay_id in chain.get("chain", ()) or self.master:
                     continue
-                _http("POST", url + "/register", {
-                    "relay_id": self.relay_id, "control_url": self.control_url,
-                    "data_host": self.host, "data_port": self.data_port}, self.token)
+                self._register_with(url)
             except (urllib.error.URLError, OSError, ValueError) as exc:
                 logger.debug("master relay %s not reachable (%s)", url, exc)
                 continue

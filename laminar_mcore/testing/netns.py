@@ -187,6 +187,17 @@ class Hosts:
         self.procs.append(proc)
         return proc
 
+    @staticmethod
+    def role_env(token: str) -> dict:
+        """The environment for a role started on these hosts: this process's, with the run
+        token and one OpenMP thread, without the machine's own choices of gloo/NCCL interface
+        or torchrun rendezvous (each host decides those for itself)."""
+        env = dict(os.environ, PYTHONWARNINGS="ignore", LAMINAR_RUN_TOKEN=token,
+                   OMP_NUM_THREADS="1")
+        for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(key, None)
+        return env
+
     def run(self, name: str, args: List[str], timeout: float = 30) -> subprocess.CompletedProcess:
         """A short command on host ``name`` (its network namespace), output captured."""
         return subprocess.run(["ip", "netns", "exec", self.hosts[name][0], *args],
