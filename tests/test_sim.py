@@ -240,3 +240,60 @@ def test_a_bug_that_fails_every_trajectory_stops_the_run_instead_of_spinning(cap
     assert len(stops) == 1 and "GenerateReqInput extras" in stops[0].getMessage()
     assert sum("the trajectory is discarded" in r.getMessage() for r in caplog.records) == 3
     assert RolloutManager.MAX_INTERNAL_ERRORS_IN_A_ROW == 64
+
+
+def test_weight_sync_with_deltas_follows_the_documented_pipeline_formula():
+    """costs.relay_sync_seconds for the 1T MoE (Kimi-K2's shape) on 64 relays, against the
+    formula of docs/simulator.md computed here from its parts: the slowest of encode, publish,
+    the chain's throughput and rebuild, plus one bucket's latency and the chain's fill."""
+    import math
+
+    from laminar_mcore.sim.costs import (DELTA, MOE_MODELS, relay_sync_seconds,
+                                         relay_sync_stages)
+    from laminar_mcore.sim.report import weight_sync_figures
+
+    params, relays, pp, bucket = 1.04e12, 64, 16, 512 * 2**20
+    full_bytes = params * 2  # bf16
+    pub, t_byte, t_start = LINKS["publish_bytes_s"], 1 / LINKS["chain_bytes_s"], \
+        LINKS["chain_start_s"]
+
+    def reference(ratio, encode=math.inf, apply=math.inf):
+        wire = full_bytes / ratio
+        p = relays  # the master plus 63 chained relays
+        k = max(1, round(math.sqrt((p - 2) * wire * t_byte / t_start)))
+        chunk = wire / k * t_byte + t_start
+        slowest = max(full_bytes / pp / encode, wire / pub, k * chunk, full_bytes / apply)
+        return slowest + bucket / encode + bucket / ratio / pub + bucket / apply + (p - 2) * chunk
+
+    # whole: 2.08 TB over the 103 GB/s publish link, the chain behind it (its fill), one bucket
+    full = relay_sync_seconds(params, relays, False, pp=pp)
+    assert full == pytest.approx(reference(1.0), rel=1e-9)
+    assert full == pytest.approx(full_bytes / pub, rel=0.06)  # publish-bound: ~20.2 s + fill
+    # with deltas at DELTA's figures: the same formula with encode and rebuild in it
+    default = relay_sync_seconds(params, relays, True, pp=pp)
+    assert default == pytest.approx(reference(DELTA["bytes_ratio"], DELTA["encode_bytes_s"],
+                                              DELTA["apply_bytes_s"]), rel=1e-9)
+    # where encode and rebuild keep up, the wire bytes decide: a delta beats the whole
+    # version and its time falls with the ratio (publish time exactly as 1 / ratio)
+    fast = {"encode_bytes_s": 1e15, "apply_bytes_s": 1e15}
+    times = {r: relay_sync_seconds(params, relays, True, pp=pp, bytes_ratio=r, **fast)
+             for r in (25.0, 50.0, 100.0)}
+    for r, t in times.items():
+        assert t == pytest.approx(reference(r, 1e15, 1e15), rel=1e-9)
+    assert times[100.0] < times[50.0] < times[25.0] < full
+    # 4x fewer bytes: 3x less time (the chain's per-chunk start costs do not shrink)
+    assert times[25.0] / times[100.0] > 2.5
+    wire = [relay_sync_stages(params, relays, True, pp=pp, bytes_ratio=r, **fast)
+            for r in (25.0, 100.0)]
+    assert wire[0]["publish_s"] == pytest.approx(4 * wire[1]["publish_s"], rel=1e-12)
+    # rebuild throughput bounds it: the relays rebuild every full byte
+    slow = relay_sync_seconds(params, relays, True, pp=pp, apply_bytes_s=1e9, encode_bytes_s=1e15)
+    assert slow >= full_bytes / 1e9
+    # the report's flat keys, from the same function
+    figures = weight_sync_figures()
+    m = MOE_MODELS["1t"]
+    assert (m["params"], m["relays"], m["trainer_pp"]) == (params, relays, pp)
+    assert figures["sync_s_1t_full"] == round(full, 3)
+    assert figures["sync_s_1t"] == round(default, 3)
+    assert figures["delta_bytes_ratio_assumed"] == DELTA["bytes_ratio"]
+    assert {"sync_s_235b", "sync_s_235b_full"} <= set(figures)

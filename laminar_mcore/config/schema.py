@@ -244,6 +244,14 @@ class WeightSyncConfig:
     # (the final weights go out at the end), so every trajectory is at least publish_lag
     # versions stale. 0: every version is published as it is made.
     publish_lag: int = 0
+    # Delta publication (weights/delta.py): auto (on when the weights travel in a 16-bit
+    # dtype: at RL learning rates most bf16 weights do not change from one step to the next),
+    # on, off. A bucket then goes as the positions and bits of its changed elements, zstd-
+    # compressed, when that is at most half its size; every relay rebuilds it from the version
+    # it holds and checks its SHA-256, and fetches it whole when it cannot.
+    delta: str = "auto"
+    # Every anchor_interval-th version travels whole (1: every version).
+    anchor_interval: int = 16
 
 
 @dataclass

@@ -186,6 +186,7 @@ def validate_config(cfg: DictConfig) -> None:
         problems.append(f"weight_sync.publish_backend={cfg.weight_sync.publish_backend!r} must be "
                         "auto, gloo or nccl")
     _check_publish_lag(cfg, problems)
+    _check_delta(cfg, problems)
     rd = cfg.weight_sync.relay_device
     if not (rd in ("auto", "cpu") or (rd.startswith("cuda:") and rd[5:].isdigit())):
         problems.append(f"weight_sync.relay_device={rd!r} must be auto, cpu or cuda:N")
@@ -273,6 +274,20 @@ def _check_against_schema(cfg: DictConfig) -> None:
         key = getattr(exc, "full_key", None) or "?"
         raise ConfigError(f"invalid configuration: key '{key}': {exc.msg if hasattr(exc, 'msg') else exc}; "
                           "remove it or fix its name/type (see laminar_mcore/config/schema.py)") from None
+
+
+def _check_delta(cfg: DictConfig, problems: List[str]) -> None:
+    """``weight_sync.delta`` / ``anchor_interval`` (weights/delta.py)."""
+    from ..weights.delta import MODES as DELTA_MODES
+
+    ws = cfg.weight_sync
+    if ws.delta not in DELTA_MODES:
+        problems.append(f"weight_sync.delta={ws.delta!r} is not one of "
+                        f"{', '.join(DELTA_MODES)} (auto: deltas when the weights travel in a "
+                        "16-bit dtype)")
+    if ws.anchor_interval < 1:
+        problems.append(f"weight_sync.anchor_interval={ws.anchor_interval} must be >= 1 (a "
+                        "whole version every that many versions; 1: every version whole)")
 
 
 def _check_publish_lag(cfg: DictConfig, problems: List[str]) -> None:

@@ -101,9 +101,15 @@ class PushRefused(ConnectionError):
 
 
 # ---------------------------------------------------------------------- receiving (TCP)
-def serve_push(conn: socket.socket, store: VersionStore, owner: str, token: str) -> Optional[int]:
+def serve_push(conn: socket.socket, store: VersionStore, owner: str, token: str,
+               on_bucket: Optional[Callable[[str, int, int], None]] = None) -> Optional[int]:
     """Receive one pushed version on ``conn`` into ``store``; returns the version if completed.
-    Raises ``PushRefused`` (after telling the peer) when the push does not prove the token."""
+    Raises ``PushRefused`` (after telling the peer) when the push does not prove the token.
+    The accept names this relay's newest version, so the pusher sends a bucket that arrived
+    as a delta against exactly that version as the delta (rebuilt here, digest checked);
+    buckets that do not rebuild are named at ``end`` and pushed again whole.
+    ``on_bucket(outcome, full_bytes, wire_bytes)`` counts them (full, delta, fallback)."""
+    note = on_bucket or (lambda outcome, full, got: None)
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     nonce = secrets.token_hex(16)
     send_frame(conn, {"type": "challenge", "nonce": nonce})
@@ -124,16 +130,35 @@ def serve_push(conn: socket.socket, store: VersionStore, owner: str, token: str)
         send_frame(conn, {"accept": False, "busy": isinstance(exc, BusyError),
                           "have": store.latest_version, "reason": str(exc)})
         return None
-    send_frame(conn, {"accept": True})
+    send_frame(conn, {"accept": True, "have": store.latest_version})
     try:
         buckets: Dict[Tuple[int, int], StoredBucket] = {}
+        need = []
         while True:
             frame = recv_frame(conn)
             kind = frame.get("type")
             if kind == "bucket":
                 key = tuple(frame["key"])
-                buckets[key] = store.add_bucket(sv, key, int(frame["nbytes"]), metas_from_dicts(frame["metas"]),
-                                                bool(frame["last_of_stage"]))
+                nbytes = int(frame["nbytes"])
+                if frame.get("resend") and key in buckets:
+                    continue  # its chunks follow
+                delta = None
+                if frame.get("encoding") == "delta":
+                    length = int(frame["length"])
+                    if not 0 < length <= nbytes * 5 + 64:
+                        raise ConnectionError("a delta of implausible length")
+                    delta = _recv_exact(conn, length)
+                buckets[key] = store.add_bucket(
+                    sv, key, nbytes, metas_from_dicts(frame["metas"]),
+                    bool(frame["last_of_stage"]), digest=frame.get("digest"), delta=delta,
+                    base_version=frame.get("base_version") if delta is not None else None)
+                if delta is None:
+                    note("full", nbytes, nbytes)
+                elif store.rebuild(sv, buckets[key]):
+                    note("delta", nbytes, len(delta))
+                else:
+                    need.append(list(key))
+                    note("fallback", nbytes, len(delta))
             elif kind == "chunk":
                 bucket = buckets[tuple(frame["key"])]
                 start, length = int(frame["offset"]), int(frame["length"])
@@ -143,6 +168,10 @@ def serve_push(conn: socket.socket, store: VersionStore, owner: str, token: str)
                 store.progress(sv, bucket, start + length)
             elif kind == "end":
                 done = store.try_complete(sv)
+                if not done and need:
+                    send_frame(conn, {"complete": False, "need": need})
+                    need = []
+                    continue
                 send_frame(conn, {"complete": done})
                 if not done:
                     raise ConnectionError(f"version {version} ended incomplete")
@@ -164,10 +193,16 @@ class ReceiverBusy(Exception):
 
 
 def push_version(sock: socket.socket, store: VersionStore, sv: StoredVersion, chunk_bytes: int,
-                 should_abort: Callable[[], bool], token: str) -> bool:
+                 should_abort: Callable[[], bool], token: str,
+                 stats: Optional[dict] = None) -> bool:
     """Stream ``sv`` (complete or still arriving) to the relay at the other end of ``sock``.
-    Returns False when the receiver already has it or something newer; raises
-    ``ReceiverBusy`` when it is receiving this version from another relay right now."""
+    A bucket that arrived here as a delta against the receiver's newest version goes as that
+    delta; every other bucket whole, chunk by chunk as it arrives. Returns False when the
+    receiver already has it or something newer; raises ``ReceiverBusy`` when it is
+    receiving this version from another relay right now. ``stats["wire_bytes"]``: the
+    bytes sent."""
+    stats = stats if stats is not None else {}
+    stats["wire_bytes"] = 0
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     challenge = recv_frame(sock)
     if challenge.get("type") != "challenge" or not isinstance(challenge.get("nonce"), str):
@@ -181,6 +216,7 @@ def push_version(sock: socket.socket, store: VersionStore, sv: StoredVersion, ch
         if reply.get("busy"):
             raise ReceiverBusy(reply.get("reason"))
         return False
+    have = reply.get("have")
     sent_buckets = 0
     sent_bytes: Dict[Tuple[int, int], int] = {}
     while True:
@@ -195,10 +231,19 @@ def push_version(sock: socket.socket, store: VersionStore, sv: StoredVersion, ch
             finished = _all_sent(sv, sent_bytes)
         for key in new_keys:
             b = sv.buckets[key]
-            send_frame(sock, {"type": "bucket", "key": list(key), "nbytes": b.nbytes,
-                              "metas": [m.to_dict() for m in b.metas], "last_of_stage": b.last_of_stage})
+            frame = {"type": "bucket", "key": list(key), "nbytes": b.nbytes,
+                     "metas": [m.to_dict() for m in b.metas], "last_of_stage": b.last_of_stage,
+                     "digest": b.digest}
             sent_buckets += 1
             sent_bytes[key] = 0
+            if b.delta is not None and b.digest and b.base_version == have:
+                frame.update(encoding="delta", base_version=b.base_version, length=len(b.delta))
+                send_frame(sock, frame, b.delta)
+                stats["wire_bytes"] += len(b.delta)
+                sent_bytes[key] = b.nbytes  # nothing more to send for it
+                ready = [(k, r) for k, r in ready if k != key]
+                continue
+            send_frame(sock, frame)
         for key, received in ready:
             start = sent_bytes.get(key, 0)
             view = memoryview(_np_view(sv.buckets[key]))
@@ -206,11 +251,41 @@ def push_version(sock: socket.socket, store: VersionStore, sv: StoredVersion, ch
                 length = min(chunk_bytes, received - start)
                 send_frame(sock, {"type": "chunk", "key": list(key), "offset": start, "length": length},
                            view[start:start + length])
+                stats["wire_bytes"] += length
                 start += length
-            sent_bytes[key] = start
+            sent_bytes[key] = max(start, sent_bytes[key])
         if finished:
-            send_frame(sock, {"type": "end"})
-            return bool(recv_frame(sock).get("complete"))
+            for _round in range(2):
+                send_frame(sock, {"type": "end"})
+                answer = recv_frame(sock)
+                if not answer.get("need"):
+                    break
+                for key in answer["need"]:  # deltas that did not rebuild there: whole
+                    _push_whole(sock, store, sv, tuple(key), chunk_bytes, should_abort, stats)
+            return bool(answer.get("complete"))
+
+
+def _push_whole(sock: socket.socket, store: VersionStore, sv: StoredVersion, key, chunk_bytes: int,
+                should_abort: Callable[[], bool], stats: dict) -> None:
+    """Send bucket ``key`` of ``sv`` whole, once it is whole here (it may be rebuilding)."""
+    bucket = sv.buckets.get(key)
+    if bucket is None:
+        raise ConnectionError(f"the downstream relay asked for bucket {key}, which "
+                              f"version {sv.version} does not have")
+    with store.cond:
+        store.cond.wait_for(lambda: sv.failed or should_abort() or bucket.received >= bucket.nbytes)
+        if sv.failed or should_abort():
+            raise PushAborted(sv.failed or "downstream changed")
+    send_frame(sock, {"type": "bucket", "key": list(key), "nbytes": bucket.nbytes,
+                      "metas": [m.to_dict() for m in bucket.metas],
+                      "last_of_stage": bucket.last_of_stage, "digest": bucket.digest,
+                      "resend": True})
+    view = memoryview(_np_view(bucket))
+    for start in range(0, bucket.nbytes, chunk_bytes):
+        length = min(chunk_bytes, bucket.nbytes - start)
+        send_frame(sock, {"type": "chunk", "key": list(key), "offset": start, "length": length},
+                   view[start:start + length])
+        stats["wire_bytes"] += length
 
 
 def _all_sent(sv: StoredVersion, sent_bytes) -> bool:
@@ -231,7 +306,7 @@ class Forwarder:
         self.chain_chunks = chain_chunks  # a fixed k instead of k*
         self.relays_after_source = 1  # set by the master with the chain
         self.on_failure = on_failure
-        self.on_pushed = on_pushed  # (bytes, seconds) of each version pushed whole
+        self.on_pushed = on_pushed  # (bytes sent, seconds) of each version pushed
         self.downstream: Optional[Tuple[str, int]] = None
         self.pushed: Dict[Tuple[str, int], int] = {}
         self.stats: Dict[str, float] = {}
@@ -308,13 +383,14 @@ class Forwarder:
                         self._sock = sock
                     if abort():  # the downstream changed while connecting
                         raise PushAborted("downstream changed")
+                    sent: dict = {}
                     complete = push_version(sock, self.store, sv, self.chunk_for(sv), abort,
-                                            self.token)
+                                            self.token, sent)
                 if complete:
                     self.stats = {"version": sv.version, "seconds": time.perf_counter() - start,
-                                  "bytes": sv.nbytes}
+                                  "bytes": sv.nbytes, "wire_bytes": sent["wire_bytes"]}
                     if self.on_pushed is not None:
-                        self.on_pushed(sv.nbytes, self.stats["seconds"])
+                        self.on_pushed(sent["wire_bytes"], self.stats["seconds"])
                 self.pushed[target] = max(self.pushed.get(target, -1), sv.version)
             except PushAborted:
                 continue
@@ -335,45 +411,100 @@ class Forwarder:
 
 # ---------------------------------------------------------------------- trainer -> master relay
 def receive_publishes(channel, store: VersionStore, stop: threading.Event,
-                      on_version: Callable[[int], None]) -> None:
-    """Master relay: receive buckets from one trainer stage lead over its publish ``channel``
-    (a ``weights.transport.Channel``) until the trainer closes it or ``stop``. If the stream
-    breaks (the trainer died mid-publish), the version it was sending is failed: a pull never
-    sees part of it, and the restarted trainer sends a newer one whole."""
+                      on_version: Callable[[int], None],
+                      on_bucket: Optional[Callable[[str, int, int], None]] = None) -> None:
+    """Master relay: receive versions from one trainer stage lead over its publish ``channel``
+    (a ``weights.transport.Channel``) until the trainer closes it or ``stop``.
+
+    Per version: the lead's ``version`` frame names the base its deltas would be against and
+    this relay answers whether it takes the version (``store.begin``) and holds that base;
+    then buckets, whole (chunks) or as deltas (rebuilt here against the base, SHA-256
+    checked); at ``end`` this relay names the buckets it could not rebuild and the lead sends
+    them again whole. ``on_bucket(outcome, full_bytes, received_bytes)`` counts them (outcome
+    full, delta or fallback). If the stream breaks (the trainer died mid-publish) the version
+    it was sending is failed: a pull never sees part of it, and the restarted trainer sends a
+    newer one whole."""
     sv = None
+    need = []
+    note = on_bucket or (lambda outcome, full, got: None)
     try:
         while not stop.is_set():
             header = channel.recv_header()
-            if header.get("type") == "close":
+            kind = header.get("type")
+            if kind == "close":
                 return
-            version, stage = int(header["version"]), int(header["stage"])
-            nbytes, chunk = int(header["nbytes"]), int(header["chunk_bytes"])
-            try:
-                sv = store.begin(version, int(header["num_stages"]), owner="trainer")
-            except VersionError:
-                sv = None  # an old version (or one sent again after a relay failover): drain it
-            if sv is None:
-                _drain(channel, nbytes, chunk)
+            if kind == "version":
+                sv, need = None, []
+                try:
+                    sv = store.begin(int(header["version"]), int(header["num_stages"]),
+                                     owner="trainer")
+                except VersionError as exc:
+                    channel.send_header({"accept": False, "reason": str(exc)})
+                    continue
+                base = header.get("base")
+                channel.send_header({"accept": True, "base_ok": base is not None and store.holds(
+                    int(base), int(header["stage"]))})
                 continue
-            try:
-                bucket = store.add_bucket(sv, (stage, int(header["index"])), nbytes,
-                                          metas_from_dicts(header["metas"]),
-                                          bool(header["last_of_stage"]))
-            except VersionError:  # no room for it in /dev/shm: the version is refused, drain
-                sv = None
-                _drain(channel, nbytes, chunk)
+            if kind == "end":
+                channel.send_header({"need": need})
+                need = []
+                if sv is not None and store.try_complete(sv):
+                    on_version(sv.version)
+                    sv = None
                 continue
-            for start in range(0, nbytes, chunk):
-                end = min(nbytes, start + chunk)
-                channel.recv_into(bucket.shm.buffer[start:end])
-                store.progress(sv, bucket, end)
-            if store.try_complete(sv):
-                on_version(version)
+            if kind != "bucket":
+                raise ConnectionError(f"unknown publish frame {kind!r}")
+            sv = _receive_bucket(channel, store, sv, header, need, note)
+            if sv is not None and store.try_complete(sv):
+                on_version(sv.version)
                 sv = None
     except BaseException:
         if sv is not None and not sv.complete:
             store.fail(sv, "the trainer's publish stream broke")
         raise
+
+
+def _receive_bucket(channel, store: VersionStore, sv: Optional[StoredVersion], header: dict,
+                    need: list, note) -> Optional[StoredVersion]:
+    """One bucket of the version being received (drained when the version was refused or
+    failed); returns the version, or None once it is refused."""
+    nbytes, chunk = int(header["nbytes"]), int(header["chunk_bytes"])
+    payload_bytes = int(header.get("payload_bytes", nbytes))
+    delta = header.get("encoding") == "delta"
+    key = (int(header["stage"]), int(header["index"]))
+    if sv is None or sv.failed or int(header["version"]) != sv.version:
+        _drain(channel, payload_bytes, chunk)
+        return None if sv is None or sv.failed else sv
+    payload = None
+    if delta:  # the delta first, then a buffer for the rebuilt bucket
+        raw = torch.empty(payload_bytes, dtype=torch.uint8)
+        for start in range(0, payload_bytes, chunk):  # in the sender's chunks
+            channel.recv_into(raw[start:min(payload_bytes, start + chunk)])
+        payload = raw.numpy().tobytes()
+    try:
+        if header.get("resend") and key in sv.buckets:
+            bucket = sv.buckets[key]
+        else:
+            bucket = store.add_bucket(sv, key, nbytes, metas_from_dicts(header["metas"]),
+                                      bool(header["last_of_stage"]), digest=header.get("digest"),
+                                      delta=payload, base_version=header.get("base_version"))
+    except VersionError:  # no room for it in /dev/shm: the version is refused, drain
+        if not delta:
+            _drain(channel, nbytes, chunk)
+        return None
+    if delta:
+        if store.rebuild(sv, bucket):
+            note("delta", nbytes, payload_bytes)
+        else:
+            need.append(key[1])
+            note("fallback", nbytes, payload_bytes)
+        return sv
+    for start in range(0, nbytes, chunk):
+        end = min(nbytes, start + chunk)
+        channel.recv_into(bucket.shm.buffer[start:end])
+        store.progress(sv, bucket, end)
+    note("full", nbytes, nbytes)
+    return sv
 
 
 def _drain(channel, nbytes: int, chunk: int) -> None:

@@ -113,7 +113,8 @@ class MasterRelay:
                               device=torch.device(self.relay_device)
                               if self.publish_backend == "nccl" else None)
             receive_publishes(channel, self.store, self.stop_event,
-                              lambda v: logger.info("version %d complete", v))
+                              lambda v: logger.info("version %d complete", v),
+                              on_bucket=self.metrics.bucket)
         except Exception as exc:  # noqa: BLE001 - the trainer went away
             if not self.stop_event.is_set():
                 logger.warning("publish stream from stage %d (session %d) ended: %s", stage,

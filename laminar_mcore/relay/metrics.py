@@ -24,6 +24,7 @@ from .store import StoredVersion
 FAULTS = ("downstream_failed", "failure_reported", "relay_lost")  # + the store's version_failed
 RECOVERIES = ("rechained", "promoted", "master_changed")
 REBUILD_REASONS = ("register", "failure", "promotion")
+BUCKET_OUTCOMES = ("full", "delta", "fallback")
 
 
 class RelayBooks:
@@ -46,6 +47,10 @@ class RelayBooks:
         self.rebuilds: Dict[str, int] = dict.fromkeys(REBUILD_REASONS, 0)
         self.faults: Dict[str, int] = dict.fromkeys(FAULTS, 0)
         self.recoveries: Dict[str, int] = dict.fromkeys(RECOVERIES, 0)
+        # buckets received, by how: whole, as a delta rebuilt here, or a delta that did not
+        # rebuild (fetched whole again); and the bytes that crossed the wire for them
+        self.buckets: Dict[str, int] = dict.fromkeys(BUCKET_OUTCOMES, 0)
+        self.wire_bytes = 0
 
     def completed(self, sv: StoredVersion) -> None:
         """``sv`` became this relay's newest version (a store listener, under the store's lock)."""
@@ -60,6 +65,13 @@ class RelayBooks:
             self.forwarded += 1
             self.forwarded_bytes += nbytes
             self.forward_seconds.observe(seconds)
+
+    def bucket(self, outcome: str, full_bytes: int, wire_bytes: int) -> None:
+        """A bucket received (from the trainer or upstream): ``outcome`` full, delta or
+        fallback; ``wire_bytes`` what crossed the wire for it."""
+        with self._lock:
+            self.buckets[outcome] = self.buckets.get(outcome, 0) + 1
+            self.wire_bytes += wire_bytes
 
     def _bump(self, table: Dict[str, int], key: str) -> None:
         with self._lock:
@@ -94,6 +106,7 @@ class RelayBooks:
             rebuilds = dict(self.rebuilds)
             faults = dict(self.faults, version_failed=versions_failed)
             recoveries = dict(self.recoveries)
+            buckets, wire_bytes = dict(self.buckets), self.wire_bytes
             p = "laminar_relay_"
             hist = {
                 "publish": self.seconds["trainer"].family(
@@ -117,7 +130,12 @@ class RelayBooks:
             counter(p + "received_bytes", "Bytes of the versions received from upstream",
                     nbytes["upstream"]),
             hist["receive"],
-            counter(p + "versions_forwarded", "Versions pushed whole to the downstream relay",
+            counter(p + "buckets_received", "Buckets received, by how: full (whole), delta "
+                    "(rebuilt here from a delta), fallback (a delta that did not rebuild)",
+                    None, labels=buckets, label="outcome"),
+            counter(p + "wire_bytes", "Bytes received on the wire (a delta counts as sent)",
+                    wire_bytes),
+            counter(p + "versions_forwarded", "Versions pushed to the downstream relay",
                     forwarded),
             counter(p + "forwarded_bytes", "Bytes pushed to the downstream relay",
                     forwarded_bytes),

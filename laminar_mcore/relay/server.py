@@ -264,7 +264,7 @@ class RelayServer(MasterRelay):
             try:
                 # an owner of its own: a refusal of this push is not one of the next
                 serve_push(conn, self.store, owner=f"push-{uuid.uuid4().hex[:12]}",
-                           token=self.token)
+                           token=self.token, on_bucket=self.metrics.bucket)
             except PushRefused as exc:
                 logger.warning("refused a push from %s: %s", peer, exc)
             except Exception as exc:  # noqa: BLE001 - a broken push only fails that version

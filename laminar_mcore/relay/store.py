@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 from ..weights.bucket import SHM_DIR, ShmBucket, TensorMeta
+from ..weights.delta import DeltaError, apply as apply_delta, digest as bucket_digest
 
 BucketKey = Tuple[int, int]
 logger = logging.getLogger(__name__)
@@ -108,6 +109,9 @@ class StoredBucket:
     nbytes: int
     received: int = 0
     last_of_stage: bool = False
+    digest: Optional[str] = None  # SHA-256 of the full bytes, from the trainer
+    delta: Optional[bytes] = None  # how it arrived, if as a delta (forwarded as such) ...
+    base_version: Optional[int] = None  # ... against this version
 
 
 @dataclass
@@ -229,7 +233,9 @@ class VersionStore:
         raise exc
 
     def add_bucket(self, sv: StoredVersion, key: BucketKey, nbytes: int,
-                   metas: List[TensorMeta], last_of_stage: bool) -> StoredBucket:
+                   metas: List[TensorMeta], last_of_stage: bool, digest: Optional[str] = None,
+                   delta: Optional[bytes] = None,
+                   base_version: Optional[int] = None) -> StoredBucket:
         with self.cond:
             if key in sv.buckets:
                 raise ValueError(f"bucket {key} of version {sv.version} arrived twice")
@@ -258,11 +264,48 @@ class VersionStore:
             if key in sv.buckets:
                 self._pool.setdefault(nbytes, []).append(shm)
                 raise ValueError(f"bucket {key} of version {sv.version} arrived twice")
-            bucket = StoredBucket(key, shm, metas, nbytes, last_of_stage=last_of_stage)
+            bucket = StoredBucket(key, shm, metas, nbytes, last_of_stage=last_of_stage,
+                                  digest=digest, delta=delta, base_version=base_version)
             sv.buckets[key] = bucket
             sv.order.append(key)
             self.cond.notify_all()
             return bucket
+
+    def holds(self, version: int, stage: int) -> bool:
+        """Whether ``version`` is the newest complete one here and holds ``stage``'s buckets
+        (a delta of the next version can be rebuilt against it)."""
+        with self.cond:
+            return (self.latest is not None and self.latest.version == version
+                    and any(k[0] == stage for k in self.latest.buckets))
+
+    def rebuild(self, sv: StoredVersion, bucket: StoredBucket) -> bool:
+        """Fill ``bucket`` (added with its ``delta``, ``base_version`` and ``digest``) from the
+        same bucket of the base version, which must be the newest complete one here, and mark
+        it received. False -- nothing marked -- when the base is not held, its bucket has
+        another layout, the delta is malformed or the result's digest differs: the caller gets
+        the bucket whole instead."""
+        with self.cond:
+            base = self.latest
+            held = base.buckets.get(bucket.key) if base is not None and \
+                base.version == bucket.base_version else None
+            if held is None or held.nbytes != bucket.nbytes or held.metas != bucket.metas:
+                return False
+            base.leases += 1  # pinned: its buffer is read outside the lock
+        try:
+            bucket.shm.buffer.copy_(held.shm.buffer)
+            apply_delta(bucket.delta, bucket.shm.buffer)
+            ok = bucket.digest is not None and bucket_digest(bucket.shm.buffer) == bucket.digest
+        except DeltaError as exc:
+            logger.warning("bucket %s of version %d: %s", bucket.key, sv.version, exc)
+            ok = False
+        finally:
+            self.unpin(base)
+        if ok:
+            self.progress(sv, bucket, bucket.nbytes)
+        else:
+            logger.warning("bucket %s of version %d did not rebuild from version %s; fetching it "
+                           "whole", bucket.key, sv.version, bucket.base_version)
+        return ok
 
     def progress(self, sv: StoredVersion, bucket: StoredBucket, received: int) -> None:
         with self.cond:

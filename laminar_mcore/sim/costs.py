@@ -8,13 +8,14 @@ under CUDA graphs) and, for tp > 1, two all-reduces per layer. Prefill: 2·N FLO
 token at the prefill efficiency. Trainer: 8·N FLOPs per token (6 for forward and backward, 2
 for recomputing the proximal log-probs) over the layout's achieved FLOP/s. Weights: publish
 (trainer -> master relay), Laminar's chain T(p, k), pulls (relay host memory -> engine GPUs
-over PCIe).
+over PCIe); ``relay_sync_seconds``: a whole sync through the relay tier, whole or as a delta.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
 from ..relay.chain import chain_time, optimal_chunks
 
@@ -76,6 +77,88 @@ MODELS: Dict[str, dict] = {
             "head_dim": 128, "engine_tp": 4, "trainer_tp": 8, "trainer_pp": 2},
 }
 BYTES_PER_PARAM = 2  # BF16 weights in the engines, in the relays and on the wire
+
+# Delta publication (weights/delta.py): a version travels as the changed bf16 positions
+# (gap-coded) and their new bits XOR the old (zstd). These are measured by
+# `python -m laminar_mcore.bench.delta` (keys delta_bytes_ratio, encode_gb_per_s) and will be
+# updated with its figures. Until then: bytes_ratio (full bytes / delta bytes) is the issue's
+# assumption; encode_bytes_s (full bytes per second one stage lead encodes: weights.delta.encode)
+# and apply_bytes_s (full bytes per second one relay rebuilds: copy the base bucket, decompress,
+# apply, SHA-256 verify -- relay/store.py rebuild) are what one stream of that code did on a
+# 128 MiB bf16 bucket with 4% of its elements changed (ratio 65) on the 2-core development VM:
+# 0.64 and 0.64 GB/s (SHA-256 alone 1.5 GB/s). One stream each: a stage lead encodes and a relay
+# rebuilds its buckets one after another.
+DELTA = {"bytes_ratio": 50.0, "encode_bytes_s": 0.6e9, "apply_bytes_s": 0.6e9}
+BUCKET_BYTES = 512 * 2**20  # weight_sync.bucket_mb: the unit the publish pipelines over
+
+# MoE shapes for the weight-sync figures (bf16, BYTES_PER_PARAM): total and active parameters,
+# layers, hidden size, routed experts (active per token); trainer_pp: the trainer's pipeline
+# stages, each with one stage lead publishing (and delta-encoding) its stage's weights
+# (Megatron-Bridge's Qwen3-235B-A22B recipe: TP4 PP16 EP8; Kimi K2's report: PP16 EP16);
+# relays: one per rollout machine (8 GPUs, one relay each), the first the master.
+MOE_MODELS: Dict[str, dict] = {
+    "235b": {"params": 235e9, "active": 22e9, "layers": 94, "hidden": 4096, "experts": 128,
+             "experts_active": 8, "trainer_pp": 16, "relays": 32},  # Qwen3-235B-A22B
+    "1t": {"params": 1.04e12, "active": 32e9, "layers": 61, "hidden": 7168, "experts": 384,
+           "experts_active": 8, "trainer_pp": 16, "relays": 64},  # Kimi-K2's shape
+}
+
+
+def relay_sync_stages(params: float, relays: int, delta: bool, pp: int = 16,
+                      bytes_ratio: Optional[float] = None, encode_bytes_s: Optional[float] = None,
+                      apply_bytes_s: Optional[float] = None,
+                      bucket_bytes: int = BUCKET_BYTES) -> Dict[str, float]:
+    """The stages of one weight sync through the relay tier and its total (``total_s``): from
+    the trainer's publish start until every one of ``relays`` relays (the master first, then a
+    chain of ``relays - 1``) holds the version. Defaults from ``DELTA`` and ``LINKS``.
+
+    With B = params x 2 bytes, wire bytes W = B / bytes_ratio with a delta (B without), and
+    b = one 512 MiB bucket, every stage works bucket by bucket, so they overlap:
+
+    * encode  E = (B / pp) / encode_bytes_s: the pp stage leads encode their shards at once
+      (delta only);
+    * publish P = W / publish_bytes_s: all stage leads into the master relay, the link the
+      publish stall is fitted to (``publish_s``);
+    * chain   Laminar's T(p, k) = (p + k - 2)(W/k t_byte + t_start) with p - 1 = relays - 1
+      hops after the master and k = k* (``chain_s``); relays forward the delta as it arrives,
+      not the rebuilt bucket. Its throughput part C = k (W/k t_byte + t_start) is a stage; its
+      fill (p - 2)(W/k t_byte + t_start) is latency;
+    * rebuild A = B / apply_bytes_s: every relay rebuilds every bucket (copy the base,
+      decompress, apply, SHA-256 verify), all relays at once (delta only).
+
+    total = max(E, P, C, A) + one bucket through encode, publish and rebuild
+            (b / encode_bytes_s + (b / ratio) / publish_bytes_s + b / apply_bytes_s)
+            + the chain's fill,
+    i.e. the slowest stage plus the pipeline's latency, not the sum of the stages. Without a
+    delta there is no encode or rebuild (buckets are forwarded and pulled as they are)."""
+    ratio = (DELTA["bytes_ratio"] if bytes_ratio is None else bytes_ratio) if delta else 1.0
+    enc = (DELTA["encode_bytes_s"] if encode_bytes_s is None else encode_bytes_s) if delta \
+        else math.inf
+    app = (DELTA["apply_bytes_s"] if apply_bytes_s is None else apply_bytes_s) if delta \
+        else math.inf
+    full = params * BYTES_PER_PARAM
+    wire = full / ratio
+    bucket = min(bucket_bytes, full)
+    t_byte, t_start = 1 / LINKS["chain_bytes_s"], LINKS["chain_start_s"]
+    chunk_s, k = 0.0, 1
+    if relays > 1:
+        k = optimal_chunks(relays - 1, int(wire), t_byte, t_start)
+        chunk_s = wire / k * t_byte + t_start
+    st = {"bytes": full, "wire_bytes": wire, "encode_s": full / pp / enc,
+          "publish_s": wire / LINKS["publish_bytes_s"], "chain_s": k * chunk_s if relays > 1
+          else 0.0, "rebuild_s": full / app, "chain_chunks": float(k),
+          "chain_fill_s": max(relays - 2, 0) * chunk_s}
+    st["bucket_latency_s"] = bucket / enc + bucket / ratio / LINKS["publish_bytes_s"] + \
+        bucket / app
+    st["total_s"] = max(st["encode_s"], st["publish_s"], st["chain_s"], st["rebuild_s"]) + \
+        st["bucket_latency_s"] + st["chain_fill_s"]
+    return st
+
+
+def relay_sync_seconds(params: float, relays: int, delta: bool, **kw) -> float:
+    """Seconds from the trainer's publish start until every relay holds the version
+    (``relay_sync_stages``' total)."""
+    return relay_sync_stages(params, relays, delta, **kw)["total_s"]
 
 
 @dataclass(frozen=True)

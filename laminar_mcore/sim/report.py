@@ -8,7 +8,9 @@ Runs every mode at 7B (16-256 GPUs), 32B (32-512) and 72B (64-1,024) on the DAPO
 workload (512 prompts x 16 per step) and prints tokens/s per mode, laminar's speedups over
 each baseline (average and maximum over the points), laminar's scaling efficiency, the
 staleness histogram, repack's effect on generation throughput and KV utilisation, and the
-publish and chain seconds -- each beside the paper's figure, with why they differ. PNG plots
+publish and chain seconds -- each beside the paper's figure, with why they differ -- and the
+weight sync of two MoE shapes through the relay tier with and without deltas
+(``costs.relay_sync_seconds``: ``sync_s_235b``, ``sync_s_1t``, ``*_full``). PNG plots
 of tokens/s against GPUs per model go to ``--plot-dir``. ``calibration_error`` comes from
 ``sim.calibrate`` (run here unless ``--calibration`` names its JSON or ``--no-calibrate``).
 
@@ -29,7 +31,7 @@ from dataclasses import asdict
 from typing import Dict, List, Optional
 
 from .cluster import GPUS_PER_MACHINE, SIM_MODES, SimConfig, placement_for, simulate, summary_line
-from .costs import CostModel
+from .costs import DELTA, MOE_MODELS, CostModel, relay_sync_seconds
 from .workload import Workload
 
 GRID = {"7B": (16, 32, 64, 128, 256), "32B": (32, 64, 128, 256, 512),
@@ -149,6 +151,20 @@ def table(results: List[dict], models: List[str]) -> Dict[str, object]:
     figures["chain_72b_127_relays_s"] = round(CostModel("72B").chain_s(127), 3)
     figures["publish_32b_s"] = round(CostModel("32B").publish_s(), 3)
     figures["publish_72b_s"] = round(CostModel("72B").publish_s(), 3)
+    figures.update(weight_sync_figures())
+    return figures
+
+
+def weight_sync_figures() -> Dict[str, float]:
+    """Weight sync through the relay tier with and without delta publication, for the MoE
+    shapes of ``costs.MOE_MODELS`` (``costs.relay_sync_seconds``): ``sync_s_235b``,
+    ``sync_s_235b_full``, ``sync_s_1t``, ``sync_s_1t_full``, ``delta_bytes_ratio_assumed``."""
+    figures: Dict[str, float] = {}
+    for name, m in MOE_MODELS.items():
+        for delta, suffix in ((True, ""), (False, "_full")):
+            figures[f"sync_s_{name}{suffix}"] = round(relay_sync_seconds(
+                m["params"], m["relays"], delta, pp=m["trainer_pp"]), 3)
+    figures["delta_bytes_ratio_assumed"] = DELTA["bytes_ratio"]
     return figures
 
 
@@ -309,6 +325,11 @@ def print_report(figures: dict, models: List[str], results: List[dict]) -> None:
               f"{figures['kv_utilisation_repack']:.1%} with repack (paper 71.6% -> 82.2%)")
     print(f"  publish stall: 32B {figures['publish_32b_s']} s, 72B {figures['publish_72b_s']} s "
           f"(paper 0.64 / 1.40 s: the publish link is fitted to them, costs.LINKS)")
+    if "sync_s_1t" in figures:
+        print(f"  weight sync to every relay (costs.relay_sync_seconds, delta ratio "
+              f"{figures['delta_bytes_ratio_assumed']:g}): 235B {figures['sync_s_235b']} s "
+              f"(whole {figures['sync_s_235b_full']} s), 1T {figures['sync_s_1t']} s (whole "
+              f"{figures['sync_s_1t_full']} s; goal <= 3 s with deltas)")
     hist = {k: v for k, v in figures.items() if k.startswith("staleness_") and k[10:].isdigit()}
     print(f"  staleness histogram (laminar): {hist} (paper: mostly < 3, max 4)")
     print(f"  calibration_error: {figures['calibration_error']}")

@@ -57,7 +57,8 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
                                     chunk_bytes=ws.chunk_mb * 2**20,
                                     timeout_s=ws.publish_timeout_s,
                                     locate_master=lambda failed: _next_master(controller, failed),
-                                    failover_timeout_s=ws.failover_timeout_s, token=token)
+                                    failover_timeout_s=ws.failover_timeout_s, token=token,
+                                    delta=ws.delta, anchor_interval=ws.anchor_interval)
         start = 0
         rank = dist.get_rank()
         # A restart of this world after a crash (torchrun counts them) resumes from the newest
@@ -105,6 +106,14 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
             stats = actor.train_step(batch)
             published = lagged.publish(actor.version)
             if rank == 0:
+                # the bytes of the newest version this stage lead finished sending (its full
+                # size and what crossed the wire: less when it went as deltas)
+                sent = publisher.sent_stats
+                if sent:
+                    stats = dict(stats, weights_version_sent=sent["version"],
+                                 weights_full_bytes=sent["full_bytes"],
+                                 weights_sent_bytes=sent["sent_bytes"],
+                                 weights_delta_buckets=sent["delta_buckets"])
                 controller.trained(step, actor.version, stats, published.blocked_s, waited)
             if trainer.save_interval and step % trainer.save_interval == 0:
                 # The controller's data module (prompt pool position, buffer, in-flight

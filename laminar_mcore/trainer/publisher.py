@@ -14,6 +14,12 @@ gathers; only the stage lead (TP rank 0) packs host buckets (pinned on GPUs) and
 1 of its stage's group; the relay is 0) -- the other TP ranks drain the gathers and hold no
 buffer. Over NCCL the sender stages chunks of ``chunk_bytes`` (``weight_sync.chunk_mb``) on its
 own CUDA stream (``weights.transport.Channel``).
+
+Each version opens with a handshake: the stage lead names the base version its deltas would be
+against (``weights/delta.py``, ``weight_sync.delta``) and the relay answers whether it takes
+the version and holds that base; then every bucket goes whole or as a delta, with the SHA-256
+of its full bytes; the version ends with the relay naming the buckets it could not rebuild,
+which are sent again whole.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 from ..netutil import TOKEN_ENV
 from ..relay.rendezvous import PublishSession, RendezvousRefused, join_publish_session
 from ..weights.bucket import BucketPacker
+from ..weights.delta import DeltaEncoder, delta_enabled, digest, unit_for
 from ..weights.transport import Channel, stage_group
 from .export import iter_stage_hf_tensors
 
@@ -53,8 +60,11 @@ class WeightPublisher:
                  bucket_bytes: int = 512 * 2**20, chunk_bytes: int = 64 * 2**20,
                  dtype: Optional[torch.dtype] = None, timeout_s: float = 300.0,
                  locate_master: Optional[Callable[[Tuple[str, int]], Tuple[str, int]]] = None,
-                 failover_timeout_s: float = 180.0, token: Optional[str] = None):
-        """``locate_master(failed)``: the publish address of the master relay that replaced
+                 failover_timeout_s: float = 180.0, token: Optional[str] = None,
+                 delta: str = "off", anchor_interval: int = 16):
+        """``delta`` (``weight_sync.delta``: auto, on, off) and ``anchor_interval``: buckets
+        go as deltas against the previous version, every ``anchor_interval``-th version whole
+        (``weights/delta.py``). ``locate_master(failed)``: the publish address of the master relay that replaced
         ``failed`` (the controller knows; None: a lost master relay fails the publish).
         ``token``: the run's token (default ``$LAMINAR_RUN_TOKEN``), which the stage lead
         proves to the master relay before its publish group forms (relay/rendezvous.py)."""
@@ -82,6 +92,13 @@ class WeightPublisher:
         self.is_lead = first_replica and ps.get_tensor_model_parallel_rank() == 0
         self.packer = BucketPacker(bucket_bytes, dtype=dtype,
                                    pin_memory=torch.cuda.is_available()) if self.is_lead else None
+        weights_dtype = dtype or _parameter_dtype(model)
+        self.encoder = DeltaEncoder(delta_enabled(delta, weights_dtype) and self.is_lead,
+                                    unit_for(weights_dtype), anchor_interval)
+        # the newest version sent: {version, full_bytes, sent_bytes, delta_buckets, buckets}
+        self.sent_stats: dict = {}
+        self._accepted = False
+        self._tally: dict = {}
         self.pg = None
         self.channel: Optional[Channel] = None
         self.backend: Optional[str] = None
@@ -201,17 +218,23 @@ class WeightPublisher:
                 return
             if item is None:
                 try:
-                    self.channel.flush()
+                    self._end_version(sent)
                 except Exception as exc:  # noqa: BLE001 - a lost master: send it again there
-                    self._failover(sent, exc)
+                    if self._failover(sent, exc):
+                        try:
+                            self._end_version(sent)
+                        except Exception as again:  # noqa: BLE001
+                            self.error = self.error or again
                 sent = []
                 self._idle.set()
                 if self.error is not None:
                     return
                 continue
-            sent.append(item)
             start = time.perf_counter()
+            sent.append(item)
             try:
+                if len(sent) == 1:
+                    self._open_version(item[0], self.encoder.proposed_base())
                 self._send(item)
             except Exception as exc:  # noqa: BLE001 - surfaced by the next publish / wait
                 if not self._failover(sent, exc):
@@ -219,17 +242,71 @@ class WeightPublisher:
                     return
             self.last_send_s += time.perf_counter() - start
 
-    def _send(self, item) -> None:
+    def _open_version(self, header: dict, base: Optional[int]) -> None:
+        """The version handshake: the relay answers whether it takes ``header``'s version and
+        holds ``base`` (the version the deltas would be against)."""
+        self.channel.send_header({"type": "version", "version": header["version"],
+                                  "stage": self.stage, "num_stages": self.num_stages,
+                                  "base": base})
+        reply = self.channel.recv_header()
+        self._accepted = bool(reply.get("accept"))
+        against = self.encoder.begin(header["version"], bool(reply.get("base_ok")))
+        self._tally = {"version": header["version"], "full_bytes": 0, "sent_bytes": 0,
+                       "delta_buckets": 0, "buckets": 0, "base_version": against}
+        if not self._accepted:
+            self.encoder.forget()
+            print(f"[publish] stage {self.stage}: the master relay refused version "
+                  f"{header['version']} ({reply.get('reason')}); the next one goes whole",
+                  flush=True)
+
+    def _send(self, item, whole: bool = False) -> None:
         header, buffer = item
+        if not self._accepted:
+            return
+        encoding, payload = ("full", None) if whole else self.encoder.encode(header["index"],
+                                                                              buffer)
+        header = dict(header, encoding=encoding, digest=digest(buffer),
+                      payload_bytes=len(payload) if payload is not None else header["nbytes"],
+                      base_version=self.encoder.against if payload is not None else None,
+                      resend=whole)
         self.channel.send_header(header)
-        for off in range(0, header["nbytes"], self.chunk_bytes):
-            end = min(header["nbytes"], off + self.chunk_bytes)
+        self._tally["full_bytes"] += 0 if whole else header["nbytes"]
+        self._tally["buckets"] += 0 if whole else 1
+        self._tally["sent_bytes"] += header["payload_bytes"]
+        if payload is not None:
+            self._tally["delta_buckets"] += 1
+            buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        for off in range(0, header["payload_bytes"], self.chunk_bytes):  # as the relay reads
+            end = min(header["payload_bytes"], off + self.chunk_bytes)
             self.channel.send(buffer[off:end])
+
+    def _end_version(self, items) -> None:
+        """End this stage's part of the version; buckets the relay could not rebuild from
+        their deltas (a digest mismatch, a base it no longer holds) are sent again whole."""
+        if not items:
+            return
+        if self._accepted:
+            by_index = {item[0]["index"]: item for item in items}
+            for _round in range(2):
+                self.channel.send_header({"type": "end"})
+                need = [int(i) for i in self.channel.recv_header().get("need", [])]
+                if not need:
+                    break
+                print(f"[publish] stage {self.stage}: the master relay could not rebuild "
+                      f"bucket(s) {need} of version {items[0][0]['version']} from their "
+                      "deltas; sending them whole", flush=True)
+                for index in need:
+                    self._send(by_index[index], whole=True)
+            self.channel.flush()
+            self.encoder.end([item[0]["index"] for item in items])
+            self.sent_stats = dict(self._tally)
+        else:
+            self.encoder.forget()
 
     def _failover(self, items, exc: BaseException) -> bool:
         """The master relay is gone: ask where its successor is (``locate_master``), join its
-        publish group and send this version's buckets so far again (the rest follow as usual).
-        Sets ``self.error`` and returns False when there is no successor in time."""
+        publish group and send this version's buckets so far again, whole (the rest follow as
+        usual). Sets ``self.error`` and returns False when there is no successor in time."""
         failed = self.master
         if self.locate_master is None:
             self.error = exc
@@ -240,8 +317,9 @@ class WeightPublisher:
             try:
                 host, port = self.locate_master(failed)
                 self._connect(host, port)
+                self._open_version(items[0][0], None)  # a new master: no base
                 for item in items:
-                    self._send(item)
+                    self._send(item, whole=False)
                 self.channel.flush()
             except Exception as retry_exc:  # noqa: BLE001 - try again until the deadline
                 last = retry_exc
@@ -262,3 +340,13 @@ class WeightPublisher:
             self.wait()
             self._queue.put("close")
             self._sender.join(timeout=30)
+
+
+def _parameter_dtype(model) -> Optional[torch.dtype]:
+    """The dtype of ``model``'s (or its first chunk's) parameters: what buckets hold when the
+    packer casts nothing."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    for chunk in chunks:
+        for param in chunk.parameters():
+            return param.dtype
+    return None

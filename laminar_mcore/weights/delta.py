@@ -1,0 +1,196 @@
+"""Delta publication: a weight bucket sent as what changed since the previous version.
+
+At RL learning rates most 16-bit weights are bit-identical from one step to the next (Adam's
+update is below one bf16 ulp for most elements), so a version can travel as the positions of
+the changed elements and their new bits. The format of one bucket's delta (``CODEC``):
+
+    zstd( count (uint64) | unit (uint8) | gaps as uint32, byte planes | xor as unit bytes, byte planes )
+
+* the bucket is read as ``unit``-byte elements (2 for bf16/fp16 buckets, 4 for fp32);
+* ``gaps``: the changed positions, each the distance from the previous one (the first from
+  -1), so they are small numbers; ``xor``: new bits XOR base bits of each changed element
+  (a one-ulp change leaves only low bits set). Both are stored as byte planes (all first bytes,
+  then all second bytes, ...), which zstd compresses far better than interleaved bytes;
+* applying it *overwrites* each changed element with ``base ^ xor`` -- the exact new bits, no
+  floating-point arithmetic -- so a delta applied to its base gives the new bucket bit for bit
+  and nothing can drift over many versions. Every bucket travels with the SHA-256 of its full
+  new bytes (``digest``); whoever rebuilds one checks it, so a wrong or missing base is caught
+  and the bucket is fetched whole instead.
+
+``DeltaEncoder`` is the sender's side (the trainer's stage lead): it keeps the previous
+published version's bytes per bucket and decides per version and bucket whether a delta pays.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import zstandard
+
+CODEC = "zstd-xor-gap-v1"
+MODES = ("auto", "on", "off")
+DEFAULT_MAX_FRACTION = 0.5  # a delta above this fraction of its bucket is sent whole
+_HEAD = struct.Struct("<QB")
+_UNIT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+_MAX_ELEMENTS = 2**32 - 1  # gaps are uint32
+
+
+class DeltaError(ValueError):
+    """A delta that cannot be applied: malformed, or not for this bucket."""
+
+
+def digest(buffer: torch.Tensor) -> str:
+    """SHA-256 (hex) of a contiguous uint8 CPU tensor's bytes."""
+    return hashlib.sha256(memoryview(buffer.contiguous().numpy())).hexdigest()
+
+
+def unit_for(dtype: Optional[torch.dtype]) -> int:
+    """The element width compared for buckets of ``dtype`` (the rollout dtype)."""
+    if dtype is None:
+        return 4
+    return 2 if dtype.itemsize == 2 else 4 if dtype.itemsize >= 4 else 1
+
+
+def delta_enabled(mode: str, dtype: Optional[torch.dtype]) -> bool:
+    """``weight_sync.delta``: on, off, or auto (on when the rollout dtype is 16-bit)."""
+    if mode not in MODES:
+        raise ValueError(f"weight_sync.delta={mode!r} is not one of {', '.join(MODES)}")
+    if mode == "auto":
+        return dtype is not None and dtype.itemsize == 2 and dtype.is_floating_point
+    return mode == "on"
+
+
+def _planes(t: torch.Tensor, width: int) -> bytes:
+    if t.numel() == 0:
+        return b""
+    return t.contiguous().view(torch.uint8).view(-1, width).t().contiguous().numpy().tobytes()
+
+
+def _from_planes(raw: memoryview, count: int, width: int) -> torch.Tensor:
+    planes = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(width, count)
+    return planes.t().contiguous().view(_UNIT_DTYPES[width])
+
+
+def encode(new: torch.Tensor, base: torch.Tensor, unit: int = 2, level: int = 1) -> bytes:
+    """The delta taking ``base`` to ``new`` (contiguous uint8 CPU tensors of one size)."""
+    if new.numel() != base.numel():
+        raise DeltaError(f"a delta needs buckets of one size ({new.numel()} != {base.numel()})")
+    if new.numel() % unit:
+        raise DeltaError(f"a {new.numel()}-byte bucket is not a whole number of {unit}-byte "
+                         "elements")
+    if new.numel() // unit > _MAX_ELEMENTS:
+        raise DeltaError(f"a bucket of more than {_MAX_ELEMENTS} elements cannot be delta-coded")
+    a = new.view(_UNIT_DTYPES[unit])
+    b = base.view(_UNIT_DTYPES[unit])
+    positions = torch.nonzero(a != b).flatten()
+    gaps = torch.diff(positions, prepend=positions.new_tensor([-1])).to(torch.int32)
+    xor = a[positions] ^ b[positions]
+    raw = _HEAD.pack(positions.numel(), unit) + _planes(gaps, 4) + _planes(xor, unit)
+    return zstandard.ZstdCompressor(level=level).compress(raw)
+
+
+def apply(payload: bytes, target: torch.Tensor, unit: Optional[int] = None) -> int:
+    """Overwrite the changed elements of ``target`` (which holds the base's bytes) with the
+    new bits; returns how many changed. ``unit``: the element width expected (None: the
+    delta's own). Raises ``DeltaError`` on anything malformed before writing a byte."""
+    limit = _HEAD.size + target.numel() * 5  # the most any delta of this bucket decodes to
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=limit)
+    except zstandard.ZstdError as exc:
+        raise DeltaError(f"not a {CODEC} delta: {exc}") from None
+    if len(raw) < _HEAD.size:
+        raise DeltaError("a delta shorter than its header")
+    count, raw_unit = _HEAD.unpack_from(raw)
+    if raw_unit not in _UNIT_DTYPES or (unit is not None and raw_unit != unit):
+        raise DeltaError(f"a delta of {raw_unit}-byte elements for a bucket of {unit}-byte ones")
+    if target.numel() % raw_unit:
+        raise DeltaError(f"a delta of {raw_unit}-byte elements for a {target.numel()}-byte bucket")
+    unit, elements = raw_unit, target.numel() // raw_unit
+    if count > elements or len(raw) != _HEAD.size + count * (4 + unit):
+        raise DeltaError(f"a delta of {count} elements does not fit a {target.numel()}-byte "
+                         "bucket (or is truncated)")
+    if count == 0:
+        return 0
+    view = memoryview(raw)[_HEAD.size:]
+    gaps = _from_planes(view[:4 * count], count, 4).to(torch.int64)
+    xor = _from_planes(view[4 * count:], count, unit)
+    if int(gaps.min()) < 1:
+        raise DeltaError("a delta whose positions do not increase")
+    positions = torch.cumsum(gaps, 0) - 1
+    if int(positions[-1]) >= elements:
+        raise DeltaError("a delta position outside its bucket")
+    t = target.view(_UNIT_DTYPES[unit])
+    t[positions] = t[positions] ^ xor
+    return count
+
+
+class DeltaEncoder:
+    """The stage lead's half: the previous published version's bytes per bucket index, and
+    the choice per bucket.
+
+    ``begin(version, base_ok)`` returns the base version this version's deltas are against
+    (None: every bucket whole -- the first version, the anchor every ``anchor_interval``
+    versions, or a master relay that does not hold the base); ``encode(index, buffer)``
+    returns ``(encoding, payload)`` with ``encoding`` "delta" or "full" and keeps ``buffer``
+    as the next version's base for ``index``."""
+
+    def __init__(self, enabled: bool, unit: int, anchor_interval: int = 16,
+                 max_fraction: float = DEFAULT_MAX_FRACTION):
+        if anchor_interval < 1:
+            raise ValueError(f"weight_sync.anchor_interval={anchor_interval} must be >= 1 (1: "
+                             "every version whole)")
+        if not 0 < max_fraction <= 1:
+            raise ValueError(f"delta max_fraction={max_fraction} must be in (0, 1]")
+        self.enabled, self.unit = enabled, unit
+        self.anchor_interval, self.max_fraction = anchor_interval, max_fraction
+        self.base_version: Optional[int] = None  # the version ``self._base`` holds
+        self._base: Dict[int, torch.Tensor] = {}
+        self._since_anchor = 0
+        self.against: Optional[int] = None  # the version being encoded is against this
+        self._pending: Optional[int] = None
+
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self._base.values())
+
+    def proposed_base(self) -> Optional[int]:
+        """The base a delta of the next version would be against (asked of the relay)."""
+        if not self.enabled or self.base_version is None:
+            return None
+        if self._since_anchor + 1 >= self.anchor_interval:
+            return None  # this version is an anchor
+        return self.base_version
+
+    def begin(self, version: int, base_ok: bool) -> Optional[int]:
+        proposed = self.proposed_base()
+        self.against = proposed if base_ok else None
+        self._pending = version
+        return self.against
+
+    def encode(self, index: int, buffer: torch.Tensor) -> Tuple[str, Optional[bytes]]:
+        base = self._base.get(index)
+        encoding, payload = "full", None
+        if self.against is not None and base is not None and base.numel() == buffer.numel():
+            delta = encode(buffer, base, self.unit)
+            if len(delta) <= self.max_fraction * buffer.numel():
+                encoding, payload = "delta", delta
+        if self.enabled:
+            if base is None or base.numel() != buffer.numel():
+                base = self._base[index] = torch.empty_like(buffer, device="cpu")
+            base.copy_(buffer)
+        return encoding, payload
+
+    def end(self, indices: List[int]) -> None:
+        """The version was sent (buckets ``indices``): it is the next one's base."""
+        if not self.enabled:
+            return
+        for index in [i for i in self._base if i not in set(indices)]:
+            del self._base[index]  # a bucket that no longer exists
+        self.base_version = self._pending
+        self._since_anchor = 0 if self.against is None else self._since_anchor + 1
+
+    def forget(self) -> None:
+        """The base is unusable (a send failed midway): the next version goes whole."""
+        self.base_version = None
