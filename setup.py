@@ -35,6 +35,7 @@ setup(
         "math-verify>=0.9",
         "prometheus-client>=0.26",
         "zstandard>=0.25",
+        "xxhash>=4.1",
         # On Python 3.11 install it with: pip install --no-deps --ignore-requires-python
         # megatron-core==0.19.2 (the Makefile does).
         "megatron-core==0.19.2; python_version >= '3.12'",

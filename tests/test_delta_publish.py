@@ -1,6 +1,6 @@
 """Delta publication (weights/delta.py): the format round-trips bit for bit and refuses what is
 malformed; through real relay processes on loopback a bf16 trainer's versions travel as deltas
-(trainer -> master -> r1 -> r2, each relay rebuilding and checking the SHA-256) and every relay
+(trainer -> master -> r1 -> r2, each relay rebuilding and checking the digest) and every relay
 serves every version bit for bit, also when a base was corrupted (at the master: the trainer
 sends that bucket again whole; down the chain: the upstream relay does), when a relay joins
 late or misses versions (whole buckets), and at the anchor interval (a whole version)."""
@@ -178,6 +178,10 @@ def test_versions_travel_as_deltas_down_the_chain_bit_for_bit(tmp_path, monkeypa
                 differ = [k for k in reference if not torch.equal(
                     state[k].view(torch.uint8), reference[k].contiguous().view(torch.uint8))]
                 assert not differ, f"{name} version {version}: {differ[:3]} differ"
+                held = _get(r.url, "/digests")  # computed by the relay from its bytes
+                assert held["version"] == version and held["digests"] == held["trainer"]
+                sent = publisher.sent_stats["digests"]  # the trainer's, of the same bytes
+                assert held["digests"] == [sent[i] for i in range(len(sent))]
 
         check(1, publish(1))
         nb = publisher.sent_stats["buckets"]

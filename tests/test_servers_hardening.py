@@ -53,6 +53,7 @@ RELAY_ENDPOINTS = [
     Endpoint("GET", "/latest", query={"after": "0", "wait_s": "0"},
              query_fields={"after": "int", "wait_s": "number"}),
     Endpoint("GET", "/chain"),
+    Endpoint("GET", "/digests"),
     Endpoint("POST", "/pull", body={"min_version": 5, "ttl_s": 30.0, "format": "shm",
                                     "devices": ["cuda:0"], "device": "cuda:0"},
              fields={"min_version": "int", "ttl_s": "number", "format": "str",

@@ -248,7 +248,7 @@ class WeightSyncConfig:
     # dtype: at RL learning rates most bf16 weights do not change from one step to the next),
     # on, off. A bucket then goes as the positions and bits of its changed elements, zstd-
     # compressed, when that is at most half its size; every relay rebuilds it from the version
-    # it holds and checks its SHA-256, and fetches it whole when it cannot.
+    # it holds and checks its digest, and fetches it whole when it cannot.
     delta: str = "auto"
     # Every anchor_interval-th version travels whole (1: every version).
     anchor_interval: int = 16

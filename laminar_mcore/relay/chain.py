@@ -418,7 +418,7 @@ def receive_publishes(channel, store: VersionStore, stop: threading.Event,
 
     Per version: the lead's ``version`` frame names the base its deltas would be against and
     this relay answers whether it takes the version (``store.begin``) and holds that base;
-    then buckets, whole (chunks) or as deltas (rebuilt here against the base, SHA-256
+    then buckets, whole (chunks) or as deltas (rebuilt here against the base, digest
     checked); at ``end`` this relay names the buckets it could not rebuild and the lead sends
     them again whole. ``on_bucket(outcome, full_bytes, received_bytes)`` counts them (outcome
     full, delta or fallback). If the stream breaks (the trainer died mid-publish) the version

@@ -11,9 +11,10 @@ relay, and an HTTP control API: ``/pull`` (lease the newest complete version), `
 of its flattened buckets at a time: shared-memory handles for local CPU engines, CUDA IPC for
 local SGLang engines, Mooncake transfer-engine buffers for pullers on other machines when
 started with ``--mooncake-protocol``), ``/release``, ``/release_holder`` (every lease taken
-from a host that is gone), ``/latest``, ``/health``, ``/metrics`` (Prometheus text,
-relay/metrics.py); the formats are the weight transports of
-``relay/transports``. On the master also ``/register``, ``/report_failure`` and ``/chain``.
+from a host that is gone), ``/latest``, ``/digests`` (the newest version's bucket digests,
+computed from its bytes), ``/health``, ``/metrics`` (Prometheus text, relay/metrics.py); the
+formats are the weight transports of ``relay/transports``. On the master also ``/register``,
+``/report_failure`` and ``/chain``.
 The master hosts the trainer's publish group (outside the trainer's world; a trainer joins it only
 after proving the run token, relay/rendezvous.py), orders the chain, watches every relay's
 heartbeat and rebuilds the chain around a dead one; a relay that restarts registers again, joins
@@ -49,11 +50,12 @@ from ..config.schema import WeightSyncConfig
 from ..metrics.prometheus import Scrape
 from ..netutil import TOKEN_ENV, BadRequest, bearer_ok, read_json, read_query, token_middleware
 from ..weights.bucket import SHM_DIR, reclaim_segments
+from ..weights.delta import digest
 from ..weights.transport import resolve_backend
 from .chain import Forwarder, PushRefused, serve_push
 from .master import MasterRelay
 from .metrics import RelayBooks, relay_families
-from .requests import BUCKET, LATEST, PULL, RELEASE, RELEASE_HOLDER, SET_DOWNSTREAM
+from .requests import BUCKET, LATEST, NO_QUERY, PULL, RELEASE, RELEASE_HOLDER, SET_DOWNSTREAM
 from .store import ShmFull, VersionStore, shm_shortfall, shm_space, size_text
 from .transports import (TRANSPORTS, Exporter, TransportUnavailable, enabled_at_start,
                          make_exporter)
@@ -194,6 +196,7 @@ class RelayServer(MasterRelay):
         r.add_get("/health", self.health)
         r.add_get("/metrics", Scrape(lambda: relay_families(self)).handle)
         r.add_get("/latest", self.latest)
+        r.add_get("/digests", self.digests)
         r.add_post("/pull", self.pull)
         r.add_post("/bucket", self.bucket)
         r.add_post("/release", self.release)
@@ -307,6 +310,24 @@ class RelayServer(MasterRelay):
                     "transports": {name: e.info() for name, e in self.exporters.items()},
                     "last_push": self.forwarder.stats}
         return web.json_response(info)
+
+    async def digests(self, request):
+        """The newest version's bucket digests computed now from the bytes this relay holds
+        (``weights.delta.digest``, in pull order), and those the trainer sent with them: equal
+        lists mean this relay serves the version bit for bit (``bench.delta`` checks it)."""
+        read_query(request, NO_QUERY)
+        held = self.store.lease_latest(ttl_s=120.0)
+        if held is None:
+            return web.json_response({"version": None, "digests": [], "trainer": []})
+        lease_id, sv = held
+        try:
+            buckets = sv.ordered()
+            computed = await asyncio.to_thread(
+                lambda: [digest(b.shm.buffer[:b.nbytes]) for b in buckets])
+        finally:
+            self.store.release(lease_id)
+        return web.json_response({"version": sv.version, "digests": computed,
+                                  "trainer": [b.digest for b in buckets]})
 
     async def _wait_newer(self, after: int, wait_s: float) -> None:
         loop = asyncio.get_running_loop()

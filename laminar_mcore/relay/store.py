@@ -109,7 +109,7 @@ class StoredBucket:
     nbytes: int
     received: int = 0
     last_of_stage: bool = False
-    digest: Optional[str] = None  # SHA-256 of the full bytes, from the trainer
+    digest: Optional[str] = None  # digest of the full bytes (weights/delta.py), from the trainer
     delta: Optional[bytes] = None  # how it arrived, if as a delta (forwarded as such) ...
     base_version: Optional[int] = None  # ... against this version
 

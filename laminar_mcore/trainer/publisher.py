@@ -17,7 +17,7 @@ own CUDA stream (``weights.transport.Channel``).
 
 Each version opens with a handshake: the stage lead names the base version its deltas would be
 against (``weights/delta.py``, ``weight_sync.delta``) and the relay answers whether it takes
-the version and holds that base; then every bucket goes whole or as a delta, with the SHA-256
+the version and holds that base; then every bucket goes whole or as a delta, with the digest
 of its full bytes; the version ends with the relay naming the buckets it could not rebuild,
 which are sent again whole.
 """
@@ -95,7 +95,9 @@ class WeightPublisher:
         weights_dtype = dtype or _parameter_dtype(model)
         self.encoder = DeltaEncoder(delta_enabled(delta, weights_dtype) and self.is_lead,
                                     unit_for(weights_dtype), anchor_interval)
-        # the newest version sent: {version, full_bytes, sent_bytes, delta_buckets, buckets}
+        # the newest version sent: version, full_bytes, sent_bytes (what crossed the wire),
+        # buckets, delta_buckets, base_version, encode_s (comparing, compressing, hashing),
+        # compared_elements, changed_elements and digests (bucket index -> digest)
         self.sent_stats: dict = {}
         self._accepted = False
         self._tally: dict = {}
@@ -252,7 +254,9 @@ class WeightPublisher:
         self._accepted = bool(reply.get("accept"))
         against = self.encoder.begin(header["version"], bool(reply.get("base_ok")))
         self._tally = {"version": header["version"], "full_bytes": 0, "sent_bytes": 0,
-                       "delta_buckets": 0, "buckets": 0, "base_version": against}
+                       "delta_buckets": 0, "buckets": 0, "base_version": against,
+                       "encode_s": 0.0, "compared_elements": 0, "changed_elements": 0,
+                       "digests": {}}
         if not self._accepted:
             self.encoder.forget()
             print(f"[publish] stage {self.stage}: the master relay refused version "
@@ -263,12 +267,19 @@ class WeightPublisher:
         header, buffer = item
         if not self._accepted:
             return
+        start = time.perf_counter()
         encoding, payload = ("full", None) if whole else self.encoder.encode(header["index"],
                                                                               buffer)
-        header = dict(header, encoding=encoding, digest=digest(buffer),
+        bucket_digest = digest(buffer)
+        self._tally["digests"][header["index"]] = bucket_digest
+        header = dict(header, encoding=encoding, digest=bucket_digest,
                       payload_bytes=len(payload) if payload is not None else header["nbytes"],
                       base_version=self.encoder.against if payload is not None else None,
                       resend=whole)
+        self._tally["encode_s"] += time.perf_counter() - start
+        if not whole and self.encoder.last_changed is not None:
+            self._tally["compared_elements"] += header["nbytes"] // self.encoder.unit
+            self._tally["changed_elements"] += self.encoder.last_changed
         self.channel.send_header(header)
         self._tally["full_bytes"] += 0 if whole else header["nbytes"]
         self._tally["buckets"] += 0 if whole else 1
