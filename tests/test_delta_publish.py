@@ -47,6 +47,12 @@ def test_delta_round_trips_bit_for_bit_and_refuses_what_is_malformed():
     assert 0 < changed < 0.1 * new.numel()
     assert len(payload) * 10 < a.numel()  # about 4% of bf16 elements change at 1e-6
     assert delta.digest(target) == delta.digest(a)
+    # at 1e-4 most elements change: the dense layout (every element's XOR), also exact
+    dense_new = _adam_like(master, 1e-4, g).to(torch.bfloat16).view(torch.uint8)
+    dense = delta.encode(dense_new, b, 2)
+    target = b.clone()
+    assert delta.apply(dense, target) > delta.DENSE_FRACTION * master.numel()
+    assert torch.equal(target, dense_new)
     # nothing changed: an empty delta; fp32 buckets compare 4-byte elements
     assert delta.apply(delta.encode(b, b, 2), b.clone()) == 0
     f_new, f_base = torch.randn(1000, generator=g), torch.randn(1000, generator=g)
@@ -55,7 +61,7 @@ def test_delta_round_trips_bit_for_bit_and_refuses_what_is_malformed():
     assert torch.equal(t, f_new.view(torch.uint8))
     # malformed deltas are refused before a byte of the target changes
     import zstandard
-    bad = [b"", b"not zstd", payload[: len(payload) // 2],
+    bad = [b"", b"not zstd", payload[: len(payload) // 2], dense[:-8],
            zstandard.ZstdCompressor().compress(b"\x05" + b"\x00" * 7 + b"\x02" + b"\x00" * 30),
            delta.encode(a[:1024], b[:1024], 2)]  # a delta of another bucket size is fine...
     for raw in bad[:-1]:

@@ -162,8 +162,10 @@ class WeightPublisher:
         if self.error is not None:
             raise RuntimeError(f"weight publication to the master relay failed: {self.error}")
 
-    def publish(self, version: int) -> PublishStats:
-        """Export this stage as ``version``; returns once the host buckets are filled."""
+    def publish(self, version: int, tensors=None) -> PublishStats:
+        """Export this stage as ``version``; returns once the host buckets are filled.
+        ``tensors``: (Hugging Face name, tensor) pairs to publish instead of exporting the
+        model (a one-rank benchmark that trains a transformers model: ``bench.delta``)."""
         t0 = time.perf_counter()
         self.wait()
         t1 = time.perf_counter()
@@ -175,7 +177,9 @@ class WeightPublisher:
             if self.is_lead:
                 self._idle.clear()
             held = None  # bucket k is queued when k+1 exists (to know which one is the last)
-            for bucket in self.packer.pack(iter_stage_hf_tensors(self.model, self.hf_config)):
+            named = tensors if tensors is not None else iter_stage_hf_tensors(self.model,
+                                                                              self.hf_config)
+            for bucket in self.packer.pack(named):
                 if held is not None:
                     self._enqueue(version, count - 1, held, last=False)
                 held = bucket

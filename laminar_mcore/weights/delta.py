@@ -4,13 +4,17 @@ At RL learning rates most 16-bit weights are bit-identical from one step to the 
 update is below one bf16 ulp for most elements), so a version can travel as the positions of
 the changed elements and their new bits. The format of one bucket's delta (``CODEC``):
 
-    zstd( count (uint64) | unit (uint8) | gaps as uint32, byte planes | xor as unit bytes, byte planes )
+    zstd( count (uint64) | unit (uint8) | layout (uint8) | body )
+    sparse body (layout 0): gaps as uint32, byte planes | xor as unit bytes, byte planes
+    dense body (layout 1): every element's xor, byte planes
 
 * the bucket is read as ``unit``-byte elements (2 for bf16/fp16 buckets, 4 for fp32);
 * ``gaps``: the changed positions, each the distance from the previous one (the first from
   -1), so they are small numbers; ``xor``: new bits XOR base bits of each changed element
   (a one-ulp change leaves only low bits set). Both are stored as byte planes (all first bytes,
-  then all second bytes, ...), which zstd compresses far better than interleaved bytes;
+  then all second bytes, ...), which zstd compresses far better than interleaved bytes. When
+  more than ``DENSE_FRACTION`` of the elements changed, listing positions costs more than it
+  saves: the dense layout XORs every element (unchanged ones are zeros, which zstd removes);
 * applying it *overwrites* each changed element with ``base ^ xor`` -- the exact new bits, no
   floating-point arithmetic -- so a delta applied to its base gives the new bucket bit for bit
   and nothing can drift over many versions. Every bucket travels with the digest of its full
@@ -24,6 +28,7 @@ published version's bytes per bucket and decides per version and bucket whether 
 from __future__ import annotations
 
 import struct
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -34,7 +39,9 @@ CODEC = "zstd-xor-gap-v1"
 DIGEST = "xxh3-128"
 MODES = ("auto", "on", "off")
 DEFAULT_MAX_FRACTION = 0.5  # a delta above this fraction of its bucket is sent whole
-_HEAD = struct.Struct("<QB")
+_HEAD = struct.Struct("<QBB")  # changed elements, element bytes, layout
+SPARSE, DENSE = 0, 1  # layouts: changed positions + their XOR, or every element's XOR
+DENSE_FRACTION = 0.1  # above this fraction of changed elements the dense layout is cheaper
 _UNIT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 _MAX_ELEMENTS = 2**32 - 1  # gaps are uint32
 
@@ -68,15 +75,20 @@ def delta_enabled(mode: str, dtype: Optional[torch.dtype]) -> bool:
     return mode == "on"
 
 
-def _planes(t: torch.Tensor, width: int) -> bytes:
+def _planes(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t``'s bytes as ``width`` planes, one after the other (stacking column views is several
+    times faster than a strided transpose)."""
     if t.numel() == 0:
-        return b""
-    return t.contiguous().view(torch.uint8).view(-1, width).t().contiguous().numpy().tobytes()
+        return torch.empty(0, dtype=torch.uint8)
+    cols = t.contiguous().view(torch.uint8).view(-1, width)
+    return torch.stack([cols[:, k] for k in range(width)]).flatten()
 
 
 def _from_planes(raw: memoryview, count: int, width: int) -> torch.Tensor:
-    planes = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(width, count)
-    return planes.t().contiguous().view(_UNIT_DTYPES[width])
+    with warnings.catch_warnings():  # read only: the planes are copied by the stack below
+        warnings.simplefilter("ignore", UserWarning)
+        planes = torch.frombuffer(raw, dtype=torch.uint8).view(width, count)
+    return torch.stack([planes[k] for k in range(width)], dim=1).view(_UNIT_DTYPES[width]).flatten()
 
 
 def encode(new: torch.Tensor, base: torch.Tensor, unit: int = 2, level: int = 1) -> bytes:
@@ -96,11 +108,18 @@ def encode_counted(new: torch.Tensor, base: torch.Tensor, unit: int = 2,
         raise DeltaError(f"a bucket of more than {_MAX_ELEMENTS} elements cannot be delta-coded")
     a = new.view(_UNIT_DTYPES[unit])
     b = base.view(_UNIT_DTYPES[unit])
-    positions = torch.nonzero(a != b).flatten()
-    gaps = torch.diff(positions, prepend=positions.new_tensor([-1])).to(torch.int32)
-    xor = a[positions] ^ b[positions]
-    raw = _HEAD.pack(positions.numel(), unit) + _planes(gaps, 4) + _planes(xor, unit)
-    return zstandard.ZstdCompressor(level=level).compress(raw), positions.numel()
+    changed = a != b
+    count = int(torch.count_nonzero(changed))
+    if count > DENSE_FRACTION * a.numel():  # every element's XOR: cheaper than positions
+        parts = [_HEAD.pack(count, unit, DENSE), _planes(a ^ b, unit)]
+    else:
+        positions = torch.nonzero(changed).flatten()
+        gaps = torch.diff(positions, prepend=positions.new_tensor([-1])).to(torch.int32)
+        parts = [_HEAD.pack(count, unit, SPARSE), _planes(gaps, 4),
+                 _planes(a[positions] ^ b[positions], unit)]
+    raw = torch.cat([torch.frombuffer(bytearray(parts[0]), dtype=torch.uint8), *parts[1:]])
+    compressor = zstandard.ZstdCompressor(level=level, threads=-1)  # all cores on big buckets
+    return compressor.compress(memoryview(raw.numpy())), count
 
 
 def apply(payload: bytes, target: torch.Tensor, unit: Optional[int] = None) -> int:
@@ -114,18 +133,23 @@ def apply(payload: bytes, target: torch.Tensor, unit: Optional[int] = None) -> i
         raise DeltaError(f"not a {CODEC} delta: {exc}") from None
     if len(raw) < _HEAD.size:
         raise DeltaError("a delta shorter than its header")
-    count, raw_unit = _HEAD.unpack_from(raw)
+    count, raw_unit, mode = _HEAD.unpack_from(raw)
     if raw_unit not in _UNIT_DTYPES or (unit is not None and raw_unit != unit):
         raise DeltaError(f"a delta of {raw_unit}-byte elements for a bucket of {unit}-byte ones")
     if target.numel() % raw_unit:
         raise DeltaError(f"a delta of {raw_unit}-byte elements for a {target.numel()}-byte bucket")
     unit, elements = raw_unit, target.numel() // raw_unit
-    if count > elements or len(raw) != _HEAD.size + count * (4 + unit):
+    size = _HEAD.size + (elements * unit if mode == DENSE else count * (4 + unit))
+    if mode not in (SPARSE, DENSE) or count > elements or len(raw) != size:
         raise DeltaError(f"a delta of {count} elements does not fit a {target.numel()}-byte "
                          "bucket (or is truncated)")
+    view = memoryview(raw)[_HEAD.size:]
+    t = target.view(_UNIT_DTYPES[unit])
+    if mode == DENSE:
+        t ^= _from_planes(view, elements, unit)
+        return count
     if count == 0:
         return 0
-    view = memoryview(raw)[_HEAD.size:]
     gaps = _from_planes(view[:4 * count], count, 4).to(torch.int64)
     xor = _from_planes(view[4 * count:], count, unit)
     if int(gaps.min()) < 1:
@@ -133,7 +157,6 @@ def apply(payload: bytes, target: torch.Tensor, unit: Optional[int] = None) -> i
     positions = torch.cumsum(gaps, 0) - 1
     if int(positions[-1]) >= elements:
         raise DeltaError("a delta position outside its bucket")
-    t = target.view(_UNIT_DTYPES[unit])
     t[positions] = t[positions] ^ xor
     return count
 
