@@ -37,6 +37,7 @@ from laminar_mcore.relay.client import RelayClient, open_lease
 from laminar_mcore.relay.launch import relay_process
 from laminar_mcore.relay.rendezvous import (RendezvousRefused, join_publish_session, relay_proof)
 from laminar_mcore.relay.server import RelayConfig
+from laminar_mcore.weights.delta import digest
 from laminar_mcore.weights.bucket import SHM_DIR, layout, write_bucket
 from laminar_mcore.weights.transport import Channel, stage_group
 
@@ -155,11 +156,17 @@ def _publish(port, version, token=TOKEN, chunk=4096):
         metas, nbytes = layout(named)
         buf = torch.zeros(nbytes, dtype=torch.uint8)
         write_bucket(buf, named, metas)
+        channel.send_header({"type": "version", "version": version, "stage": 0,
+                             "num_stages": 1, "base": None})
+        assert channel.recv_header()["accept"]
         channel.send_header({"type": "bucket", "version": version, "stage": 0, "num_stages": 1,
                              "index": 0, "last_of_stage": True, "nbytes": nbytes,
-                             "chunk_bytes": chunk, "metas": [m.to_dict() for m in metas]})
+                             "chunk_bytes": chunk, "metas": [m.to_dict() for m in metas],
+                             "encoding": "full", "digest": digest(buf), "payload_bytes": nbytes})
         for off in range(0, nbytes, chunk):
             channel.send(buf[off:off + chunk])
+        channel.send_header({"type": "end"})
+        assert channel.recv_header() == {"need": [], "failed": False}
         channel.send_header({"type": "close"})
         channel.flush()
     finally:

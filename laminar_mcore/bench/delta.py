@@ -102,9 +102,11 @@ def worker(args) -> dict:
         _wait(lambda: len(_get(master_url, "/chain")["chain"]) == 2, 120, "the chain")
         port = int(procs[0].wait_printed("LAMINAR_RELAY_PUBLISH_PORT"))
         cfg = qwen2_config(layers=args.layers)
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(cfg)
-        initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        def initial_model():  # the same starting weights for every rate (no copy kept)
+            torch.manual_seed(0)
+            return Qwen2ForCausalLM(cfg)
+
+        model = initial_model()
         params = sum(p.numel() for p in model.parameters())
         print(f"[bench.delta] Qwen2 shape, {args.layers} layers: {params / 1e9:.3f} B "
               f"parameters, {2 * params / 1e9:.2f} GB in bf16", flush=True)
@@ -154,9 +156,13 @@ def worker(args) -> dict:
         pub = make("on")
         runs: Dict[float, dict] = {}
         g = torch.Generator().manual_seed(1)
-        for lr in args.lrs:
-            model.load_state_dict(initial)
-            opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        for i, lr in enumerate(args.lrs):
+            if i:
+                del opt
+                model = None
+                model = initial_model()
+            # fused: no temporaries the size of the model (this machine has 24 GB)
+            opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=True)
             publish(pub)  # this rate's starting weights: the base of its first step
             rows = []
             for step in range(args.steps):

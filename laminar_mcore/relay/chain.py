@@ -130,6 +130,7 @@ def serve_push(conn: socket.socket, store: VersionStore, owner: str, token: str,
         send_frame(conn, {"accept": False, "busy": isinstance(exc, BusyError),
                           "have": store.latest_version, "reason": str(exc)})
         return None
+    store.pin(sv)  # its buffers stay this push's while it writes them, even if it fails
     send_frame(conn, {"accept": True, "have": store.latest_version})
     try:
         buckets: Dict[Tuple[int, int], StoredBucket] = {}
@@ -141,6 +142,7 @@ def serve_push(conn: socket.socket, store: VersionStore, owner: str, token: str,
                 key = tuple(frame["key"])
                 nbytes = int(frame["nbytes"])
                 if frame.get("resend") and key in buckets:
+                    note("resent", nbytes, nbytes)
                     continue  # its chunks follow
                 delta = None
                 if frame.get("encoding") == "delta":
@@ -148,10 +150,15 @@ def serve_push(conn: socket.socket, store: VersionStore, owner: str, token: str,
                     if not 0 < length <= nbytes * 5 + 64:
                         raise ConnectionError("a delta of implausible length")
                     delta = _recv_exact(conn, length)
-                buckets[key] = store.add_bucket(
-                    sv, key, nbytes, metas_from_dicts(frame["metas"]),
-                    bool(frame["last_of_stage"]), digest=frame.get("digest"), delta=delta,
-                    base_version=frame.get("base_version") if delta is not None else None)
+                try:
+                    buckets[key] = store.add_bucket(
+                        sv, key, nbytes, metas_from_dicts(frame["metas"]),
+                        bool(frame["last_of_stage"]), digest=frame.get("digest"), delta=delta,
+                        base_version=frame.get("base_version") if delta is not None else None)
+                except VersionError:
+                    if sv.failed:  # superseded, or no room: read the rest, keep nothing
+                        continue
+                    raise
                 if delta is None:
                     note("full", nbytes, nbytes)
                 elif store.rebuild(sv, buckets[key]):
@@ -160,8 +167,15 @@ def serve_push(conn: socket.socket, store: VersionStore, owner: str, token: str,
                     need.append(list(key))
                     note("fallback", nbytes, len(delta))
             elif kind == "chunk":
-                bucket = buckets[tuple(frame["key"])]
                 start, length = int(frame["offset"]), int(frame["length"])
+                bucket = buckets.get(tuple(frame["key"]))
+                if bucket is None and sv.failed:
+                    if not 0 <= length <= 2**31:
+                        raise ConnectionError("a chunk of implausible length")
+                    _recv_exact(conn, length)  # superseded meanwhile: drop it
+                    continue
+                if bucket is None:
+                    raise ConnectionError("a chunk of a bucket that was not announced")
                 if start < 0 or start + length > bucket.nbytes:
                     raise ConnectionError("chunk outside its bucket")
                 recv_into(conn, memoryview(_np_view(bucket))[start:start + length])
@@ -181,6 +195,8 @@ def serve_push(conn: socket.socket, store: VersionStore, owner: str, token: str,
     except BaseException as exc:
         store.fail(sv, f"push broken: {exc}")
         raise
+    finally:
+        store.unpin(sv)
 
 
 # ---------------------------------------------------------------------- pushing (TCP)
@@ -424,9 +440,16 @@ def receive_publishes(channel, store: VersionStore, stop: threading.Event,
     full, delta or fallback). If the stream breaks (the trainer died mid-publish) the version
     it was sending is failed: a pull never sees part of it, and the restarted trainer sends a
     newer one whole."""
-    sv = None
+    sv = pinned = None  # the version being received; pinned while this thread writes it
     need = []
     note = on_bucket or (lambda outcome, full, got: None)
+
+    def let_go():
+        nonlocal pinned
+        if pinned is not None:
+            store.unpin(pinned)  # (a version failed meanwhile gives its buffers back now)
+            pinned = None
+
     try:
         while not stop.is_set():
             header = channel.recv_header()
@@ -434,6 +457,7 @@ def receive_publishes(channel, store: VersionStore, stop: threading.Event,
             if kind == "close":
                 return
             if kind == "version":
+                let_go()
                 sv, need = None, []
                 try:
                     sv = store.begin(int(header["version"]), int(header["num_stages"]),
@@ -441,27 +465,32 @@ def receive_publishes(channel, store: VersionStore, stop: threading.Event,
                 except VersionError as exc:
                     channel.send_header({"accept": False, "reason": str(exc)})
                     continue
+                store.pin(sv)
+                pinned = sv
                 base = header.get("base")
                 channel.send_header({"accept": True, "base_ok": base is not None and store.holds(
                     int(base), int(header["stage"]))})
                 continue
             if kind == "end":
-                channel.send_header({"need": need})
+                failed = sv is None or bool(sv.failed)  # refused or broken mid-way
+                channel.send_header({"need": [] if failed else need, "failed": failed})
                 need = []
-                if sv is not None and store.try_complete(sv):
+                if sv is not None and not sv.complete and store.try_complete(sv):
                     on_version(sv.version)
-                    sv = None
+                if sv is None or sv.failed or sv.complete:
+                    let_go()
                 continue
             if kind != "bucket":
                 raise ConnectionError(f"unknown publish frame {kind!r}")
             sv = _receive_bucket(channel, store, sv, header, need, note)
-            if sv is not None and store.try_complete(sv):
+            if sv is not None and not sv.complete and store.try_complete(sv):
                 on_version(sv.version)
-                sv = None
     except BaseException:
         if sv is not None and not sv.complete:
             store.fail(sv, "the trainer's publish stream broke")
         raise
+    finally:
+        let_go()
 
 
 def _receive_bucket(channel, store: VersionStore, sv: Optional[StoredVersion], header: dict,
@@ -480,7 +509,7 @@ def _receive_bucket(channel, store: VersionStore, sv: Optional[StoredVersion], h
         raw = torch.empty(payload_bytes, dtype=torch.uint8)
         for start in range(0, payload_bytes, chunk):  # in the sender's chunks
             channel.recv_into(raw[start:min(payload_bytes, start + chunk)])
-        payload = raw.numpy().tobytes()
+        payload = memoryview(raw.numpy())
     try:
         if header.get("resend") and key in sv.buckets:
             bucket = sv.buckets[key]
@@ -503,7 +532,7 @@ def _receive_bucket(channel, store: VersionStore, sv: Optional[StoredVersion], h
         end = min(nbytes, start + chunk)
         channel.recv_into(bucket.shm.buffer[start:end])
         store.progress(sv, bucket, end)
-    note("full", nbytes, nbytes)
+    note("resent" if header.get("resend") else "full", nbytes, nbytes)
     return sv
 
 

@@ -24,7 +24,7 @@ from .store import StoredVersion
 FAULTS = ("downstream_failed", "failure_reported", "relay_lost")  # + the store's version_failed
 RECOVERIES = ("rechained", "promoted", "master_changed")
 REBUILD_REASONS = ("register", "failure", "promotion")
-BUCKET_OUTCOMES = ("full", "delta", "fallback")
+BUCKET_OUTCOMES = ("full", "delta", "fallback", "resent")
 
 
 class RelayBooks:
@@ -47,8 +47,8 @@ class RelayBooks:
         self.rebuilds: Dict[str, int] = dict.fromkeys(REBUILD_REASONS, 0)
         self.faults: Dict[str, int] = dict.fromkeys(FAULTS, 0)
         self.recoveries: Dict[str, int] = dict.fromkeys(RECOVERIES, 0)
-        # buckets received, by how: whole, as a delta rebuilt here, or a delta that did not
-        # rebuild (fetched whole again); and the bytes that crossed the wire for them
+        # buckets received, by how: whole, as a delta rebuilt here, a delta that did not
+        # rebuild, and sent again whole after one; and the bytes that crossed the wire
         self.buckets: Dict[str, int] = dict.fromkeys(BUCKET_OUTCOMES, 0)
         self.wire_bytes = 0
 
@@ -131,7 +131,8 @@ class RelayBooks:
                     nbytes["upstream"]),
             hist["receive"],
             counter(p + "buckets_received", "Buckets received, by how: full (whole), delta "
-                    "(rebuilt here from a delta), fallback (a delta that did not rebuild)",
+                    "(rebuilt here from a delta), fallback (a delta that did not rebuild), "
+                    "resent (sent again whole after a fallback)",
                     None, labels=buckets, label="outcome"),
             counter(p + "wire_bytes", "Bytes received on the wire (a delta counts as sent)",
                     wire_bytes),

@@ -316,7 +316,7 @@ class RelayServer(MasterRelay):
         (``weights.delta.digest``, in pull order), and those the trainer sent with them: equal
         lists mean this relay serves the version bit for bit (``bench.delta`` checks it)."""
         read_query(request, NO_QUERY)
-        held = self.store.lease_latest(ttl_s=120.0)
+        held = self.store.lease_latest()  # the relay's lease TTL (hashing takes a while)
         if held is None:
             return web.json_response({"version": None, "digests": [], "trainer": []})
         lease_id, sv = held

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 from ..weights.bucket import SHM_DIR, ShmBucket, TensorMeta
-from ..weights.delta import DeltaError, apply as apply_delta, digest as bucket_digest
+from ..weights.delta import apply as apply_delta, digest as bucket_digest
 
 BucketKey = Tuple[int, int]
 logger = logging.getLogger(__name__)
@@ -239,6 +239,9 @@ class VersionStore:
         with self.cond:
             if key in sv.buckets:
                 raise ValueError(f"bucket {key} of version {sv.version} arrived twice")
+            if sv.failed:  # superseded or broken meanwhile: its buffers may be reused already
+                raise VersionError(f"version {sv.version} is no longer received "
+                                   f"({sv.failed})")
             pool = self._pool.get(nbytes)
             shm = pool.pop() if pool else None
             if shm is None:
@@ -261,8 +264,11 @@ class VersionStore:
                 logger.error("%s", refused)
                 raise refused from None
         with self.cond:
-            if key in sv.buckets:
+            if key in sv.buckets or sv.failed:
                 self._pool.setdefault(nbytes, []).append(shm)
+                if sv.failed:
+                    raise VersionError(f"version {sv.version} is no longer received "
+                                       f"({sv.failed})")
                 raise ValueError(f"bucket {key} of version {sv.version} arrived twice")
             bucket = StoredBucket(key, shm, metas, nbytes, last_of_stage=last_of_stage,
                                   digest=digest, delta=delta, base_version=base_version)
@@ -295,7 +301,7 @@ class VersionStore:
             bucket.shm.buffer.copy_(held.shm.buffer)
             apply_delta(bucket.delta, bucket.shm.buffer)
             ok = bucket.digest is not None and bucket_digest(bucket.shm.buffer) == bucket.digest
-        except DeltaError as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure: the bucket is fetched whole
             logger.warning("bucket %s of version %d: %s", bucket.key, sv.version, exc)
             ok = False
         finally:
@@ -319,6 +325,8 @@ class VersionStore:
         with self.cond:
             if sv.complete:
                 return True
+            if sv.failed:
+                return False
             if len(sv.stages_done) < sv.num_stages or any(
                     b.received < b.nbytes for b in sv.buckets.values()):
                 return False

@@ -302,9 +302,11 @@ class WeightPublisher:
             return
         if self._accepted:
             by_index = {item[0]["index"]: item for item in items}
+            failed = False
             for _round in range(2):
                 self.channel.send_header({"type": "end"})
-                need = [int(i) for i in self.channel.recv_header().get("need", [])]
+                answer = self.channel.recv_header()
+                need, failed = [int(i) for i in answer.get("need", [])], answer.get("failed")
                 if not need:
                     break
                 print(f"[publish] stage {self.stage}: the master relay could not rebuild "
@@ -314,7 +316,10 @@ class WeightPublisher:
                     self._send(by_index[index], whole=True)
             self.channel.flush()
             self.encoder.end([item[0]["index"] for item in items])
-            self.sent_stats = dict(self._tally)
+            if failed:  # the relay dropped it mid-way (no room, or a newer one won)
+                self.encoder.forget()
+            else:
+                self.sent_stats = dict(self._tally)
         else:
             self.encoder.forget()
 

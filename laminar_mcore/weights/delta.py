@@ -114,7 +114,9 @@ def encode_counted(new: torch.Tensor, base: torch.Tensor, unit: int = 2,
         parts = [_HEAD.pack(count, unit, DENSE), _planes(a ^ b, unit)]
     else:
         positions = torch.nonzero(changed).flatten()
-        gaps = torch.diff(positions, prepend=positions.new_tensor([-1])).to(torch.int32)
+        # gaps are < 2**32 (_MAX_ELEMENTS); stored as uint32 bits (int32 in torch)
+        gaps = (torch.diff(positions, prepend=positions.new_tensor([-1])) & 0xFFFFFFFF).to(
+            torch.int32)
         parts = [_HEAD.pack(count, unit, SPARSE), _planes(gaps, 4),
                  _planes(a[positions] ^ b[positions], unit)]
     raw = torch.cat([torch.frombuffer(bytearray(parts[0]), dtype=torch.uint8), *parts[1:]])
@@ -128,6 +130,11 @@ def apply(payload: bytes, target: torch.Tensor, unit: Optional[int] = None) -> i
     delta's own). Raises ``DeltaError`` on anything malformed before writing a byte."""
     limit = _HEAD.size + target.numel() * 5  # the most any delta of this bucket decodes to
     try:
+        # a frame that states its size is decompressed whole whatever max_output_size says
+        stated = zstandard.frame_content_size(payload)
+        if stated > limit:
+            raise DeltaError(f"a delta that decompresses to {stated} bytes cannot be for a "
+                             f"{target.numel()}-byte bucket")
         raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=limit)
     except zstandard.ZstdError as exc:
         raise DeltaError(f"not a {CODEC} delta: {exc}") from None
@@ -150,7 +157,7 @@ def apply(payload: bytes, target: torch.Tensor, unit: Optional[int] = None) -> i
         return count
     if count == 0:
         return 0
-    gaps = _from_planes(view[:4 * count], count, 4).to(torch.int64)
+    gaps = _from_planes(view[:4 * count], count, 4).to(torch.int64) & 0xFFFFFFFF
     xor = _from_planes(view[4 * count:], count, unit)
     if int(gaps.min()) < 1:
         raise DeltaError("a delta whose positions do not increase")
