@@ -19,7 +19,8 @@ equal the trainer's. Figures (flat JSON): ``changed_fraction``, ``delta_bytes_ra
 bytes / bytes sent), ``delta_bit_exact``, ``publish_s_full``, ``publish_s_delta`` (medians,
 from ``publish`` until the far relay holds the version), ``publish_speedup``,
 ``encode_gb_per_s`` (bytes compared, encoded and hashed per second of the stage lead's sender
-thread); the same per rate with a ``_lr<rate>`` suffix; the unsuffixed ones are the first rate's.
+thread), ``rebuild_gb_per_s`` (a relay's copy, apply and digest check of one bucket); the same
+per rate with a ``_lr<rate>`` suffix; the unsuffixed ones are the first rate's.
 """
 
 from __future__ import annotations
@@ -137,7 +138,8 @@ def worker(args) -> dict:
             return seconds
 
         def make(delta: str):
-            pub = WeightPublisher(model, cfg, relay_host=args.master_host, publish_port=port,
+            # no model: it publishes the tensors it is given (and holds no reference to them)
+            pub = WeightPublisher(None, cfg, relay_host=args.master_host, publish_port=port,
                                   bucket_bytes=args.bucket_mb * 2**20, chunk_bytes=16 * 2**20,
                                   dtype=torch.bfloat16, token=TOKEN, delta=delta,
                                   anchor_interval=10_000)
@@ -171,7 +173,11 @@ def worker(args) -> dict:
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+                last = i == 0 and step == args.steps - 1
+                base0 = pub.encoder._base[0].clone() if last else None
                 seconds = publish(pub)
+                if last:
+                    rebuild = _rebuild_rate(base0, pub.packer.last_buckets[0].buffer)
                 rows.append(dict(pub.sent_stats, seconds=seconds, loss=float(loss)))
                 s = rows[-1]
                 print(f"[bench.delta] lr {lr:g} step {step + 1}: loss {s['loss']:.3f}, "
@@ -191,7 +197,7 @@ def worker(args) -> dict:
                 / max(sum(r["buckets"] for r in rows), 1)}
         pub.close()
         publishers.remove(pub)
-        return {"params": params, "full_bytes": full_bytes,
+        return {"params": params, "full_bytes": full_bytes, "rebuild_gb_per_s": rebuild,
                 "publish_s_full": statistics.median(full_s), "delta_bit_exact": exact,
                 "runs": {repr(lr): r for lr, r in runs.items()}}
     finally:
@@ -200,6 +206,24 @@ def worker(args) -> dict:
         destroy_trainer_parallel()
         for p in procs:
             p.stop()
+
+
+def _rebuild_rate(base: torch.Tensor, new: torch.Tensor, repeats: int = 3) -> float:
+    """GB/s of what a relay does per bucket that arrives as a delta (``VersionStore.rebuild``):
+    copy the base, apply the delta, check the digest -- on one bucket of the run, best of
+    ``repeats``."""
+    from ..weights.delta import apply, digest, encode
+
+    payload, want = encode(new, base), digest(new)
+    target = torch.empty_like(base)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.copy_(base)
+        apply(payload, target)
+        assert digest(target) == want
+        best = min(best, time.perf_counter() - start)
+    return base.numel() / best / 1e9
 
 
 # ------------------------------------------------------------------------------ the hosts
@@ -313,7 +337,8 @@ def _figures(result: dict, args, link: Optional[float]) -> dict:
                "publish_s_full": round(result["publish_s_full"], 3),
                "publish_s_delta": round(first["publish_s_delta"], 3),
                "publish_speedup": round(result["publish_s_full"] / first["publish_s_delta"], 2),
-               "encode_gb_per_s": round(first["encode_gb_per_s"], 3)}
+               "encode_gb_per_s": round(first["encode_gb_per_s"], 3),
+               "rebuild_gb_per_s": round(result["rebuild_gb_per_s"], 3)}
     for lr in args.lrs:
         run = result["runs"][repr(lr)]
         tag = f"_lr{lr:g}"
