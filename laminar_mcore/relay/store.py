@@ -277,23 +277,34 @@ class VersionStore:
             self.cond.notify_all()
             return bucket
 
+    def _base(self, version: int, stage: int) -> Optional[StoredVersion]:
+        """``version`` if it can be the base of ``stage``'s deltas: the newest complete one, or
+        one still arriving whose ``stage`` part is complete (another pipeline stage may still
+        be sending it when this one moves on to the next version). Call under ``cond``."""
+        if self.latest is not None and self.latest.version == version:
+            return self.latest
+        sv = self.receiving.get(version)
+        if sv is not None and not sv.failed and stage in sv.stages_done and all(
+                b.received >= b.nbytes for k, b in sv.buckets.items() if k[0] == stage):
+            return sv
+        return None
+
     def holds(self, version: int, stage: int) -> bool:
-        """Whether ``version`` is the newest complete one here and holds ``stage``'s buckets
-        (a delta of the next version can be rebuilt against it)."""
+        """Whether a delta of ``stage``'s buckets against ``version`` can be rebuilt here."""
         with self.cond:
-            return (self.latest is not None and self.latest.version == version
-                    and any(k[0] == stage for k in self.latest.buckets))
+            base = self._base(version, stage)
+            return base is not None and any(k[0] == stage for k in base.buckets)
 
     def rebuild(self, sv: StoredVersion, bucket: StoredBucket) -> bool:
         """Fill ``bucket`` (added with its ``delta``, ``base_version`` and ``digest``) from the
-        same bucket of the base version, which must be the newest complete one here, and mark
-        it received. False -- nothing marked -- when the base is not held, its bucket has
-        another layout, the delta is malformed or the result's digest differs: the caller gets
-        the bucket whole instead."""
+        same bucket of the base version (``_base``: the newest complete one here, or one whose
+        pipeline stage has fully arrived), and mark it received. False -- nothing marked --
+        when the base is not held, its bucket has another layout, the delta is malformed or
+        the result's digest differs: the caller gets the bucket whole instead."""
         with self.cond:
-            base = self.latest
-            held = base.buckets.get(bucket.key) if base is not None and \
-                base.version == bucket.base_version else None
+            base = self._base(bucket.base_version, bucket.key[0]) \
+                if bucket.base_version is not None else None
+            held = base.buckets.get(bucket.key) if base is not None else None
             if held is None or held.nbytes != bucket.nbytes or held.metas != bucket.metas:
                 return False
             base.leases += 1  # pinned: its buffer is read outside the lock

@@ -79,16 +79,16 @@ MODELS: Dict[str, dict] = {
 BYTES_PER_PARAM = 2  # BF16 weights in the engines, in the relays and on the wire
 
 # Delta publication (weights/delta.py): a version travels as the changed bf16 positions
-# (gap-coded) and their new bits XOR the old (zstd). These are measured by
-# `python -m laminar_mcore.bench.delta` (keys delta_bytes_ratio, encode_gb_per_s) and will be
-# updated with its figures. Until then: bytes_ratio (full bytes / delta bytes) is the issue's
-# assumption; encode_bytes_s (full bytes per second one stage lead encodes: weights.delta.encode)
-# and apply_bytes_s (full bytes per second one relay rebuilds: copy the base bucket, decompress,
-# apply, SHA-256 verify -- relay/store.py rebuild) are what one stream of that code did on a
-# 128 MiB bf16 bucket with 4% of its elements changed (ratio 65) on the 2-core development VM:
-# 0.64 and 0.64 GB/s (SHA-256 alone 1.5 GB/s). One stream each: a stage lead encodes and a relay
-# rebuilds its buckets one after another.
-DELTA = {"bytes_ratio": 50.0, "encode_bytes_s": 0.6e9, "apply_bytes_s": 0.6e9}
+# (gap-coded) and their bits XOR the old (zstd). Measured by `python -m laminar_mcore.bench.delta`
+# (2026-11-24, Qwen2-0.5B shape, AdamW at lr 1e-6 for 10 steps, the 2-core development VM):
+# bytes_ratio = delta_bytes_ratio 93.6 (1.6% of the elements changed per step); encode_bytes_s
+# = encode_gb_per_s 0.51 GB/s (a stage lead compares, encodes and hashes its buckets in its
+# sender thread, beside training and two relays on two cores); apply_bytes_s =
+# rebuild_gb_per_s 6.2 GB/s (a relay copies the base bucket, applies the delta and checks its
+# XXH3 digest). host_bytes_s: what a many-core host's memory allows either to reach with the
+# work spread over its cores (one pass of ~100 GB/s), for the *_at_memory_bandwidth figures.
+DELTA = {"bytes_ratio": 93.6, "encode_bytes_s": 0.51e9, "apply_bytes_s": 6.2e9,
+         "host_bytes_s": 100e9}
 BUCKET_BYTES = 512 * 2**20  # weight_sync.bucket_mb: the unit the publish pipelines over
 
 # MoE shapes for the weight-sync figures (bf16, BYTES_PER_PARAM): total and active parameters,
@@ -124,7 +124,7 @@ def relay_sync_stages(params: float, relays: int, delta: bool, pp: int = 16,
       not the rebuilt bucket. Its throughput part C = k (W/k t_byte + t_start) is a stage; its
       fill (p - 2)(W/k t_byte + t_start) is latency;
     * rebuild A = B / apply_bytes_s: every relay rebuilds every bucket (copy the base,
-      decompress, apply, SHA-256 verify), all relays at once (delta only).
+      decompress, apply, verify its digest), all relays at once (delta only).
 
     total = max(E, P, C, A) + one bucket through encode, publish and rebuild
             (b / encode_bytes_s + (b / ratio) / publish_bytes_s + b / apply_bytes_s)

@@ -158,12 +158,17 @@ def table(results: List[dict], models: List[str]) -> Dict[str, object]:
 def weight_sync_figures() -> Dict[str, float]:
     """Weight sync through the relay tier with and without delta publication, for the MoE
     shapes of ``costs.MOE_MODELS`` (``costs.relay_sync_seconds``): ``sync_s_235b``,
-    ``sync_s_235b_full``, ``sync_s_1t``, ``sync_s_1t_full``, ``delta_bytes_ratio_assumed``."""
+    ``sync_s_235b_full``, ``sync_s_1t``, ``sync_s_1t_full``, ``sync_s_*_at_memory_bandwidth``,
+    ``delta_bytes_ratio_assumed``."""
     figures: Dict[str, float] = {}
     for name, m in MOE_MODELS.items():
         for delta, suffix in ((True, ""), (False, "_full")):
             figures[f"sync_s_{name}{suffix}"] = round(relay_sync_seconds(
                 m["params"], m["relays"], delta, pp=m["trainer_pp"]), 3)
+        # encode and rebuild spread over a host's cores, up to its memory bandwidth
+        figures[f"sync_s_{name}_at_memory_bandwidth"] = round(relay_sync_seconds(
+            m["params"], m["relays"], True, pp=m["trainer_pp"],
+            encode_bytes_s=DELTA["host_bytes_s"], apply_bytes_s=DELTA["host_bytes_s"]), 3)
     figures["delta_bytes_ratio_assumed"] = DELTA["bytes_ratio"]
     return figures
 
