@@ -27,6 +27,8 @@ def test_train_job_runs_and_keeps_the_books(tmp_path, mode):
     transport = "mooncake" if mode == "laminar" and _mooncake_available() else "shm"
     extra = (["weight_sync.mooncake_protocol=tcp", "weight_sync.engine_transport=mooncake"]
              if transport == "mooncake" else [])
+    if mode == "laminar":  # bf16 weights: published as deltas (weight_sync.delta=auto)
+        extra.append("model.dtype=bf16")
     out = subprocess.run(
         [sys.executable, "-m", "laminar_mcore.launch", "experiment=cpu_reverse", f"mode={mode}",
          "output_dir=out",
@@ -50,6 +52,14 @@ def test_train_job_runs_and_keeps_the_books(tmp_path, mode):
         assert summary["max_staleness_observed"] == 0  # generate, train, sync: never stale
     records = [json.loads(l) for l in (tmp_path / "out" / "e2e" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3]
+    sent = [r for r in records if r["kind"] == "train" and "weights_sent_bytes" in r]
+    assert [r["weights_version_sent"] for r in sent] == [1, 2]  # the last one sent, each step
+    if mode == "laminar":  # version 1 whole (the first), version 2 a delta, pulled by engines
+        assert sent[0]["weights_sent_bytes"] == sent[0]["weights_full_bytes"]
+        assert sent[1]["weights_delta_buckets"] >= 1
+        assert sent[1]["weights_sent_bytes"] < sent[1]["weights_full_bytes"] / 10
+    else:  # fp32: auto leaves deltas off
+        assert all(r["weights_sent_bytes"] == r["weights_full_bytes"] for r in sent)
     # evaluated before, at step 2 (trainer.eval_interval) on weights of version >= 2, and after
     evals = {r["step"]: r for r in records if r["kind"] == "eval"}
     assert sorted(evals) == [0, 2, 3], evals
