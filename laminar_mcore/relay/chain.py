@@ -131,8 +131,8 @@ def serve_push(conn: socket.socket, store: VersionStore, owner: str, token: str,
                           "have": store.latest_version, "reason": str(exc)})
         return None
     store.pin(sv)  # its buffers stay this push's while it writes them, even if it fails
-    send_frame(conn, {"accept": True, "have": store.latest_version})
     try:
+        send_frame(conn, {"accept": True, "have": store.latest_version})
         buckets: Dict[Tuple[int, int], StoredBucket] = {}
         need = []
         while True:
@@ -473,11 +473,12 @@ def receive_publishes(channel, store: VersionStore, stop: threading.Event,
                 continue
             if kind == "end":
                 failed = sv is None or bool(sv.failed)  # refused or broken mid-way
-                channel.send_header({"need": [] if failed else need, "failed": failed})
+                asked = [] if failed else need
+                channel.send_header({"need": asked, "failed": failed})
                 need = []
                 if sv is not None and not sv.complete and store.try_complete(sv):
                     on_version(sv.version)
-                if sv is None or sv.failed or sv.complete:
+                if not asked:  # this stage writes no more of it (another may still be)
                     let_go()
                 continue
             if kind != "bucket":

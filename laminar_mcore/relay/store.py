@@ -368,9 +368,11 @@ class VersionStore:
                 self.cond.notify_all()
 
     def _drop(self, sv: StoredVersion) -> None:
-        self.receiving.pop(sv.version, None)
+        if self.receiving.get(sv.version) is sv:
+            del self.receiving[sv.version]
         sv.failed = sv.failed or "superseded"
-        self.retired.append(sv)
+        if not any(v is sv for v in self.retired):  # (failed twice: listed once)
+            self.retired.append(sv)
         self._recycle()
 
     def _recycle(self) -> None:
