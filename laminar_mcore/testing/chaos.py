@@ -37,6 +37,10 @@ from ..netutil import TOKEN_ENV
 
 KINDS = ("engine", "relay", "master_relay", "trainer")
 # the controller's ``fault`` record that says a kind has recovered
+# A relay process younger than this is not chosen: after the master relay's kill, its node's
+# supervisor restarts the relay while the election has already counted as the recovery, and a
+# kill in those seconds would hit a relay that has not finished starting (restart_failed).
+MIN_RELAY_AGE_S = 8.0
 RECOVERED = {"engine": ("engine", "serving"), "engine_hang": ("engine", "serving"),
              "relay": ("relay", "restarted"),
              "master_relay": ("master_relay", ("elected", "restarted")),
@@ -137,6 +141,13 @@ def _relay_health(p: psutil.Process) -> Optional[dict]:
     return None
 
 
+def _age_s(p: psutil.Process) -> float:
+    try:
+        return time.time() - p.create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return 0.0
+
+
 def find_victim(root_pid: int, kind: str, rng) -> Optional[psutil.Process]:
     """A live process of ``kind`` under ``root_pid`` (chosen with ``rng`` among several)."""
     candidates = []
@@ -145,6 +156,8 @@ def find_victim(root_pid: int, kind: str, rng) -> Optional[psutil.Process]:
         if kind in ("engine", "engine_hang") and "laminar_mcore.rollout.cpu_engine" in cmd:
             candidates.append(p)
         elif kind in ("relay", "master_relay") and "-m laminar_mcore.relay" in cmd:
+            if _age_s(p) < MIN_RELAY_AGE_S:
+                continue  # still being (re)started by its supervisor: not yet a relay to kill
             health = _relay_health(p)
             if health is not None and bool(health.get("master")) == (kind == "master_relay"):
                 p.laminar_health = health
