@@ -14,19 +14,16 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from laminar_mcore.config.schema import WeightSyncConfig
 from laminar_mcore.models.hf import tiny_hf_config
 from laminar_mcore.netutil import TOKEN_ENV
 from laminar_mcore.relay.client import RelayClient, open_lease
-from laminar_mcore.relay.launch import relay_process
-from laminar_mcore.relay.server import RelayConfig
 from laminar_mcore.weights import delta
 from laminar_mcore.weights.bucket import decode_handle
 
 from .conftest import wait_until
-from .test_relay_chain import _get
+from .test_relay_chain import TOKEN as CHAIN_TOKEN, _get, _relay
 
-TOKEN = "run-token"
+TOKEN = CHAIN_TOKEN  # the relays of test_relay_chain._relay
 
 
 def _adam_like(w: torch.Tensor, lr: float, generator) -> torch.Tensor:
@@ -89,12 +86,6 @@ def test_delta_round_trips_bit_for_bit_and_refuses_what_is_malformed():
 
 
 # ---------------------------------------------------------------------------- relays
-def _relay(tmp_path, name, **kw):
-    return relay_process(RelayConfig(TOKEN, relay_id=name, heartbeat_s=0.2,
-                                     weight_sync=WeightSyncConfig(), **kw),
-                         str(tmp_path / f"{name}.log")).start()
-
-
 def _buckets(url):
     """{outcome: count} of a relay's laminar_relay_buckets_received_total, and its wire bytes."""
     with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
@@ -134,7 +125,6 @@ def _corrupt(path):
 
 @pytest.mark.multiprocess
 def test_versions_travel_as_deltas_down_the_chain_bit_for_bit(tmp_path, monkeypatch):
-    from laminar_mcore.models import get_adapter
     from laminar_mcore.parallel import destroy_trainer_parallel, init_trainer_parallel
     from laminar_mcore.trainer.export import iter_stage_hf_tensors
     from laminar_mcore.trainer.model import build_gpt_model
