@@ -86,9 +86,13 @@ def test_convergence_figures_read_time_and_samples_to_target_from_the_evals():
     }
     f = figures_from(results, batch_samples=64)
     assert abs(f["target_accuracy"] - 0.78) < 1e-12
-    assert f["sync_time_to_target_s"] == 80.0 and f["sync_samples_to_target"] == 20 * 64
-    assert f["laminar_time_speedup_vs_sync"] == 80.0 / 20.0  # laminar reached 0.78 at step 10
-    assert f["laminar_sample_efficiency_vs_sync"] == 2.0
+    # sync crossed 0.78 between its evaluations at 40 s (0.70) and 80 s (0.79): 8/9 of the way
+    crossed = 40.0 + 8 / 9 * 40.0
+    assert abs(f["sync_time_to_target_s"] - crossed) < 1e-9
+    assert f["sync_samples_to_target"] == round((10 + 8 / 9 * 10) * 64)
+    # laminar reached 0.78 exactly at its evaluation of step 10 (20 s)
+    assert abs(f["laminar_time_speedup_vs_sync"] - crossed / 20.0) < 1e-9
+    assert abs(f["laminar_sample_efficiency_vs_sync"] - (10 + 8 / 9 * 10) / 10) < 1e-9
     assert f["laminar_time_speedup_vs_one_step"] == 60.0 / 20.0
     assert f["areal_time_to_target_s"] is None and f["laminar_time_speedup_vs_areal"] is None
     assert f["laminar_train_wall_s"] == 60.0
@@ -97,3 +101,43 @@ def test_convergence_figures_read_time_and_samples_to_target_from_the_evals():
     # version 14 measured 14 steps of training)
     results["laminar"]["evals"][2]["version"] = 14
     assert figures_from(results, 64)["laminar_samples_to_target"] == 14 * 64
+
+
+def test_convergence_over_seeds_reports_medians_and_spreads():
+    """Three seeds' figures: each key is the median, the ratios and times to target also get
+    _median, _min, _max and how many seeds reached the target (a seed that did not is left
+    out of the spread)."""
+    from laminar_mcore.bench.convergence import over_seeds
+
+    seeds = [{"laminar_time_speedup_vs_sync": 1.2, "sync_time_to_target_s": 30.0,
+              "laminar_final_accuracy": 0.70, "target_accuracy": 0.68},
+             {"laminar_time_speedup_vs_sync": 1.9, "sync_time_to_target_s": 40.0,
+              "laminar_final_accuracy": 0.72, "target_accuracy": 0.69},
+             {"laminar_time_speedup_vs_sync": None, "sync_time_to_target_s": 35.0,
+              "laminar_final_accuracy": 0.71, "target_accuracy": 0.70}]
+    f = over_seeds(seeds)
+    assert f["seeds"] == 3
+    assert f["laminar_time_speedup_vs_sync"] == f["laminar_time_speedup_vs_sync_median"]
+    assert abs(f["laminar_time_speedup_vs_sync"] - 1.55) < 1e-12
+    assert f["laminar_time_speedup_vs_sync_min"] == 1.2
+    assert f["laminar_time_speedup_vs_sync_max"] == 1.9
+    assert f["laminar_time_speedup_vs_sync_seeds"] == 2
+    assert f["sync_time_to_target_s_median"] == 35.0 and f["sync_time_to_target_s_seeds"] == 3
+    assert f["laminar_final_accuracy"] == 0.71 and "laminar_final_accuracy_min" not in f
+    assert over_seeds([{"x": None}, {"x": None}])["x"] is None
+
+
+def test_crossing_interpolates_between_evaluations():
+    """The time to target is where the accuracy crossed it, between the last evaluation below
+    and the first at or above (in wall time), not the next evaluation's time."""
+    from laminar_mcore.bench.common import crossing
+
+    evals = [{"step": 0, "accuracy": 0.4, "wall_s": 0.0},
+             {"step": 10, "accuracy": 0.6, "wall_s": 20.0},
+             {"step": 20, "accuracy": 0.8, "wall_s": 50.0},
+             {"step": 30, "accuracy": 0.7, "wall_s": 70.0}]
+    hit = crossing(evals, 0.75)
+    assert abs(hit["wall_s"] - (20.0 + 0.75 * 30.0)) < 1e-9
+    assert abs(hit["steps"] - 17.5) < 1e-9 and hit["eval"]["step"] == 20
+    assert crossing(evals, 0.3)["wall_s"] == 0.0  # reached at the first evaluation
+    assert crossing(evals, 0.9) is None

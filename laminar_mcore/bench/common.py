@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 
 def report(figures: Dict[str, object], json_path: Optional[str], lines: Dict[str, str]) -> None:
@@ -18,10 +18,25 @@ def report(figures: Dict[str, object], json_path: Optional[str], lines: Dict[str
             json.dump(figures, f, indent=2)
 
 
-def time_to_target(evals: List[dict], target: float) -> Optional[dict]:
-    """The first evaluation (in wall time) at or above ``target``; None if none reached it."""
+def crossing(evals: List[dict], target: float,
+             steps_of: Callable[[dict], float] = lambda e: e["step"]) -> Optional[dict]:
+    """When the accuracy first crossed ``target``, interpolated linearly between the last
+    evaluation below it and the first at or above it (in wall time), so that a time to target
+    is not rounded up to the next evaluation (``trainer.eval_interval``): ``{"wall_s",
+    "steps", "eval"}`` (``eval``: that first evaluation at or above; ``steps`` by
+    ``steps_of``). None if no evaluation reached it; the first evaluation's own time if it
+    did at once."""
     timed = sorted((e for e in evals if e.get("wall_s") is not None), key=lambda e: e["wall_s"])
-    return next((e for e in timed if e["accuracy"] >= target - 1e-12), None)
+    for i, e in enumerate(timed):
+        if e["accuracy"] >= target - 1e-12:
+            if i == 0:
+                return {"wall_s": float(e["wall_s"]), "steps": float(steps_of(e)), "eval": e}
+            b = timed[i - 1]
+            f = (target - b["accuracy"]) / (e["accuracy"] - b["accuracy"])
+            f = min(max(f, 0.0), 1.0)
+            return {"wall_s": b["wall_s"] + f * (e["wall_s"] - b["wall_s"]),
+                    "steps": steps_of(b) + f * (steps_of(e) - steps_of(b)), "eval": e}
+    return None
 
 
 def plot_accuracy(results: Dict[str, dict], target: float, path: str) -> Optional[str]:

@@ -1,7 +1,8 @@
 """Learning, not only throughput: the same task, seed and budget in four modes, side by side.
 
     python -m laminar_mcore.bench.convergence [--modes sync,one_step,areal,laminar]
-        [--steps N] [--target ACC] [--json PATH] [--plot PATH] [override ...]
+        [--steps N] [--target ACC] [--seeds N] [--seed S] [--json PATH] [--plot PATH]
+        [override ...]
 
 Runs ``experiment=cpu_demo`` (the long-tailed reversal task; any further Hydra overrides apply
 to every mode) once per mode with the same seed, prompts, warm-up checkpoint and number of
@@ -18,6 +19,14 @@ ratios favour laminar above 1:
   ``_vs_one_step``);
 * ``laminar_sample_efficiency_vs_sync``: sync's consumed samples to target over laminar's.
 
+Times and samples to target are where the accuracy crossed it, interpolated linearly between
+the evaluations on either side (not rounded up to the next ``trainer.eval_interval``).
+``--seeds N`` (default 3) runs every mode with seeds S, S+1, ... (each its own prompts, warm-up
+and sampling): every key is the median over the seeds, and the ratios above and each mode's
+time to target also come as ``_median``, ``_min``, ``_max`` and ``_seeds`` (how many reached the
+target). ``load_avg_start``, ``load_avg_end`` and ``busy_cores`` (other processes' mean CPU use
+meanwhile) say how quiet the machine was; above 0.25 busy cores the run warns.
+
 A mode that never reaches the target has no time to it: its ratios are null. The plot (accuracy
 against wall time, one curve per mode) goes to ``--plot``.
 """
@@ -25,9 +34,12 @@ against wall time, one curve per mode) goes to ``--plot``.
 from __future__ import annotations
 
 import argparse
-from typing import Dict, Optional
+import os
+import statistics
+import time
+from typing import Dict, List, Optional
 
-from .common import plot_accuracy, report, time_to_target
+from .common import crossing, plot_accuracy, report
 
 MODES = ("sync", "one_step", "areal", "laminar")
 
@@ -41,16 +53,19 @@ def _steps(evaluation: dict) -> int:
 
 def figures_from(results: Dict[str, dict], batch_samples: int,
                  target: Optional[float] = None) -> Dict[str, object]:
-    """The flat JSON of the benchmark from each mode's ``summary.json``."""
+    """The flat JSON of the benchmark from each mode's ``summary.json`` (one seed). Times and
+    samples to target are where the accuracy crossed it, interpolated between evaluations
+    (``common.crossing``)."""
     if target is None:
         target = results["sync"]["final_accuracy"] - 0.02
     figures: Dict[str, object] = {"target_accuracy": target}
     reached = {}
     for mode, s in results.items():
-        hit = time_to_target(s["evals"], target)
+        hit = crossing(s["evals"], target, steps_of=_steps)
         reached[mode] = hit
         figures[f"{mode}_time_to_target_s"] = hit["wall_s"] if hit else None
-        figures[f"{mode}_samples_to_target"] = _steps(hit) * batch_samples if hit else None
+        figures[f"{mode}_samples_to_target"] = (round(hit["steps"] * batch_samples) if hit
+                                                else None)
         figures[f"{mode}_final_accuracy"] = s["final_accuracy"]
         figures[f"{mode}_final_accuracy_greedy"] = s.get("final_accuracy_greedy")
         figures[f"{mode}_tokens_per_s"] = s["trainer_tokens_per_s"]
@@ -68,8 +83,72 @@ def figures_from(results: Dict[str, dict], batch_samples: int,
     if "sync" in results and "laminar" in results:
         hit = reached["sync"]
         figures["laminar_sample_efficiency_vs_sync"] = (
-            _steps(hit) / _steps(lam) if hit and lam and _steps(lam) > 0 else None)
+            hit["steps"] / lam["steps"] if hit and lam and lam["steps"] > 0 else None)
     return figures
+
+
+# the figures reported with their spread over seeds (<key>_median, _min, _max; <key> is the
+# median)
+SPREAD = ("laminar_time_speedup_vs_sync", "laminar_time_speedup_vs_one_step",
+          "laminar_time_speedup_vs_areal", "laminar_sample_efficiency_vs_sync")
+
+
+def over_seeds(per_seed: List[Dict[str, object]]) -> Dict[str, object]:
+    """One flat object from each seed's ``figures_from``: every numeric key is the median over
+    the seeds that have it (null where none does), and the keys of ``SPREAD`` and each mode's
+    time to target also get ``_median``, ``_min`` and ``_max``. A seed in which a mode never
+    reached the target counts as null for its ratios: the spread is over the seeds that did,
+    and ``<key>_seeds`` says how many."""
+    out: Dict[str, object] = {"seeds": len(per_seed)}
+    keys = [k for k in per_seed[0]]
+    for key in keys:
+        values = [f.get(key) for f in per_seed]
+        numbers = [float(v) for v in values if isinstance(v, (int, float))
+                   and not isinstance(v, bool)]
+        if not numbers:
+            out[key] = values[0] if all(v == values[0] for v in values) else None
+            continue
+        out[key] = statistics.median(numbers)
+        if key in SPREAD or key.endswith("_time_to_target_s"):
+            out[f"{key}_median"] = out[key]
+            out[f"{key}_min"], out[f"{key}_max"] = min(numbers), max(numbers)
+            out[f"{key}_seeds"] = len(numbers)
+    return out
+
+
+class BusyWatch:
+    """Whether something else used the machine while the benchmark ran: the CPU time that
+    processes outside this one's tree spent meanwhile (psutil; one that exited meanwhile is
+    missed), as ``busy_cores`` (their mean use in cores), with the load average at the start
+    and the end."""
+
+    def __init__(self):
+        import psutil
+
+        self.psutil = psutil
+        self.load_start = os.getloadavg()[0]
+        self._cpu, self._t0 = self._others(), time.time()
+
+    def _others(self) -> float:
+        ps = self.psutil
+        me = ps.Process()
+        mine = {me.pid} | {c.pid for c in me.children(recursive=True)}
+        total = 0.0
+        for proc in ps.process_iter(["pid"]):
+            if proc.info["pid"] in mine:
+                continue
+            try:
+                t = proc.cpu_times()
+                total += t.user + t.system
+            except (ps.NoSuchProcess, ps.AccessDenied, ps.ZombieProcess):
+                pass
+        return total
+
+    def result(self) -> Dict[str, float]:
+        elapsed = max(time.time() - self._t0, 1e-9)
+        busy = max(self._others() - self._cpu, 0.0) / elapsed
+        return {"load_avg_start": round(self.load_start, 2),
+                "load_avg_end": round(os.getloadavg()[0], 2), "busy_cores": round(busy, 2)}
 
 
 def main(argv=None) -> dict:
@@ -86,6 +165,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--save-reference", action="store_true",
                     help="store the result as the figure make demo compares with "
                          "(laminar_mcore/bench/cpu_demo_reference.json)")
+    ap.add_argument("--seeds", type=int, default=3,
+                    help="runs of every mode, seeds SEED, SEED+1, ... (default 3): the figures "
+                         "are medians, with _min and _max")
+    ap.add_argument("--seed", type=int, default=None, help="the first seed (default: the "
+                                                           "experiment's)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides applied to every mode")
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
@@ -94,6 +178,8 @@ def main(argv=None) -> dict:
         ap.error(f"unknown modes {unknown}: choose from {', '.join(MODES)}")
     if args.target is None and "sync" not in modes:
         ap.error("without sync in --modes give --target")
+    if args.seeds < 1:
+        ap.error("--seeds must be >= 1")
 
     from hydra import compose, initialize_config_dir
 
@@ -102,20 +188,39 @@ def main(argv=None) -> dict:
     from ..launch.train import run_train
 
     register_configs()
-    results: Dict[str, dict] = {}
-    for mode in modes:
-        overrides = ["experiment=cpu_demo", f"mode={mode}", f"output_dir={args.output_dir}",
-                     f"run_name=convergence/{mode}", *args.overrides]
-        if args.steps is not None:
-            overrides.append(f"trainer.total_steps={args.steps}")
-        with initialize_config_dir(config_dir=conf_dir(), version_base=None):
-            cfg = compose(config_name="config", overrides=overrides)
-        validate_config(cfg)
-        print(f"[convergence] {mode}: {cfg.trainer.total_steps} steps", flush=True)
-        results[mode] = run_train(cfg)
-    batch_samples = cfg.trainer.train_batch_prompts * cfg.algo.n_samples_per_prompt
-    figures = figures_from(results, batch_samples, args.target)
+    watch = BusyWatch()
+    per_seed: List[Dict[str, object]] = []
+    runs: List[Dict[str, dict]] = []
+    first = None
+    for i in range(args.seeds):
+        results: Dict[str, dict] = {}
+        for mode in modes:
+            overrides = ["experiment=cpu_demo", f"mode={mode}", f"output_dir={args.output_dir}",
+                         f"run_name=convergence/{mode}", *args.overrides]
+            if args.steps is not None:
+                overrides.append(f"trainer.total_steps={args.steps}")
+            with initialize_config_dir(config_dir=conf_dir(), version_base=None):
+                cfg = compose(config_name="config", overrides=overrides)
+            if first is None:
+                first = args.seed if args.seed is not None else int(cfg.seed)
+            cfg.seed = first + i
+            validate_config(cfg)
+            print(f"[convergence] seed {cfg.seed}, {mode}: {cfg.trainer.total_steps} steps",
+                  flush=True)
+            results[mode] = run_train(cfg)
+        batch_samples = cfg.trainer.train_batch_prompts * cfg.algo.n_samples_per_prompt
+        per_seed.append(figures_from(results, batch_samples, args.target))
+        runs.append(results)
+    figures = over_seeds(per_seed)
     figures["steps"] = cfg.trainer.total_steps
+    figures["first_seed"] = first
+    figures.update(watch.result())
+    if figures["busy_cores"] > 0.25:
+        print(f"[convergence] warning: other processes used {figures['busy_cores']:.2f} cores "
+              "on average while this ran (load average "
+              f"{figures['load_avg_start']} -> {figures['load_avg_end']}): the timings are not "
+              "of a quiet machine", flush=True)
+    results = runs[0]  # the plot and the stored reference: the first seed's runs
     target = figures["target_accuracy"]
     path = plot_accuracy(results, target, args.plot) if args.plot else None
     lines = {"target": f"accuracy {target:.3f}"
@@ -127,14 +232,20 @@ def main(argv=None) -> dict:
                        f"final accuracy {figures[f'{mode}_final_accuracy']:.3f}, "
                        f"{figures[f'{mode}_tokens_per_s']:.0f} tokens/s, engines idle "
                        f"{figures[f'{mode}_engine_idle_fraction']:.0%}")
-    for key in ("laminar_time_speedup_vs_sync", "laminar_time_speedup_vs_one_step",
-                "laminar_time_speedup_vs_areal", "laminar_sample_efficiency_vs_sync"):
+    for key in SPREAD:
         if key in figures:
-            lines[key] = "n/a" if figures[key] is None else f"{figures[key]:.2f}x"
+            lines[key] = "n/a" if figures[key] is None else (
+                f"{figures[key]:.2f}x" + (f" (median of {figures[key + '_seeds']} seeds; "
+                                          f"{figures[key + '_min']:.2f}-"
+                                          f"{figures[key + '_max']:.2f})"
+                                          if args.seeds > 1 and key + "_min" in figures
+                                          else ""))
     if path:
         lines["plot"] = path
     if args.save_reference:
         from .reference import save
+
+        cfg.seed = first  # the stored runs are the first seed's: the demo's own seed
 
         lines["reference"] = save(cfg, results, figures)
     report(figures, args.json, lines)

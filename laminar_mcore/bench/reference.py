@@ -54,7 +54,7 @@ def load(path: str = PATH) -> Optional[dict]:
 
 def compare(cfg, summary: dict, out_dir: str, log=print, path: str = PATH) -> Optional[dict]:
     """Print this run beside the stored sync run of the same configuration and plot both."""
-    from .common import plot_accuracy, time_to_target
+    from .common import crossing, plot_accuracy
 
     ref = load(path)
     if ref is None or ref["config"] != fingerprint(cfg) or "sync" not in ref["modes"]:
@@ -64,8 +64,8 @@ def compare(cfg, summary: dict, out_dir: str, log=print, path: str = PATH) -> Op
         return None
     target = ref["figures"]["target_accuracy"]
     sync = ref["modes"]["sync"]
-    mine = time_to_target(summary["evals"], target)
-    theirs = time_to_target(sync["evals"], target)
+    mine = crossing(summary["evals"], target)  # interpolated between evaluations
+    theirs = crossing(sync["evals"], target)
     results = {f"sync (stored, {ref['measured']})": sync, f"{cfg.mode} (this run)": summary}
     png = plot_accuracy(results, target, os.path.join(out_dir, "demo_vs_sync.png"))
 
