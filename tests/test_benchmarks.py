@@ -75,7 +75,8 @@ def test_convergence_figures_read_time_and_samples_to_target_from_the_evals():
 
     def summary(final, evals):
         return {"final_accuracy": final, "final_accuracy_greedy": 1.0, "trainer_tokens_per_s": 100.0,
-                "engine_idle_fraction": 0.5, "max_staleness_observed": 1,
+                "engine_idle_fraction": 0.5, "trainer_idle_fraction": 0.25,
+                "max_staleness_observed": 1,
                 "evals": [{"step": s, "accuracy": a, "wall_s": t} for s, a, t in evals]}
 
     results = {
@@ -96,6 +97,7 @@ def test_convergence_figures_read_time_and_samples_to_target_from_the_evals():
     assert f["laminar_time_speedup_vs_one_step"] == 60.0 / 20.0
     assert f["areal_time_to_target_s"] is None and f["laminar_time_speedup_vs_areal"] is None
     assert f["laminar_train_wall_s"] == 60.0
+    assert f["sync_generation_fraction"] == 0.5 and f["sync_trainer_wait_fraction"] == 0.25
     assert figures_from(results, 64, target=0.9)["laminar_time_speedup_vs_sync"] is None
     # samples count the steps behind the weights evaluated (an eval of step 10 that ran on
     # version 14 measured 14 steps of training)
@@ -141,3 +143,49 @@ def test_crossing_interpolates_between_evaluations():
     assert abs(hit["steps"] - 17.5) < 1e-9 and hit["eval"]["step"] == 20
     assert crossing(evals, 0.3)["wall_s"] == 0.0  # reached at the first evaluation
     assert crossing(evals, 0.9) is None
+
+
+def test_demo_prints_the_stored_speedup_with_its_spread_not_one_runs_ratio(tmp_path):
+    """make demo's comparison: the stored benchmark's median and range over seeds and the
+    machine it was measured on; this run's time beside the stored sync run's only for
+    orientation (a ratio of one run to a stored one is not returned as a speedup)."""
+    from hydra import compose, initialize_config_dir
+
+    from laminar_mcore.bench import reference
+    from laminar_mcore.config import register_configs
+    from laminar_mcore.config.paths import conf_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=conf_dir(), version_base=None):
+        cfg = compose(config_name="config", overrides=["experiment=cpu_demo"])
+    evals = [{"step": 0, "accuracy": 0.4, "wall_s": 0.0}, {"step": 10, "accuracy": 0.8,
+                                                          "wall_s": 40.0}]
+    mine = [{"step": 0, "accuracy": 0.4, "wall_s": 0.0}, {"step": 10, "accuracy": 0.8,
+                                                         "wall_s": 20.0}]
+    stored = {"measured": "2026-11-25", "machine": "2 CPU cores, x86_64, Python 3.11",
+              "config": reference.fingerprint(cfg),
+              "figures": {"target_accuracy": 0.6, "seeds": 3,
+                          "laminar_time_speedup_vs_sync": 1.6,
+                          "laminar_time_speedup_vs_sync_min": 1.3,
+                          "laminar_time_speedup_vs_sync_max": 2.1,
+                          "sync_generation_fraction": 0.72},
+              "modes": {"sync": {"final_accuracy": 0.8, "trainer_tokens_per_s": 500.0,
+                                 "evals": evals}}}
+    path = tmp_path / "ref.json"
+    path.write_text(json.dumps(stored))
+    lines = []
+    summary = {"initial_accuracy": 0.4, "final_accuracy": 0.8, "trainer_tokens_per_s": 900.0,
+               "evals": mine}
+    out = reference.compare(cfg, summary, str(tmp_path), log=lines.append, path=str(path))
+    text = "\n".join(lines)
+    assert "1.60x sooner than sync (median; range 1.30-2.10)" in text
+    assert "2 CPU cores, x86_64, Python 3.11" in text and "3 seeds" in text
+    assert out["stored_speedup_median"] == 1.6 and out["stored_speedup_min"] == 1.3
+    assert "time_speedup_vs_sync" not in out  # one run against a stored one is no measurement
+    assert abs(out["time_speedup_vs_stored_sync"] - 2.0) < 1e-9  # 0.6 crossed at 20 s vs 10 s
+    # another configuration: nothing to compare with, and the user is told how to measure
+    cfg.trainer.lr = cfg.trainer.lr * 2
+    lines.clear()
+    assert reference.compare(cfg, summary, str(tmp_path), log=lines.append,
+                             path=str(path)) is None
+    assert "bench.convergence" in lines[0]

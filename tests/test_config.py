@@ -27,7 +27,7 @@ def test_default_config_composes_and_is_valid():
     assert cfg.run_name == "cpu_demo" and cfg.mode == "laminar"
     assert cfg.model.arch.family == "qwen2" and cfg.rollout.backend == "cpu"
     assert cfg.algo.eps_clip_high == 0.28 and cfg.job == "train"
-    assert cfg.algo.max_staleness == 2  # the CPU demo bounds it; the algo default does not
+    assert cfg.algo.max_staleness == 4  # the CPU demo bounds it; the algo default does not
     assert _compose("experiment=cpu_smoke").algo.max_staleness is None
     assert cfg.data.task == "reverse_longtail" and cfg.trainer.eval_interval > 0
     validate_config(cfg)

@@ -19,12 +19,17 @@ ratios favour laminar above 1:
   ``_vs_one_step``);
 * ``laminar_sample_efficiency_vs_sync``: sync's consumed samples to target over laminar's.
 
+Where the time goes, per mode (steady state, after the first step): ``<mode>_generation_fraction``
+(the engines' share of wall time with trajectories in flight; ``sync_generation_fraction`` is the
+share of a synchronous run spent generating, 83% in Laminar's workloads) and
+``<mode>_trainer_wait_fraction`` (the trainer's share waiting for a batch).
+
 Times and samples to target are where the accuracy crossed it, interpolated linearly between
 the evaluations on either side (not rounded up to the next ``trainer.eval_interval``).
 ``--seeds N`` (default 3) runs every mode with seeds S, S+1, ... (each its own prompts, warm-up
 and sampling): every key is the median over the seeds, and the ratios above and each mode's
 time to target also come as ``_median``, ``_min``, ``_max`` and ``_seeds`` (how many reached the
-target). ``load_avg_start``, ``load_avg_end`` and ``busy_cores`` (other processes' mean CPU use
+target; the generation fractions get the same spread). ``load_avg_start``, ``load_avg_end`` and ``busy_cores`` (other processes' mean CPU use
 meanwhile) say how quiet the machine was; above 0.25 busy cores the run warns.
 
 A mode that never reaches the target has no time to it: its ratios are null. The plot (accuracy
@@ -70,6 +75,10 @@ def figures_from(results: Dict[str, dict], batch_samples: int,
         figures[f"{mode}_final_accuracy_greedy"] = s.get("final_accuracy_greedy")
         figures[f"{mode}_tokens_per_s"] = s["trainer_tokens_per_s"]
         figures[f"{mode}_engine_idle_fraction"] = s["engine_idle_fraction"]
+        # where the wall time went (steady state, after the first step): the engines'
+        # share generating, the trainer's share waiting for a batch
+        figures[f"{mode}_generation_fraction"] = 1.0 - s["engine_idle_fraction"]
+        figures[f"{mode}_trainer_wait_fraction"] = s["trainer_idle_fraction"]
         figures[f"{mode}_train_wall_s"] = max((e["wall_s"] for e in s["evals"]
                                                if e.get("wall_s") is not None), default=None)
         figures[f"{mode}_max_staleness"] = s["max_staleness_observed"]
@@ -109,7 +118,7 @@ def over_seeds(per_seed: List[Dict[str, object]]) -> Dict[str, object]:
             out[key] = values[0] if all(v == values[0] for v in values) else None
             continue
         out[key] = statistics.median(numbers)
-        if key in SPREAD or key.endswith("_time_to_target_s"):
+        if key in SPREAD or key.endswith(("_time_to_target_s", "_generation_fraction")):
             out[f"{key}_median"] = out[key]
             out[f"{key}_min"], out[f"{key}_max"] = min(numbers), max(numbers)
             out[f"{key}_seeds"] = len(numbers)
@@ -230,8 +239,9 @@ def main(argv=None) -> dict:
         n = figures[f"{mode}_samples_to_target"]
         lines[mode] = (f"{'not reached' if t is None else f'{t:.0f} s, {n} samples'} to target; "
                        f"final accuracy {figures[f'{mode}_final_accuracy']:.3f}, "
-                       f"{figures[f'{mode}_tokens_per_s']:.0f} tokens/s, engines idle "
-                       f"{figures[f'{mode}_engine_idle_fraction']:.0%}")
+                       f"{figures[f'{mode}_tokens_per_s']:.0f} tokens/s, engines generating "
+                       f"{figures[f'{mode}_generation_fraction']:.0%} of the time, trainer "
+                       f"waiting {figures[f'{mode}_trainer_wait_fraction']:.0%}")
     for key in SPREAD:
         if key in figures:
             lines[key] = "n/a" if figures[key] is None else (

@@ -6,9 +6,10 @@
 * ``addition``: ``123+456=`` -> ``579`` -- much harder for a tiny model (see data/warmup.py).
 * ``reverse_longtail`` (the demo default): ``reverse`` with a long-tailed length. Most strings
   have 1 to ``digits`` digits; a fraction ``long_fraction`` has ``long_digits // 2`` to
-  ``long_digits``. With the demo's 3 / 40 / 0.08 the response (digits and EOS) has a median of
-  3 tokens and a p99 of about 38 (p99/p50 >= 10, the shape of Laminar's reasoning traces), so a
-  batch that waits for its longest member waits on a few long answers while the engines idle.
+  ``long_digits``. With the demo's 3 / 64 / 0.15 the response (digits and EOS) has a median of
+  3 tokens and a p99 of about 60 (p99/p50 >= 10, the shape of Laminar's reasoning traces), and
+  a batch of 16 prompts holds a long one 93% of the time, so a batch that waits for its longest
+  member waits on a few long answers while the engines idle.
 
 The tokenizer is a fixed character map (no files, nothing downloaded).
 """

@@ -37,6 +37,10 @@ def warmup_checkpoint(out_dir: str, *, problems: List[Dict[str, str]], steps: in
     recipe = {"steps": steps, "batch_size": batch_size, "lr": lr, "wrong": wrong_fraction,
               "hidden": hidden, "layers": layers, "seed": seed, "n": len(problems),
               "first": problems[0] if problems else None, "version": 2}
+    # the whole problem set, not only its first row: a long tail of other lengths (data.
+    # long_digits, long_fraction) is another warm-up
+    recipe["problems"] = hashlib.sha256(
+        json.dumps(problems, sort_keys=True).encode()).hexdigest()
     if max_positions != 64:  # (the recipes cached before it was a parameter keep their key)
         recipe["max_positions"] = max_positions
     if moe:
@@ -56,16 +60,10 @@ def warmup_checkpoint(out_dir: str, *, problems: List[Dict[str, str]], steps: in
     start = time.perf_counter()
     for step in range(steps):
         picks = [rng.randrange(len(data)) for _ in range(batch_size)]
-        width = max(len(data[j]) for j in picks)
-        ids = torch.full((batch_size, width), PAD)
-        labels = torch.full((batch_size, width), -100)
-        for i, j in enumerate(picks):
-            ids[i, :len(data[j])] = torch.tensor(data[j])
-            # learn the answer, not the random operands
-            labels[i, prompt_lens[j]:len(data[j])] = ids[i, prompt_lens[j]:len(data[j])]
-        loss = model(input_ids=ids, labels=labels).loss
+        loss = _step_loss(model, data, prompt_lens, picks, PAD)
         opt.zero_grad()
-        loss.backward()
+        if loss.requires_grad:
+            loss.backward()
         opt.step()
         if step % 50 == 0 or step == steps - 1:
             log(f"[warm-up] step {step + 1}/{steps} loss {loss.item():.3f} "
@@ -77,3 +75,41 @@ def warmup_checkpoint(out_dir: str, *, problems: List[Dict[str, str]], steps: in
     save_hf_checkpoint(tmp, cfg, get_adapter(cfg).from_transformers_state(cfg, model.state_dict()))
     os.replace(tmp, path)  # never leave a half-written cache entry
     return path
+
+
+# padded tokens of one warm-up forward pass; a batch whose padded size is over it (long-tailed
+# tasks: one 300-token demonstration would pad 63 short ones to its length) goes in
+# length-sorted chunks, the losses summed over the answer tokens of all of them
+CHUNK_TOKENS = 4096
+
+
+def _step_loss(model, data, prompt_lens, picks, pad: int):
+    """The mean answer-token loss of one warm-up batch (the same objective in one pass or in
+    chunks; a batch that fits ``CHUNK_TOKENS`` runs as one pass, as before)."""
+    width = max(len(data[j]) for j in picks)
+    if width * len(picks) <= CHUNK_TOKENS:
+        chunks = [picks]
+    else:
+        chunks, cur = [], []
+        for j in sorted(picks, key=lambda j: len(data[j])):
+            if cur and (len(cur) + 1) * len(data[j]) > CHUNK_TOKENS:
+                chunks.append(cur)
+                cur = []
+            cur.append(j)
+        chunks.append(cur)
+    parts = []
+    for chunk in chunks:
+        w = max(len(data[j]) for j in chunk)
+        ids = torch.full((len(chunk), w), pad)
+        labels = torch.full((len(chunk), w), -100)
+        for i, j in enumerate(chunk):
+            ids[i, :len(data[j])] = torch.tensor(data[j])
+            # learn the answer, not the random operands
+            labels[i, prompt_lens[j]:len(data[j])] = ids[i, prompt_lens[j]:len(data[j])]
+        n = int((labels[:, 1:] != -100).sum())
+        if len(chunks) == 1:
+            return model(input_ids=ids, labels=labels).loss
+        if n:
+            parts.append((model(input_ids=ids, labels=labels).loss, n))
+    count = sum(n for _, n in parts)
+    return sum(loss * (n / count) for loss, n in parts) if parts else torch.zeros(())
