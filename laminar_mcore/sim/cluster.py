@@ -135,6 +135,9 @@ class SimConfig:
     fail_horizon_s: float = 600.0
     nic_bytes_s: Optional[float] = None  # costs.NETWORK's per machine NIC bandwidth
     concurrency: int = CONCURRENCY_PER_REPLICA  # requests the manager gives one engine
+    # the manager's polling period (virtual seconds); a failure run polls every second: its
+    # stranded trajectories poll for an engine of their version, thousands at a time
+    poll_s: Optional[float] = None
 
 
 # ---------------------------------------------------------------------- the episode
@@ -242,9 +245,10 @@ async def _simulate(cfg: SimConfig) -> SimResult:
     relays = tier.relays
     if explicit:  # calibration: the capacities it measured, as before
         capacity = running_cap = cost.capacity(w.mean_context(), w.samples)
-    else:  # the paper's concurrency per replica; the engine runs what its KV cache holds
-        capacity = max(w.samples, cfg.concurrency // w.samples * w.samples)
-        running_cap = cost.capacity(w.mean_context(), w.samples, cap=capacity)
+    else:  # the paper's 1,024 concurrent requests per replica, as far as its KV cache holds
+        # them at the mean context (SGLang sizes max_running_requests from its KV pool)
+        capacity = running_cap = cost.capacity(w.mean_context(), w.samples,
+                                               cap=cfg.concurrency)
     kv = cost.kv_tokens()
     share = CpuShare(cfg.cpu_cores) if cfg.cpu_cores else None
     flush = not explicit  # SGLang flushes its radix cache on every update (flush_cache=True)
@@ -270,7 +274,8 @@ async def _simulate(cfg: SimConfig) -> SimResult:
     trainer = SimTrainer(cfg, cost, place, buffer, tier, colocated, share)
     manager = RolloutManager(engines, data, SimEpisode(w), policy, rollout_cfg,
                              trainer_version=lambda: trainer.version,
-                             batch_trajectories=w.batch_trajectories, poll_s=0.05, wake_s=30.0,
+                             batch_trajectories=w.batch_trajectories,
+                             poll_s=cfg.poll_s or (1.0 if cfg.fail else 0.05), wake_s=30.0,
                              relay_wait_s=3600.0, clock=loop.time)
     trainer.manager = manager
     manager.routed_experts = cfg.routed_experts

@@ -69,6 +69,10 @@ def sensitivity_run(args, workload: Workload, log=print) -> Dict[str, object]:
 
 def failure_run(args, workload: Workload, log=print) -> Dict[str, object]:
     """``--mode`` (laminar) at ``--model`` / ``--gpus`` with one rollout machine killed."""
+    import logging
+
+    # every stream of the dead machine says so once: the run's own lines are what matters
+    logging.getLogger("laminar_mcore.controller.manager").setLevel(logging.ERROR)
     machine, at = parse_fail(args.fail)
     splits = load_splits(args) or {}
     t = splits.get((args.model, args.gpus, args.mode))

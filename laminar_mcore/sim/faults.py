@@ -48,11 +48,11 @@ class FailureRecord:
                for i in range(1, len(marks))]
         before = [t for at, t in thr if at <= self.at_s]
         after = [t for at, t in thr if self.at_s < at <= self.at_s + horizon_s]
-        base = sum(before) / len(before) if before else float("nan")
-        low = min(after) if after else float("nan")
+        base = sum(before) / len(before) if before else None
+        low = min(after) if after else None
         out = {"fail_machine": self.machine, "fail_at_s": self.at_s,
-               "fail_tokens_per_s_before": round(base, 1),
-               "fail_tokens_per_s_min_after": round(low, 1),
+               "fail_tokens_per_s_before": None if base is None else round(base, 1),
+               "fail_tokens_per_s_min_after": None if low is None else round(low, 1),
                "fail_dip": round(1 - low / base, 4) if before and after else None,
                "fail_detect_s": None if self.detected_s is None
                else round(self.detected_s - self.at_s, 2),

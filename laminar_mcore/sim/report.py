@@ -292,6 +292,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--models", default="7B,32B,72B")
     ap.add_argument("--gpus-max", type=int, default=1024, help="skip larger placements")
+    ap.add_argument("--points", default=None,
+                    help="model@gpus,... instead of the whole grid of --models")
     ap.add_argument("--modes", default=",".join(SIM_MODES))
     ap.add_argument("--norepack-everywhere", action="store_true",
                     help="laminar_norepack at every point (default: 32B on 128 GPUs only)")
@@ -356,6 +358,9 @@ def main(argv=None) -> dict:
     if bad:
         ap.error(f"unknown modes {bad}: choose from {', '.join(SIM_MODES)}")
     pairs = [(m, g) for m in models for g in GRID[m] if g <= args.gpus_max]
+    if args.points:
+        pairs = [(p.split("@")[0], int(p.split("@")[1])) for p in args.points.split(",")]
+        models = [m for m in models if any(pm == m for pm, _ in pairs)]
     results, _ = sweep_and_run(pairs, modes, args, workload, splits=load_splits(args))
     figures = table(results, models)
     figures["warmup_iterations"] = args.warmup
