@@ -201,6 +201,8 @@ class SimResult:
     trainer_update_stall_s: float = 0.0  # the trainer's stall per update, measured mean
     network_shared_s: float = 0.0  # transfer-seconds slowed by a shared NIC
     failure: Optional[Dict[str, Optional[float]]] = None
+    prefill_tokens: int = 0  # tokens the engines prefilled (prompts, resumes, re-prefills)
+    marks: List[float] = field(default_factory=list)  # virtual time of each trainer update
 
 
 def simulate(cfg: SimConfig) -> SimResult:
@@ -338,6 +340,7 @@ async def _simulate(cfg: SimConfig) -> SimResult:
         measured_iterations=len(thr), protocol=protocol, update_s=tier.update_s(),
         trainer_update_stall_s=statistics.mean(trainer.stalls) if trainer.stalls else 0.0,
         network_shared_s=tier.network.shared_s,
+        prefill_tokens=sum(s.prefill_tokens for s in sims), marks=[round(m, 3) for m in marks],
         failure=record.figures(marks, alltok, cfg.fail_horizon_s) if record else None)
 
 

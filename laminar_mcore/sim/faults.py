@@ -8,7 +8,7 @@ timeout (``costs.FAILURE['detect_s']``) the controller declares the engines lost
 response pool on healthy engines of the same version. After ``restart_s`` more the machine is
 back: its relay fetches the newest version from the master over the network, then its engines
 are replaced (``RolloutManager.replace_engine``) and pull it. Full recovery is when every
-replacement engine holds a version and is generating again.
+replacement engine is back in service: healthy and holding its relay's newest version.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class FailureRecord:
     at_s: float
     detected_s: Optional[float] = None
     relay_back_s: Optional[float] = None
-    recovered_s: Optional[float] = None  # every replacement engine generating again
+    recovered_s: Optional[float] = None  # every replacement engine back in service
     engines: List[str] = field(default_factory=list)
 
     def figures(self, marks: List[float], tokens: List[int], horizon_s: float) -> Dict[str, float]:
@@ -82,6 +82,6 @@ async def fail_machine(manager: RolloutManager, tier: RelayTier, handles: List[E
     record.relay_back_s = loop.time()
     for h in handles:
         manager.replace_engine(h, SimEngineClient(make_engine(h.name)))
-    while not all(h.healthy and h.version > 0 and h.in_flight for h in handles):
-        await asyncio.sleep(1.0)
+    while not all(h.healthy and 0 < h.relay.version <= h.version for h in handles):
+        await asyncio.sleep(0.1)
     record.recovered_s = loop.time()
