@@ -103,9 +103,17 @@ def test_workload_has_laminars_long_tail():
 SMALL = Workload(batch_prompts=32, samples=16)
 
 
+_RUNS = {}
+
+
 def _run(mode, **kw):
+    """One small run (deterministic, so shared between tests: they only read it)."""
     kw.setdefault("concurrency", 512)  # at this small batch, the pre-issue-33 engine size
-    return simulate(SimConfig(model="7B", mode=mode, gpus=32, iterations=4, workload=SMALL, **kw))
+    key = (mode, tuple(sorted(kw.items())))
+    if key not in _RUNS:
+        _RUNS[key] = simulate(SimConfig(model="7B", mode=mode, gpus=32, iterations=4,
+                                        workload=SMALL, **kw))
+    return _RUNS[key]
 
 
 def test_the_production_manager_runs_every_mode_with_its_invariants():
@@ -130,7 +138,9 @@ def test_the_production_manager_runs_every_mode_with_its_invariants():
 
 
 def test_a_simulation_is_deterministic():
-    a, b = _run("laminar"), _run("laminar")
+    a = _run("laminar")
+    b = simulate(SimConfig(model="7B", mode="laminar", gpus=32, iterations=4, workload=SMALL,
+                           concurrency=512))
     assert (a.tokens_per_s, a.staleness, a.repacked) == (b.tokens_per_s, b.staleness, b.repacked)
 
 
@@ -139,14 +149,15 @@ def test_report_and_placement_sweep_write_their_keys(tmp_path):
     from laminar_mcore.sim.report import main as report
 
     out = tmp_path / "report.json"
-    figures = report(["--models", "7B", "--gpus-max", "32", "--warmup", "1", "--measure", "2",
-                      "--batch-prompts", "32", "--jobs", "1",
+    figures = report(["--models", "7B", "--gpus-max", "32", "--warmup", "1", "--measure", "1",
+                      "--splits-per-point", "1",
+                      "--batch-prompts", "32", "--jobs", "1", "--norepack-everywhere",
                       "--plot-dir", str(tmp_path), "--json", str(out)])
     on_disk = json.loads(out.read_text())
     assert on_disk == figures
     for key in ("laminar_vs_verl_avg", "laminar_vs_verl_max", "laminar_vs_areal_avg",
                 "laminar_vs_areal_max", "laminar_vs_one_step_avg", "laminar_vs_stream_avg",
-                "calibration_error", "scaling_efficiency", "repack_generation_gain",
+                "calibration_error", "scaling_efficiency", "repack_generation_gain_7B_32",
                 "staleness_max", "chain_72b_127_relays_s", "laminar_vs_verl_le64_avg",
                 "paper_max_rel_error", "tokens_per_s_spread_7B_32_laminar"):
         assert key in figures, key
@@ -166,7 +177,7 @@ def test_report_and_placement_sweep_write_their_keys(tmp_path):
     assert figures["paper_laminar_vs_areal_avg"] == 1.39
     assert os.path.exists(tmp_path / "sim_tokens_per_s_7B.png")
 
-    sweep = report(["--sweep-placement", "--model", "7B", "--gpus", "32", "--iterations", "3",
+    sweep = report(["--sweep-placement", "--model", "7B", "--gpus", "32", "--iterations", "2",
                     "--batch-prompts", "32", "--jobs", "1", "--json", str(tmp_path / "s.json")])
     splits = [k for k in sweep if k.startswith("tokens_per_s_trainer_")]
     assert len(splits) == 3  # 8, 16 and 24 of 32 GPUs to the trainer
@@ -421,16 +432,16 @@ def test_a_killed_rollout_machine_dips_and_recovers(monkeypatch):
     from laminar_mcore.sim import costs
 
     monkeypatch.setitem(costs.FAILURE, "detect_s", 5.0)
-    monkeypatch.setitem(costs.FAILURE, "restart_s", 30.0)
+    monkeypatch.setitem(costs.FAILURE, "restart_s", 20.0)
     base = _run("laminar", trainer_fraction=0.25)  # 24 rollout GPUs: 3 machines
-    r = _run("laminar", trainer_fraction=0.25, fail=(1, 70.0), fail_horizon_s=80.0)
+    r = _run("laminar", trainer_fraction=0.25, fail=(1, 50.0), fail_horizon_s=50.0)
     f = r.failure
     assert r.books_balance and r.relays == 3
     assert f["fail_detect_s"] == pytest.approx(5.0)
     cost = CostModel("7B")
-    assert 35.0 + cost.pull_s() <= f["fail_recovery_s"] <= 35.0 + cost.pull_s() + 20.0
+    assert 25.0 + cost.pull_s() <= f["fail_recovery_s"] <= 25.0 + cost.pull_s() + 20.0
     # as the paper saw: training throughput unaffected or dipping slightly (the trainer eats
-    # the experience buffer while a third of the engines are gone for 35 s)
+    # the experience buffer while a third of the engines are gone for 25 s)
     assert f["fail_tokens_per_s_before"] > 0 and -0.1 < f["fail_dip"] < 0.25
     assert f["fail_tokens_per_s_after_recovery"] > 0.8 * base.tokens_per_s
 
