@@ -86,15 +86,18 @@ def _line(r: dict) -> str:
 def sweep_and_run(pairs: List[tuple], modes: List[str], args, workload: Workload,
                   overrides: Optional[dict] = None, splits: Optional[Dict[tuple, int]] = None,
                   log=print, measured: bool = True) -> tuple:
-    """Every mode at every (model, gpus) of ``pairs``: the placement sweep (unless ``splits``
-    gives the choices), then the measured run at the chosen split. Returns (results, splits)."""
+    """Every mode at every (model, gpus) of ``pairs``: the placement sweep (where ``splits``
+    does not give the choice), then the measured run at the chosen split. Returns (results,
+    splits)."""
     base = {"workload": workload, "overrides": overrides}
-    if splits is None:
-        sweep, fixed = [], {}
+    given = dict(splits or {})
+    if splits is None or any((m, g, md) not in given for m, g in pairs for md in modes
+                             if md != "laminar_norepack"):
+        sweep, fixed = [], dict(given)
         for m, g in pairs:
             cost = CostModel(m)
             for mode in modes:
-                if mode == "laminar_norepack":
+                if mode == "laminar_norepack" or (m, g, mode) in given:
                     continue
                 cands = candidate_trainer_gpus(mode, g, cost, args.splits_per_point)
                 if len(cands) == 1:
