@@ -27,10 +27,10 @@ PAPER_OTHER = {"kv_utilisation_norepack": 0.716, "kv_utilisation_repack": 0.822,
                "fail_recovery_s": 252.0}
 
 WHY = {
-    "laminar_vs_verl": "verl runs its own loop at its best split (colocated wins everywhere: "
-                       "every GPU generates, then trains, then reshards in place); it waits "
-                       "for each batch's longest trajectory; no framework overhead beyond the "
-                       "published reshard and wake-up is charged",
+    "laminar_vs_verl": "verl runs its own loop at its best split (colocated won every sweep "
+                       "tried: every GPU generates, then trains, then reshards in place); it "
+                       "waits for each batch's longest trajectory; no framework overhead beyond "
+                       "the reshard and wake-up is charged",
     "laminar_vs_one_step": "one-step overlaps one batch but keeps the global barrier and pays "
                            "the NCCL broadcast (8.25 GB/s, verl's checkpoint engine) with "
                            "every engine stopped, at its own best split",
