@@ -146,7 +146,7 @@ def predict(cost: CostModel, workload: Workload, args, steps: int,
                                cpu_cores=args.cores or None,
                                max_staleness=None, repack_interval_s=5.0))
         log("  simulated " + summary_line(r))
-        out[mode] = r.tokens_per_s
+        out[mode] = r.response_tokens_per_s  # as bench.modes counts (response tokens)
     return out
 
 

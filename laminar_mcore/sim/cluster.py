@@ -7,21 +7,29 @@ the trainer (takes complete groups FIFO as the controller's ``/batch`` does, tra
 free). Everything between -- admission, per-engine versions, pull-when-idle, barriers,
 interrupts, repack, the partial and experience pools -- is the production code.
 
-Modes: ``sync`` (verl: colocated, every GPU generates a batch, then every GPU trains, then the
-weights are resharded in place), ``one_step`` and ``stream`` (one batch of staleness behind a
-global barrier; ``stream`` also trains on mini-batches as they complete, the stream-generation
-baseline), ``areal`` (interruptible generation, staleness bound eta), ``laminar`` and
-``laminar_norepack``. All but ``sync`` are disaggregated: the trainer has its own GPUs.
+Modes, each with its own system's weight protocol (``relays.py``): ``sync`` (verl: generate,
+train, update behind a barrier; colocated -- every GPU generates, then trains, then reshards in
+place -- or disaggregated with a global NCCL broadcast, whichever split is given),
+``one_step`` and ``stream`` (one batch of staleness behind a global barrier and the same NCCL
+broadcast; ``stream`` trains on its 16 mini-batches as they complete), ``areal``
+(interruptible generation, staleness bound eta, the NCCL broadcast, interrupted requests
+re-prefilled), ``laminar`` and ``laminar_norepack`` (relays). ``protocols=False`` gives every
+mode laminar's relays (the simulator before issue 33), as explicit placements do.
+
+Measured as the paper measures: throughput of an iteration = the prompt + response tokens of
+its batch / the seconds since the previous trainer update, averaged over the iterations after
+``warmup`` (the report: 10 + 5), with their spread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import statistics
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from ..config.schema import RolloutConfig
 from ..controller.episode import Episode
@@ -30,13 +38,16 @@ from ..controller.modes import policy_for
 from ..data.pools import ExperienceBuffer, InFlight, PartialResponsePool, PromptGroup, PromptPool
 from ..data.trajectory import Trajectory
 from .clock import run_virtual
-from .costs import CostModel
+from .costs import CONCURRENCY_PER_REPLICA, MINIBATCH_STEPS, CostModel
 from .engine import CpuShare, SimEngine, SimEngineClient, TokenCount
+from .faults import FailureRecord, fail_machine
+from .network import Network
+from .relays import RelayTier, SimPuller
 from .workload import Workload
 
 SIM_MODES = ("sync", "one_step", "stream", "areal", "laminar", "laminar_norepack")
 GPUS_PER_MACHINE = 8
-STREAM_MINIBATCHES = 4  # the stream baseline trains on quarter batches as they complete
+STREAM_MINIBATCHES = MINIBATCH_STEPS  # stream trains each mini-batch as it completes
 AREAL_ETA = 4  # AReaL's staleness bound in its published runs (max_head_offpolicyness)
 
 
@@ -65,9 +76,19 @@ def balanced_fraction(cost: CostModel, workload: Workload) -> float:
 
 
 def placement_for(mode: str, gpus: int, cost: CostModel, trainer_fraction: Optional[float],
-                  workload: Optional[Workload] = None) -> Placement:
+                  workload: Optional[Workload] = None,
+                  trainer_gpus: Optional[int] = None) -> Placement:
     """Whole machines to the trainer (at least its TP x PP) and the rest to rollouts;
-    ``trainer_fraction`` None: ``balanced_fraction``."""
+    ``trainer_fraction`` None: ``balanced_fraction``. ``trainer_gpus`` (a sweep's choice)
+    wins over both; for ``sync`` it may be ``gpus`` (colocated, verl's default)."""
+    if trainer_gpus is not None:
+        if mode == "sync" and trainer_gpus >= gpus:
+            return Placement(gpus, gpus)
+        if not cost.min_trainer_gpus() <= trainer_gpus <= gpus - cost.engine_tp:
+            raise ValueError(f"trainer_gpus={trainer_gpus} does not leave {cost.model} a "
+                             f"trainer of {cost.min_trainer_gpus()}+ GPUs and an engine of "
+                             f"{cost.engine_tp} in {gpus}")
+        return Placement(gpus, trainer_gpus)
     if trainer_fraction is None:
         trainer_fraction = balanced_fraction(cost, workload or Workload())
     if mode == "sync":
@@ -102,57 +123,21 @@ class SimConfig:
     # the manager asks engines for routed experts (algo.routing_replay), which simulated
     # engines cannot return: every trajectory fails (tests a run that must stop, not spin)
     routed_experts: bool = False
-
-
-# ---------------------------------------------------------------------- relays and pulls
-class SimRelay:
-    """A relay as the manager sees it (``RelayClient``'s ``url`` and ``latest``)."""
-
-    def __init__(self, name: str):
-        self.url = f"sim://{name}"
-        self.version = 0
-        self._newer = asyncio.Event()
-        self.calls = 0  # /latest requests (control traffic)
-
-    def hold(self, version: int) -> None:
-        if version > self.version:
-            self.version = version
-            event, self._newer = self._newer, asyncio.Event()
-            event.set()
-
-    async def latest(self, after: Optional[int] = None, wait_s: float = 0.0) -> dict:
-        self.calls += 1
-        if after is not None and wait_s > 0:
-            async def newer():
-                while self.version <= after:
-                    await self._newer.wait()
-            try:
-                await asyncio.wait_for(newer(), wait_s)
-            except asyncio.TimeoutError:
-                pass
-        return {"version": self.version}
-
-    async def close(self) -> None:
-        return None
-
-
-class SimPuller:
-    """An engine takes the newest version its relay holds (its shard over PCIe)."""
-
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-
-    async def pull(self, relay: SimRelay, client: SimEngineClient, current: int) -> Optional[int]:
-        version = relay.version
-        if version <= current:
-            return None
-        client.engine.stall(self.seconds)
-        await asyncio.sleep(self.seconds)
-        client.engine.version = version
-        return version
-
-    async def aclose(self) -> None:
-        return None
+    # iterations before the measured ones (None: 1, the first; the report: 10 of 15)
+    warmup: Optional[int] = None
+    # the trainer's GPUs as a placement sweep chose them (sync: == gpus for colocated)
+    split_trainer_gpus: Optional[int] = None
+    # each system's own weight protocol (False: laminar's relays for every mode)
+    protocols: bool = True
+    # (rollout machine, virtual seconds): kill that machine then (faults.py); the run goes on
+    # until ``fail_horizon_s`` after it as well as for ``iterations``
+    fail: Optional[Tuple[int, float]] = None
+    fail_horizon_s: float = 600.0
+    nic_bytes_s: Optional[float] = None  # costs.NETWORK's per machine NIC bandwidth
+    concurrency: int = CONCURRENCY_PER_REPLICA  # requests the manager gives one engine
+    # the manager's polling period (virtual seconds); a failure run polls every second: its
+    # stranded trajectories poll for an engine of their version, thousands at a time
+    poll_s: Optional[float] = None
 
 
 # ---------------------------------------------------------------------- the episode
@@ -206,6 +191,18 @@ class SimResult:
     mixed_version_trajectories: int = 0  # consumed trajectories generated by more than one version
     books_balance: bool = True  # generated = consumed + buffered + discarded
     relay_requests: int = 0  # the manager's /latest requests to all relays
+    response_tokens_per_s: float = 0.0  # consumed response tokens / s after the first step
+    tokens_per_s_min: float = 0.0  # over the measured iterations
+    tokens_per_s_max: float = 0.0
+    tokens_per_s_spread: float = 0.0  # (max - min) / mean over the measured iterations
+    measured_iterations: int = 0
+    protocol: str = "laminar"
+    update_s: float = 0.0  # an engine's weight update (pull, broadcast or reshard)
+    trainer_update_stall_s: float = 0.0  # the trainer's stall per update, measured mean
+    network_shared_s: float = 0.0  # transfer-seconds slowed by a shared NIC
+    failure: Optional[Dict[str, Optional[float]]] = None
+    prefill_tokens: int = 0  # tokens the engines prefilled (prompts, resumes, re-prefills)
+    marks: List[float] = field(default_factory=list)  # virtual time of each trainer update
 
 
 def simulate(cfg: SimConfig) -> SimResult:
@@ -214,6 +211,15 @@ def simulate(cfg: SimConfig) -> SimResult:
     result = run_virtual(_simulate(cfg))
     result.wall_s = time.perf_counter() - t0
     return result
+
+
+def protocol_of(mode: str, place: Placement, explicit: bool, protocols: bool) -> str:
+    """Which weight protocol a mode runs (``relays.RelayTier``)."""
+    if mode == "sync" and not explicit and place.trainer_gpus >= place.gpus:
+        return "colocated"
+    if not protocols or explicit or mode.startswith("laminar"):
+        return "laminar"
+    return "broadcast"  # verl disaggregated, one_step, stream, areal: a global NCCL update
 
 
 async def _simulate(cfg: SimConfig) -> SimResult:
@@ -227,25 +233,37 @@ async def _simulate(cfg: SimConfig) -> SimResult:
         place = Placement(cfg.engines * cost.engine_tp + (cfg.trainer_gpus or 1),
                           cfg.trainer_gpus or 1)
     else:
-        place = placement_for(cfg.mode, cfg.gpus, cost, cfg.trainer_fraction, w)
-    colocated = cfg.mode == "sync" and not explicit
+        place = placement_for(cfg.mode, cfg.gpus, cost, cfg.trainer_fraction, w,
+                              cfg.split_trainer_gpus)
+    protocol = protocol_of(cfg.mode, place, explicit, cfg.protocols)
+    colocated = protocol == "colocated"
     n_engines = cfg.engines if explicit else place.rollout_gpus // cost.engine_tp
     if n_engines < 1:
         raise ValueError(f"{cfg.gpus} GPUs leave no engine of {cost.engine_tp} GPUs for "
                          f"{cfg.model} beside a trainer of {place.trainer_gpus}")
     machines = max(1, math.ceil(place.rollout_gpus / GPUS_PER_MACHINE))
     per_machine = max(1, GPUS_PER_MACHINE // cost.engine_tp)
-    relays = [SimRelay(f"relay{i}") for i in range(machines)]
-    capacity = cost.capacity(w.mean_context(), w.samples)
+    tier = RelayTier(cost, machines, protocol, Network(cfg.nic_bytes_s))
+    relays = tier.relays
+    if explicit:  # calibration: the capacities it measured, as before
+        capacity = running_cap = cost.capacity(w.mean_context(), w.samples)
+    else:  # the paper's 1,024 concurrent requests per replica, as far as its KV cache holds
+        # them at the mean context (SGLang sizes max_running_requests from its KV pool)
+        capacity = running_cap = cost.capacity(w.mean_context(), w.samples,
+                                               cap=cfg.concurrency)
     kv = cost.kv_tokens()
-    pull_s = cost.colocated_sync_s() if colocated else cost.pull_s()
     share = CpuShare(cfg.cpu_cores) if cfg.cpu_cores else None
+    flush = not explicit  # SGLang flushes its radix cache on every update (flush_cache=True)
+
+    def make_engine(name: str) -> SimEngine:
+        return SimEngine(name, cost, running_cap, kv, share)
+
     engines = []
     for i in range(n_engines):
-        sim = SimEngine(f"engine{i}", cost, capacity, kv, share)
+        sim = make_engine(f"engine{i}")
         engines.append(EngineHandle(name=sim.name, client=SimEngineClient(sim),
                                     relay=relays[min(i // per_machine, machines - 1)],
-                                    puller=SimPuller(pull_s), capacity=capacity))
+                                    puller=SimPuller(tier.update_s(), flush), capacity=capacity))
     policy_mode = {"stream": "one_step", "laminar_norepack": "laminar"}.get(cfg.mode, cfg.mode)
     bound = AREAL_ETA if cfg.mode == "areal" else cfg.max_staleness
     policy = policy_for(policy_mode, bound)
@@ -255,21 +273,43 @@ async def _simulate(cfg: SimConfig) -> SimResult:
     rows = [{} for _ in range(17000)]  # DAPO-Math-17k's size; lengths come from the group
     buffer = ExperienceBuffer(w.samples)
     data = RolloutData(PromptPool(rows, w.samples, seed=w.seed), PartialResponsePool(), buffer)
-    trainer = SimTrainer(cfg, cost, place, buffer, relays, colocated, share)
+    trainer = SimTrainer(cfg, cost, place, buffer, tier, colocated, share)
     manager = RolloutManager(engines, data, SimEpisode(w), policy, rollout_cfg,
                              trainer_version=lambda: trainer.version,
-                             batch_trajectories=w.batch_trajectories, poll_s=0.05, wake_s=30.0,
+                             batch_trajectories=w.batch_trajectories,
+                             poll_s=cfg.poll_s or (1.0 if cfg.fail else 0.05), wake_s=30.0,
                              relay_wait_s=3600.0, clock=loop.time)
     trainer.manager = manager
     manager.routed_experts = cfg.routed_experts
+    record, fault = None, None
+    if cfg.fail is not None:
+        machine, at = cfg.fail
+        if not 0 <= machine < machines:
+            raise ValueError(f"--fail {machine}@{at}: there are {machines} rollout machines "
+                             f"(0-{machines - 1})")
+        record = FailureRecord(machine, at)
+        trainer.run_until = at + cfg.fail_horizon_s
+        fault = asyncio.ensure_future(fail_machine(
+            manager, tier, [e for i, e in enumerate(engines)
+                            if min(i // per_machine, machines - 1) == machine],
+            make_engine, record))
     run = asyncio.create_task(manager.run())
     try:
         await trainer.run()
     finally:
+        if fault is not None:
+            fault.cancel()
+            await asyncio.gather(fault, return_exceptions=True)
         manager.stop()
         await run
-    start, end = trainer.marks[0], trainer.marks[-1]
+        await tier.close()
+    marks, alltok = trainer.marks, trainer.all_tokens
+    start, end = marks[0], marks[-1]
     span = max(end - start, 1e-9)
+    warm = max(1, 1 if cfg.warmup is None else cfg.warmup)
+    thr = [alltok[i] / max(marks[i] - marks[i - 1], 1e-9) for i in range(warm, len(marks))] \
+        or [alltok[-1] / max(marks[-1], 1e-9)]
+    mean_thr = statistics.mean(thr)
     sims = [e.client.engine for e in engines]
     busy = sum(s.busy_seconds for s in sims)
     steady = sum(trainer.tokens[1:])
@@ -279,39 +319,52 @@ async def _simulate(cfg: SimConfig) -> SimResult:
     return SimResult(
         model=cfg.model, mode=cfg.mode, gpus=cfg.gpus, trainer_gpus=place.trainer_gpus,
         engines=n_engines, relays=machines,
-        tokens_per_s=steady / span,
+        tokens_per_s=mean_thr,
         generation_tokens_per_s=sum(s.tokens for s in sims) / max(busy, 1e-9) * len(sims),
         kv_utilisation=sum(s.kv_token_seconds for s in sims) / max(busy * kv, 1e-9),
         engine_idle_fraction=idle,
         trainer_idle_fraction=1.0 - trainer.busy_s_steady / span,
         staleness=dict(sorted(trainer.staleness.items())), repacked=manager.stats.repacked,
         interrupted=manager.stats.interrupted,
-        iteration_s=span / max(len(trainer.marks) - 1, 1),
-        chain_s=cost.chain_s(machines), publish_s=0.0 if colocated else cost.publish_s(),
+        iteration_s=span / max(len(marks) - 1, 1),
+        chain_s=cost.chain_s(machines) if protocol == "laminar" else 0.0,
+        publish_s=0.0 if colocated else (cost.broadcast_s() if protocol == "broadcast"
+                                         else cost.publish_s()),
         virtual_s=loop.time(), wall_s=0.0, consumed=buffer.consumed,
         mixed_version_trajectories=trainer.mixed,
         relay_requests=sum(r.calls for r in relays),
         books_balance=manager.stats.generated == buffer.consumed + buffer.buffered + sum(
-            buffer.discarded.values()))
+            buffer.discarded.values()),
+        response_tokens_per_s=steady / span, tokens_per_s_min=min(thr),
+        tokens_per_s_max=max(thr), tokens_per_s_spread=(max(thr) - min(thr)) / mean_thr,
+        measured_iterations=len(thr), protocol=protocol, update_s=tier.update_s(),
+        trainer_update_stall_s=statistics.mean(trainer.stalls) if trainer.stalls else 0.0,
+        network_shared_s=tier.network.shared_s,
+        prefill_tokens=sum(s.prefill_tokens for s in sims), marks=[round(m, 3) for m in marks],
+        failure=record.figures(marks, alltok, cfg.fail_horizon_s) if record else None)
 
 
 class SimTrainer:
-    """Takes a batch of complete groups (FIFO), trains, publishes; ``iterations`` times."""
+    """Takes a batch of complete groups (FIFO), trains, publishes; ``iterations`` times
+    (and on until ``run_until``, virtual seconds, when a failure is being watched)."""
 
     def __init__(self, cfg: SimConfig, cost: CostModel, place: Placement,
-                 buffer: ExperienceBuffer, relays: List[SimRelay], colocated: bool,
+                 buffer: ExperienceBuffer, tier: RelayTier, colocated: bool,
                  share: Optional[CpuShare] = None):
         self.cfg, self.cost, self.place, self.buffer = cfg, cost, place, buffer
-        self.relays, self.colocated, self.share = relays, colocated, share
+        self.tier, self.colocated, self.share = tier, colocated, share
         self.version = 0
         self.manager: Optional[RolloutManager] = None
         self.marks: List[float] = []  # virtual time at the end of each step
-        self.tokens: List[int] = []
+        self.tokens: List[int] = []  # response tokens consumed per step (as the controller)
+        self.all_tokens: List[int] = []  # prompt + response tokens per step (as the paper)
+        self.stalls: List[float] = []
         self.staleness: Dict[int, int] = {}
         self.mixed = 0
         self.busy_s = 0.0
         self.busy_s_steady = 0.0
         self.idle_mark = (0.0, 0.0)
+        self.run_until = 0.0
 
     async def _take(self, groups: int):
         """``groups`` complete groups, FIFO (the controller's ``/batch``), once ready."""
@@ -327,36 +380,42 @@ class SimTrainer:
             finally:
                 self.buffer.on_ready.remove(ready.set)
 
+    def _bump(self) -> int:
+        self.version += 1
+        return self.version
+
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         w = self.cfg.workload
         minibatches = STREAM_MINIBATCHES if self.cfg.mode == "stream" else 1
-        for step in range(self.cfg.iterations):
-            tokens = 0
+        warm = 1 if self.cfg.warmup is None else self.cfg.warmup
+        step = 0
+        while step < self.cfg.iterations or loop.time() < self.run_until:
+            tokens = alltok = 0
             for _ in range(minibatches):
-                batch = await self._take(w.batch_prompts // minibatches)
+                batch = await self._take(max(1, w.batch_prompts // minibatches))
                 for t in batch:
-                    s = self.version - t.weight_version
-                    self.staleness[s] = self.staleness.get(s, 0) + 1
+                    if step >= warm:
+                        s = self.version - t.weight_version
+                        self.staleness[s] = self.staleness.get(s, 0) + 1
                     if t.versions_seen() not in ([], [str(t.weight_version)]):
                         self.mixed += 1
-                # trained on prompt + response; counted as the controller counts: response
+                # trained on prompt + response; the controller counts response tokens
                 tokens += sum(len(t.response_ids) for t in batch)
-                seconds = self.cost.train_s(sum(t.num_tokens for t in batch),
-                                            self.place.trainer_gpus)
-                seconds = await self._compute(seconds)
+                n = sum(t.num_tokens for t in batch)
+                alltok += n
+                seconds = await self._compute(self.cost.train_s(n, self.place.trainer_gpus))
                 self.busy_s += seconds
                 if step > 0:
                     self.busy_s_steady += seconds
-            if not self.colocated:
-                await asyncio.sleep(self.cost.publish_s())  # the actor's stall
-            self.version += 1
+            self.stalls.append(await self.tier.publish(self._bump))
             self.marks.append(loop.time())
             self.tokens.append(tokens)
+            self.all_tokens.append(alltok)
             if step == 0:
                 self.idle_mark = (loop.time(), self.manager.engine_idle_seconds())
-            self._publish(self.version)
             self.manager.notify()
+            step += 1
 
     async def _compute(self, work_s: float) -> float:
         """``work_s`` seconds of training; on shared CPU cores, slower while engines are busy
@@ -376,13 +435,6 @@ class SimTrainer:
         finally:
             self.share.set_busy(self, False)
         return loop.time() - t0
-
-    def _publish(self, version: int) -> None:
-        loop = asyncio.get_running_loop()
-        p = len(self.relays)
-        self.relays[0].hold(version)
-        for i, relay in enumerate(self.relays[1:], start=1):
-            loop.call_later(self.cost.chain_hop_s(p, i), relay.hold, version)
 
 
 def summary_line(r: SimResult) -> str:

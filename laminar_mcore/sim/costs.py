@@ -66,6 +66,34 @@ LINKS = {
     "colocated_sync_fixed_s": 2.0,
 }
 
+PROTOCOL = {
+    # The global NCCL weight update of verl (disaggregated), one-step, stream and AReaL: the
+    # trainer broadcasts every bucket to every rollout GPU while all of them stop (a barrier:
+    # the collective needs every rank). verl's checkpoint engine, the only published figure
+    # for such a broadcast at these sizes: Qwen3-30B-A3B (61 GB bf16) to 30 rollout replicas
+    # in about 7 s, 8.25 GB/s (REFERENCES.md, "Other systems"); AReaL's
+    # update_weights_from_distributed broadcasts 1 GiB buckets the same way (AReaL's code).
+    "nccl_broadcast_bytes_s": 8.25e9,
+    # forming the NCCL group for the update and the barrier before it (every rank joins,
+    # SGLang's /init_weights_update_group rendezvous): ~1 s (an assumption: no published figure)
+    "nccl_barrier_s": 1.0,
+}
+
+# Every machine's NICs, shared by the transfers that cross them (publish, chain, a relay
+# re-joining after a failure): 8 x 400 Gbps per machine, each direction (the paper's testbed).
+NETWORK = {"nic_bytes_s": 8 * 400e9 / 8}
+
+# A rollout machine killed (sim --fail): the controller notices after SGLang's health-check
+# timeout (SGLANG_HEALTH_CHECK_TIMEOUT, 20 s: REFERENCES.md), then the machine is replaced and
+# its engines launched: a node re-initialised plus an SGLang start-up with CUDA-graph capture,
+# ~3 minutes at these sizes (an assumption; the paper reports only the whole recovery, ~252 s).
+FAILURE = {"detect_s": 20.0, "restart_s": 180.0}
+
+# The paper's run settings (Laminar section 7): concurrent requests per rollout replica, the
+# mini-batch steps of one iteration (one weight version per iteration).
+CONCURRENCY_PER_REPLICA = 1024
+MINIBATCH_STEPS = 16
+
 MODELS: Dict[str, dict] = {
     # Qwen2.5 configs (Hugging Face config.json): parameters, layers, hidden size, attention
     # heads, KV heads, head dim. KV bytes per token = 2 (K, V) x layers x kv_heads x head_dim x 2.
@@ -210,13 +238,13 @@ class CostModel:
             raise ValueError(f"{self.model} does not fit on {self.engine_tp} x {self.gpu}")
         return int(free / self.kv_bytes_per_token)
 
-    def capacity(self, mean_context: float, group: int) -> int:
+    def capacity(self, mean_context: float, group: int, cap: int = 512) -> int:
         """Concurrent requests per engine: what its KV cache holds at the mean context,
-        a multiple of the GRPO group (the manager admits whole groups), at most 512."""
+        a multiple of the GRPO group (the manager admits whole groups), at most ``cap``."""
         if self.engine_capacity:
             return self.engine_capacity
         fits = int(self.kv_tokens() / max(mean_context, 1.0))
-        return max(group, min(512, fits) // group * group)
+        return max(group, min(cap, fits) // group * group)
 
     # ------------------------------------------------------------- engines
     def decode_step_s(self, batch: int, context: float) -> float:
@@ -292,6 +320,12 @@ class CostModel:
         if self.pull_seconds >= 0:
             return self.pull_seconds
         return self.weight_bytes / self.engine_tp / LINKS["pull_bytes_s"] + LINKS["pull_fixed_s"]
+
+    def broadcast_s(self) -> float:
+        """A global NCCL update (verl disaggregated, one-step, stream, AReaL): the barrier
+        and the broadcast of the whole model at the published rate (``PROTOCOL``); the trainer
+        and every engine are stopped for all of it."""
+        return PROTOCOL["nccl_barrier_s"] + self.weight_bytes / PROTOCOL["nccl_broadcast_bytes_s"]
 
     def colocated_sync_s(self) -> float:
         """verl's update in place: reshard over NVLink inside each node and wake the engine."""

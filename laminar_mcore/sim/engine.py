@@ -21,6 +21,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Deque, Dict, Optional
 
+from ..netutil import EngineError
 from ..rollout.client import EngineLoad, StreamChunk
 from .costs import CostModel
 
@@ -111,6 +112,7 @@ class SimEngine:
         self.step_s = 0.0
         self._timer: Optional[asyncio.TimerHandle] = None
         self.paused = False
+        self.frozen = False  # its machine died: nothing progresses (``freeze``)
         self.version = 0
         self._cached: "OrderedDict[str, None]" = OrderedDict()  # radix cache: group prompts
         # figures
@@ -131,7 +133,7 @@ class SimEngine:
     def _advance(self) -> None:
         now = self.loop.time()
         start = max(self.t_last, self.stall_until)
-        if self.running:
+        if self.running and not self.frozen:
             self.kv_token_seconds += self.kv_used * (now - self.t_last)
             self.busy_seconds += now - self.t_last
             if now > start and self.step_s > 0:
@@ -146,7 +148,7 @@ class SimEngine:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if not self.running:
+        if not self.running or self.frozen:
             return
         n = len(self.running)
         self.step_s = self.cost.decode_step_s(n, self.kv_used) * (
@@ -172,8 +174,8 @@ class SimEngine:
             if self._current(entry):
                 self._leave(entry[2], "stop")
         while self.running and self.kv_used > self.kv_capacity + eps and len(self.running) > 1:
-            newest = max(self.running.values(), key=lambda r: r.seq)
-            self._retract(newest)
+            # running is in join order (seq rises), so the newest is the last: O(1)
+            self._retract(next(reversed(self.running.values())))
         self._admit()
         self._schedule()
 
@@ -195,7 +197,7 @@ class SimEngine:
         self.waiting.appendleft(r)
 
     def _admit(self) -> None:
-        if self.paused:
+        if self.paused or self.frozen:
             return
         prefill = 0
         while self.waiting and len(self.running) < self.capacity:
@@ -264,6 +266,34 @@ class SimEngine:
         self.stall_until = max(self.stall_until, self.t_last) + seconds
         self._schedule()
 
+    def flush_cache(self) -> None:
+        """New weights: the radix cache's prompts were computed with the old ones (SGLang's
+        update flushes it by default, ``flush_cache=True``), so every prompt re-prefills."""
+        self._cached.clear()
+
+    def freeze(self) -> None:
+        """Its machine died: nothing progresses; its streams hang until someone notices."""
+        self._advance()
+        self.frozen = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def kill(self) -> None:
+        """Its machine died and that was noticed: every request ends with an error."""
+        self._advance()
+        for r in list(self.running.values()) + list(self.waiting):
+            if not r.future.done():
+                r.future.set_exception(EngineError("/generate", None,
+                                                   f"{self.name}: machine failed"))
+        self.running.clear()
+        self.waiting.clear()
+        self._ctx0_sum = 0.0
+        self.paused = self.frozen = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
     def resume(self) -> None:
         self._advance()
         self.paused = False
@@ -317,6 +347,12 @@ class SimEngineClient:
         return EngineLoad(num_running=len(e.running), num_waiting=len(e.waiting),
                           kv_utilization=used / e.kv_capacity, kv_used_tokens=used,
                           kv_capacity_tokens=e.kv_capacity)
+
+    def break_streams(self, why: str) -> int:
+        """The manager's ``engine_lost``: end every stream open to this engine now."""
+        n = len(self.engine.running) + len(self.engine.waiting)
+        self.engine.kill()
+        return n
 
     async def close(self) -> None:
         return None

@@ -1,22 +1,30 @@
 """The simulator's table, laid beside Laminar's published results.
 
-    python -m laminar_mcore.sim.report --json out.json [--iterations 10] [--jobs 2]
-        [--models 7B,32B,72B] [--plot-dir outputs/sim] [--calibration calib.json | --no-calibrate]
-    python -m laminar_mcore.sim.report --sweep-placement --model 32B --gpus 256 [--json out.json]
+    python -m laminar_mcore.sim.report --json out.json [--warmup 10 --measure 5] [--jobs 2]
+        [--models 7B,32B,72B] [--sweep-iterations 2] [--plot-dir outputs/sim]
+        [--calibration calib.json | --no-calibrate] [--fail MACHINE@T]
+    python -m laminar_mcore.sim.report --sweep-placement --model 32B --gpus 256 [--mode laminar]
+    python -m laminar_mcore.sim.report --sensitivity [--sensitivity-points 32B@128]
+        [--placements docs/sim/report.json] [--json out.json]
 
-Runs every mode at 7B (16-256 GPUs), 32B (32-512) and 72B (64-1,024) on the DAPO-Math-like
-workload (512 prompts x 16 per step) and prints tokens/s per mode, laminar's speedups over
-each baseline (average and maximum over the points), laminar's scaling efficiency, the
-staleness histogram, repack's effect on generation throughput and KV utilisation, and the
-publish and chain seconds -- each beside the paper's figure, with why they differ -- and the
-weight sync of two MoE shapes through the relay tier with and without deltas
-(``costs.relay_sync_seconds``: ``sync_s_235b``, ``sync_s_1t``, ``*_full``). PNG plots
-of tokens/s against GPUs per model go to ``--plot-dir``. ``calibration_error`` comes from
-``sim.calibrate`` (run here unless ``--calibration`` names its JSON or ``--no-calibrate``).
+Runs every system at 7B (16-256 GPUs), 32B (32-512) and 72B (64-1,024) on the DAPO-Math-like
+workload (512 prompts x 16 per iteration, 16 mini-batch steps, 1,024 concurrent requests per
+replica), each with its own weight protocol (``relays.py``) at its own best trainer/rollout
+split (``placement.py``: the same sweep for every system; ``trainer_gpus_<model>_<gpus>_<mode>``
+records the choice), measured as the paper measures (prompt + response tokens of a batch over
+the time between trainer updates, the mean of ``--measure`` iterations after ``--warmup``,
+``tokens_per_s_spread_*`` their spread). It prints laminar's speedups over each baseline, its
+scaling efficiency, staleness, repack's effect, and ``paper_<figure>`` / ``sim_<figure>`` pairs
+with ``paper_max_rel_error`` (``paper.py``), plus the MoE weight-sync figures
+(``costs.relay_sync_seconds``). PNG plots go to ``--plot-dir``; ``calibration_error`` comes
+from ``--calibration`` (a ``sim.calibrate`` JSON; the benchmark is not run here unless
+``--calibrate``).
 
-``--sweep-placement`` answers "how should I split N GPUs between trainer and rollouts": it
-runs laminar at every whole-machine split and names the one with the most tokens/s whose
-staleness stays within ``--staleness-limit``.
+``--sweep-placement``: one system (``--mode``) at every whole-machine split of ``--gpus``; the
+best is the fastest whose staleness stays within ``--staleness-limit``. ``--sensitivity``:
+each cost constant +-20% one at a time (``sensitivity.py``). ``--fail machine@T``: kill a
+rollout machine at virtual second T in a laminar run of ``--model``/``--gpus`` and report the
+dip and the recovery (``faults.py``; ``fail_*`` keys).
 """
 
 from __future__ import annotations
@@ -30,59 +38,33 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from typing import Dict, List, Optional
 
-from .cluster import GPUS_PER_MACHINE, SIM_MODES, SimConfig, placement_for, simulate, summary_line
+from .cluster import SIM_MODES, SimConfig, simulate, summary_line
 from .costs import DELTA, MOE_MODELS, CostModel, relay_sync_seconds
+from .paper import PAPER, PAPER_OTHER, WHY, paper_pairs
+from .placement import candidate_trainer_gpus, choose_splits, staleness_max
+from .sensitivity import applied, workload_with
 from .workload import Workload
 
 GRID = {"7B": (16, 32, 64, 128, 256), "32B": (32, 64, 128, 256, 512),
         "72B": (64, 128, 256, 512, 1024)}
 BASELINES = {"verl": "sync", "one_step": "one_step", "stream": "stream", "areal": "areal"}
-# Laminar (arXiv 2510.12633), section 7: speedups in training tokens/s over each baseline,
-# averaged over (and the maximum of) its strong-scaling points; see ../shared/REFERENCES.md.
-PUBLISHED = {"laminar_vs_verl": (2.56, 5.49), "laminar_vs_one_step": (1.98, 4.09),
-             "laminar_vs_stream": (1.93, 4.06), "laminar_vs_areal": (1.39, 1.81),
-             "scaling_efficiency": 0.537, "repack_generation_gain": 0.26,
-             "kv_utilisation_norepack": 0.716, "kv_utilisation_repack": 0.822,
-             "chain_72b_127_relays_s": 1.6, "publish_32b_s": 0.64, "publish_72b_s": 1.40,
-             "staleness_max": 4}
-WHY = {
-    "laminar_vs_verl": "our verl is colocated (every GPU generates, then every GPU trains, then "
-                       "reshards in place) on the same engine and trainer costs; at the smallest "
-                       "placements it beats the disaggregated modes (whole machines leave too "
-                       "few rollout GPUs), at the largest it waits on one 16K-token tail per "
-                       "batch; the paper's verl also pays framework overheads we do not charge",
-    "laminar_vs_one_step": "one-step keeps a global barrier per batch, so its engines idle on "
-                           "the longest trajectory of each batch; ours gives it the same "
-                           "balanced placement as laminar, which starves it of rollout GPUs",
-    "laminar_vs_stream": "stream generation trains on quarter batches as they complete but "
-                         "keeps the barrier: within 1% of one-step here, 3% in the paper",
-    "laminar_vs_areal": "AReaL's interruptible generation (eta 4) also never waits on a tail; "
-                        "it loses the KV recompute of every interrupted request and its bound, "
-                        "which costs most where weights change often (small models, many GPUs)",
-    "scaling_efficiency": "per-GPU tokens/s at the largest vs the smallest placement; ours is "
-                          "higher because the smallest placements (whole machines) are the "
-                          "least balanced, and we charge no network contention or stragglers",
-    "repack_generation_gain": "generated tokens per busy engine-second with vs without repack; "
-                              "the gain follows how many engines wait on a few long requests",
-    "chain_72b_127_relays_s": "T(p, k) at the best k with 200 GB/s relay links and 1 ms per "
-                              "chunk (costs.LINKS)",
-    "staleness_max": "laminar runs unbounded; where an iteration (26-85 s at 7B and 72B on the "
-                     "most GPUs) is much shorter than one 16K-token generation (130-450 s), "
-                     "that trajectory is 5-9 versions old when consumed; the paper's iterations "
-                     "were longer. 10 iterations are also too few for a steady state there, "
-                     "so consumed tokens/s at 7B >= 128 GPUs is a transient (repack can lower "
-                     "it while raising generation throughput)",
-}
+SYSTEMS = ("sync", "one_step", "stream", "areal", "laminar")
+REPACK_POINT = ("32B", 128)  # the paper's repack figure
 
 
-def _one(args) -> dict:
-    model, mode, gpus, iterations, fraction, workload = args
-    r = simulate(SimConfig(model=model, mode=mode, gpus=gpus, iterations=iterations,
-                           trainer_fraction=fraction, workload=workload))
-    return asdict(r)
+def _one(spec: dict) -> dict:
+    """One run from a picklable spec: SimConfig's fields plus ``overrides`` (cost constants,
+    ``sensitivity.applied``)."""
+    spec = dict(spec)
+    overrides = spec.pop("overrides", None)
+    spec["workload"] = workload_with(spec["workload"], overrides)
+    with applied(overrides):
+        r = asdict(simulate(SimConfig(**spec)))
+    r["overrides"] = overrides
+    return r
 
 
-def run_points(points: List[tuple], jobs: int, log=print) -> List[dict]:
+def run_points(points: List[dict], jobs: int, log=print) -> List[dict]:
     results = []
     if jobs <= 1:
         for p in points:
@@ -98,7 +80,66 @@ def run_points(points: List[tuple], jobs: int, log=print) -> List[dict]:
 
 def _line(r: dict) -> str:
     from .cluster import SimResult
-    return summary_line(SimResult(**r))
+    return summary_line(SimResult(**{k: v for k, v in r.items() if k != "overrides"}))
+
+
+def sweep_and_run(pairs: List[tuple], modes: List[str], args, workload: Workload,
+                  overrides: Optional[dict] = None, splits: Optional[Dict[tuple, int]] = None,
+                  log=print, measured: bool = True) -> tuple:
+    """Every mode at every (model, gpus) of ``pairs``: the placement sweep (where ``splits``
+    does not give the choice), then the measured run at the chosen split. Returns (results,
+    splits)."""
+    base = {"workload": workload, "overrides": overrides}
+    given = dict(splits or {})
+    if splits is None or any((m, g, md) not in given for m, g in pairs for md in modes
+                             if md != "laminar_norepack"):
+        sweep, fixed = [], dict(given)
+        for m, g in pairs:
+            cost = CostModel(m)
+            for mode in modes:
+                if mode == "laminar_norepack" or (m, g, mode) in given:
+                    continue
+                cands = candidate_trainer_gpus(mode, g, cost, args.splits_per_point)
+                if len(cands) == 1:
+                    fixed[(m, g, mode)] = cands[0]
+                    continue
+                sweep += [dict(base, model=m, mode=mode, gpus=g, iterations=args.sweep_iterations,
+                               warmup=1, split_trainer_gpus=t) for t in cands]
+        log(f"placement sweep: {len(sweep)} runs of {args.sweep_iterations} iterations")
+        splits = {**fixed, **choose_splits(run_points(sweep, args.jobs, log),
+                                           args.staleness_limit)}
+    final = []
+    if not measured:
+        return [], splits
+    for m, g in pairs:
+        for mode in modes:
+            if mode == "laminar_norepack":
+                if (m, g) != REPACK_POINT and not args.norepack_everywhere:
+                    continue
+                t = splits.get((m, g, "laminar"))
+            else:
+                t = splits.get((m, g, mode))
+            final.append(dict(base, model=m, mode=mode, gpus=g, split_trainer_gpus=t,
+                              iterations=args.warmup + args.measure, warmup=args.warmup))
+    log(f"measured runs: {len(final)} of {args.warmup} + {args.measure} iterations")
+    return run_points(final, args.jobs, log), splits
+
+
+def ratios(results: List[dict]) -> Dict[str, float]:
+    """laminar's speedups over each baseline (average and maximum over the points), and over
+    verl at <= 64 GPUs (``laminar_vs_verl_le64_avg``)."""
+    by = {(r["model"], r["gpus"], r["mode"]): r for r in results}
+    out: Dict[str, float] = {}
+    for name, mode in BASELINES.items():
+        pts = [(g, by[(m, g, "laminar")]["tokens_per_s"] / by[(m, g, mode)]["tokens_per_s"])
+               for (m, g, md) in by if md == mode and (m, g, "laminar") in by]
+        if pts:
+            out[f"laminar_vs_{name}_avg"] = round(statistics.mean(v for _, v in pts), 3)
+            out[f"laminar_vs_{name}_max"] = round(max(v for _, v in pts), 3)
+            small = [v for g, v in pts if g <= 64]
+            if name == "verl" and small:
+                out["laminar_vs_verl_le64_avg"] = round(statistics.mean(small), 3)
+    return out
 
 
 def table(results: List[dict], models: List[str]) -> Dict[str, object]:
@@ -106,13 +147,14 @@ def table(results: List[dict], models: List[str]) -> Dict[str, object]:
     by = {(r["model"], r["gpus"], r["mode"]): r for r in results}
     figures: Dict[str, object] = {}
     for r in results:
-        figures[f"tokens_per_s_{r['model']}_{r['gpus']}_{r['mode']}"] = round(r["tokens_per_s"], 1)
-    for name, mode in BASELINES.items():
-        ratios = [by[(m, g, "laminar")]["tokens_per_s"] / by[(m, g, mode)]["tokens_per_s"]
-                  for (m, g, md) in by if md == mode and (m, g, "laminar") in by]
-        if ratios:
-            figures[f"laminar_vs_{name}_avg"] = round(statistics.mean(ratios), 3)
-            figures[f"laminar_vs_{name}_max"] = round(max(ratios), 3)
+        key = f"{r['model']}_{r['gpus']}_{r['mode']}"
+        figures[f"tokens_per_s_{key}"] = round(r["tokens_per_s"], 1)
+        figures[f"tokens_per_s_spread_{key}"] = round(r["tokens_per_s_spread"], 4)
+        figures[f"trainer_gpus_{key}"] = r["trainer_gpus"]
+        figures[f"rollout_gpus_{key}"] = r["gpus"] if r["trainer_gpus"] >= r["gpus"] \
+            else r["gpus"] - r["trainer_gpus"]
+        figures[f"staleness_max_{key}"] = staleness_max(r)
+    figures.update(ratios(results))
     effs = []
     for m in models:
         pts = sorted((g, by[(m, g, "laminar")]["tokens_per_s"]) for (mm, g, md) in by
@@ -124,18 +166,16 @@ def table(results: List[dict], models: List[str]) -> Dict[str, object]:
             effs.append(eff)
     if effs:
         figures["scaling_efficiency"] = round(statistics.mean(effs), 3)
-    gains, kv_on, kv_off = [], [], []
-    for (m, g, md), r in by.items():
+    for (m, g, md), r in sorted(by.items()):
         if md == "laminar" and (m, g, "laminar_norepack") in by:
             off = by[(m, g, "laminar_norepack")]
-            gains.append(r["generation_tokens_per_s"] / off["generation_tokens_per_s"] - 1)
-            kv_on.append(r["kv_utilisation"])
-            kv_off.append(off["kv_utilisation"])
-    if gains:
-        figures["repack_generation_gain"] = round(statistics.mean(gains), 3)
-        figures["repack_generation_gain_max"] = round(max(gains), 3)
-        figures["kv_utilisation_repack"] = round(statistics.mean(kv_on), 3)
-        figures["kv_utilisation_norepack"] = round(statistics.mean(kv_off), 3)
+            key = f"{m}_{g}"
+            figures[f"repack_generation_gain_{key}"] = round(
+                r["generation_tokens_per_s"] / off["generation_tokens_per_s"] - 1, 3)
+            figures[f"repack_tokens_per_s_gain_{key}"] = round(
+                r["tokens_per_s"] / off["tokens_per_s"] - 1, 3)
+            figures[f"kv_utilisation_repack_{key}"] = round(r["kv_utilisation"], 3)
+            figures[f"kv_utilisation_norepack_{key}"] = round(off["kv_utilisation"], 3)
     hist: Dict[int, int] = {}
     for r in results:
         if r["mode"] == "laminar":
@@ -148,10 +188,16 @@ def table(results: List[dict], models: List[str]) -> Dict[str, object]:
             sum(v for k, v in hist.items() if k < 3) / total, 4)
         for k in sorted(hist):
             figures[f"staleness_{k}"] = hist[k]
+    spreads = [r["tokens_per_s_spread"] for r in results]
+    figures["tokens_per_s_spread_max"] = round(max(spreads), 4) if spreads else None
     figures["chain_72b_127_relays_s"] = round(CostModel("72B").chain_s(127), 3)
     figures["publish_32b_s"] = round(CostModel("32B").publish_s(), 3)
     figures["publish_72b_s"] = round(CostModel("72B").publish_s(), 3)
+    figures["broadcast_32b_s"] = round(CostModel("32B").broadcast_s(), 3)
+    figures["broadcast_72b_s"] = round(CostModel("72B").broadcast_s(), 3)
+    figures["network_shared_s"] = round(sum(r["network_shared_s"] for r in results), 3)
     figures.update(weight_sync_figures())
+    figures.update(paper_pairs(figures))
     return figures
 
 
@@ -204,28 +250,26 @@ def plot(results: List[dict], models: List[str], out_dir: str) -> List[str]:
 
 
 def sweep_placement(model: str, gpus: int, iterations: int, jobs: int, workload: Workload,
-                    staleness_limit: int, splits: int = 8, log=print) -> Dict[str, object]:
-    """Laminar at up to ``splits`` whole-machine splits of ``gpus`` (evenly spaced)."""
+                    staleness_limit: int, splits: int = 8, log=print,
+                    mode: str = "laminar") -> Dict[str, object]:
+    """``mode`` at up to ``splits`` whole-machine splits of ``gpus`` (placement.py)."""
     cost = CostModel(model)
-    machines = gpus // GPUS_PER_MACHINE
-    if machines < 2:
-        raise SystemExit(f"--sweep-placement splits whole machines of {GPUS_PER_MACHINE} GPUs: "
-                         f"give --gpus of at least {2 * GPUS_PER_MACHINE}")
-    fractions, seen = [], set()
-    n = min(splits, machines - 1)
-    for t in sorted({round(1 + i * (machines - 2) / max(n - 1, 1)) for i in range(n)}):
-        place = placement_for("laminar", gpus, cost, t / machines, workload)
-        if place.rollout_gpus >= cost.engine_tp and place.trainer_gpus not in seen:
-            seen.add(place.trainer_gpus)
-            fractions.append(t / machines)
-    results = run_points([(model, "laminar", gpus, iterations, f, workload) for f in fractions],
+    cands = candidate_trainer_gpus(mode, gpus, cost, splits)
+    if gpus // 8 < 2:
+        raise SystemExit("--sweep-placement splits whole machines of 8 GPUs: "
+                         "give --gpus of at least 16")
+    results = run_points([dict(model=model, mode=mode, gpus=gpus, iterations=iterations,
+                               workload=workload, split_trainer_gpus=t) for t in cands],
                          jobs, log)
-    ok = [r for r in results if max(map(int, r["staleness"]), default=0) <= staleness_limit]
-    best = max(ok or results, key=lambda r: r["tokens_per_s"])
-    figures = {"model": model, "gpus": gpus, "best_trainer_gpus": best["trainer_gpus"],
-               "best_rollout_gpus": gpus - best["trainer_gpus"],
+    from .placement import best as best_of
+    from .cluster import placement_for
+    best = best_of(results, staleness_limit)
+    figures = {"model": model, "gpus": gpus, "mode": mode,
+               "best_trainer_gpus": best["trainer_gpus"],
+               "best_rollout_gpus": gpus - best["trainer_gpus"] if best["trainer_gpus"] < gpus
+               else gpus,
                "best_tokens_per_s": round(best["tokens_per_s"], 1),
-               "best_staleness_max": max(map(int, best["staleness"]), default=0),
+               "best_staleness_max": staleness_max(best),
                "balanced_trainer_gpus": placement_for("laminar", gpus, cost, None,
                                                       workload).trainer_gpus}
     fastest = max(results, key=lambda r: r["tokens_per_s"])
@@ -233,44 +277,79 @@ def sweep_placement(model: str, gpus: int, iterations: int, jobs: int, workload:
     figures["fastest_tokens_per_s"] = round(fastest["tokens_per_s"], 1)
     for r in results:
         figures[f"tokens_per_s_trainer_{r['trainer_gpus']}"] = round(r["tokens_per_s"], 1)
-        figures[f"staleness_max_trainer_{r['trainer_gpus']}"] = max(map(int, r["staleness"]),
-                                                                    default=0)
+        figures[f"staleness_max_trainer_{r['trainer_gpus']}"] = staleness_max(r)
     return figures
 
 
-def main(argv=None) -> dict:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default=None)
-    ap.add_argument("--iterations", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=10, help="iterations before the measured")
+    ap.add_argument("--measure", type=int, default=5, help="iterations measured")
+    ap.add_argument("--iterations", type=int, default=None,
+                    help="--sweep-placement / --fail: iterations of each run")
+    ap.add_argument("--sweep-iterations", type=int, default=2,
+                    help="iterations of each placement-sweep run (the first is warm-up)")
+    ap.add_argument("--splits-per-point", type=int, default=3,
+                    help="whole-machine splits the per-point sweep tries")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--models", default="7B,32B,72B")
     ap.add_argument("--gpus-max", type=int, default=1024, help="skip larger placements")
+    ap.add_argument("--points", default=None,
+                    help="model@gpus,... instead of the whole grid of --models")
     ap.add_argument("--modes", default=",".join(SIM_MODES))
+    ap.add_argument("--norepack-everywhere", action="store_true",
+                    help="laminar_norepack at every point (default: 32B on 128 GPUs only)")
     ap.add_argument("--batch-prompts", type=int, default=512)
     ap.add_argument("--plot-dir", default=os.path.join("outputs", "sim"))
     ap.add_argument("--calibration", default=None, help="sim.calibrate's JSON to reuse")
-    ap.add_argument("--no-calibrate", action="store_true")
+    ap.add_argument("--no-calibrate", action="store_true", help="(the default; kept)")
+    ap.add_argument("--calibrate", action="store_true", help="run the sim.calibrate benchmark")
     ap.add_argument("--sweep-placement", action="store_true")
+    ap.add_argument("--mode", default="laminar", help="--sweep-placement: the system")
     ap.add_argument("--model", default="32B")
     ap.add_argument("--gpus", type=int, default=256)
     ap.add_argument("--staleness-limit", type=int, default=4)
-    ap.add_argument("--splits", type=int, default=8, help="placements the sweep tries")
+    ap.add_argument("--splits", type=int, default=8, help="placements --sweep-placement tries")
+    ap.add_argument("--sensitivity", action="store_true")
+    ap.add_argument("--sensitivity-points", default="32B@128",
+                    help="model@gpus,... the --sensitivity runs use")
+    ap.add_argument("--placements", default=None,
+                    help="a report JSON whose trainer_gpus_* choices to reuse (no sweep)")
+    ap.add_argument("--fail", default=None, help="machine@T: kill that rollout machine at T")
+    return ap
+
+
+def main(argv=None) -> dict:
+    ap = _parser()
     args = ap.parse_args(argv)
     workload = Workload(batch_prompts=args.batch_prompts)
     t0 = time.perf_counter()
     if args.sweep_placement:
         if args.model not in GRID:
             ap.error(f"--model must be one of {', '.join(GRID)}")
-        figures = sweep_placement(args.model, args.gpus, args.iterations, args.jobs, workload,
-                                  args.staleness_limit, args.splits)
+        figures = sweep_placement(args.model, args.gpus, args.iterations or 10, args.jobs,
+                                  workload, args.staleness_limit, args.splits, mode=args.mode)
         figures["wall_s"] = round(time.perf_counter() - t0, 1)
-        print(f"best split for {args.model} on {args.gpus} GPUs: trainer "
+        print(f"best split for {args.mode} at {args.model} on {args.gpus} GPUs: trainer "
               f"{figures['best_trainer_gpus']}, rollouts {figures['best_rollout_gpus']} -> "
               f"{figures['best_tokens_per_s']:,.0f} tokens/s, staleness max "
               f"{figures['best_staleness_max']} (<= --staleness-limit "
               f"{args.staleness_limit}); fastest at any staleness: trainer "
               f"{figures['fastest_trainer_gpus']} -> {figures['fastest_tokens_per_s']:,.0f} "
               f"tokens/s; balanced estimate: trainer {figures['balanced_trainer_gpus']}")
+        _write(args.json, figures)
+        return figures
+    if args.fail:
+        from .extras import failure_run
+        figures = failure_run(args, workload)
+        figures["wall_s"] = round(time.perf_counter() - t0, 1)
+        _write(args.json, figures)
+        return figures
+    if args.sensitivity:
+        from .extras import sensitivity_run
+        figures = sensitivity_run(args, workload)
+        figures["wall_s"] = round(time.perf_counter() - t0, 1)
         _write(args.json, figures)
         return figures
     models = [m for m in args.models.split(",") if m]
@@ -281,11 +360,14 @@ def main(argv=None) -> dict:
     bad = [m for m in modes if m not in SIM_MODES]
     if bad:
         ap.error(f"unknown modes {bad}: choose from {', '.join(SIM_MODES)}")
-    points = [(m, mode, g, args.iterations, None, workload) for m in models for g in GRID[m]
-              if g <= args.gpus_max for mode in modes]
-    results = run_points(points, args.jobs)
+    pairs = [(m, g) for m in models for g in GRID[m] if g <= args.gpus_max]
+    if args.points:
+        pairs = [(p.split("@")[0], int(p.split("@")[1])) for p in args.points.split(",")]
+        models = [m for m in models if any(pm == m for pm, _ in pairs)]
+    results, _ = sweep_and_run(pairs, modes, args, workload, splits=load_splits(args))
     figures = table(results, models)
-    figures["iterations"] = args.iterations
+    figures["warmup_iterations"] = args.warmup
+    figures["measured_iterations"] = args.measure
     figures["calibration_error"] = calibration_error(args)
     figures["wall_s"] = round(time.perf_counter() - t0, 1)
     print_report(figures, models, results)
@@ -295,48 +377,61 @@ def main(argv=None) -> dict:
     return figures
 
 
+def load_splits(args) -> Optional[Dict[tuple, int]]:
+    """``--placements``: the trainer_gpus_<model>_<gpus>_<mode> choices of a report JSON."""
+    if not args.placements:
+        return None
+    with open(args.placements) as f:
+        stored = json.load(f)
+    out = {}
+    for k, v in stored.items():
+        if k.startswith("trainer_gpus_"):
+            m, g, mode = k[len("trainer_gpus_"):].split("_", 2)
+            out[(m, int(g), mode)] = int(v)
+    return out
+
+
 def calibration_error(args) -> Optional[float]:
+    """From ``--calibration``'s JSON; the live benchmark only with ``--calibrate``."""
     if args.calibration:
         with open(args.calibration) as f:
             return json.load(f)["calibration_error"]
-    if args.no_calibrate:
+    if not args.calibrate:
         return None
     from .calibrate import main as calibrate
     return calibrate([])["calibration_error"]
 
 
 def print_report(figures: dict, models: List[str], results: List[dict]) -> None:
-    print("\ntokens/s (trainer-consumed response tokens, steady state):")
+    print("\ntokens/s (prompt + response tokens per second between trainer updates; "
+          "trainer GPUs in brackets):")
     for m in models:
         gpus = sorted({r["gpus"] for r in results if r["model"] == m})
-        print(f"  {m:4s} " + "".join(f"{g:>10d}" for g in gpus))
+        print(f"  {m:4s} " + "".join(f"{g:>16d}" for g in gpus))
         for mode in SIM_MODES:
-            row = [figures.get(f"tokens_per_s_{m}_{g}_{mode}") for g in gpus]
-            if any(v is not None for v in row):
+            row = [(figures.get(f"tokens_per_s_{m}_{g}_{mode}"),
+                    figures.get(f"trainer_gpus_{m}_{g}_{mode}")) for g in gpus]
+            if any(v is not None for v, _ in row):
                 print(f"    {mode:16s}" + "".join(
-                    f"{v:>10,.0f}" if v is not None else f"{'-':>10s}" for v in row))
+                    f"{v:>10,.0f} [{t:>4d}]" if v is not None else f"{'-':>16s}"
+                    for v, t in row))
     print("\nbeside Laminar's published figures:")
-    for key, why in WHY.items():
-        pub = PUBLISHED.get(key)
-        if key.startswith("laminar_vs_"):
-            if f"{key}_avg" not in figures:
-                continue
-            print(f"  {key}: {figures[f'{key}_avg']:.2f}x avg / {figures[f'{key}_max']:.2f}x max "
-                  f"(paper {pub[0]:.2f}x / {pub[1]:.2f}x) -- {why}")
-        elif key in figures:
-            print(f"  {key}: {figures[key]} (paper {pub}) -- {why}")
-    if "kv_utilisation_repack" in figures:
-        print(f"  kv_utilisation: {figures['kv_utilisation_norepack']:.1%} -> "
-              f"{figures['kv_utilisation_repack']:.1%} with repack (paper 71.6% -> 82.2%)")
+    for name in PAPER:
+        why = next((w for k, w in WHY.items() if name.startswith(k)), "")
+        print(f"  {name}: sim {figures.get(f'sim_{name}')} paper {PAPER[name]} "
+              f"(error {figures.get(f'rel_error_{name}')}) -- {why}")
+    print(f"  paper_max_rel_error: {figures.get('paper_max_rel_error')}")
     print(f"  publish stall: 32B {figures['publish_32b_s']} s, 72B {figures['publish_72b_s']} s "
-          f"(paper 0.64 / 1.40 s: the publish link is fitted to them, costs.LINKS)")
+          f"(paper {PAPER_OTHER['publish_32b_s']} / {PAPER_OTHER['publish_72b_s']} s: the "
+          f"publish link is fitted to them); NCCL broadcast 32B {figures['broadcast_32b_s']} s, "
+          f"72B {figures['broadcast_72b_s']} s")
     if "sync_s_1t" in figures:
-        print(f"  weight sync to every relay (costs.relay_sync_seconds, delta ratio "
+        print(f"  weight sync to every relay (delta ratio "
               f"{figures['delta_bytes_ratio_assumed']:g}): 235B {figures['sync_s_235b']} s "
               f"(whole {figures['sync_s_235b_full']} s), 1T {figures['sync_s_1t']} s (whole "
-              f"{figures['sync_s_1t_full']} s; goal <= 3 s with deltas)")
+              f"{figures['sync_s_1t_full']} s)")
     hist = {k: v for k, v in figures.items() if k.startswith("staleness_") and k[10:].isdigit()}
-    print(f"  staleness histogram (laminar): {hist} (paper: mostly < 3, max 4)")
+    print(f"  staleness histogram (laminar, measured iterations): {hist}")
     print(f"  calibration_error: {figures['calibration_error']}")
 
 
