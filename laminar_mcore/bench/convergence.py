@@ -230,10 +230,14 @@ def main(argv=None) -> dict:
               f"{figures['load_avg_start']} -> {figures['load_avg_end']}): the timings are not "
               "of a quiet machine", flush=True)
     results = runs[0]  # the plot and the stored reference: the first seed's runs
-    target = figures["target_accuracy"]
+    # the plot and the stored reference show the first seed's runs: its own target (each seed
+    # has its own, sync's final accuracy - 0.02 in that seed; the key is their median)
+    target = per_seed[0]["target_accuracy"]
+    figures["target_accuracy_first_seed"] = target
     path = plot_accuracy(results, target, args.plot) if args.plot else None
-    lines = {"target": f"accuracy {target:.3f}"
-                       f"{' (sync final - 0.02)' if args.target is None else ''}"}
+    lines = {"target": f"accuracy {figures['target_accuracy']:.3f}"
+                       f"{' (sync final - 0.02)' if args.target is None else ''}"
+                       f"{'; the median of the seeds' if args.seeds > 1 else ''}"}
     for mode in modes:
         t = figures[f"{mode}_time_to_target_s"]
         n = figures[f"{mode}_samples_to_target"]
@@ -257,7 +261,7 @@ def main(argv=None) -> dict:
 
         cfg.seed = first  # the stored runs are the first seed's: the demo's own seed
 
-        lines["reference"] = save(cfg, results, figures)
+        lines["reference"] = save(cfg, results, dict(figures, target_accuracy=target))
     report(figures, args.json, lines)
     return figures
 
