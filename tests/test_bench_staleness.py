@@ -99,8 +99,8 @@ def test_observed_staleness_reads_the_consumed_trajectories_of_the_trace(tmp_pat
 def test_publish_lag_config_errors_name_the_key_and_the_fix():
     with pytest.raises(ConfigError, match=r"weight_sync.publish_lag=-1 must be >= 0"):
         validate_config(_compose("weight_sync.publish_lag=-1"))
-    # the demo bounds staleness at 2: a lag of 8 cannot meet it
-    with pytest.raises(ConfigError, match=r"publish_lag=8 > algo.max_staleness=2.*"
+    # the demo bounds staleness at 4: a lag of 8 cannot meet it
+    with pytest.raises(ConfigError, match=r"publish_lag=8 > algo.max_staleness=4.*"
                                           r"algo.max_staleness=null"):
         validate_config(_compose("experiment=cpu_demo", "weight_sync.publish_lag=8"))
     with pytest.raises(ConfigError, match=r"publish_lag=2 with mode=sync.*mode=laminar"):
