@@ -7,7 +7,6 @@ import json
 from typing import Dict, List
 
 from .faults import parse_fail
-from .report import SYSTEMS, load_splits, ratios, run_points, sweep_and_run
 from .sensitivity import spread, variants
 from .workload import Workload
 
@@ -23,32 +22,34 @@ def _pairs(text: str) -> List[tuple]:
     return out
 
 
-def sensitivity_run(args, workload: Workload, log=print) -> Dict[str, object]:
+def sensitivity_run(args, workload: Workload, report, log=print) -> Dict[str, object]:
     """Every system at the ``--sensitivity-points`` (their splits from ``--placements`` or a
-    sweep with the base constants), then again with each constant at -20% and +20%."""
+    sweep with the base constants), then again with each constant at -20% and +20%.
+    ``report``: the ``sim.report`` module, passed in so that the two do not import each other."""
     pairs = _pairs(args.sensitivity_points)
     iterations = args.iterations or args.warmup + args.measure
     warmup = min(args.warmup, iterations - 1)
-    _, splits = sweep_and_run(pairs, list(SYSTEMS), args, workload, splits=load_splits(args),
-                              log=log, measured=False)
+    _, splits = report.sweep_and_run(pairs, list(report.SYSTEMS), args, workload,
+                                     splits=report.load_splits(args),
+                                     log=log, measured=False)
     base_ratios: Dict[str, float] = {}
     specs, keys = [], []
     for i, override in enumerate([None] + variants()):
         for m, g in pairs:
-            for mode in SYSTEMS:
+            for mode in report.SYSTEMS:
                 specs.append(dict(model=m, mode=mode, gpus=g, workload=workload,
                                   iterations=iterations, warmup=warmup, overrides=override,
                                   split_trainer_gpus=splits.get((m, g, mode))))
                 keys.append(i)
     log(f"sensitivity: {len(specs)} runs of {iterations} iterations")
-    results = run_points(specs, args.jobs, log)
+    results = report.run_points(specs, args.jobs, log)
     groups: Dict[int, List[dict]] = {}
     for k, r in zip(keys, results):
         groups.setdefault(k, []).append(r)
     runs = []
     for k, rs in sorted(groups.items()):
         override = rs[0]["overrides"]
-        values = {n: v for n, v in ratios(rs).items() if n in HEADLINE}
+        values = {n: v for n, v in report.ratios(rs).items() if n in HEADLINE}
         if override is None:
             base_ratios = values
         else:
@@ -67,19 +68,19 @@ def sensitivity_run(args, workload: Workload, log=print) -> Dict[str, object]:
     return figures
 
 
-def failure_run(args, workload: Workload, log=print) -> Dict[str, object]:
+def failure_run(args, workload: Workload, report, log=print) -> Dict[str, object]:
     """``--mode`` (laminar) at ``--model`` / ``--gpus`` with one rollout machine killed."""
     import logging
 
     # every stream of the dead machine says so once: the run's own lines are what matters
     logging.getLogger("laminar_mcore.controller.manager").setLevel(logging.ERROR)
     machine, at = parse_fail(args.fail)
-    splits = load_splits(args) or {}
+    splits = report.load_splits(args) or {}
     t = splits.get((args.model, args.gpus, args.mode))
     spec = dict(model=args.model, mode=args.mode, gpus=args.gpus, workload=workload,
                 iterations=args.iterations or 4, warmup=1, split_trainer_gpus=t,
                 fail=(machine, at))
-    r = run_points([spec], 1, log)[0]
+    r = report.run_points([spec], 1, log)[0]
     figures = {"model": args.model, "gpus": args.gpus, "mode": args.mode,
                "trainer_gpus": r["trainer_gpus"], **(r["failure"] or {})}
     print(json.dumps(figures, indent=1))

@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
@@ -342,13 +343,13 @@ def main(argv=None) -> dict:
         return figures
     if args.fail:
         from .extras import failure_run
-        figures = failure_run(args, workload)
+        figures = failure_run(args, workload, sys.modules[__name__])  # (no import circle)
         figures["wall_s"] = round(time.perf_counter() - t0, 1)
         _write(args.json, figures)
         return figures
     if args.sensitivity:
         from .extras import sensitivity_run
-        figures = sensitivity_run(args, workload)
+        figures = sensitivity_run(args, workload, sys.modules[__name__])
         figures["wall_s"] = round(time.perf_counter() - t0, 1)
         _write(args.json, figures)
         return figures
