@@ -106,9 +106,9 @@ def _step_loss(model, data, prompt_lens, picks, pad: int):
             ids[i, :len(data[j])] = torch.tensor(data[j])
             # learn the answer, not the random operands
             labels[i, prompt_lens[j]:len(data[j])] = ids[i, prompt_lens[j]:len(data[j])]
-        n = int((labels[:, 1:] != -100).sum())
         if len(chunks) == 1:
             return model(input_ids=ids, labels=labels).loss
+        n = int((labels[:, 1:] != -100).sum())  # the answer tokens this chunk's mean is over
         if n:
             parts.append((model(input_ids=ids, labels=labels).loss, n))
     count = sum(n for _, n in parts)
