@@ -113,3 +113,39 @@ def test_packed_and_per_sequence_logprobs_are_the_same(megatron_model):
             mask = alone.loss_mask[0].bool()
             assert mask.sum() == len(traj.response_ids)
             torch.testing.assert_close(ours[mask[: len(ours)]], ref[mask], atol=1e-5, rtol=0)
+
+
+def test_a_multi_turn_trajectory_trains_only_the_tokens_the_policy_sampled():
+    """A hand-built two-turn episode: prompt, turn 1 (sampled), a tool's answer and the chat
+    template's markup (environment), turn 2 (sampled). Packing masks the environment tokens
+    and the loss has no gradient there; it equals the loss over the sampled tokens alone."""
+    from laminar_mcore.algos.losses import policy_loss
+
+    t = Trajectory(prompt_ids=[1, 2], response_ids=[], behav_logprobs=[], weight_version=3,
+                   group_id="g", reward=1.0)
+    t.add_sampled([3, 4], [-0.1, -0.2])          # turn 1
+    t.add_environment([7, 8, 9])                 # </turn> <tool> 42 ... <assistant>
+    t.add_sampled([5, 6], [-0.3, -0.4])          # turn 2
+    assert t.response_ids == [3, 4, 7, 8, 9, 5, 6] and t.loss_mask == [1, 1, 0, 0, 0, 1, 1]
+    assert t.behav_logprobs == [-0.1, -0.2, 0.0, 0.0, 0.0, -0.3, -0.4] and t.num_sampled == 4
+    assert Trajectory.from_dict(t.to_dict()) == t
+    with pytest.raises(ValueError, match="loss mask of 6"):
+        Trajectory(prompt_ids=[1], response_ids=t.response_ids, behav_logprobs=t.behav_logprobs,
+                   weight_version=0, group_id="g", loss_mask=t.loss_mask[:-1])
+    mb = pack_trajectories([t], [2.0], [0])
+    # position i predicts token i+1: prompt [1 2], response from position 1 on
+    assert mb.loss_mask[0].tolist() == [0, 1, 1, 0, 0, 0, 1, 1, 0]
+    assert mb.behav_logprobs[0].tolist() == pytest.approx([0, -.1, -.2, 0, 0, 0, -.3, -.4, 0])
+    # the loss through the decoupled-PPO objective: a gradient only at sampled positions, and
+    # the same value as over the sampled tokens alone
+    logprobs = torch.tensor([-1.0, -0.15, -0.25, -5.0, -6.0, -7.0, -0.2, -0.5, -9.0],
+                            requires_grad=True)
+    prox = logprobs.detach() + 0.05
+    mask, behav, adv, seq = mb.loss_mask[0], mb.behav_logprobs[0], mb.advantages[0], mb.seq_ids[0]
+    loss, _ = policy_loss("decoupled_ppo", logprobs, prox, behav, adv, mask, seq_ids=seq)
+    loss.backward()
+    assert (logprobs.grad != 0).tolist() == [bool(m) for m in mask.tolist()]
+    keep = mask.bool()
+    alone, _ = policy_loss("decoupled_ppo", logprobs.detach()[keep], prox[keep], behav[keep],
+                           adv[keep], torch.ones(4), seq_ids=torch.zeros(4, dtype=torch.long))
+    assert loss.item() == pytest.approx(alone.item())

@@ -153,6 +153,12 @@ class RolloutConfig:
     relay: str = "local"
     # Sampling parameters of every trajectory.
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    # Agent episodes (data.agent): limits per episode. An episode that reaches one ends with
+    # it as its reason (the books count them), keeping the reward its agent returns (0 if the
+    # agent gives none). sampling.max_new_tokens caps each turn.
+    max_turns: int = 8  # model calls (assistant turns) per episode
+    max_tool_calls: int = 8  # tool calls the model may make per episode
+    max_episode_tokens: int = 4096  # prompt, turns and tool outputs of one episode
     extra_args: List[str] = field(default_factory=list)  # passed to sglang.launch_server
     # Engines stream only new tokens (--incremental-streaming-output), a chunk every
     # stream_interval tokens: the controller's cost stays O(L) for an L-token response.
@@ -297,6 +303,11 @@ class DataConfig:
 
     # JSONL/Parquet prompt files; empty: the built-in task.
     train_files: List[str] = field(default_factory=list)
+    # An agent written against the OpenAI client, "module:function": ``async def agent(client,
+    # row) -> reward`` (a float) or a final answer (a str the reward_fn scores against the row's
+    # answer). ``client`` is an openai.AsyncOpenAI pointed at the controller's gateway, with
+    # this trajectory's own key; null: single-turn episodes (one prompt, one completion).
+    agent: Optional[str] = None
     # Held-out prompts; empty: the first num_eval rows.
     eval_files: List[str] = field(default_factory=list)
     prompt_key: str = "prompt"  # the prompt's field in a row

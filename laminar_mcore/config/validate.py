@@ -174,6 +174,14 @@ def validate_config(cfg: DictConfig) -> None:
             problems.append(f"{key}={value} must be >= 0")
     if cfg.cluster.rollout_nodes < 1:
         problems.append(f"cluster.rollout_nodes={cfg.cluster.rollout_nodes} must be >= 1")
+    for key in ("max_turns", "max_tool_calls", "max_episode_tokens"):
+        if getattr(r, key) < (0 if key == "max_tool_calls" else 1):
+            problems.append(f"rollout.{key}={getattr(r, key)} must be >= "
+                            f"{0 if key == 'max_tool_calls' else 1}")
+    agent = cfg.data.get("agent")
+    if agent is not None and (not isinstance(agent, str) or agent.count(":") != 1):
+        problems.append(f"data.agent={agent!r} must name an async function as "
+                        "'module:function' (e.g. laminar_mcore.controller.agents:calculator)")
     if cfg.rollout.num_engines < 1:
         problems.append("rollout.num_engines must be >= 1")
     if cfg.rollout.stream_interval < 1:

@@ -335,6 +335,8 @@ class RolloutManager(WeightPulls):
         finish reason type. Raises ``Discard`` or ``Stopped`` when it cannot finish."""
         engine = self._engine(item.engine)
         how = "new"  # how this request of the trajectory started (its trace's segments)
+        if item.multi_turn and item.traj.response_ids:
+            engine, how = await self._next_turn_engine(item, engine)
         while True:
             epoch = engine.epoch
             try:
@@ -383,7 +385,34 @@ class RolloutManager(WeightPulls):
                 continue
             if reason == "abort":
                 raise Discard("aborted")
+            if item.multi_turn:  # the episode goes on: it keeps its place (and version)
+                engine.in_flight[item.rid] = item
             return reason
+
+    async def _next_turn_engine(self, item: InFlight, engine: Optional[EngineHandle]):
+        """Where a multi-turn episode's next turn runs: the engine that holds its place, or,
+        if repack moved it meanwhile, its destination, or, if its engine failed (or, with
+        ``interrupt``, took a new version), an engine as ``generate`` finds one after a failure.
+        Returns (engine, how the request starts)."""
+        if item.interrupted_at is not None and engine is not None:  # AReaL: updated between turns
+            self._left(engine, item.rid)
+            return await self._resume_interrupted(item, engine), "interrupt"
+        target, item.migrate_to = self._engine(item.migrate_to), None
+        if target is not None and target.healthy and \
+                target.version == item.traj.weight_version:
+            if engine is not None:
+                self._left(engine, item.rid)
+            item.engine = target.name
+            target.in_flight[item.rid] = item
+            self.stats.repacked += 1
+            return target, "repack"
+        if engine is not None and engine.healthy and item.rid in engine.in_flight and (
+                self.interrupt or engine.version == item.traj.weight_version):
+            return engine, "turn"
+        if engine is not None:
+            self._left(engine, item.rid)
+        self.stats.resumed += 1
+        return await self._engine_of_version(item), "resume"
 
     async def _stream(self, engine: EngineHandle, item: InFlight, how: str = "new") -> str:
         """One request: stream ``item`` from the tokens it holds on ``engine`` (``how`` it

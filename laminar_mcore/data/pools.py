@@ -112,6 +112,9 @@ class InFlight:
     # mode=areal: aborted here for a weight update; resumes on the new weights (the engine's
     # version when it was interrupted)
     interrupted_at: Optional[int] = None
+    # a multi-turn episode: between its turns the trajectory keeps its place on its engine, so
+    # the engine does not pull another version until the episode ends (one version per episode)
+    multi_turn: bool = False
 
     @property
     def rid(self) -> str:
@@ -140,9 +143,7 @@ class PartialResponsePool:
         if len(new_ids) != len(new_logprobs):
             raise ValueError(f"{rid}: {len(new_ids)} tokens but {len(new_logprobs)} log-probs")
         with self._lock:
-            traj = self._items[rid].traj
-            traj.response_ids.extend(new_ids)
-            traj.behav_logprobs.extend(new_logprobs)
+            self._items[rid].traj.add_sampled(new_ids, new_logprobs)
 
     def finish(self, rid: str) -> InFlight:
         with self._lock:

@@ -19,8 +19,8 @@ A record::
      "version_spans",           # [{"version", "start", "end"}] over the response's tokens
      "engines",                 # the engines that generated it, in order
      "segments",                # one per engine request: {"engine", "version", "start", "end",
-                                #   "tokens", "how": "new" | "resume" | "repack" | "interrupt"}
-                                #   (epoch s)
+                                #   "tokens", "how": "new" | "turn" | "resume" | "repack" |
+                                #   "interrupt"} (epoch s; "turn": a multi-turn episode's next)
      "repacks", "resumes",      # requests moved by repack; resumed after a failure/interrupt
      "timings",                 # submitted, first_token (the first streamed chunk: rollout
                                 # stream_interval tokens' resolution), finished, rewarded,

@@ -2,6 +2,8 @@
 
 It carries everything the trainer needs and nothing is re-derived later: the prompt and response
 token ids, the behaviour policy's log-prob of every response token (as the engine reported it),
+which response tokens the policy sampled (``loss_mask``: a multi-turn episode's tool outputs and
+chat-template tokens sit between its turns and are not trained),
 the weight version that generated it (exactly one), its reward and GRPO group, why generation
 stopped, and the timings of its life. It is plain data: no torch, no engine or trainer imports.
 """
@@ -34,6 +36,10 @@ class Trajectory:
     # engine, as SGLang returns them (base64 of int32 [positions, layers, top-k]), one segment
     # per request in order (a resumed request continues where the previous one stopped).
     routed_experts: List[str] = field(default_factory=list)
+    # 1 where the policy sampled the response token, 0 where the environment put it there (a
+    # multi-turn episode's tool outputs and chat-template tokens between turns; their behaviour
+    # log-prob is 0.0 and they are never trained). Empty: every response token was sampled.
+    loss_mask: List[int] = field(default_factory=list)
     # Seconds since the epoch: submitted, first_token, finished, rewarded, consumed, ...
     timings: Dict[str, float] = field(default_factory=dict)
     metadata: Dict[str, Any] = field(default_factory=dict)
@@ -50,6 +56,13 @@ class Trajectory:
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"trajectory {self.uid}: finish_reason {self.finish_reason!r} is "
                              f"not one of {FINISH_REASONS}")
+        if self.loss_mask:
+            if len(self.loss_mask) != len(self.response_ids):
+                raise ValueError(f"trajectory {self.uid}: {len(self.response_ids)} response tokens "
+                                 f"but a loss mask of {len(self.loss_mask)}")
+            if any(m not in (0, 1) for m in self.loss_mask):
+                raise ValueError(f"trajectory {self.uid}: the loss mask holds values other "
+                                 "than 0 and 1")
         if self.weight_version < 0:
             raise ValueError(f"trajectory {self.uid}: negative weight_version")
         if any(not math.isfinite(x) or x > 1e-6 for x in self.behav_logprobs):
@@ -58,6 +71,36 @@ class Trajectory:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def sampled_mask(self) -> List[int]:
+        """1 per response token the policy sampled (``loss_mask``, all ones when empty)."""
+        return list(self.loss_mask) if self.loss_mask else [1] * len(self.response_ids)
+
+    @property
+    def num_sampled(self) -> int:
+        """How many response tokens the policy sampled (the tokens the loss is over)."""
+        return sum(self.loss_mask) if self.loss_mask else len(self.response_ids)
+
+    def add_sampled(self, ids: List[int], logprobs: List[float]) -> None:
+        """Tokens the policy sampled, with their behaviour log-probs (a stream chunk)."""
+        if len(ids) != len(logprobs):
+            raise ValueError(f"{self.uid}: {len(ids)} tokens but {len(logprobs)} log-probs")
+        self.response_ids.extend(ids)
+        self.behav_logprobs.extend(logprobs)
+        if self.loss_mask:
+            self.loss_mask.extend([1] * len(ids))
+
+    def add_environment(self, ids: List[int]) -> None:
+        """Tokens the policy did not sample (a tool's output, the chat template's markup between
+        turns): they are context for the next turn, masked out of the loss."""
+        if not ids:
+            return
+        if not self.loss_mask:
+            self.loss_mask = [1] * len(self.response_ids)
+        self.response_ids.extend(ids)
+        self.behav_logprobs.extend([0.0] * len(ids))
+        self.loss_mask.extend([0] * len(ids))
 
     def staleness(self, trainer_version: int) -> int:
         """How many versions the trainer is ahead of the policy that generated this."""

@@ -142,7 +142,7 @@ class MegatronActor:
             raise ValueError("every trajectory needs a reward before training on it")
         adv_fn = advantage_fn(a.advantage)
         adv = adv_fn(rewards, [t.group_id for t in trajectories],
-                     lengths=[len(t.response_ids) for t in trajectories],
+                     lengths=[t.num_sampled for t in trajectories],
                      std_normalize=a.std_normalize, leave_one_out=a.leave_one_out).tolist()
         multiple = pad_multiple(self.ps.get_tensor_model_parallel_world_size(),
                                 self.ps.get_context_parallel_world_size())

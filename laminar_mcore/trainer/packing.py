@@ -102,7 +102,9 @@ def pack_trajectories(trajectories: Sequence[Trajectory], advantages: Sequence[f
         padded[b, :n, 0] = ids
         padded[b, :n - 1, 1] = ids[1:]
         # position i predicts token i+1: the response's tokens are predicted at p-1 .. n-2
-        padded[b, p - 1:n - 1, 2] = 1.0
+        # (a multi-turn episode's tool outputs and template tokens are context, not trained)
+        padded[b, p - 1:n - 1, 2] = torch.tensor(traj.sampled_mask, dtype=torch.float64) \
+            if traj.loss_mask else 1.0
         padded[b, p - 1:n - 1, 3] = torch.tensor(traj.behav_logprobs, dtype=torch.float32).double()
         padded[b, p - 1:n - 1, 4] = float(torch.tensor(float(adv), dtype=torch.float32))
     lens = torch.tensor(lengths, dtype=torch.int64)

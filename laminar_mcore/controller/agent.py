@@ -1,0 +1,225 @@
+"""Agent episodes: multi-turn, tool-using trajectories written as ordinary OpenAI-client code.
+
+``data.agent=module:function`` names ``async def agent(client, row)``: it talks to the policy
+through ``client``, a real ``openai.AsyncOpenAI`` pointed at the controller's gateway
+(controller/gateway.py) with this trajectory's own key, runs its tools (controller/sandbox.py
+for untrusted code), and returns a reward (a number) or a final answer (a string, scored by
+``data.reward_fn`` against the row's answer). Every model call is one turn of one trajectory,
+tokens exact, tool outputs masked, all turns of one weight version (the gateway's guarantees).
+
+An agent that raises ends its trajectory as discarded (``agent_error``) unless the exception
+came from a limit the episode reached (``rollout.max_turns`` ...), which keeps the trajectory
+with reward 0; a turn that could not be generated (its engine lost with no engine of its
+version left, the run stopping) ends it as a single-turn trajectory would.
+
+``AgentEvaluation`` runs the same agent on held-out rows against one engine (no rollout
+manager), for the before/after accuracy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import time
+import uuid
+import zlib
+from typing import Callable, List, Optional
+
+from ..data.pools import InFlight, PromptGroup
+from ..data.trajectory import Trajectory
+from .episode import Discard, Episode, Stopped
+from .gateway import AgentGateway, Session
+
+
+def load_agent(path: str) -> Callable:
+    """The agent function ``module:function``; a clear error if it is not an async function."""
+    module, _, name = path.partition(":")
+    if not module or not name:
+        raise ValueError(f"data.agent={path!r}: name it as 'module:function'")
+    fn = getattr(importlib.import_module(module), name, None)
+    if fn is None:
+        raise ValueError(f"data.agent={path!r}: {module} has no {name}")
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"data.agent={path!r} must be an async function agent(client, row)")
+    return fn
+
+
+def http_client():
+    """One HTTP client for every agent's OpenAI client: no connection cap (a run has as many
+    episodes in flight as its engines' capacity, hundreds per engine), keep-alive."""
+    import openai
+
+    # (the openai client's own HTTP library: httpx2 in openai 3, with httpx's API)
+    httpx = importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__
+                                    .split(".")[0])
+    return httpx.AsyncClient(limits=httpx.Limits(max_connections=None,
+                                                 max_keepalive_connections=256),
+                             timeout=httpx.Timeout(3600.0, connect=30.0))
+
+
+def openai_client(gateway: AgentGateway, session: Session, http):
+    import openai
+
+    return openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=session.key,
+                              max_retries=0, http_client=http)
+
+
+async def run_agent(agent: Callable, gateway: AgentGateway, session: Session, row: dict,
+                    score: Callable, http) -> float:
+    """Run ``agent`` on ``row`` through ``session``; its reward. Raises ``Discard``/``Stopped``."""
+    client = openai_client(gateway, session, http)
+    try:
+        result = await agent(client, row)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # the agent's own failure, or a refused/failed call
+        result = exc
+    finally:
+        gateway.close_session(session)
+    if isinstance(session.failure, (Discard, Stopped)):
+        raise session.failure
+    if session.failure is not None:
+        raise Discard("generation_failed", str(session.failure))
+    if session.turns == 0:
+        detail = f": {type(result).__name__}: {result}" if isinstance(result, Exception) else ""
+        raise Discard("agent_error", f"the agent never called the model{detail}")
+    if isinstance(result, Exception):
+        if session.end_reason is not None:
+            return 0.0  # the limit's refusal reached the agent
+        raise Discard("agent_error", f"{type(result).__name__}: {result}")
+    if isinstance(result, (int, float)) and not isinstance(result, bool):
+        return float(result)
+    if isinstance(result, str):
+        reward, error = await score(result, row.get("answer"), row)
+        if reward is None:
+            raise Discard("reward_error", str(error))
+        return reward
+    if result is None and session.end_reason is not None:
+        return 0.0
+    raise Discard("agent_error", f"the agent returned {type(result).__name__}: an agent returns "
+                                 "a reward (a number) or a final answer (a string)")
+
+
+class AgentEpisode(Episode):
+    """A GRPO group's n members each run the agent on the prompt row, as their own trajectory.
+
+    ``prompt_ids(row)``: placeholder prompt tokens until the agent's first call renders its
+    own messages (a Trajectory has a prompt from its start)."""
+
+    def __init__(self, agent: Callable, gateway: AgentGateway, score: Callable,
+                 prompt_ids: Callable[[dict], List[int]], sampling: dict, *,
+                 seed: Optional[int] = None):
+        self.agent, self.gateway, self.score = agent, gateway, score
+        self.prompt_ids, self.sampling, self.seed = prompt_ids, dict(sampling), seed
+        self._http = None
+        self.ended: dict = {}  # end reason -> episodes (the books)
+
+    def _sampling_seed(self, group_id: str, k: int) -> Optional[int]:
+        if self.seed is None:
+            return None
+        return zlib.crc32(f"{self.seed}/{group_id}/{k}".encode()) & 0x7FFFFFFF
+
+    def start(self, group: PromptGroup, version: int, engine: str) -> List[InFlight]:
+        prompt = self.prompt_ids(group.row)
+        items = []
+        for k in range(group.n):
+            traj = Trajectory(prompt_ids=list(prompt), response_ids=[], behav_logprobs=[],
+                              weight_version=version, group_id=group.group_id,
+                              uid=f"{group.group_id}-{k}-{uuid.uuid4().hex[:6]}",
+                              timings={"submitted": time.time()},
+                              metadata={"row_index": group.index})
+            items.append(InFlight(traj, engine, sampling=self.sampling, multi_turn=True,
+                                  max_new_tokens=0,
+                                  sampling_seed=self._sampling_seed(group.group_id, k)))
+        return items
+
+    async def arun(self, ctx, item: InFlight, row: dict) -> None:
+        if self._http is None:
+            self._http = http_client()
+        session = self.gateway.open(item, ctx)
+        traj = item.traj
+        try:
+            traj.reward = await run_agent(self.agent, self.gateway, session, row, self.score,
+                                          self._http)
+        finally:
+            traj.metadata.update(session.counts())
+            reason = session.end_reason or "done"
+            self.ended[reason] = self.ended.get(reason, 0) + 1
+        traj.timings["finished"] = traj.timings["rewarded"] = time.time()
+        traj.metadata["engine"] = item.engine
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+
+class EngineTurns:
+    """``generate`` for a gateway session on one engine, without a rollout manager (an
+    evaluation): each turn is one /generate stream from the tokens the trajectory holds."""
+
+    def __init__(self, client):
+        self.client = client
+
+    async def generate(self, item: InFlight) -> str:
+        traj = item.traj
+        params = dict(item.sampling)
+        params["max_new_tokens"] = item.max_new_tokens - len(traj.response_ids)
+        for _ in range(50):
+            final = None
+            start = len(traj.response_ids)
+            async for chunk in self.client.stream_tokens(traj.prompt_ids + traj.response_ids,
+                                                         params):
+                traj.add_sampled(chunk.new_ids, chunk.new_logprobs)
+                final = chunk.meta
+            reason = final["finish_reason"]["type"]
+            if reason != "abort":
+                return reason
+            # paused for a weight update (mode=areal): the turn starts again from its start
+            del traj.response_ids[start:], traj.behav_logprobs[start:]
+            if traj.loss_mask:
+                del traj.loss_mask[start:]
+            await asyncio.sleep(0.1)
+        raise Discard("aborted", "an evaluation turn was aborted 50 times in a row")
+
+
+async def evaluate_agent(url: str, rows: List[dict], agent: Callable, gateway: AgentGateway,
+                         score: Callable, prompt_ids: Callable[[dict], List[int]],
+                         sampling: dict, *, seed: int = 0, api_key: Optional[str] = None,
+                         greedy: bool = True) -> dict:
+    """Sampled (and greedy) accuracy of the agent on ``rows`` with the engine at ``url``, and
+    its turns and tool calls per episode."""
+    from ..rollout.client import SGLangClient
+
+    async with SGLangClient(url, api_key=api_key) as client:
+        ctx = EngineTurns(client)
+        http = http_client()
+        try:
+            async def one(i, row, params):
+                traj = Trajectory(prompt_ids=prompt_ids(row), response_ids=[],
+                                  behav_logprobs=[], weight_version=0, group_id=f"eval-{i}")
+                item = InFlight(traj, None, sampling=params)
+                session = gateway.open(item, ctx)
+                try:
+                    reward = await run_agent(agent, gateway, session, row, score, http)
+                except Discard:
+                    reward = 0.0
+                return reward, session.counts()
+
+            sampled = await asyncio.gather(*[
+                one(i, row, dict(sampling, sampling_seed=seed * 100_003 + i))
+                for i, row in enumerate(rows)])
+            argmax = await asyncio.gather(*[
+                one(i, row, dict(sampling, temperature=0.0))
+                for i, row in enumerate(rows)]) if greedy else []
+        finally:
+            await http.aclose()
+    n = max(len(rows), 1)
+    out = {"accuracy": sum(r for r, _ in sampled) / n,
+           "turns_per_episode": sum(c["turns"] for _, c in sampled) / n,
+           "tool_calls_per_episode": sum(c["tool_calls"] for _, c in sampled) / n,
+           "tool_errors": sum(c["tool_errors"] for _, c in sampled)}
+    if greedy:
+        out["accuracy_greedy"] = sum(r for r, _ in argmax) / n
+    return out

@@ -1,0 +1,239 @@
+"""Agent episodes against real CPU engines, a real relay and the real rollout manager: agents
+written with the ``openai`` client, token-exact turns (for a tokenizer whose re-tokenisation of
+the model's text differs), loss masks, one version per episode, limits, refused keys, and an
+engine killed mid-episode."""
+
+import asyncio
+import os
+import signal
+import time
+
+import aiohttp
+import pytest
+import torch
+
+from laminar_mcore.config.schema import RolloutConfig
+from laminar_mcore.controller.agent import AgentEpisode
+from laminar_mcore.controller.gateway import AgentGateway, EpisodeLimits
+from laminar_mcore.controller.manager import RolloutData, RolloutManager
+from laminar_mcore.controller.modes import policy_for
+from laminar_mcore.data.chat import ChatFormat, demo_tokenizer
+from laminar_mcore.data.pools import PartialResponsePool, PromptPool
+from laminar_mcore.models.hf import save_hf_checkpoint, tiny_hf_config
+from laminar_mcore.rollout.client import SGLangClient
+from laminar_mcore.rollout.launcher import EngineProcess, cpu_engine_command
+
+from .test_rollout_manager import RecordingBuffer, _handle, _relay_world, _state
+
+pytestmark = pytest.mark.multiprocess
+DIGITS = "0123456789"
+# every pair of digits is one token: "1" "2" sampled one by one re-tokenises as "12"
+TOK = demo_tokenizer([a + b for a in DIGITS for b in DIGITS])
+CHAT = ChatFormat(TOK)
+TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]
+
+
+def _digit_model(tmp_path):
+    """A tiny random model over the test tokenizer that mostly samples single digits (and,
+    now and then, the end-of-turn token)."""
+    cfg = tiny_hf_config("qwen2", vocab_size=len(TOK), eos_token_id=CHAT.eos_id)
+    state = _state(cfg, 0)
+    head = state["lm_head.weight"]
+    keep = torch.zeros(head.shape[0], dtype=torch.bool)
+    keep[[TOK.convert_tokens_to_ids(d) for d in DIGITS] + [CHAT.eos_id]] = True
+    head[~keep] = 0.0
+    head[keep] *= 8.0
+    return cfg, state
+
+
+def _manager(handles, rows, buffer, episode, mode="laminar", trainer_version=lambda: 0):
+    return RolloutManager(handles, RolloutData(PromptPool(rows, n_samples=2, seed=0),
+                                               PartialResponsePool(), buffer),
+                          episode, policy_for(mode), RolloutConfig(repack=False),
+                          trainer_version=trainer_version, batch_trajectories=4)
+
+
+async def _reward(text, answer, row):
+    return float(text == answer), None
+
+
+def _turns(traj):
+    """(start, end) of each run of sampled tokens in the response."""
+    runs, start = [], None
+    for i, m in enumerate(traj.sampled_mask + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def test_turns_are_token_exact_masked_and_of_one_version(tmp_path):
+    cfg, state = _digit_model(tmp_path)
+    rows = [{"prompt": f"{i}+{i}", "answer": "x"} for i in range(40)]
+    sent = {}  # row prompt -> the messages of each call, as the agent sent them
+
+    async def agent(client, row):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        for t in range(3):
+            answer = await client.chat.completions.create(model="policy", messages=messages,
+                                                          tools=TOOLS, max_tokens=10)
+            messages.append(answer.choices[0].message.model_dump(exclude_none=True))
+            messages.append({"role": "tool", "tool_call_id": "c", "content": f"{t}{t}7"})
+            sent.setdefault(row["prompt"], []).append(list(messages))
+        return 1.0
+
+    with _relay_world(tmp_path, cfg) as (relay, _, publisher, procs):
+        save_hf_checkpoint(tmp_path / "m", cfg, state)
+        engines = [EngineProcess(cpu_engine_command(str(tmp_path / "m"), seed=i,
+                                                    deterministic=True,
+                                                    incremental_streaming_output=True,
+                                                    stream_interval=4),
+                                 log_path=str(tmp_path / f"e{i}.log")).start() for i in range(2)]
+        procs += engines
+        buffer = RecordingBuffer(group_size=2)
+
+        async def scenario():
+            gateway = AgentGateway(CHAT, EpisodeLimits(max_turns=8, max_new_tokens=10))
+            await gateway.start()
+            episode = AgentEpisode(agent, gateway, _reward, lambda row: [1],
+                                   {"temperature": 1.0}, seed=3)
+            handles = [_handle(f"e{i}", p.url, relay.url, 4, timeout_s=30,
+                               incremental_stream=True) for i, p in enumerate(engines)]
+            manager = _manager(handles, rows, buffer, episode)
+            runner = asyncio.create_task(manager.run())
+            deadline = time.time() + 120
+            while len(buffer.seen) < 8:
+                assert time.time() < deadline, manager.stats
+                await asyncio.sleep(0.05)
+            # version 1 reaches the relay while episodes are between turns: engines take it
+            # only when their episodes end
+            await asyncio.to_thread(publisher.publish, 1)
+            await asyncio.to_thread(publisher.wait)
+            while not any(t.weight_version == 1 for t in buffer.seen):
+                assert time.time() < deadline, manager.stats
+                await asyncio.sleep(0.05)
+            manager.stop()
+            await runner
+            await episode.aclose()
+            async with aiohttp.ClientSession() as http:  # a key of nobody's: refused
+                async with http.post(f"{gateway.url}/v1/chat/completions", json={
+                        "messages": [{"role": "user", "content": "1"}]},
+                        headers={"Authorization": "Bearer lm-nobody"}) as r:
+                    refused = r.status, await r.json()
+            await gateway.close()
+            for h in handles:
+                await h.client.close()
+                await h.relay.close()
+            return manager, episode, refused
+
+        manager, episode, refused = asyncio.run(scenario())
+        assert refused[0] == 401 and refused[1]["error"]["code"] == "invalid_api_key"
+
+        # every turn's tokens are what an engine of version 0 samples from exactly the tokens
+        # before it
+        fresh = EngineProcess(cpu_engine_command(str(tmp_path / "m"), deterministic=True),
+                              log_path=str(tmp_path / "replay.log")).start()
+        procs.append(fresh)
+
+        async def replay(traj, start, end, seed):
+            async with SGLangClient(fresh.url) as client:
+                out = await client.generate(traj.prompt_ids + traj.response_ids[:start], {
+                    "temperature": 1.0, "max_new_tokens": end - start,
+                    "sampling_seed": (seed + start) & 0x7FFFFFFF})
+            return out["output_ids"]
+
+        retokenised_differs = 0
+        checked = 0
+        for traj in buffer.seen:
+            if traj.weight_version != 0:
+                continue  # the engines' checkpoint is version 0's weights
+            turns = _turns(traj)
+            assert len(turns) == 3 and traj.metadata["turns"] == 3
+            assert traj.versions_seen() == ["0"]
+            msgs = sent[rows[traj.metadata["row_index"]]["prompt"]]
+            assert traj.prompt_ids == CHAT.prompt(msgs[0][:1], TOOLS)
+            seed = episode._sampling_seed(traj.group_id, int(traj.uid.split("-")[-2]))
+            for k, (start, end) in enumerate(turns):
+                assert asyncio.run(replay(traj, start, end, seed)) == \
+                    traj.response_ids[start:end], (traj.uid, k)
+                sampled = traj.response_ids[start:end]
+                if CHAT.encode(TOK.decode(sampled)) != sampled:
+                    retokenised_differs += 1
+                # the environment tokens after turn k: the template's rendering of the tool
+                # message, nothing else
+                if k + 1 < len(turns):
+                    env = traj.response_ids[end:turns[k + 1][0]]
+                    ended = sampled[-1] == CHAT.eos_id
+                    expected = ("" if ended else "<|im_end|>") + \
+                        f"\n<|im_start|>tool\n<tool_response>{k}{k}7</tool_response>" \
+                        "<|im_end|>\n<|im_start|>assistant\n"
+                    assert TOK.decode(env) == expected
+                    assert env == ([] if ended else [CHAT.eos_id]) + CHAT.encode(expected[
+                        0 if ended else len("<|im_end|>"):])
+                    assert set(traj.behav_logprobs[end:turns[k + 1][0]]) == {0.0}
+            checked += 1
+        assert checked >= 4
+        assert retokenised_differs > 0  # re-encoding the model's text would have drifted
+        # one version per episode: none straddles the update, and none had to be resumed or
+        # discarded because its engine took version 1 between its turns
+        assert all(t.versions_seen() == [str(t.weight_version)] for t in buffer.seen)
+        assert not buffer.discarded and manager.stats.resumed == 0, manager.stats
+        assert manager.stats.pulls >= 2
+        assert episode.ended.get("done", 0) >= len(buffer.seen)
+
+
+def test_limits_end_episodes_with_their_reason_and_calls_are_guarded(tmp_path):
+    cfg, state = _digit_model(tmp_path)
+    save_hf_checkpoint(tmp_path / "m", cfg, state)
+    rows = [{"prompt": f"{i}", "answer": "x"} for i in range(8)]
+    seen = {}
+
+    async def agent(client, row):
+        import openai
+
+        messages = [{"role": "user", "content": row["prompt"]}]
+        while True:  # never stops on its own: the gateway's max_turns ends it
+            try:
+                answer = await client.chat.completions.create(model="p", messages=messages)
+            except openai.BadRequestError as exc:
+                seen.setdefault("limit", exc.body)
+                raise
+            messages.append(answer.choices[0].message.model_dump(exclude_none=True))
+            messages.append({"role": "user", "content": "again"})
+            if "claimed" not in seen:  # the first episode checks the guards, then ends
+                seen["claimed"] = True
+                try:  # a history that is not the conversation's: 400
+                    await client.chat.completions.create(model="p", messages=[
+                        {"role": "user", "content": "other"}, *messages[1:]])
+                except openai.BadRequestError as exc:
+                    seen["diverged"] = exc.body
+                # two calls of one trajectory at once: one is refused
+                both = await asyncio.gather(*[client.chat.completions.create(
+                    model="p", messages=messages) for _ in range(2)], return_exceptions=True)
+                seen["busy"] = [getattr(b, "status_code", 200) for b in both]
+                return 0.5
+
+    engine = EngineProcess(cpu_engine_command(str(tmp_path / "m"), deterministic=True),
+                           log_path=str(tmp_path / "e.log")).start()
+    try:
+        async def scenario():
+            from laminar_mcore.controller.agent import evaluate_agent
+
+            gateway = AgentGateway(CHAT, EpisodeLimits(max_turns=3, max_new_tokens=6))
+            await gateway.start()
+            result = await evaluate_agent(engine.url, rows, agent, gateway, _reward,
+                                          lambda row: [1], {"temperature": 1.0}, greedy=False)
+            await gateway.close()
+            return result
+
+        result = asyncio.run(scenario())
+    finally:
+        engine.stop()
+    assert seen["diverged"]["code"] == "messages" and "differs" in seen["diverged"]["message"]
+    assert sorted(seen["busy"]) == [200, 409]
+    assert seen["limit"]["code"] == "max_turns"
+    # the first episode returned 0.5 after its busy check; the others hit max_turns (reward 0)
+    assert result["turns_per_episode"] == pytest.approx((2 + 3 * 7) / 8)
+    assert result["accuracy"] == pytest.approx(0.5 / 8)
