@@ -237,3 +237,75 @@ def test_limits_end_episodes_with_their_reason_and_calls_are_guarded(tmp_path):
     # the first episode returned 0.5 after its busy check; the others hit max_turns (reward 0)
     assert result["turns_per_episode"] == pytest.approx((2 + 3 * 7) / 8)
     assert result["accuracy"] == pytest.approx(0.5 / 8)
+
+
+def test_an_engine_killed_mid_episode_resumes_its_turns_on_an_engine_of_the_version(tmp_path):
+    """Episodes run on two engines; one is killed while some of its episodes are generating a
+    turn and others wait for their tool: each resumes on the other engine, of the same version,
+    from the tokens it holds, and ends with its three turns; nothing is lost."""
+    import random
+
+    cfg, state = _digit_model(tmp_path)
+    rows = [{"prompt": f"{i}", "answer": "x"} for i in range(64)]
+    rng = random.Random(0)
+
+    async def agent(client, row):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        for t in range(3):
+            answer = await client.chat.completions.create(model="p", messages=messages,
+                                                          max_tokens=40)
+            messages.append(answer.choices[0].message.model_dump(exclude_none=True))
+            await asyncio.sleep(rng.random() * 0.3)  # the tool's time
+            messages.append({"role": "tool", "tool_call_id": "c", "content": f"{t}"})
+        return 1.0
+
+    with _relay_world(tmp_path, cfg) as (relay, _, publisher, procs):
+        save_hf_checkpoint(tmp_path / "m", cfg, state)
+        engines = [EngineProcess(cpu_engine_command(str(tmp_path / "m"), seed=i,
+                                                    deterministic=True,
+                                                    incremental_streaming_output=True,
+                                                    stream_interval=4),
+                                 log_path=str(tmp_path / f"e{i}.log")).start() for i in range(2)]
+        procs += engines
+        buffer = RecordingBuffer(group_size=2)
+
+        async def scenario():
+            gateway = AgentGateway(CHAT, EpisodeLimits(max_turns=8, max_new_tokens=40))
+            await gateway.start()
+            episode = AgentEpisode(agent, gateway, _reward, lambda row: [1],
+                                   {"temperature": 1.0}, seed=5)
+            handles = [_handle(f"e{i}", p.url, relay.url, 6, timeout_s=5,
+                               incremental_stream=True) for i, p in enumerate(engines)]
+            manager = _manager(handles, rows, buffer, episode)
+            runner = asyncio.create_task(manager.run())
+            deadline = time.time() + 120
+            while len(buffer.seen) < 4 or len(handles[1].in_flight) < 4:
+                assert time.time() < deadline, manager.stats
+                await asyncio.sleep(0.01)
+            os.killpg(engines[1].proc.pid, signal.SIGKILL)
+            at_kill = len(buffer.seen)
+            while len(buffer.seen) < at_kill + 10:
+                assert time.time() < deadline, manager.stats
+                await asyncio.sleep(0.05)
+            manager.stop()
+            await runner
+            await episode.aclose()
+            await gateway.close()
+            for h in handles:
+                await h.client.close()
+                await h.relay.close()
+            return manager
+
+        manager = asyncio.run(scenario())
+
+    assert manager.stats.resumed >= 1 and not buffer.discarded, (manager.stats,
+                                                                 buffer.discarded)
+    moved = [t for t in buffer.seen
+             if any(s["how"] == "resume" for s in t.metadata.get("segments", []))]
+    assert moved, "no episode was resumed on the other engine"
+    for traj in buffer.seen:
+        assert len(_turns(traj)) == 3 and traj.metadata["turns"] == 3
+        assert traj.versions_seen() == ["0"]
+    for traj in moved:
+        engines_used = [s["engine"] for s in traj.metadata["segments"]]
+        assert engines_used[0] == "e1" and engines_used[-1] == "e0"

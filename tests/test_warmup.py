@@ -16,7 +16,8 @@ def test_a_long_tailed_batch_in_chunks_has_the_one_pass_loss_and_gradient(monkey
                                   long_fraction=0.15)
     assert max(len(p["answer"]) for p in problems) >= 32  # a long tail is in the batch
     data = tasks.noisy_demonstrations(problems, 0.5, seed=0)
-    prompt_lens = [len(p["prompt"]) for p in problems]
+    masks = [[0] * len(p["prompt"]) + [1] * (len(d) - len(p["prompt"]))
+             for p, d in zip(problems, data)]
     picks = list(range(len(problems)))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tasks.tiny_demo_config(32, 1, 192),
@@ -25,7 +26,7 @@ def test_a_long_tailed_batch_in_chunks_has_the_one_pass_loss_and_gradient(monkey
     def loss_and_grad(chunk_tokens):
         monkeypatch.setattr(warmup, "CHUNK_TOKENS", chunk_tokens)
         model.zero_grad()
-        loss = warmup._step_loss(model, data, prompt_lens, picks, tasks.PAD)
+        loss = warmup._step_loss(model, data, masks, picks, tasks.PAD)
         loss.backward()
         return loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])
 

@@ -24,12 +24,13 @@ import inspect
 import time
 import uuid
 import zlib
-from typing import Callable, List, Optional
+from dataclasses import asdict
+from typing import Callable, List, Optional, Tuple
 
 from ..data.pools import InFlight, PromptGroup
 from ..data.trajectory import Trajectory
 from .episode import Discard, Episode, Stopped
-from .gateway import AgentGateway, Session
+from .gateway import AgentGateway, EpisodeLimits, Session
 
 
 def load_agent(path: str) -> Callable:
@@ -48,8 +49,12 @@ def load_agent(path: str) -> Callable:
 def http_client():
     """One HTTP client for every agent's OpenAI client: no connection cap (a run has as many
     episodes in flight as its engines' capacity, hundreds per engine), keep-alive."""
+    import logging
+
     import openai
 
+    logging.getLogger("httpx2").setLevel(logging.WARNING)  # not a line per agent call
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     # (the openai client's own HTTP library: httpx2 in openai 3, with httpx's API)
     httpx = importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__
                                     .split(".")[0])
@@ -157,7 +162,8 @@ class AgentEpisode(Episode):
 
 class EngineTurns:
     """``generate`` for a gateway session on one engine, without a rollout manager (an
-    evaluation): each turn is one /generate stream from the tokens the trajectory holds."""
+    evaluation): each turn is one non-streaming /generate from the tokens the trajectory holds
+    (whatever the engine's stream style)."""
 
     def __init__(self, client):
         self.client = client
@@ -167,20 +173,15 @@ class EngineTurns:
         params = dict(item.sampling)
         params["max_new_tokens"] = item.max_new_tokens - len(traj.response_ids)
         for _ in range(50):
-            final = None
-            start = len(traj.response_ids)
-            async for chunk in self.client.stream_tokens(traj.prompt_ids + traj.response_ids,
-                                                         params):
-                traj.add_sampled(chunk.new_ids, chunk.new_logprobs)
-                final = chunk.meta
-            reason = final["finish_reason"]["type"]
+            out = await self.client.generate(traj.prompt_ids + traj.response_ids, params)
+            meta = out["meta_info"]
+            reason = meta["finish_reason"]["type"]
             if reason != "abort":
+                ids = list(out["output_ids"])
+                lps = [float(x[0]) for x in meta.get("output_token_logprobs") or []]
+                traj.add_sampled(ids, lps if len(lps) == len(ids) else [0.0] * len(ids))
                 return reason
-            # paused for a weight update (mode=areal): the turn starts again from its start
-            del traj.response_ids[start:], traj.behav_logprobs[start:]
-            if traj.loss_mask:
-                del traj.loss_mask[start:]
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # paused for a weight update (mode=areal): ask again
         raise Discard("aborted", "an evaluation turn was aborted 50 times in a row")
 
 
@@ -223,3 +224,51 @@ async def evaluate_agent(url: str, rows: List[dict], agent: Callable, gateway: A
     if greedy:
         out["accuracy_greedy"] = sum(r for r, _ in argmax) / n
     return out
+
+
+# ---------------------------------------------------------------------- a run's agent
+def limits_of(cfg) -> EpisodeLimits:
+    r = cfg.rollout
+    return EpisodeLimits(max_turns=r.max_turns, max_tool_calls=r.max_tool_calls,
+                         max_episode_tokens=r.max_episode_tokens,
+                         max_new_tokens=r.sampling.max_new_tokens)
+
+
+def agent_episode(cfg, task, score) -> Tuple[AgentEpisode, AgentGateway]:
+    """The run's agent episode and its gateway (started by the controller on its loop)."""
+    if task.chat is None:
+        raise ValueError("data.agent needs a tokenizer with a chat template: model.path's, or "
+                         "a built-in agent task (data.task=tool_addition)")
+    gateway = AgentGateway(task.chat, limits_of(cfg), model_name=cfg.run_name)
+    episode = AgentEpisode(load_agent(cfg.data.agent), gateway, score, task.codec.encode_prompt,
+                           asdict(cfg.rollout.sampling), seed=cfg.seed)
+    return episode, gateway
+
+
+async def evaluate_run_agent(cfg, task, url: str, api_key: Optional[str] = None):
+    """The run's agent on its held-out rows with the engine at ``url`` (an ``EvalResult``; the
+    version is the engine's)."""
+    from ..reward import load_reward_fn
+    from ..rollout.client import SGLangClient
+    from .evaluation import EvalResult
+
+    fn = load_reward_fn(cfg.data.reward_fn)
+
+    async def score(text, answer, row):
+        extra = {k: v for k, v in row.items() if k not in ("answer", "response_text")}
+        return await asyncio.to_thread(fn, text, answer, **extra), None
+
+    gateway = AgentGateway(task.chat, limits_of(cfg), model_name=cfg.run_name)
+    await gateway.start()
+    try:
+        out = await evaluate_agent(url, task.evals, load_agent(cfg.data.agent), gateway, score,
+                                   task.codec.encode_prompt, asdict(cfg.rollout.sampling),
+                                   seed=0, api_key=api_key)
+    finally:
+        await gateway.close()
+    async with SGLangClient(url, api_key=api_key) as client:
+        raw = await client.get_weight_version()
+    version = int(raw) if raw.isdigit() else None
+    details = {k: out[k] for k in ("turns_per_episode", "tool_calls_per_episode", "tool_errors")}
+    return EvalResult(out["accuracy"], out.get("accuracy_greedy"), version,
+                      [version] if version is not None else [], details)

@@ -23,9 +23,14 @@ class EvalResult:
     accuracy_greedy: Optional[float]  # mean reward at temperature 0; None if not asked
     version: Optional[int]  # the newest weight version that served a request
     versions: List[int]  # every version that served one (engines may pull during an eval)
+    # agent runs: turns_per_episode, tool_calls_per_episode, tool_errors of the sampled episodes
+    details: Optional[dict] = None
 
     def record(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None and k != "versions"}
+        out = {k: v for k, v in asdict(self).items()
+               if v is not None and k not in ("versions", "details")}
+        out.update(self.details or {})
+        return out
 
 
 async def _generate(client: SGLangClient, ids: List[int], sampling: dict, attempts: int = 50):

@@ -100,6 +100,7 @@ class AgentGateway:
         self.chat, self.limits, self.model_name, self.host = chat, limits, model_name, host
         self.sessions: Dict[str, Session] = {}
         self.ended: Dict[str, float] = {}  # keys of ended sessions -> when (a late call: 401)
+        self.tool_errors = 0
         self.app = web.Application(client_max_size=64 * 2 ** 20)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -232,9 +233,16 @@ class AgentGateway:
             traj.add_environment(env)
             tools = [m for m in new if _role(m) == "tool"]
             session.tool_messages += len(tools)
-            # a tool that failed answers "Error: ..." (the sandbox's convention, controller/
-            # sandbox.py): the books count them
-            session.tool_errors += sum(1 for m in tools if str(_content(m)).startswith("Error"))
+            # a tool that failed says so in a line "Error: ..." (the sandbox's convention,
+            # controller/sandbox.py): the books count them
+            failed = [m for m in tools if any(line.startswith("Error:")
+                                              for line in str(_content(m)).splitlines())]
+            session.tool_errors += len(failed)
+            for m in failed:
+                self.tool_errors += 1
+                if self.tool_errors <= 3 or self.tool_errors % 200 == 0:  # a sample
+                    logger.warning("tool error answered to the model (%d so far): %.300s",
+                                   self.tool_errors, _content(m))
         session.messages = [_as_dict(m) for m in messages]
         budget = min(lim.max_new_tokens, lim.max_episode_tokens - traj.num_tokens)
         asked = body.get("max_completion_tokens") or body.get("max_tokens")

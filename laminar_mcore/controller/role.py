@@ -43,7 +43,15 @@ def load_task(cfg: LaminarConfig, out_dir: str, log) -> TaskData:
                  else rows[: d.num_eval])
         codec = TaskCodec(encode_prompt=lambda row: tok.encode(row[d.prompt_key]),
                           decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
-        return TaskData(rows, evals, codec, cfg.model.path)
+        chat = None
+        if d.agent:
+            from ..data.chat import ChatFormat
+
+            chat = ChatFormat(tok)
+            codec = _chat_codec(chat, d.prompt_key)
+        return TaskData(rows, evals, codec, cfg.model.path, chat=chat)
+    if d.task == "tool_addition":
+        return _tool_task(cfg, out_dir, log)
     shape = dict(long_digits=d.long_digits, long_fraction=d.long_fraction)
     rows = tasks.make_dataset(d.num_train, d.digits, d.task, seed=cfg.seed, **shape)
     evals = tasks.make_dataset(d.num_eval, d.digits, d.task, seed=cfg.seed + 10_000, **shape)
@@ -71,10 +79,55 @@ def load_task(cfg: LaminarConfig, out_dir: str, log) -> TaskData:
                     eval_max_new_tokens=(lambda row: len(row["answer"]) + 1) if exact else None)
 
 
+def _chat_codec(chat, prompt_key: str = "prompt") -> TaskCodec:
+    """An agent run's placeholder prompt (the row's prompt as the user's message, until the
+    agent's first call renders its own) and a turn's text."""
+    from ..data.agent_task import TOOLS
+
+    return TaskCodec(encode_prompt=lambda row: chat.prompt(
+        [{"role": "user", "content": str(row[prompt_key])}], TOOLS), decode=chat.decode_turn)
+
+
+def _tool_task(cfg: LaminarConfig, out_dir: str, log) -> TaskData:
+    """The agent demo's task (data/agent_task.py): its tokenizer with a chat template, and a
+    starting checkpoint warmed up on noisy tool-use demonstrations (cached)."""
+    from ..data import tasks
+    from ..data.agent_task import tool_demonstrations
+    from ..data.chat import ChatFormat, demo_tokenizer
+
+    d = cfg.data
+    if not d.agent:
+        raise ValueError("data.task=tool_addition is an agent task: set data.agent (e.g. "
+                         "laminar_mcore.controller.agents:calculator)")
+    rows = tasks.make_dataset(d.num_train, d.digits, d.task, seed=cfg.seed)
+    evals = tasks.make_dataset(d.num_eval, d.digits, d.task, seed=cfg.seed + 10_000)
+    data_dir = os.path.join(out_dir, "data")
+    os.makedirs(data_dir, exist_ok=True)
+    tasks.write_dataset(os.path.join(data_dir, "train.jsonl"), rows)
+    tasks.write_dataset(os.path.join(data_dir, "eval.jsonl"), evals)
+    chat = ChatFormat(demo_tokenizer())
+    model_path = cfg.model.path
+    if model_path is None:
+        from ..data.warmup import warmup_checkpoint
+
+        demos = tool_demonstrations(rows, chat, wrong_fraction=d.warmup_wrong_fraction,
+                                    seed=cfg.seed)
+        model_path = warmup_checkpoint(
+            os.path.join(cfg.output_dir, ".cache"), problems=rows, steps=d.warmup_steps,
+            hidden=cfg.model.arch.hidden_size, layers=cfg.model.arch.num_hidden_layers,
+            seed=cfg.seed, max_positions=cfg.rollout.max_episode_tokens, log=log,
+            demonstrations=demos, tokenizer=chat.tok)
+    return TaskData(rows, evals, _chat_codec(chat), model_path, chat=chat)
+
+
 def evaluate_engine(cfg: LaminarConfig, task: TaskData, url: str,
                     api_key: Optional[str] = None) -> EvalResult:
     """Sampled and greedy accuracy of the engine at ``url`` on the run's held-out set
     (``api_key``: the run's engines', ``netutil.engine_api_key`` of its token)."""
+    if cfg.data.agent:
+        from .agent import evaluate_run_agent
+
+        return asyncio.run(evaluate_run_agent(cfg, task, url, api_key))
     return asyncio.run(evaluate(url, task.evals, task.codec, asdict(cfg.rollout.sampling),
                                 cfg.data.reward_fn, api_key=api_key,
                                 max_new_tokens_fn=task.eval_max_new_tokens))

@@ -52,6 +52,8 @@ COUNT = Field("int", low=0)
 SECONDS = Field("number", low=0, high=1e7)
 # what each trainer endpoint accepts (the cluster's: controller/cluster.py)
 NO_QUERY: dict = {}
+# what an agent episode's trajectory reports (controller/gateway.py Session.counts)
+AGENT_COUNTS = ("turns", "tool_calls", "tool_errors", "malformed_tool_calls")
 BATCH_QUERY = {"timeout": Field("number", low=0, high=3600)}
 TRAINED = {"step": Field("int", required=True, low=0), "version": Field("int", required=True, low=0),
            "stats": Field("dict", max_len=1024), "publish_blocked_s": SECONDS, "wait_s": SECONDS}
@@ -69,6 +71,8 @@ class TaskData:
     # The longest response the verifier can accept for an evaluation row (None: the run's
     # max_new_tokens): evaluations stop there, since a longer answer is wrong anyway.
     eval_max_new_tokens: Optional[Callable[[dict], int]] = None
+    # Agent episodes (data.agent): the tokenizer with its chat template (data/chat.py)
+    chat: Optional[object] = None
 
 
 def length_fn_from_config(rollout_cfg):
@@ -143,8 +147,15 @@ class Controller(ClusterAPI, TrainerWatch):
         d = cfg.data
         self.reward = RewardService(d.reward_fn, workers=d.reward_workers,
                                     timeout_s=d.reward_timeout_s)
-        self.episode = SingleTurn(task.codec, asdict(cfg.rollout.sampling), self.reward.score,
-                                  seed=cfg.seed, length_fn=length_fn_from_config(cfg.rollout))
+        self.gateway = None
+        if d.agent:  # multi-turn agent episodes through the OpenAI-compatible gateway
+            from .agent import agent_episode
+
+            self.episode, self.gateway = agent_episode(cfg, task, self.reward.score)
+        else:
+            self.episode = SingleTurn(task.codec, asdict(cfg.rollout.sampling),
+                                      self.reward.score, seed=cfg.seed,
+                                      length_fn=length_fn_from_config(cfg.rollout))
         self._initial_state = initial_state
         self.manager: Optional[RolloutManager] = None
         self.loop: Optional[asyncio.AbstractEventLoop] = None
@@ -271,6 +282,8 @@ class Controller(ClusterAPI, TrainerWatch):
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
         self.url = f"http://{self.host}:{port}"
+        if self.gateway is not None:
+            await self.gateway.start()
         self._manager_task = asyncio.create_task(self.manager.run())
         self._election = asyncio.Lock()
         watches = [asyncio.create_task(self._watch_master()),
@@ -291,6 +304,9 @@ class Controller(ClusterAPI, TrainerWatch):
             await h.puller.aclose()
         for client in self._retired_clients:
             await client.close()
+        if self.gateway is not None:
+            await self.episode.aclose()
+            await self.gateway.close()
         await runner.cleanup()
 
     # ------------------------------------------------------------------ trainer API
@@ -328,9 +344,11 @@ class Controller(ClusterAPI, TrainerWatch):
             seen = t.versions_seen()
             if seen and seen != [str(t.weight_version)]:
                 self.mixed_version_consumed += 1
-            self.consumed.append({"uid": t.uid, "version": t.weight_version,
-                                  "staleness": self.trainer_version - t.weight_version,
-                                  "reward": t.reward, "tokens": len(t.response_ids)})
+            record = {"uid": t.uid, "version": t.weight_version,
+                      "staleness": self.trainer_version - t.weight_version,
+                      "reward": t.reward, "tokens": len(t.response_ids)}
+            record.update({k: t.metadata[k] for k in AGENT_COUNTS if k in t.metadata})
+            self.consumed.append(record)
         self.max_staleness_observed = max([self.max_staleness_observed] + staleness)
         for s in staleness:
             self.staleness.observe(s)
@@ -401,10 +419,16 @@ class Controller(ClusterAPI, TrainerWatch):
                 await asyncio.sleep(0.05)
             engine = min(ready, key=lambda e: (e.evaluating, len(e.in_flight)))
             engine.evaluating += 1
-            result = await evaluate(engine.client.base_url, self.task.evals, self.task.codec,
-                                    asdict(self.cfg.rollout.sampling), self.cfg.data.reward_fn,
-                                    api_key=engine.client.api_key,
-                                    max_new_tokens_fn=self.task.eval_max_new_tokens)
+            if self.cfg.data.agent:
+                from .agent import evaluate_run_agent
+
+                result = await evaluate_run_agent(self.cfg, self.task, engine.client.base_url,
+                                                  engine.client.api_key)
+            else:
+                result = await evaluate(engine.client.base_url, self.task.evals,
+                                        self.task.codec, asdict(self.cfg.rollout.sampling),
+                                        self.cfg.data.reward_fn, api_key=engine.client.api_key,
+                                        max_new_tokens_fn=self.task.eval_max_new_tokens)
             self.metrics.log("eval", step=step, **result.record(),
                              wall_s=self.version_wall_s(result.version), engine=engine.name)
         except asyncio.CancelledError:
@@ -481,6 +505,19 @@ class Controller(ClusterAPI, TrainerWatch):
                                          if self.manager else 0.0),
                 "consumed_tokens": sum(c["tokens"] for c in self.consumed), "span_s": span}
 
+    def _agent_books(self) -> dict:
+        """Agent runs: how episodes ended (done, or the limit that ended them) and, per
+        consumed episode, turns, tool calls and tool errors."""
+        if self.gateway is None:
+            return {}
+        eps = [c for c in self.consumed if "turns" in c]
+        n = max(len(eps), 1)
+        return {"episodes_ended": dict(self.episode.ended),
+                "turns_per_episode": sum(c["turns"] for c in eps) / n,
+                "tool_calls_per_episode": sum(c["tool_calls"] for c in eps) / n,
+                "tool_errors": sum(c.get("tool_errors", 0) for c in eps),
+                "malformed_tool_calls": sum(c.get("malformed_tool_calls", 0) for c in eps)}
+
     def books(self) -> dict:
         s = self.manager.stats if self.manager else None
         return {"trajectories_generated": s.generated if s else 0,
@@ -507,5 +544,6 @@ class Controller(ClusterAPI, TrainerWatch):
                 "lost_engines": dict(s.lost) if s else {},
                 "relay_failovers": self.relay_failovers,
                 "trainer_restarts": self.trainer_restarts,
+                **self._agent_books(),
                 "faults": len(self.faults),
                 "trajectories_mixed_versions": self.mixed_version_consumed}

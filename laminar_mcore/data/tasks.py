@@ -38,7 +38,7 @@ def decode(ids: Iterable[int]) -> str:
     return "".join(out)
 
 
-TASKS = ("reverse", "addition", "reverse_longtail")
+TASKS = ("reverse", "addition", "reverse_longtail", "tool_addition")
 
 
 def longtail_digits(rng: random.Random, digits: int, long_digits: int,
@@ -58,6 +58,9 @@ def make_problem(rng: random.Random, digits: int, task: str = "addition", *,
     if task == "reverse":
         x = "".join(str(rng.randrange(10)) for _ in range(digits))
         return {"prompt": f"{x}=", "answer": x[::-1]}
+    if task == "tool_addition":  # the agent demo's (data/agent_task.py): no leading zeros
+        a, b = (rng.randrange(10 ** (digits - 1), 10 ** digits) for _ in range(2))
+        return {"prompt": f"{a}+{b}", "answer": str(a + b)}
     if task != "addition":
         raise ValueError(f"unknown task {task!r}: one of {', '.join(TASKS)}")
     a, b = rng.randrange(10 ** digits), rng.randrange(10 ** digits)
@@ -120,14 +123,17 @@ def noisy_demonstrations(problems: List[Dict[str, str]], wrong_fraction: float,
 
 
 def tiny_demo_config(hidden: int = 128, layers: int = 3, max_positions: int = 64,
-                     moe: Optional[dict] = None):
-    """The demo model: Qwen2, or Qwen3-MoE with the ``moe`` fields (num_experts, ...)."""
+                     moe: Optional[dict] = None, vocab: Optional[dict] = None):
+    """The demo model: Qwen2, or Qwen3-MoE with the ``moe`` fields (num_experts, ...);
+    ``vocab``: vocab_size, eos_token_id, pad_token_id of another tokenizer than the
+    character map's (the agent demo's)."""
     from ..models.hf import build_hf_config
 
     return build_hf_config("qwen3_moe" if moe else "qwen2", **(moe or {}),
                            hidden_size=hidden, intermediate_size=hidden * 3,
                            num_hidden_layers=layers, num_attention_heads=4,
-                           num_key_value_heads=2, vocab_size=VOCAB_SIZE,
-                           max_position_embeddings=max_positions, rms_norm_eps=1e-6, rope_theta=10000.0,
-                           tie_word_embeddings=False, hidden_act="silu",
-                           eos_token_id=EOS, pad_token_id=PAD, bos_token_id=None)
+                           num_key_value_heads=2, max_position_embeddings=max_positions,
+                           rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+                           hidden_act="silu", bos_token_id=None,
+                           **(vocab or dict(vocab_size=VOCAB_SIZE, eos_token_id=EOS,
+                                            pad_token_id=PAD)))

@@ -18,7 +18,7 @@ import json
 import os
 import random
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -26,9 +26,14 @@ import torch
 def warmup_checkpoint(out_dir: str, *, problems: List[Dict[str, str]], steps: int = 300,
                       batch_size: int = 64, lr: float = 3e-3, wrong_fraction: float = 0.4,
                       hidden: int = 128, layers: int = 3, seed: int = 0, max_positions: int = 64,
-                      moe: Optional[dict] = None, log=print) -> str:
+                      moe: Optional[dict] = None, log=print,
+                      demonstrations: Optional[List[Tuple[List[int], List[int]]]] = None,
+                      tokenizer=None) -> str:
     """Train (or reuse) the warm-up checkpoint; returns its directory. ``moe``: Qwen3-MoE
-    fields (num_experts, ...) for a mixture-of-experts demo model; empty or None: Qwen2."""
+    fields (num_experts, ...) for a mixture-of-experts demo model; empty or None: Qwen2.
+    ``demonstrations``: (tokens, mask) sequences to imitate where the mask is 1 (the agent
+    demo's episodes, data/agent_task.py) instead of the character tasks' noisy answers;
+    ``tokenizer``: theirs (saved with the checkpoint, its size and ids the model's)."""
     from transformers import AutoModelForCausalLM
 
     from ..models.hf import save_hf_checkpoint
@@ -45,22 +50,39 @@ def warmup_checkpoint(out_dir: str, *, problems: List[Dict[str, str]], steps: in
         recipe["max_positions"] = max_positions
     if moe:
         recipe["moe"] = moe
+    if demonstrations is not None:
+        recipe["demonstrations"] = hashlib.sha256(
+            json.dumps(demonstrations).encode()).hexdigest()
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
     path = os.path.join(out_dir, f"warmup-{key}")
     if os.path.isfile(os.path.join(path, "model.safetensors")):
         log(f"[warm-up] reusing cached checkpoint {path}")
         return path
     torch.manual_seed(seed)
-    cfg = tiny_demo_config(hidden, layers, max_positions, moe=moe)
+    vocab = None
+    if tokenizer is not None:
+        from .chat import tokenizer_vocab_size
+
+        vocab = dict(vocab_size=tokenizer_vocab_size(tokenizer),
+                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        pad = tokenizer.pad_token_id
+    else:
+        pad = PAD
+    cfg = tiny_demo_config(hidden, layers, max_positions, moe=moe, vocab=vocab)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    data = noisy_demonstrations(problems, wrong_fraction, seed)
-    prompt_lens = [len(p["prompt"]) for p in problems]
+    if demonstrations is not None:
+        data = [list(ids) for ids, _ in demonstrations]
+        masks = [list(m) for _, m in demonstrations]
+    else:  # learn the answer, not the random operands
+        data = noisy_demonstrations(problems, wrong_fraction, seed)
+        masks = [[0] * len(p["prompt"]) + [1] * (len(d) - len(p["prompt"]))
+                 for p, d in zip(problems, data)]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     rng = random.Random(seed)
     start = time.perf_counter()
     for step in range(steps):
         picks = [rng.randrange(len(data)) for _ in range(batch_size)]
-        loss = _step_loss(model, data, prompt_lens, picks, PAD)
+        loss = _step_loss(model, data, masks, picks, pad)
         opt.zero_grad()
         if loss.requires_grad:
             loss.backward()
@@ -73,6 +95,8 @@ def warmup_checkpoint(out_dir: str, *, problems: List[Dict[str, str]], steps: in
 
     # checkpoint layout (transformers keeps an MoE layer's experts fused in memory)
     save_hf_checkpoint(tmp, cfg, get_adapter(cfg).from_transformers_state(cfg, model.state_dict()))
+    if tokenizer is not None:  # engines' OpenAI routes and the gateway's chat template
+        tokenizer.save_pretrained(tmp)
     os.replace(tmp, path)  # never leave a half-written cache entry
     return path
 
@@ -83,7 +107,7 @@ def warmup_checkpoint(out_dir: str, *, problems: List[Dict[str, str]], steps: in
 CHUNK_TOKENS = 4096
 
 
-def _step_loss(model, data, prompt_lens, picks, pad: int):
+def _step_loss(model, data, masks, picks, pad: int):
     """The mean answer-token loss of one warm-up batch (the same objective in one pass or in
     chunks; a batch that fits ``CHUNK_TOKENS`` runs as one pass, as before)."""
     width = max(len(data[j]) for j in picks)
@@ -104,8 +128,8 @@ def _step_loss(model, data, prompt_lens, picks, pad: int):
         labels = torch.full((len(chunk), w), -100)
         for i, j in enumerate(chunk):
             ids[i, :len(data[j])] = torch.tensor(data[j])
-            # learn the answer, not the random operands
-            labels[i, prompt_lens[j]:len(data[j])] = ids[i, prompt_lens[j]:len(data[j])]
+            trained = torch.tensor(masks[j], dtype=torch.bool)
+            labels[i, :len(data[j])][trained] = ids[i, :len(data[j])][trained]
         if len(chunks) == 1:
             return model(input_ids=ids, labels=labels).loss
         n = int((labels[:, 1:] != -100).sum())  # the answer tokens this chunk's mean is over
