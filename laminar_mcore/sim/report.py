@@ -5,7 +5,7 @@
         [--calibration calib.json | --no-calibrate] [--fail MACHINE@T]
     python -m laminar_mcore.sim.report --sweep-placement --model 32B --gpus 256 [--mode laminar]
     python -m laminar_mcore.sim.report --sensitivity [--sensitivity-points 32B@128]
-        [--placements docs/sim/report.json] [--json out.json]
+        [--placements docs/sim/report.json] [--constants TABLE.key,...] [--json out.json]
 
 Runs every system at 7B (16-256 GPUs), 32B (32-512) and 72B (64-1,024) on the DAPO-Math-like
 workload (512 prompts x 16 per iteration, 16 mini-batch steps, 1,024 concurrent requests per
@@ -278,6 +278,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--sensitivity", action="store_true")
     ap.add_argument("--sensitivity-points", default="32B@128",
                     help="model@gpus,... the --sensitivity runs use")
+    ap.add_argument("--constants", default=None,
+                    help="--sensitivity: TABLE.key,... to vary (default: every constant)")
     ap.add_argument("--placements", default=None,
                     help="a report JSON whose trainer_gpus_* choices to reuse (no sweep)")
     ap.add_argument("--fail", default=None, help="machine@T: kill that rollout machine at T")
