@@ -467,3 +467,85 @@ def test_paper_pairs_and_the_sensitivity_spread():
     out = spread({"r": 2.0}, [({"A.x": 1}, {"r": 1.9}), ({"A.x": 2}, {"r": 2.1}),
                               ({"B.y": 1}, {"r": 1.5}), ({"B.y": 2}, {"r": 2.2})])
     assert (out["r_min"], out["r_max"], out["r_most_sensitive_to"]) == (1.5, 2.2, "B.y")
+
+
+def test_a_relay_rejoining_shares_the_masters_nic_with_the_chain():
+    """Where the NIC binds (72B at a 100 GB/s NIC, below the chain's 200 GB/s link), a relay
+    re-joining after a failure and the chain's first hop both leave the master's NIC: each runs
+    at half of it, so both take twice as long as either alone (network.py's equal shares)."""
+    from laminar_mcore.sim.network import Network
+    from laminar_mcore.sim.relays import RelayTier
+
+    cost = CostModel("72B")
+    nic = 100e9
+    alone_s = cost.weight_bytes / nic
+
+    async def run(rejoin: bool):
+        loop = asyncio.get_running_loop()
+        tier = RelayTier(cost, 3, "laminar", Network(nic_bytes_s=nic))
+        tier.kill(2)  # the chain is then master -> relay 1
+        stall = await tier.publish(lambda: 1)
+        t0 = loop.time()
+        rejoin_s = await tier.rejoin(2) if rejoin else None
+        while tier.relays[1].version < 1:
+            await asyncio.sleep(0.01)
+        hop_s = loop.time() - t0
+        await tier.close()
+        return stall, rejoin_s, hop_s, tier.network.shared_s
+
+    stall, _, hop_alone, shared_alone = run_virtual(run(False))
+    _, rejoin_s, hop_shared, shared = run_virtual(run(True))
+    assert stall == pytest.approx(alone_s, rel=1e-6)  # the publish: NIC-bound, alone
+    assert hop_alone == pytest.approx(alone_s, rel=0.02)
+    # network_shared_s: transfer-seconds below their own link rate (publish and hop: the NIC's)
+    assert shared_alone == pytest.approx(2 * alone_s, rel=0.02)
+    # sharing the master's outgoing NIC: 50 GB/s each, twice the time alone
+    assert rejoin_s == pytest.approx(2 * alone_s, rel=1e-6)
+    assert hop_shared == pytest.approx(2 * alone_s, rel=0.02)
+    assert shared == pytest.approx((1 + 2 + 2) * alone_s, rel=0.02)  # publish, hop, rejoin
+
+
+# ---------------------------------------------------------------- the CLI, end to end
+def _cli(tmp_path, *args) -> dict:
+    """``python -m laminar_mcore.sim.report ARGS --json PATH`` in a subprocess; its JSON."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out.json"
+    root = os.path.join(os.path.dirname(__file__), os.pardir)
+    proc = subprocess.run([sys.executable, "-m", "laminar_mcore.sim.report", *args,
+                           "--json", str(out)], cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    assert all(isinstance(v, (int, float, str, type(None))) for v in figures.values())  # flat
+    return figures
+
+
+def test_cli_sensitivity_reports_each_ratios_spread(tmp_path):
+    from laminar_mcore.sim.extras import HEADLINE
+    from laminar_mcore.sim.sensitivity import constants
+
+    varied = ["EFFICIENCY.trainer_mfu", "Workload.sigma_sample"]
+    f = _cli(tmp_path, "--sensitivity", "--sensitivity-points", "7B@16", "--batch-prompts", "8",
+             "--iterations", "3", "--warmup", "1", "--jobs", "1", "--constants", ",".join(varied))
+    assert f["sensitivity_points"] == "7B@16" and f["sensitivity_factor"] == 0.2
+    for ratio in HEADLINE:
+        base, low, high = f[f"{ratio}_base"], f[f"{ratio}_min"], f[f"{ratio}_max"]
+        assert 0 < low <= base <= high, (ratio, low, base, high)
+        assert f[f"{ratio}_most_sensitive_to"] in varied and set(varied) <= set(constants())
+        moved = [k for k in f if k.startswith(f"{ratio}@")]
+        assert len(moved) == 2 * len(varied)  # each constant at -20% and +20%
+        assert min(f[k] for k in moved) == low and max(f[k] for k in moved) == high
+
+
+def test_cli_fail_reports_the_dip_and_the_recovery(tmp_path):
+    placements = tmp_path / "placements.json"
+    placements.write_text(json.dumps({"trainer_gpus_7B_32_laminar": 8}))  # 3 rollout machines
+    f = _cli(tmp_path, "--fail", "1@60", "--model", "7B", "--gpus", "32", "--batch-prompts",
+             "8", "--iterations", "3", "--placements", str(placements))
+    assert (f["fail_machine"], f["fail_at_s"], f["trainer_gpus"]) == (1, 60.0, 8)
+    assert 0 < f["fail_dip"] <= 1
+    assert f["fail_detect_s"] == 20.0  # SGLang's health-check timeout (costs.FAILURE)
+    assert f["fail_recovery_s"] > 20.0 + 180.0  # detect + restart, then the relay and pulls
+    assert f["fail_tokens_per_s_before"] > 0 and f["fail_tokens_per_s_after_recovery"] > 0

@@ -3,7 +3,7 @@ timer instead of waiting for it, so hours of cluster time run in seconds.
 
 Everything scheduled through the loop (``asyncio.sleep``, ``wait_for``, ``call_at``) sees
 virtual time through ``loop.time()``; the simulated components and the manager (its ``clock``)
-read it there. Real I/O still works (it is polled without waiting), but a simulation must not
+read it there. Real I/O still works (it is polled without waiting, every ``POLL_EVERY`` iterations), but a simulation must not
 rely on it: its time would not advance while waiting.
 """
 
@@ -27,14 +27,23 @@ class _Clock:
 
 
 class _InstantSelector(selectors.DefaultSelector):
+    # real I/O is polled once every this many loop iterations (and before a stall is
+    # declared): a system call per iteration was a tenth of a simulation's time
+    POLL_EVERY = 256
+
     def __init__(self, clock: _Clock):
         super().__init__()
         self.clock = clock
+        self._calls = 0
 
     def select(self, timeout=None):
-        events = super().select(0)
-        if events:
-            return events
+        self._calls += 1
+        if timeout is None or self._calls % self.POLL_EVERY == 0:
+            events = super().select(0)
+            if events:
+                return events
+        else:
+            events = []
         if timeout is None:
             raise SimulationStalled("the simulation has nothing ready and nothing scheduled: "
                                     "a task waits for an event no component will set")

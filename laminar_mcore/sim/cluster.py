@@ -387,13 +387,18 @@ class SimTrainer:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         w = self.cfg.workload
-        minibatches = STREAM_MINIBATCHES if self.cfg.mode == "stream" else 1
+        # stream: the batch's groups in (up to) 16 mini-batches that add up to the batch (a
+        # batch of fewer groups than that would otherwise wait for groups never admitted)
+        minibatches = min(STREAM_MINIBATCHES, w.batch_prompts) if self.cfg.mode == "stream" \
+            else 1
+        sizes = [w.batch_prompts // minibatches + (i < w.batch_prompts % minibatches)
+                 for i in range(minibatches)]
         warm = 1 if self.cfg.warmup is None else self.cfg.warmup
         step = 0
         while step < self.cfg.iterations or loop.time() < self.run_until:
             tokens = alltok = 0
-            for _ in range(minibatches):
-                batch = await self._take(max(1, w.batch_prompts // minibatches))
+            for size in sizes:
+                batch = await self._take(size)
                 for t in batch:
                     if step >= warm:
                         s = self.version - t.weight_version

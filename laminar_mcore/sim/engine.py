@@ -6,7 +6,8 @@ Every decode step advances each running request by one token and lasts
 (after their prefill: the prompt once per GRPO group while the radix cache holds it, and the
 whole context of a resumed, repacked or interrupted request -- the KV recompute), and leave
 when they reach ``max_new_tokens`` or are aborted. A batch that outgrows the KV cache retracts
-its newest request (SGLang's retract), which waits and re-prefills. Work is event-driven:
+its newest requests until the rest have room for ``RETRACT_DECODE_STEPS`` more steps (SGLang's
+``retract_decode``); they wait and re-prefill. Work is event-driven:
 the engine computes when its next request finishes (or its cache fills) and sets one timer, so
 a request costs O(log batch) per join or leave, never per token. Streams yield one chunk at
 the end of a request (its tokens as a ``TokenCount``: the simulator never materialises ids).
@@ -26,6 +27,10 @@ from ..rollout.client import EngineLoad, StreamChunk
 from .costs import CostModel
 
 MAX_SEGMENT_STEPS = 2048  # re-evaluate the step time at least this often (context grows)
+# SGLang's retract_decode (global_config.retract_decode_steps = 20): when decode runs out of
+# KV, it retracts until the requests left have room for 20 more steps each; admission keeps the
+# same headroom, so a full cache does not retract and re-admit one request every few steps
+RETRACT_DECODE_STEPS = 20
 
 
 class TokenCount:
@@ -111,6 +116,7 @@ class SimEngine:
         self.stall_until = 0.0  # prefill or weight loading: no decode steps until then
         self.step_s = 0.0
         self._timer: Optional[asyncio.TimerHandle] = None
+        self._flush_soon = False  # submissions wait for one admission pass (``_submitted``)
         self.paused = False
         self.frozen = False  # its machine died: nothing progresses (``freeze``)
         self.version = 0
@@ -173,9 +179,11 @@ class SimEngine:
             entry = heapq.heappop(self._finish_heap)
             if self._current(entry):
                 self._leave(entry[2], "stop")
-        while self.running and self.kv_used > self.kv_capacity + eps and len(self.running) > 1:
-            # running is in join order (seq rises), so the newest is the last: O(1)
-            self._retract(next(reversed(self.running.values())))
+        if self.kv_used > self.kv_capacity + eps:
+            while len(self.running) > 1 and \
+                    self.kv_used + len(self.running) * RETRACT_DECODE_STEPS > self.kv_capacity:
+                # running is in join order (seq rises), so the newest is the last: O(1)
+                self._retract(next(reversed(self.running.values())))
         self._admit()
         self._schedule()
 
@@ -202,7 +210,8 @@ class SimEngine:
         prefill = 0
         while self.waiting and len(self.running) < self.capacity:
             r = self.waiting[0]
-            if self.running and self.kv_used + r.context0 > self.kv_capacity:
+            if self.running and self.kv_used + r.context0 + \
+                    (len(self.running) + 1) * RETRACT_DECODE_STEPS > self.kv_capacity:
                 break
             self.waiting.popleft()
             if not r.prefilled:
@@ -223,16 +232,22 @@ class SimEngine:
             self.stall_until = max(self.stall_until, self.t_last) + self.cost.prefill_s(prefill)
 
     def submit(self, rid: str, context: int, max_new_tokens: int, prompt: int) -> _Request:
-        self._advance()
         r = _Request(rid, rid.rsplit("/", 1)[0], context, max(int(max_new_tokens), 0),
                      future=self.loop.create_future(), prompt=prompt)
         if r.target == 0:
             r.future.set_result((0, "length"))
             return r
         self.waiting.append(r)
+        if not self._flush_soon:  # a GRPO group arrives as 16 submissions at one instant:
+            self._flush_soon = True  # one admission pass and one timer for all of them
+            self.loop.call_soon(self._submitted)
+        return r
+
+    def _submitted(self) -> None:
+        self._flush_soon = False
+        self._advance()
         self._admit()
         self._schedule()
-        return r
 
     def abort(self, rid: str) -> bool:
         self._advance()

@@ -34,7 +34,8 @@ def sensitivity_run(args, workload: Workload, report, log=print) -> Dict[str, ob
                                      log=log, measured=False)
     base_ratios: Dict[str, float] = {}
     specs, keys = [], []
-    for i, override in enumerate([None] + variants()):
+    names = [c for c in (args.constants or "").split(",") if c] or None
+    for i, override in enumerate([None] + variants(names=names)):
         for m, g in pairs:
             for mode in report.SYSTEMS:
                 specs.append(dict(model=m, mode=mode, gpus=g, workload=workload,

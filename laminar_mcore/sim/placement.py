@@ -12,10 +12,15 @@ when none does. ``report.py`` runs the same sweep for every system at every poin
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Dict, List
 
 from .cluster import GPUS_PER_MACHINE, placement_for
-from .costs import CostModel
+from .costs import CONCURRENCY_PER_REPLICA, CostModel
+from .workload import Workload
+
+BOUND_MARGIN = 1.15  # throughput_bound's allowance for a batch longer than the mean
 
 
 def candidate_trainer_gpus(mode: str, gpus: int, cost: CostModel, splits: int = 3) -> List[int]:
@@ -50,3 +55,61 @@ def choose_splits(results: List[dict], staleness_limit: int) -> Dict[tuple, int]
     for r in results:
         groups.setdefault((r["model"], r["gpus"], r["mode"]), []).append(r)
     return {k: best(v, staleness_limit)["trainer_gpus"] for k, v in groups.items()}
+
+
+def throughput_bound(mode: str, cost: CostModel, gpus: int, trainer_gpus: int,
+                     workload: Workload) -> float:
+    """A cheap upper bound on a split's tokens/s (prompt + response tokens of a batch over the
+    seconds between updates), from the cost model alone: the sweep simulates the splits in
+    decreasing order of it and skips those whose bound is below the best result it already
+    has (they cannot win). Each iteration lasts at least the trainer's compute plus its own
+    stall (publish, broadcast or reshard) and, where engines generate the batch, their
+    generation at the best rate any batch size allows with every request at its prompt
+    (prefill free), less the time they stop for an update; a barrier waits on the batch's
+    longest response at batch 1 as well. ``BOUND_MARGIN`` covers the batch's tokens being
+    the workload's mean."""
+    place = placement_for(mode, gpus, cost, None, workload, trainer_gpus)
+    s = workload.stats(500)
+    prompt, response = workload.prompt_median, s["mean"]
+    trajectories = workload.batch_trajectories
+    tokens = trajectories * (prompt + response)
+    train = cost.train_s(int(tokens), place.trainer_gpus)
+    cap = cost.capacity(workload.mean_context(), workload.samples, cap=CONCURRENCY_PER_REPLICA)
+    engines = max(place.rollout_gpus // cost.engine_tp, 1)
+    rate = max(b / cost.decode_step_s(b, b * prompt) for b in (1, cap // 4 or 1, cap // 2 or 1,
+                                                                  cap))
+    generate = trajectories * response / (engines * rate)
+    tail_s = _tail(workload) * cost.decode_step_s(1, prompt)
+    colocated = mode == "sync" and place.trainer_gpus >= gpus
+    if colocated:
+        iteration = max(generate, tail_s) + train + cost.colocated_sync_s()
+    elif mode == "sync":
+        iteration = max(generate, tail_s) + train + cost.broadcast_s()
+    elif mode in ("one_step", "stream"):
+        iteration = max(generate, tail_s, train) + cost.broadcast_s()
+    elif mode == "areal":
+        iteration = max(generate, train) + cost.broadcast_s()
+    else:  # laminar: the trainer stalls for its publish, each engine for its own pull
+        iteration = max(train + cost.publish_s(), generate + cost.pull_s())
+    return BOUND_MARGIN * tokens / iteration
+
+
+@functools.lru_cache(maxsize=16)
+def _tail(workload: Workload) -> int:
+    """A response length that a batch almost surely exceeds: the 4th longest expected in it,
+    read off 8,000 of the workload's lengths."""
+    lengths = sorted(workload.response_length(p, k) for p in range(500)
+                     for k in range(workload.samples))
+    return lengths[max(0, len(lengths) - 1 - math.ceil(4 * len(lengths) /
+                                                        workload.batch_trajectories))]
+
+
+def prune(bounds: Dict[int, float], results: List[dict], staleness_limit: int) -> List[int]:
+    """The candidates (trainer GPUs, by bound, highest first) still worth simulating after
+    ``results``: those whose bound beats the best result within the staleness limit (with no
+    such result yet, every one: a slower split within the limit would still win)."""
+    done = {r["trainer_gpus"] for r in results}
+    ok = [r["tokens_per_s"] for r in results if staleness_max(r) <= staleness_limit]
+    floor = max(ok) if ok else 0.0
+    return [t for t in sorted(bounds, key=lambda t: (-bounds[t], t))
+            if t not in done and bounds[t] > floor]

@@ -5,7 +5,7 @@
         [--calibration calib.json | --no-calibrate] [--fail MACHINE@T]
     python -m laminar_mcore.sim.report --sweep-placement --model 32B --gpus 256 [--mode laminar]
     python -m laminar_mcore.sim.report --sensitivity [--sensitivity-points 32B@128]
-        [--placements docs/sim/report.json] [--json out.json]
+        [--placements docs/sim/report.json] [--constants TABLE.key,...] [--json out.json]
 
 Runs every system at 7B (16-256 GPUs), 32B (32-512) and 72B (64-1,024) on the DAPO-Math-like
 workload (512 prompts x 16 per iteration, 16 mini-batch steps, 1,024 concurrent requests per
@@ -32,18 +32,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict
 from typing import Dict, List, Optional
 
-from .cluster import SIM_MODES, SimConfig, simulate, summary_line
+from .cluster import SIM_MODES
 from .costs import DELTA, MOE_MODELS, CostModel, relay_sync_seconds
 from .paper import PAPER, PAPER_OTHER, WHY, paper_pairs
-from .placement import candidate_trainer_gpus, choose_splits, staleness_max
-from .sensitivity import applied, workload_with
+from .jobs import run_points as jobs_run_points
+from .jobs import sweep_and_measure
+from .placement import candidate_trainer_gpus, staleness_max
 from .workload import Workload
 
 GRID = {"7B": (16, 32, 64, 128, 256), "32B": (32, 64, 128, 256, 512),
@@ -53,77 +53,40 @@ SYSTEMS = ("sync", "one_step", "stream", "areal", "laminar")
 REPACK_POINT = ("32B", 128)  # the paper's repack figure
 
 
-def _one(spec: dict) -> dict:
-    """One run from a picklable spec: SimConfig's fields plus ``overrides`` (cost constants,
-    ``sensitivity.applied``)."""
-    spec = dict(spec)
-    overrides = spec.pop("overrides", None)
-    spec["workload"] = workload_with(spec["workload"], overrides)
-    with applied(overrides):
-        r = asdict(simulate(SimConfig(**spec)))
-    r["overrides"] = overrides
-    return r
-
-
 def run_points(points: List[dict], jobs: int, log=print) -> List[dict]:
-    results = []
-    if jobs <= 1:
-        for p in points:
-            results.append(_one(p))
-            log(_line(results[-1]))
-        return results
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        for r in pool.map(_one, points):
-            results.append(r)
-            log(_line(r))
-    return results
-
-
-def _line(r: dict) -> str:
-    from .cluster import SimResult
-    return summary_line(SimResult(**{k: v for k, v in r.items() if k != "overrides"}))
+    return jobs_run_points(points, jobs, log)
 
 
 def sweep_and_run(pairs: List[tuple], modes: List[str], args, workload: Workload,
                   overrides: Optional[dict] = None, splits: Optional[Dict[tuple, int]] = None,
-                  log=print, measured: bool = True) -> tuple:
+                  log=print, measured: bool = True, counts: Optional[dict] = None) -> tuple:
     """Every mode at every (model, gpus) of ``pairs``: the placement sweep (where ``splits``
-    does not give the choice), then the measured run at the chosen split. Returns (results,
-    splits)."""
+    does not give the choice; pruned by ``placement.throughput_bound``), then the measured run
+    at the chosen split, all on one pool (``jobs.py``). Returns (results, splits); ``counts``
+    (a dict) receives the sweep's ``sweep_runs``, ``sweep_pruned``, ``sweep_bound_violations``."""
     base = {"workload": workload, "overrides": overrides}
-    given = dict(splits or {})
-    if splits is None or any((m, g, md) not in given for m, g in pairs for md in modes
-                             if md != "laminar_norepack"):
-        sweep, fixed = [], dict(given)
-        for m, g in pairs:
-            cost = CostModel(m)
-            for mode in modes:
-                if mode == "laminar_norepack" or (m, g, mode) in given:
-                    continue
-                cands = candidate_trainer_gpus(mode, g, cost, args.splits_per_point)
-                if len(cands) == 1:
-                    fixed[(m, g, mode)] = cands[0]
-                    continue
-                sweep += [dict(base, model=m, mode=mode, gpus=g, iterations=args.sweep_iterations,
-                               warmup=1, split_trainer_gpus=t) for t in cands]
-        log(f"placement sweep: {len(sweep)} runs of {args.sweep_iterations} iterations")
-        splits = {**fixed, **choose_splits(run_points(sweep, args.jobs, log),
-                                           args.staleness_limit)}
-    final = []
-    if not measured:
-        return [], splits
-    for m, g in pairs:
-        for mode in modes:
-            if mode == "laminar_norepack":
-                if (m, g) != REPACK_POINT and not args.norepack_everywhere:
-                    continue
-                t = splits.get((m, g, "laminar"))
-            else:
-                t = splits.get((m, g, mode))
-            final.append(dict(base, model=m, mode=mode, gpus=g, split_trainer_gpus=t,
-                              iterations=args.warmup + args.measure, warmup=args.warmup))
-    log(f"measured runs: {len(final)} of {args.warmup} + {args.measure} iterations")
-    return run_points(final, args.jobs, log), splits
+    groups = [(m, g, mode) for m, g in pairs for mode in modes if mode != "laminar_norepack"]
+
+    def runs(group: tuple, t: int) -> List[dict]:
+        if not measured:
+            return []
+        m, g, mode = group
+        spec = dict(base, model=m, gpus=g, split_trainer_gpus=t,
+                    iterations=args.warmup + args.measure, warmup=args.warmup)
+        out = [dict(spec, mode=mode)]
+        if mode == "laminar" and "laminar_norepack" in modes and (
+                (m, g) == REPACK_POINT or args.norepack_everywhere):
+            out.append(dict(spec, mode="laminar_norepack"))
+        return out
+
+    results, chosen, sweep = sweep_and_measure(
+        groups, base, dict(splits or {}), runs, args.jobs, args.sweep_iterations,
+        args.splits_per_point, args.staleness_limit, workload, log)
+    if counts is not None:
+        counts.update(sweep)
+    log(f"placement sweep: {sweep['sweep_runs']} runs of {args.sweep_iterations} iterations, "
+        f"{sweep['sweep_pruned']} splits pruned by their bound; measured runs: {len(results)}")
+    return results, chosen
 
 
 def ratios(results: List[dict]) -> Dict[str, float]:
@@ -315,6 +278,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--sensitivity", action="store_true")
     ap.add_argument("--sensitivity-points", default="32B@128",
                     help="model@gpus,... the --sensitivity runs use")
+    ap.add_argument("--constants", default=None,
+                    help="--sensitivity: TABLE.key,... to vary (default: every constant)")
     ap.add_argument("--placements", default=None,
                     help="a report JSON whose trainer_gpus_* choices to reuse (no sweep)")
     ap.add_argument("--fail", default=None, help="machine@T: kill that rollout machine at T")
@@ -365,12 +330,17 @@ def main(argv=None) -> dict:
     if args.points:
         pairs = [(p.split("@")[0], int(p.split("@")[1])) for p in args.points.split(",")]
         models = [m for m in models if any(pm == m for pm, _ in pairs)]
-    results, _ = sweep_and_run(pairs, modes, args, workload, splits=load_splits(args))
+    counts: Dict[str, int] = {}
+    results, _ = sweep_and_run(pairs, modes, args, workload, splits=load_splits(args),
+                               counts=counts)
     figures = table(results, models)
+    figures.update(counts)
+    figures["jobs"] = args.jobs
     figures["warmup_iterations"] = args.warmup
     figures["measured_iterations"] = args.measure
     figures["calibration_error"] = calibration_error(args)
     figures["wall_s"] = round(time.perf_counter() - t0, 1)
+    figures["cpu_s"] = cpu_seconds()
     print_report(figures, models, results)
     for path in plot(results, models, args.plot_dir):
         print(f"plot: {path}")
@@ -434,6 +404,13 @@ def print_report(figures: dict, models: List[str], results: List[dict]) -> None:
     hist = {k: v for k, v in figures.items() if k.startswith("staleness_") and k[10:].isdigit()}
     print(f"  staleness histogram (laminar, measured iterations): {hist}")
     print(f"  calibration_error: {figures['calibration_error']}")
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process and its finished workers (the pool's, once shut down)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
+        resource.RUSAGE_CHILDREN)
+    return round(own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime, 1)
 
 
 def _write(path: Optional[str], figures: dict) -> None:

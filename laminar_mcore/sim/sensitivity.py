@@ -53,11 +53,16 @@ def workload_with(workload: Workload, overrides: Optional[Dict[str, float]]) -> 
     return replace(workload, **fields) if fields else workload
 
 
-def variants(factor: float = 0.2) -> List[Dict[str, float]]:
-    """One override per constant and direction: value x (1 - factor), value x (1 + factor)."""
+def variants(factor: float = 0.2, names: Optional[List[str]] = None) -> List[Dict[str, float]]:
+    """One override per constant (``names``: a subset of ``constants()``) and direction:
+    value x (1 - factor), value x (1 + factor)."""
+    unknown = sorted(set(names or ()) - set(constants()))
+    if unknown:
+        raise SystemExit(f"--constants {','.join(unknown)}: not a constant the sensitivity "
+                         f"varies; choose from {', '.join(constants())}")
     out = []
     base = Workload()
-    for name in constants():
+    for name in names or constants():
         table, key = name.split(".")
         value = getattr(base, key) if table == "Workload" else TABLES[table][key]
         for f in (1 - factor, 1 + factor):

@@ -11,6 +11,7 @@ Every length is a pure function of (seed, group, sample), so every mode sees the
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import zlib
@@ -42,13 +43,16 @@ class Workload:
         return max(16, min(self.max_prompt, int(self.prompt_median * math.exp(0.4 * r.gauss(0, 1)))))
 
     def response_length(self, prompt: int, sample: int) -> int:
-        difficulty = self._rng("difficulty", prompt).gauss(0, 1)
+        difficulty = _difficulty(self, prompt)
         noise = self._rng("sample", prompt, sample).gauss(0, 1)
         length = self.response_median * math.exp(self.sigma_prompt * difficulty +
                                                  self.sigma_sample * noise)
         return max(1, min(self.max_response, int(length)))
 
     def stats(self, prompts: int = 4000) -> dict:
+        return dict(_stats(self, prompts))
+
+    def _stats(self, prompts: int) -> dict:
         lengths = sorted(self.response_length(p, s) for p in range(prompts)
                          for s in range(self.samples))
         n = len(lengths)
@@ -61,6 +65,19 @@ class Workload:
         time: long requests hold KV longer)."""
         s = self.stats(500)
         return self.prompt_median + 0.75 * s["mean"]
+
+
+# Lengths are pure functions of a frozen (hashable) workload, so their costly parts are cached:
+# a prompt's difficulty (shared by its group's samples) and the length statistics a run's
+# placement and engine sizes read; a subclass's own length functions are honoured.
+@functools.lru_cache(maxsize=4096)
+def _difficulty(workload: Workload, prompt: int) -> float:
+    return workload._rng("difficulty", prompt).gauss(0, 1)
+
+
+@functools.lru_cache(maxsize=64)
+def _stats(workload: Workload, prompts: int) -> dict:
+    return workload._stats(prompts)
 
 
 def group_lengths(w: Workload, prompt: int) -> Tuple[int, List[int]]:
