@@ -198,12 +198,13 @@ def test_limits_end_episodes_with_their_reason_and_calls_are_guarded(tmp_path):
             try:
                 answer = await client.chat.completions.create(model="p", messages=messages)
             except openai.BadRequestError as exc:
-                seen.setdefault("limit", exc.body)
+                seen.setdefault("limits", []).append(exc.body["code"])
                 raise
             messages.append(answer.choices[0].message.model_dump(exclude_none=True))
             messages.append({"role": "user", "content": "again"})
             if "claimed" not in seen:  # the first episode checks the guards, then ends
                 seen["claimed"] = True
+                seen["key"] = client.api_key
                 try:  # a history that is not the conversation's: 400
                     await client.chat.completions.create(model="p", messages=[
                         {"role": "user", "content": "other"}, *messages[1:]])
@@ -225,15 +226,28 @@ def test_limits_end_episodes_with_their_reason_and_calls_are_guarded(tmp_path):
             await gateway.start()
             result = await evaluate_agent(engine.url, rows, agent, gateway, _reward,
                                           lambda row: [1], {"temperature": 1.0}, greedy=False)
+            async with aiohttp.ClientSession() as http:  # the ended trajectory's key: refused
+                async with http.post(f"{gateway.url}/v1/chat/completions", json={
+                        "messages": [{"role": "user", "content": "1"}]},
+                        headers={"Authorization": f"Bearer {seen['key']}"}) as r:
+                    seen["late"] = r.status, (await r.json())["error"]["message"]
+            # a token budget: the second call's prompt would pass it
+            small = AgentGateway(CHAT, EpisodeLimits(max_episode_tokens=14, max_new_tokens=6))
+            await small.start()
+            budget = await evaluate_agent(engine.url, rows[:2], agent, small, _reward,
+                                          lambda row: [1], {"temperature": 1.0}, greedy=False)
+            await small.close()
             await gateway.close()
-            return result
+            return result, budget
 
-        result = asyncio.run(scenario())
+        result, budget = asyncio.run(scenario())
     finally:
         engine.stop()
+    assert seen["late"][0] == 401 and "has ended" in seen["late"][1]
+    assert budget["turns_per_episode"] == 1 and budget["accuracy"] == 0.0
+    assert set(seen["limits"]) == {"max_turns", "max_episode_tokens"}
     assert seen["diverged"]["code"] == "messages" and "differs" in seen["diverged"]["message"]
     assert sorted(seen["busy"]) == [200, 409]
-    assert seen["limit"]["code"] == "max_turns"
     # the first episode returned 0.5 after its busy check; the others hit max_turns (reward 0)
     assert result["turns_per_episode"] == pytest.approx((2 + 3 * 7) / 8)
     assert result["accuracy"] == pytest.approx(0.5 / 8)
@@ -284,7 +298,12 @@ def test_an_engine_killed_mid_episode_resumes_its_turns_on_an_engine_of_the_vers
                 await asyncio.sleep(0.01)
             os.killpg(engines[1].proc.pid, signal.SIGKILL)
             at_kill = len(buffer.seen)
-            while len(buffer.seen) < at_kill + 10:
+
+            def resumed_done():
+                return any(s["how"] == "resume" for t in buffer.seen
+                           for s in t.metadata.get("segments", []))
+
+            while len(buffer.seen) < at_kill + 10 or not resumed_done():
                 assert time.time() < deadline, manager.stats
                 await asyncio.sleep(0.05)
             manager.stop()
@@ -309,3 +328,72 @@ def test_an_engine_killed_mid_episode_resumes_its_turns_on_an_engine_of_the_vers
     for traj in moved:
         engines_used = [s["engine"] for s in traj.metadata["segments"]]
         assert engines_used[0] == "e1" and engines_used[-1] == "e0"
+
+
+def test_hundreds_of_concurrent_episodes_share_one_gateway_and_engine(tmp_path):
+    """An engine's production concurrency (256 running requests): 256 agents call at once
+    through one HTTP client and one gateway (no connection-pool cap stalls them), each gets
+    its own trajectory's answer."""
+    cfg, state = _digit_model(tmp_path)
+    save_hf_checkpoint(tmp_path / "m", cfg, state)
+    rows = [{"prompt": f"{i}", "answer": "x"} for i in range(256)]
+    running, peak = [0], [0]
+
+    async def agent(client, row):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        running[0] += 1
+        peak[0] = max(peak[0], running[0])
+        try:
+            answer = await client.chat.completions.create(model="p", messages=messages,
+                                                          max_tokens=4)
+        finally:
+            running[0] -= 1
+        return float(answer.usage.prompt_tokens == len(CHAT.prompt(messages)))
+
+    engine = EngineProcess(cpu_engine_command(str(tmp_path / "m"), max_running_requests=256,
+                                              kv_capacity_tokens=65536),
+                           log_path=str(tmp_path / "e.log")).start()
+    try:
+        async def scenario():
+            from laminar_mcore.controller.agent import evaluate_agent
+
+            gateway = AgentGateway(CHAT, EpisodeLimits(max_new_tokens=4))
+            await gateway.start()
+            result = await evaluate_agent(engine.url, rows, agent, gateway, _reward,
+                                          lambda row: [1], {"temperature": 1.0}, greedy=False)
+            await gateway.close()
+            return result
+
+        result = asyncio.run(asyncio.wait_for(scenario(), 300))
+    finally:
+        engine.stop()
+    assert peak[0] == 256
+    assert result["accuracy"] == 1.0 and result["turns_per_episode"] == 1.0
+
+
+@pytest.mark.slow
+def test_cpu_agent_train_job_trains_on_multi_turn_episodes(tmp_path):
+    """experiment=cpu_agent end to end: warm-up, the calculator agent through the gateway and
+    the sandbox, the trainer on masked multi-turn trajectories; books balance."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "laminar_mcore.launch", "experiment=cpu_agent", "output_dir=out",
+         "run_name=agent", "trainer.total_steps=2", "trainer.train_batch_prompts=4",
+         "data.num_eval=16", "data.warmup_steps=30", "trainer.eval_interval=1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    run = tmp_path / "out" / "agent"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["books_balance"] and summary["steps"] == 2
+    assert summary["trajectories_consumed"] == 2 * 4 * 4
+    assert sum(summary["episodes_ended"].values()) >= summary["trajectories_consumed"]
+    assert summary["turns_per_episode"] >= 1.0 and "tool_calls_per_episode" in summary
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 1, 2]
+    assert all("turns_per_episode" in r and "tool_calls_per_episode" in r for r in evals)
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]

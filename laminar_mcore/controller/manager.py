@@ -98,6 +98,7 @@ class RolloutManager(WeightPulls):
         # (running, buffered or consumed); a dropped group gives its capacity back.
         self.accepted = 0
         self._tasks: Set[asyncio.Task] = set()  # running; each leaves when it ends
+        self._by_name: Dict[str, EngineHandle] = {}  # engine name -> handle (``_engine``)
         self._internal_errors = 0  # trajectories failed by an internal error, in a row
         self.error: Optional[BaseException] = None  # why a supervised task stopped the run
         # (kind, event, info) of fault-isolation events, for the controller's records
@@ -184,9 +185,13 @@ class RolloutManager(WeightPulls):
         return on_error
 
     def _drop(self, item: InFlight) -> None:
-        """Take ``item`` off every engine and out of the partial pool."""
-        for e in self.engines:
-            self._left(e, item.rid)
+        """Take ``item`` off its engine (any engine, if not there) and out of the pool."""
+        engine = self._engine(item.engine)
+        if engine is not None and item.rid in engine.in_flight:
+            self._left(engine, item.rid)
+        else:
+            for e in self.engines:
+                self._left(e, item.rid)
         with contextlib.suppress(KeyError):  # it may have left the pool already
             self.partial.finish(item.rid)
 
@@ -482,7 +487,11 @@ class RolloutManager(WeightPulls):
             self._fatal(f"{self._internal_errors} trajectories in a row (stream protocol)", exc)
 
     def _engine(self, name: Optional[str]) -> Optional[EngineHandle]:
-        return next((e for e in self.engines if e.name == name), None) if name else None
+        if not name:
+            return None
+        if len(self._by_name) != len(self.engines):  # engines joined (add_engine, or the list)
+            self._by_name = {e.name: e for e in self.engines}
+        return self._by_name.get(name)
 
     # ------------------------------------------------------------------ repack
     def plan_repack(self, kv_free: Optional[Dict[str, int]] = None) -> List[tuple]:
