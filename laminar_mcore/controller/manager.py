@@ -335,11 +335,10 @@ class RolloutManager(WeightPulls):
 
     # ------------------------------------------------------------------ the episode's context
     async def generate(self, item: InFlight) -> str:
-        """Generate ``item`` to its end on engines of its own weight version (its engine's, then
-        the one repack moves it to, or, if its engine fails, another healthy one); returns the
-        finish reason type. Raises ``Discard`` or ``Stopped`` when it cannot finish."""
-        engine = self._engine(item.engine)
-        how = "new"  # how this request of the trajectory started (its trace's segments)
+        """Generate ``item`` to its end on engines of its own version (its engine's, repack's
+        destination's, or another healthy one's if its engine fails); returns the finish reason
+        type. Raises ``Discard`` or ``Stopped`` when it cannot finish."""
+        engine, how = self._engine(item.engine), "new"  # how it started (its trace's segments)
         if item.multi_turn and item.traj.response_ids:
             engine, how = await self._next_turn_engine(item, engine)
         while True:
