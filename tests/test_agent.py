@@ -4,6 +4,7 @@ the model's text differs), loss masks, one version per episode, limits, refused 
 engine killed mid-episode."""
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -397,3 +398,70 @@ def test_cpu_agent_train_job_trains_on_multi_turn_episodes(tmp_path):
     assert [r["step"] for r in evals] == [0, 1, 2]
     assert all("turns_per_episode" in r and "tool_calls_per_episode" in r for r in evals)
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
+
+
+def test_a_tool_call_round_trip_through_the_openai_client(tmp_path):
+    """A tiny model that has memorised one tool-using episode: the calculator agent gets an
+    OpenAI tool call (finish_reason "tool_calls"), runs it in the sandbox, sends the result and
+    gets the final answer; the trajectory's tokens are the demonstration's, its masks too."""
+    from laminar_mcore.controller import agents
+    from laminar_mcore.controller.agent import evaluate_agent
+    from laminar_mcore.data.agent_task import tool_demonstrations
+    from laminar_mcore.data.warmup import warmup_checkpoint
+
+    chat = ChatFormat(demo_tokenizer())
+    row = {"prompt": "123456+654321", "answer": "777777"}
+    demo = tool_demonstrations([row], chat, wrong_fraction=0.0, direct_fraction=0.0)
+    path = warmup_checkpoint(str(tmp_path), problems=[row], steps=120, batch_size=4, lr=3e-3,
+                             hidden=32, layers=1, max_positions=128, demonstrations=demo,
+                             tokenizer=chat.tok, log=lambda *_: None)
+    seen = {}
+
+    async def agent(client, row):
+        class Recording:  # the agent's own client, seen from outside
+            def __init__(self):
+                self.chat = self.completions = self
+
+            async def create(self, **kw):
+                answer = await client.chat.completions.create(**kw)
+                seen.setdefault("answers", []).append(answer)
+                return answer
+        return await agents.calculator(Recording(), row)
+
+    engine = EngineProcess(cpu_engine_command(path), log_path=str(tmp_path / "e.log")).start()
+    try:
+        async def scenario():
+            gateway = AgentGateway(chat, EpisodeLimits(max_turns=4, max_new_tokens=32))
+            await gateway.start()
+            kept = []
+            original = gateway.close_session
+
+            def close(session):
+                kept.append(session)
+                original(session)
+            gateway.close_session = close
+            result = await evaluate_agent(engine.url, [row], agent, gateway, _reward,
+                                          lambda r: [1], {"temperature": 0.0}, greedy=False)
+            await gateway.close()
+            return result, kept[0]
+
+        result, session = asyncio.run(scenario())
+    finally:
+        engine.stop()
+    first, last = seen["answers"]
+    assert first.choices[0].finish_reason == "tool_calls"
+    call = first.choices[0].message.tool_calls[0]
+    assert call.function.name == "calculator" and \
+        json.loads(call.function.arguments) == {"expression": "123456+654321"}
+    assert last.choices[0].message.content == "777777" and result["accuracy"] == 1.0
+    assert result["tool_calls_per_episode"] == 1 and result["turns_per_episode"] == 2
+    traj = session.item.traj
+    tokens, mask = demo[0]
+    assert traj.prompt_ids + traj.response_ids == tokens
+    assert [0] * len(traj.prompt_ids) + traj.loss_mask == mask
+    from laminar_mcore.trainer.packing import pack_trajectories
+
+    mb = pack_trajectories([traj], [1.0], [0])  # what the trainer sees: the same tokens, masks
+    n = traj.num_tokens
+    assert mb.tokens[0, :n].tolist() == tokens
+    assert mb.loss_mask[0, :n - 1].tolist() == [float(m) for m in mask[1:]]

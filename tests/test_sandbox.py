@@ -205,7 +205,12 @@ def test_no_network(no_leftovers, listener, mode):
 def test_fallback_refuses_other_programs_and_reports_signals(no_leftovers):
     limits = SandboxLimits(network="audit-hook")
     r = run(run_python("import subprocess\nsubprocess.run(['true'])", limits=limits))
-    assert not r.ok and "PermissionError" in r.error and "subprocess.Popen" in r.error
+    assert not r.ok and "PermissionError" in r.error
+    r = run(run_python("import os\nos.system('true')", limits=limits))
+    assert not r.ok and "PermissionError" in r.error and "os.system" in r.error
+    # _posixsubprocess.fork_exec runs any program without an audited call of its own
+    r = run(run_python("import _posixsubprocess\nprint('imported')", limits=limits))
+    assert not r.ok and "PermissionError" in r.error and "imported" not in r.output
     r = run(run_python("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", limits=limits))
     assert r.error == "killed by signal 9 (SIGKILL)"
 
@@ -292,3 +297,15 @@ def test_bench_writes_its_keys(no_leftovers, tmp_path):
                 "calculator_audit_hook_median_ms", "run_python_median_ms", "run_python_p90_ms",
                 "calls_per_s_concurrency_1", "calls_per_s_concurrency_8"):
         assert figures[key] > 0, key
+
+
+def test_the_code_sees_no_host_process(no_leftovers):
+    """In namespaces the code's /proc is its own: no process of the host, so not the
+    environment of the controller (which holds the run token) either."""
+    if run(isolation_available()) != "netns":
+        pytest.skip("namespaces are not permitted here")
+    r = run(run_python("import os\nprint(sorted(int(p) for p in os.listdir('/proc') "
+                       "if p.isdigit()), os.getppid())"))
+    assert r.ok and r.output.split("\n")[0] == "[1] 0", r
+    r = run(run_python(f"print(open('/proc/{os.getpid()}/environ').read())"))
+    assert not r.ok and "FileNotFoundError" in r.error

@@ -159,6 +159,9 @@ class RolloutConfig:
     max_turns: int = 8  # model calls (assistant turns) per episode
     max_tool_calls: int = 8  # tool calls the model may make per episode
     max_episode_tokens: int = 4096  # prompt, turns and tool outputs of one episode
+    # Seconds an episode (its agent, tools included) may take; over it, it is discarded
+    # (episode_timeout): a hung tool never keeps its engine from pulling. null: no limit.
+    max_episode_s: Optional[float] = 3600.0
     extra_args: List[str] = field(default_factory=list)  # passed to sglang.launch_server
     # Engines stream only new tokens (--incremental-streaming-output), a chunk every
     # stream_interval tokens: the controller's cost stays O(L) for an L-token response.

@@ -12,7 +12,7 @@ came from a limit the episode reached (``rollout.max_turns`` ...), which keeps t
 with reward 0; a turn that could not be generated (its engine lost with no engine of its
 version left, the run stopping) ends it as a single-turn trajectory would.
 
-``AgentEvaluation`` runs the same agent on held-out rows against one engine (no rollout
+``evaluate_agent`` runs the same agent on held-out rows against one engine (no rollout
 manager), for the before/after accuracy.
 """
 
@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import logging
+import math
 import time
 import uuid
 import zlib
@@ -31,6 +33,8 @@ from ..data.pools import InFlight, PromptGroup
 from ..data.trajectory import Trajectory
 from .episode import Discard, Episode, Stopped
 from .gateway import AgentGateway, EpisodeLimits, Session
+
+logger = logging.getLogger(__name__)
 
 
 def load_agent(path: str) -> Callable:
@@ -70,22 +74,38 @@ def openai_client(gateway: AgentGateway, session: Session, http):
                               max_retries=0, http_client=http)
 
 
+_agent_errors = [0]  # agent failures logged so far (the first few, with their traceback)
+
+
 async def run_agent(agent: Callable, gateway: AgentGateway, session: Session, row: dict,
-                    score: Callable, http) -> float:
-    """Run ``agent`` on ``row`` through ``session``; its reward. Raises ``Discard``/``Stopped``."""
+                    score: Callable, http, max_episode_s: Optional[float] = None) -> float:
+    """Run ``agent`` on ``row`` through ``session``; its reward. Raises ``Discard``/``Stopped``,
+    or, for an internal failure of a turn, that exception (the manager counts those)."""
     client = openai_client(gateway, session, http)
     try:
-        result = await agent(client, row)
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:  # the agent's own failure, or a refused/failed call
+        result = await asyncio.wait_for(agent(client, row), max_episode_s)
+    except asyncio.TimeoutError:
+        session.end_reason = session.end_reason or "max_episode_s"
+        result = Discard("episode_timeout", f"rollout.max_episode_s={max_episode_s}")
+    except Exception as exc:  # noqa: BLE001 - the agent's own failure, or a refused call
         result = exc
     finally:
         gateway.close_session(session)
+        if session.busy and session.task is not None:  # a call it left running: cut off
+            session.task.cancel()
+            session.failure = session.failure or Discard(
+                "agent_error", "the agent returned while a call of its trajectory ran")
+    if isinstance(result, Discard):
+        raise result
     if isinstance(session.failure, (Discard, Stopped)):
         raise session.failure
     if session.failure is not None:
-        raise Discard("generation_failed", str(session.failure))
+        raise session.failure
+    if isinstance(result, Exception) and session.end_reason is None:
+        _agent_errors[0] += 1
+        if _agent_errors[0] <= 3:
+            logger.warning("agent %s failed (%d so far): %r", session.item.rid,
+                           _agent_errors[0], result, exc_info=result)
     if session.turns == 0:
         detail = f": {type(result).__name__}: {result}" if isinstance(result, Exception) else ""
         raise Discard("agent_error", f"the agent never called the model{detail}")
@@ -94,6 +114,8 @@ async def run_agent(agent: Callable, gateway: AgentGateway, session: Session, ro
             return 0.0  # the limit's refusal reached the agent
         raise Discard("agent_error", f"{type(result).__name__}: {result}")
     if isinstance(result, (int, float)) and not isinstance(result, bool):
+        if not math.isfinite(result):
+            raise Discard("reward_error", f"the agent returned the reward {result}")
         return float(result)
     if isinstance(result, str):
         reward, error = await score(result, row.get("answer"), row)
@@ -114,8 +136,9 @@ class AgentEpisode(Episode):
 
     def __init__(self, agent: Callable, gateway: AgentGateway, score: Callable,
                  prompt_ids: Callable[[dict], List[int]], sampling: dict, *,
-                 seed: Optional[int] = None):
+                 seed: Optional[int] = None, max_episode_s: Optional[float] = None):
         self.agent, self.gateway, self.score = agent, gateway, score
+        self.max_episode_s = max_episode_s
         self.prompt_ids, self.sampling, self.seed = prompt_ids, dict(sampling), seed
         self._http = None
         self.ended: dict = {}  # end reason -> episodes (the books)
@@ -146,7 +169,7 @@ class AgentEpisode(Episode):
         traj = item.traj
         try:
             traj.reward = await run_agent(self.agent, self.gateway, session, row, self.score,
-                                          self._http)
+                                          self._http, self.max_episode_s)
         finally:
             traj.metadata.update(session.counts())
             reason = session.end_reason or "done"
@@ -172,6 +195,9 @@ class EngineTurns:
         traj = item.traj
         params = dict(item.sampling)
         params["max_new_tokens"] = item.max_new_tokens - len(traj.response_ids)
+        if params.get("sampling_seed") is not None:  # each turn its own stream, as _stream does
+            params["sampling_seed"] = (params["sampling_seed"] + len(traj.response_ids)) \
+                & 0x7FFFFFFF
         for _ in range(50):
             out = await self.client.generate(traj.prompt_ids + traj.response_ids, params)
             meta = out["meta_info"]
@@ -241,8 +267,25 @@ def agent_episode(cfg, task, score) -> Tuple[AgentEpisode, AgentGateway]:
                          "a built-in agent task (data.task=tool_addition)")
     gateway = AgentGateway(task.chat, limits_of(cfg), model_name=cfg.run_name)
     episode = AgentEpisode(load_agent(cfg.data.agent), gateway, score, task.codec.encode_prompt,
-                           asdict(cfg.rollout.sampling), seed=cfg.seed)
+                           asdict(cfg.rollout.sampling), seed=cfg.seed,
+                           max_episode_s=cfg.rollout.max_episode_s)
+    context = _context_length(task.model_path)
+    if context is not None and cfg.rollout.max_episode_tokens > context:
+        raise ValueError(f"rollout.max_episode_tokens={cfg.rollout.max_episode_tokens} is over "
+                         f"the model's context ({context} positions, {task.model_path}): an "
+                         "episode would outgrow what the engines serve; lower it")
     return episode, gateway
+
+
+def _context_length(model_path: Optional[str]) -> Optional[int]:
+    import json
+    import os
+
+    path = os.path.join(model_path or "", "config.json")
+    if not model_path or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("max_position_embeddings")
 
 
 async def evaluate_run_agent(cfg, task, url: str, api_key: Optional[str] = None):

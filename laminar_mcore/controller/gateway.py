@@ -17,8 +17,8 @@ the trajectory ended, and a second call while one runs (401, 401, 409). What it 
   weights until the episode ends (mode=laminar); a failed engine's turn resumes on another of
   the same version, repack moves it whole. In mode=areal spans are recorded per token.
 * **Limits.** ``rollout.max_turns``, ``max_tool_calls`` and ``max_episode_tokens``: a call that
-  would exceed one is refused (400, ``code`` the limit's name) and the episode ends with it as
-  its reason. Each turn generates at most ``sampling.max_new_tokens`` (or the call's smaller
+  would exceed one is refused (400, ``code`` the limit's name), tool calls over the allowance are
+  dropped from the answer, and the episode ends with the limit as its reason. Each turn generates at most ``sampling.max_new_tokens`` (or the call's smaller
   ``max_tokens``) and never past the episode's token budget. Sampling is the run's: a call's
   ``temperature``/``top_p`` are ignored (the trainer's behaviour log-probs are the run's policy).
 
@@ -80,12 +80,18 @@ class Session:
     closed: bool = False
     busy: bool = False
     last_text: str = ""  # the last turn's content (an agent's final answer, usually)
+    task: Optional[asyncio.Task] = None  # the call being answered (cancelled if its agent ends)
 
     def counts(self) -> Dict[str, Any]:
         return {"turns": self.turns, "tool_calls": self.tool_calls,
                 "malformed_tool_calls": self.malformed_tool_calls,
                 "tool_messages": self.tool_messages, "tool_errors": self.tool_errors,
                 "end_reason": self.end_reason or "done"}
+
+
+# OpenAI parameters whose meaning the gateway cannot honour token-exactly: a 400 rather than
+# an answer that silently ignores them (temperature, top_p and seed are ignored: the run's)
+UNSUPPORTED = ("stop", "response_format", "top_logprobs", "logit_bias", "prediction")
 
 
 def _error(status: int, message: str, code: Optional[str] = None,
@@ -169,13 +175,21 @@ class AgentGateway:
         if body.get("stream"):
             return _error(400, "stream=true is not served: agent turns are answered whole",
                           "stream")
-        if int(body.get("n") or 1) != 1:
+        if body.get("n") not in (None, 1):
             return _error(400, "n must be 1: a trajectory is one conversation (the run samples "
                                "a group of trajectories per prompt)", "n")
+        for key in UNSUPPORTED:
+            if body.get(key) not in (None, [], "", {"type": "text"}):
+                return _error(400, f"{key} is not served by the gateway (its turns must be the "
+                                   "run's policy, token for token)", "unsupported_parameter")
         if session.busy:
             return _error(409, "a call of this trajectory is running: one at a time",
                           "concurrent_call")
+        if session.failure is not None:
+            return _error(503, f"this trajectory's generation failed: {session.failure}",
+                          "generation_failed", "server_error")
         session.busy = True
+        session.task = asyncio.current_task()
         try:
             return web.json_response(await self._turn(session, body))
         except EpisodeEnded as exc:
@@ -200,11 +214,12 @@ class AgentGateway:
             raise EpisodeEnded(session.end_reason, f"it ended at {session.end_reason}")
         if session.turns >= lim.max_turns:
             raise EpisodeEnded("max_turns", f"rollout.max_turns={lim.max_turns} turns")
-        if session.tool_calls > lim.max_tool_calls:
-            raise EpisodeEnded("max_tool_calls",
-                               f"rollout.max_tool_calls={lim.max_tool_calls} tool calls")
         messages = [dict(m) if isinstance(m, dict) else m for m in body["messages"]]
         traj = session.item.traj
+        asked = body.get("max_completion_tokens") or body.get("max_tokens")
+        if asked is not None and (not isinstance(asked, int) or isinstance(asked, bool)
+                                  or asked < 1):
+            raise ValueError(f"max_tokens={asked!r} must be a positive integer")
         if session.turns == 0:
             session.tools = body.get("tools") or None
             prompt = self.chat.prompt(messages, session.tools)
@@ -230,7 +245,7 @@ class AgentGateway:
                 raise EpisodeEnded("max_episode_tokens", f"{traj.num_tokens + len(env)} tokens "
                                    f"with the new messages, rollout.max_episode_tokens="
                                    f"{lim.max_episode_tokens}")
-            traj.add_environment(env)
+            traj.add_environment(env)  # (every check passed: the trajectory changes now)
             tools = [m for m in new if _role(m) == "tool"]
             session.tool_messages += len(tools)
             # a tool that failed says so in a line "Error: ..." (the sandbox's convention,
@@ -245,19 +260,22 @@ class AgentGateway:
                                    self.tool_errors, _content(m))
         session.messages = [_as_dict(m) for m in messages]
         budget = min(lim.max_new_tokens, lim.max_episode_tokens - traj.num_tokens)
-        asked = body.get("max_completion_tokens") or body.get("max_tokens")
         if asked is not None:
-            if not isinstance(asked, int) or asked < 1:
-                raise ValueError(f"max_tokens={asked!r} must be a positive integer")
             budget = min(budget, asked)
         start = len(traj.response_ids)
         session.item.max_new_tokens = start + budget
+        if self.chat.eos_id != self.chat.tok.eos_token_id:  # a turn ends at the template's token
+            session.item.sampling = dict(session.item.sampling, stop_token_ids=[self.chat.eos_id])
         reason = await session.ctx.generate(session.item)
         sampled = traj.response_ids[start:]
         traj.finish_reason = reason
         session.turns += 1
         text = self.chat.decode_turn(sampled)
         content, calls, bad = parse_tool_calls(text)
+        allowed = max(lim.max_tool_calls - session.tool_calls, 0)
+        if len(calls) > allowed:  # the calls over the limit are not the agent's to run
+            calls = calls[:allowed]
+            session.end_reason = session.end_reason or "max_tool_calls"
         session.tool_calls += len(calls)
         session.malformed_tool_calls += bad
         session.last_text = content
@@ -267,10 +285,16 @@ class AgentGateway:
         session.messages.append(message)
         finish = "tool_calls" if calls else ("length" if reason == "length" else "stop")
         prompt_tokens = traj.num_tokens - len(sampled)
+        logprobs = None
+        if body.get("logprobs"):  # the behaviour log-probs the trainer will use
+            logprobs = {"content": [
+                {"token": self.chat.tok.decode([t]), "logprob": lp, "bytes": None,
+                 "top_logprobs": []}
+                for t, lp in zip(sampled, traj.behav_logprobs[start:])]}
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                 "created": int(time.time()), "model": self.model_name,
                 "choices": [{"index": 0, "message": message, "finish_reason": finish,
-                             "logprobs": None}],
+                             "logprobs": logprobs}],
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(sampled),
                           "total_tokens": traj.num_tokens}}
 

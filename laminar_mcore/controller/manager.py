@@ -339,7 +339,7 @@ class RolloutManager(WeightPulls):
         destination's, or another healthy one's if its engine fails); returns the finish reason
         type. Raises ``Discard`` or ``Stopped`` when it cannot finish."""
         engine, how = self._engine(item.engine), "new"  # how it started (its trace's segments)
-        if item.multi_turn and item.traj.response_ids:
+        if item.multi_turn:  # its place may have moved since its start or its last turn
             engine, how = await self._next_turn_engine(item, engine)
         while True:
             epoch = engine.epoch
@@ -389,34 +389,9 @@ class RolloutManager(WeightPulls):
                 continue
             if reason == "abort":
                 raise Discard("aborted")
-            if item.multi_turn:  # the episode goes on: it keeps its place (and version)
+            if item.multi_turn and engine.epoch == epoch:  # it keeps its place (and version)
                 engine.in_flight[item.rid] = item
             return reason
-
-    async def _next_turn_engine(self, item: InFlight, engine: Optional[EngineHandle]):
-        """Where a multi-turn episode's next turn runs: the engine that holds its place, or,
-        if repack moved it meanwhile, its destination, or, if its engine failed (or, with
-        ``interrupt``, took a new version), an engine as ``generate`` finds one after a failure.
-        Returns (engine, how the request starts)."""
-        if item.interrupted_at is not None and engine is not None:  # AReaL: updated between turns
-            self._left(engine, item.rid)
-            return await self._resume_interrupted(item, engine), "interrupt"
-        target, item.migrate_to = self._engine(item.migrate_to), None
-        if target is not None and target.healthy and \
-                target.version == item.traj.weight_version:
-            if engine is not None:
-                self._left(engine, item.rid)
-            item.engine = target.name
-            target.in_flight[item.rid] = item
-            self.stats.repacked += 1
-            return target, "repack"
-        if engine is not None and engine.healthy and item.rid in engine.in_flight and (
-                self.interrupt or engine.version == item.traj.weight_version):
-            return engine, "turn"
-        if engine is not None:
-            self._left(engine, item.rid)
-        self.stats.resumed += 1
-        return await self._engine_of_version(item), "resume"
 
     async def _stream(self, engine: EngineHandle, item: InFlight, how: str = "new") -> str:
         """One request: stream ``item`` from the tokens it holds on ``engine`` (``how`` it
@@ -437,6 +412,7 @@ class RolloutManager(WeightPulls):
             params["ignore_eos"] = True
         final = None
         extra = None
+        item.generating = True
         if self.routed_experts:
             # positions [0, L - 1) in order: a request returns [start, its seqlen - 1), so the
             # next one starts where the returned ones end -- normally at the last held token
@@ -455,6 +431,7 @@ class RolloutManager(WeightPulls):
                     traj.timings["first_token"] = time.time()
                 final = chunk.meta
         finally:
+            item.generating = False
             segment.update(end=time.time(), tokens=len(traj.response_ids) - held)
             traj.metadata.setdefault("segments", []).append(segment)
             traj.add_version_spans((final or {}).get("weight_versions"), held,

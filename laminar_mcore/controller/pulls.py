@@ -81,7 +81,9 @@ class WeightPulls:
         """AReaL's weight update: pause generation with abort (every running request returns
         what it has), take the new version, continue; the interrupted trajectories are then
         resubmitted with their prefix (``generate``) on the new weights."""
-        items = [i for i in engine.in_flight.values() if i.migrate_to is None]
+        # (an episode between turns is not generating: its next turn runs on the new version)
+        items = [i for i in engine.in_flight.values() if i.migrate_to is None
+                 and (i.generating or not i.multi_turn)]
         paused = False
         try:
             if items:
@@ -138,3 +140,28 @@ class WeightPulls:
         finally:
             engine.resuming = max(engine.resuming - 1, 0)
             self.notify(engine)
+
+    async def _next_turn_engine(self, item: InFlight, engine: Optional[EngineHandle]):
+        """Where a multi-turn episode's next turn runs: the engine that holds its place, or,
+        if repack moved it meanwhile, its destination, or, if its engine failed (or, with
+        ``interrupt``, took a new version), an engine as ``generate`` finds one after a failure.
+        Returns (engine, how the request starts)."""
+        if item.interrupted_at is not None and engine is not None:  # AReaL: updated between turns
+            self._left(engine, item.rid)
+            return await self._resume_interrupted(item, engine), "interrupt"
+        target, item.migrate_to = self._engine(item.migrate_to), None
+        if target is not None and target.healthy and \
+                target.version == item.traj.weight_version:
+            if engine is not None:
+                self._left(engine, item.rid)
+            item.engine = target.name
+            target.in_flight[item.rid] = item
+            self.stats.repacked += 1
+            return target, "repack"
+        if engine is not None and engine.healthy and item.rid in engine.in_flight and (
+                self.interrupt or engine.version == item.traj.weight_version):
+            return engine, "turn" if item.traj.response_ids else "new"
+        if engine is not None:
+            self._left(engine, item.rid)
+        self.stats.resumed += 1
+        return await self._engine_of_version(item), "resume"

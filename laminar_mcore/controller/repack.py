@@ -98,6 +98,15 @@ class Repacker:
                 item = src.in_flight.get(rid)
                 if item is None or item.migrate_to is not None:  # finished or already moving
                     continue
+                if item.multi_turn and not item.generating:
+                    # an episode between turns (its agent runs a tool): nothing to abort, its
+                    # place moves now; its next turn runs there
+                    del src.in_flight[rid]
+                    dest.in_flight[rid] = item
+                    item.engine = dest.name
+                    self.stats.repacked += 1
+                    moved += 1
+                    continue
                 item.migrate_to = dest.name
                 try:
                     await src.client.abort_request(rid)

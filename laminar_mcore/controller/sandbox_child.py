@@ -17,9 +17,15 @@ import _signal  # not signal: its enum import costs milliseconds per call
 import sys
 
 CLONE_NEWNET_NEWPID = 0x40000000 | 0x20000000
+CLONE_NEWNS = 0x00020000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 16384, 1 << 18
 # in the fallback: no sockets, and no other program (which the hook would not follow) or C code
 REFUSED_EVENTS = ("os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen",
                   "ctypes.dlopen", "ctypes.dlsym")
+# modules that start programs or load C code without an audited call of their own
+# (_posixsubprocess.fork_exec runs any program)
+REFUSED_MODULES = ("_posixsubprocess", "subprocess", "_ctypes", "ctypes", "multiprocessing",
+                   "_multiprocessing", "_socket", "socket")
 
 
 class CpuLimit(BaseException):
@@ -36,8 +42,22 @@ def enter_namespaces(status_path):
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(CLONE_NEWNET_NEWPID) != 0:
+    # (a mount namespace too, where the inner mounts its own /proc: the code sees no process
+    # of the host's, so not the environment of the controller that started it)
+    if libc.unshare(CLONE_NEWNET_NEWPID | CLONE_NEWNS) != 0:
         write_status(status_path, "setup", "unshare(CLONE_NEWNET|CLONE_NEWPID) failed: "
+                     + os.strerror(ctypes.get_errno()))
+        os._exit(0)
+
+
+def private_proc(status_path):
+    """In the new PID namespace: mounts private, and a /proc of that namespace only."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0 or libc.mount(
+            b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None) != 0:
+        write_status(status_path, "setup", "cannot mount a private /proc: "
                      + os.strerror(ctypes.get_errno()))
         os._exit(0)
 
@@ -65,7 +85,8 @@ def set_limits(cpu_s, memory_bytes, file_bytes, nproc):
 
 
 def refuse_network(event, args):
-    if event.startswith("socket.") or event in REFUSED_EVENTS:
+    if event.startswith("socket.") or event in REFUSED_EVENTS or (
+            event == "import" and args[0].partition(".")[0] in REFUSED_MODULES):
         raise PermissionError(f"no network and no other programs in this sandbox ({event})")
 
 
@@ -125,6 +146,8 @@ def main():
     if pid:
         wait_for_inner(status_path, pid)
     inner = os.getpid()
+    if isolation == "netns":
+        private_proc(status_path)
     try:
         set_limits(int(cpu_s), int(memory_bytes), int(file_bytes), int(nproc))
     except (ValueError, OSError) as e:  # e.g. above the hard limits of a non-root caller

@@ -59,18 +59,25 @@ def parse_tool_calls(text: str) -> Tuple[str, List[dict], int]:
 
 
 def _plain(message: Any) -> dict:
-    """An OpenAI message (a dict, or the ``openai`` client's model) as a plain dict."""
+    """An OpenAI message (a dict, or the ``openai`` client's model) as a plain dict; content
+    given as text parts ([{"type": "text", "text": ...}]) is joined into one string."""
     if hasattr(message, "model_dump"):
         message = message.model_dump(exclude_none=True)
     if not isinstance(message, dict) or "role" not in message:
         raise ValueError(f"a message must be an object with a role; got {message!r:.80}")
-    return dict(message)
+    message = dict(message)
+    content = message.get("content")
+    if isinstance(content, list):
+        if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+            raise ValueError("only text content parts are served")
+        message["content"] = "".join(p.get("text", "") for p in content)
+    return message
 
 
 def same_message(sent: Any, recorded: dict) -> bool:
     """Whether ``sent`` (from the agent) is ``recorded`` (what the conversation holds): role and
     content, and for an assistant message its tool calls' names and arguments (as JSON)."""
-    a = _plain(sent)
+    a, recorded = _plain(sent), _plain(recorded)
     if a.get("role") != recorded.get("role") or (a.get("content") or "") != \
             (recorded.get("content") or ""):
         return False
@@ -99,10 +106,27 @@ class ChatFormat:
             raise TemplateError("the tokenizer has no chat_template: agent episodes render "
                                 "messages with it (set one in tokenizer_config.json)")
         self.tok = tokenizer
-        self.eos_id = tokenizer.eos_token_id if eos_id is None else eos_id
+        self.eos_id = self._end_of_turn() if eos_id is None else eos_id
         if self.eos_id is None:
             raise TemplateError("the tokenizer has no eos_token: a turn ends at it")
         self.eos_text = tokenizer.decode([self.eos_id])
+
+    def _end_of_turn(self) -> Optional[int]:
+        """The token the template ends an assistant message with (Qwen's ``<|im_end|>``, also
+        for base checkpoints whose eos is ``<|endoftext|>``); the eos if none is found."""
+        sentinel = "\u2063laminar-sentinel\u2063"
+        try:
+            text = self.tok.apply_chat_template(
+                [{"role": "user", "content": "x"}, {"role": "assistant", "content": sentinel}],
+                tokenize=False)
+        except Exception:  # noqa: BLE001 - a template that needs more than this: the eos
+            return self.tok.eos_token_id
+        after = text[text.find(sentinel) + len(sentinel):] if sentinel in text else ""
+        added = sorted(self.tok.get_added_vocab().items(), key=lambda kv: -len(kv[0]))
+        for token, index in added:
+            if after.lstrip(" ").startswith(token):
+                return index
+        return self.tok.eos_token_id
 
     def render(self, messages: Sequence[dict], tools: Optional[list] = None,
                add_generation_prompt: bool = False) -> str:
@@ -133,7 +157,11 @@ class ChatFormat:
                 "follow, so the next prompt cannot extend the tokens sampled so far; use a "
                 "template that renders each message independently of later ones")
         end = before.rfind(self.eos_text)
-        tail = before[end + len(self.eos_text):] if end >= 0 else ""
+        if end < len(self.render(history[:-1], tools, add_generation_prompt=True)):
+            raise TemplateError(
+                f"the chat template does not end the last assistant message with "
+                f"{self.eos_text!r}, the token its turns end with; token-exact turns need it")
+        tail = before[end + len(self.eos_text):]
         ids = self.encode(tail + after[len(before):])
         return ids if ended_with_eos else [self.eos_id] + ids
 

@@ -115,6 +115,7 @@ class InFlight:
     # a multi-turn episode: between its turns the trajectory keeps its place on its engine, so
     # the engine does not pull another version until the episode ends (one version per episode)
     multi_turn: bool = False
+    generating: bool = False  # a request of it runs on its engine now (else: between turns)
 
     @property
     def rid(self) -> str:
