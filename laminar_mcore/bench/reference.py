@@ -61,7 +61,7 @@ def compare(cfg, summary: dict, out_dir: str, log=print, path: str = PATH) -> Op
 
     ref = load(path)
     if ref is None or ref["config"] != fingerprint(cfg) or "sync" not in ref["modes"]:
-        if cfg.mode == "laminar":
+        if cfg.mode == "laminar" and not cfg.data.get("agent"):
             log("[demo] no stored sync run of this configuration to compare with; measure one: "
                 "python -m laminar_mcore.bench.convergence")
         return None
