@@ -443,11 +443,22 @@ def test_a_tool_call_round_trip_through_the_openai_client(tmp_path):
             result = await evaluate_agent(engine.url, [row], agent, gateway, _reward,
                                           lambda r: [1], {"temperature": 0.0}, greedy=False)
             await gateway.close()
-            return result, kept[0]
+            # no tool call allowed: the model's call is dropped from the answer, the episode
+            # ends with that reason and the agent's empty final answer scores 0
+            none = AgentGateway(chat, EpisodeLimits(max_tool_calls=0, max_new_tokens=32))
+            await none.start()
+            capped = await evaluate_agent(engine.url, [row], agent, none, _reward,
+                                          lambda r: [1], {"temperature": 0.0}, greedy=False)
+            await none.close()
+            return result, kept[0], capped
 
-        result, session = asyncio.run(scenario())
+        result, session, capped = asyncio.run(scenario())
     finally:
         engine.stop()
+    assert capped == {"accuracy": 0.0, "turns_per_episode": 1.0, "tool_calls_per_episode": 0.0,
+                      "tool_errors": 0}
+    assert seen["answers"][2].choices[0].finish_reason == "stop"
+    del seen["answers"][2]
     first, last = seen["answers"]
     assert first.choices[0].finish_reason == "tool_calls"
     call = first.choices[0].message.tool_calls[0]
