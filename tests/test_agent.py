@@ -24,7 +24,8 @@ from laminar_mcore.models.hf import save_hf_checkpoint, tiny_hf_config
 from laminar_mcore.rollout.client import SGLangClient
 from laminar_mcore.rollout.launcher import EngineProcess, cpu_engine_command
 
-from .test_rollout_manager import RecordingBuffer, _handle, _relay_world, _state
+from .test_rollout_manager import (RecordingBuffer, _handle, _incremental_engines, _relay_world,
+                                   _state)
 
 pytestmark = pytest.mark.multiprocess
 DIGITS = "0123456789"
@@ -87,12 +88,7 @@ def test_turns_are_token_exact_masked_and_of_one_version(tmp_path):
 
     with _relay_world(tmp_path, cfg) as (relay, _, publisher, procs):
         save_hf_checkpoint(tmp_path / "m", cfg, state)
-        engines = [EngineProcess(cpu_engine_command(str(tmp_path / "m"), seed=i,
-                                                    deterministic=True,
-                                                    incremental_streaming_output=True,
-                                                    stream_interval=4),
-                                 log_path=str(tmp_path / f"e{i}.log")).start() for i in range(2)]
-        procs += engines
+        engines = _incremental_engines(tmp_path, procs)
         buffer = RecordingBuffer(group_size=2)
 
         async def scenario():
@@ -276,12 +272,7 @@ def test_an_engine_killed_mid_episode_resumes_its_turns_on_an_engine_of_the_vers
 
     with _relay_world(tmp_path, cfg) as (relay, _, publisher, procs):
         save_hf_checkpoint(tmp_path / "m", cfg, state)
-        engines = [EngineProcess(cpu_engine_command(str(tmp_path / "m"), seed=i,
-                                                    deterministic=True,
-                                                    incremental_streaming_output=True,
-                                                    stream_interval=4),
-                                 log_path=str(tmp_path / f"e{i}.log")).start() for i in range(2)]
-        procs += engines
+        engines = _incremental_engines(tmp_path, procs)
         buffer = RecordingBuffer(group_size=2)
 
         async def scenario():

@@ -79,7 +79,6 @@ class Session:
     failure: Optional[BaseException] = None  # Discard / Stopped raised by a turn's generation
     closed: bool = False
     busy: bool = False
-    last_text: str = ""  # the last turn's content (an agent's final answer, usually)
     task: Optional[asyncio.Task] = None  # the call being answered (cancelled if its agent ends)
 
     def counts(self) -> Dict[str, Any]:
@@ -278,7 +277,6 @@ class AgentGateway:
             session.end_reason = session.end_reason or "max_tool_calls"
         session.tool_calls += len(calls)
         session.malformed_tool_calls += bad
-        session.last_text = content
         message = {"role": "assistant", "content": content or (None if calls else "")}
         if calls:
             message["tool_calls"] = calls

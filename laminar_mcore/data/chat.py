@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -225,8 +225,3 @@ def demo_tokenizer(extra_merges: Sequence[str] = ()):
 def tokenizer_vocab_size(tok, multiple: int = 64) -> int:
     """The model's vocabulary for ``tok``: its size rounded up to ``multiple``."""
     return -(-len(tok) // multiple) * multiple
-
-
-def render_demo(messages: List[Dict[str, Any]], tools: Optional[list] = None) -> str:
-    """The demo template applied to ``messages`` (for documentation and tests)."""
-    return ChatFormat(demo_tokenizer()).render(messages, tools)
