@@ -425,6 +425,42 @@ def test_placement_candidates_are_the_same_sweep_for_every_system():
     assert best(runs, 9)["trainer_gpus"] == 8
 
 
+def test_a_training_step_lasts_as_long_as_its_busiest_data_parallel_rank():
+    """A fixed global batch over more trainer GPUs: the step shrinks with the ranks until
+    one rank holds only the batch's longest sequence, then stops shrinking."""
+    cost = CostModel("7B")  # trainer TP 2: 96 data-parallel ranks on 192 GPUs
+    group_s = lambda flops: flops / (2 * cost.hw["peak_flops"] * cost.trainer_efficiency())  # noqa: E731
+    tail, rest = 16384 + 180, [1400] * 511
+    seqs = [tail] + rest
+    longest = group_s(cost.sequence_flops(tail))
+    assert cost.train_step_s(seqs, 192) == pytest.approx(longest)  # 5 sequences per rank
+    assert cost.train_step_s(seqs, 384) == pytest.approx(longest)  # more GPUs: no faster
+    small = cost.train_step_s(seqs, 8)  # 4 ranks of ~128 sequences: balanced
+    total = sum(cost.sequence_flops(n) for n in seqs)
+    assert group_s(total / 4) <= small <= group_s(total / 4) * 1.01
+    # never faster than the linear model the sweep's bound uses; equal when balanced and short
+    assert small >= cost.train_s(sum(seqs), 8)
+    even = cost.train_step_s([1000] * 64, 8)
+    assert even == pytest.approx(group_s(16 * cost.sequence_flops(1000)))
+    assert even == pytest.approx(cost.train_s(64_000, 8) * (1 + 3584 * 28 * 1000 / 7.62e9),
+                                 rel=1e-3)  # + causal attention
+
+
+def test_the_sweeps_bound_is_never_beaten():
+    """Every split the sweep may skip is skipped on a bound no run of it beats: each system
+    at every candidate split, measured as the sweep measures (one iteration after one)."""
+    from laminar_mcore.sim.placement import candidate_trainer_gpus, throughput_bound
+
+    w = Workload(batch_prompts=32)
+    cost = CostModel("7B")
+    for mode in ("sync", "one_step", "stream", "areal", "laminar"):
+        for t in candidate_trainer_gpus(mode, 64, cost):
+            r = simulate(SimConfig(model="7B", mode=mode, gpus=64, iterations=2, warmup=1,
+                                   split_trainer_gpus=t, workload=w))
+            bound = throughput_bound(mode, cost, 64, t, w)
+            assert r.tokens_per_s <= bound, (mode, t, r.tokens_per_s, bound)
+
+
 def test_a_killed_rollout_machine_dips_and_recovers(monkeypatch):
     """Laminar section 8.4: a rollout machine killed; its trajectories resume elsewhere, the
     machine comes back (detect + restart, its relay re-fetches, its engines pull) at the

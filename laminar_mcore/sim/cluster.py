@@ -407,9 +407,9 @@ class SimTrainer:
                         self.mixed += 1
                 # trained on prompt + response; the controller counts response tokens
                 tokens += sum(len(t.response_ids) for t in batch)
-                n = sum(t.num_tokens for t in batch)
-                alltok += n
-                seconds = await self._compute(self.cost.train_s(n, self.place.trainer_gpus))
+                alltok += sum(t.num_tokens for t in batch)
+                seconds = await self._compute(self._train_s([t.num_tokens for t in batch],
+                                                            len(sizes)))
                 self.busy_s += seconds
                 if step > 0:
                     self.busy_s_steady += seconds
@@ -421,6 +421,15 @@ class SimTrainer:
                 self.idle_mark = (loop.time(), self.manager.engine_idle_seconds())
             self.manager.notify()
             step += 1
+
+    def _train_s(self, sequences: List[int], taken_in: int) -> float:
+        """Training ``sequences`` (tokens each) as ``MINIBATCH_STEPS`` optimizer steps per
+        iteration: a batch taken whole is split into that many mini-batches (trajectory i in
+        mini-batch i mod steps, so a group's samples spread over them as a shuffled batch's
+        do); ``stream`` takes its mini-batches one by one (``taken_in`` of them), each a step."""
+        steps = max(1, MINIBATCH_STEPS // taken_in)
+        return sum(self.cost.train_step_s(sequences[i::steps], self.place.trainer_gpus)
+                   for i in range(min(steps, len(sequences))))
 
     async def _compute(self, work_s: float) -> float:
         """``work_s`` seconds of training; on shared CPU cores, slower while engines are busy

@@ -144,7 +144,8 @@ def sweep_and_measure(groups: List[Tuple[str, int, str]], base: dict, given: Dic
         if group in given or len(cands) == 1:
             chosen(group, given.get(group, cands[0]))
             continue
-        bounds = {t: throughput_bound(mode, cost, g, t, workload) for t in cands}
+        bounds = {t: throughput_bound(mode, cost, g, t, workload, sweep_iterations)
+                  for t in cands}
         sweep_group(group, bounds)(None)
     log(f"{len(groups)} groups queued over {jobs} job(s)")
     q.drain()

@@ -16,11 +16,11 @@ import functools
 import math
 from typing import Dict, List
 
-from .cluster import GPUS_PER_MACHINE, placement_for
+from .cluster import AREAL_ETA, GPUS_PER_MACHINE, SimConfig, placement_for
 from .costs import CONCURRENCY_PER_REPLICA, CostModel
 from .workload import Workload
 
-BOUND_MARGIN = 1.15  # throughput_bound's allowance for a batch longer than the mean
+BOUND_MARGIN = 1.05  # throughput_bound's allowance for what its cost terms leave out
 
 
 def candidate_trainer_gpus(mode: str, gpus: int, cost: CostModel, splits: int = 3) -> List[int]:
@@ -58,26 +58,37 @@ def choose_splits(results: List[dict], staleness_limit: int) -> Dict[tuple, int]
 
 
 def throughput_bound(mode: str, cost: CostModel, gpus: int, trainer_gpus: int,
-                     workload: Workload) -> float:
+                     workload: Workload, iterations: int = 2) -> float:
     """A cheap upper bound on a split's tokens/s (prompt + response tokens of a batch over the
     seconds between updates), from the cost model alone: the sweep simulates the splits in
     decreasing order of it and skips those whose bound is below the best result it already
-    has (they cannot win). Each iteration lasts at least the trainer's compute plus its own
-    stall (publish, broadcast or reshard) and, where engines generate the batch, their
-    generation at the best rate any batch size allows with every request at its prompt
-    (prefill free), less the time they stop for an update; a barrier waits on the batch's
-    longest response at batch 1 as well. ``BOUND_MARGIN`` covers the batch's tokens being
-    the workload's mean."""
+    has (they cannot win). Every term is a lower bound on an iteration:
+
+    * the trainer's compute at its layout's MFU with perfect balance and no attention
+      (``train_s``: the simulated step, ``train_step_s``, only adds to it) plus its own stall
+      (publish, broadcast or reshard);
+    * for the barrier systems only (verl, one-step, stream), whose measured window must hold
+      the batch's generation: the engines' best rate at any concurrency up to the replica's
+      cap with every request at its prompt (prefill free), and the batch's longest response
+      decoded at batch 1. AReaL and laminar keep generating between updates, so a window
+      can consume trajectories generated before it (a sweep measures one iteration after
+      one of warm-up): their generation bounds nothing.
+
+    The terms take the workload's mean batch; the tokens over them are the most a batch of
+    a run of ``iterations`` can hold: its longest groups among those the system can have
+    admitted by then (a window's batch may be longer than the mean -- FIFO by completion
+    leaves the long groups to later batches -- and the constant terms, the tail and the
+    stall, do not grow with it).
+    ``BOUND_MARGIN`` covers what the terms leave out."""
     place = placement_for(mode, gpus, cost, None, workload, trainer_gpus)
     s = workload.stats(500)
     prompt, response = workload.prompt_median, s["mean"]
     trajectories = workload.batch_trajectories
-    tokens = trajectories * (prompt + response)
-    train = cost.train_s(int(tokens), place.trainer_gpus)
-    cap = cost.capacity(workload.mean_context(), workload.samples, cap=CONCURRENCY_PER_REPLICA)
+    mean_tokens = trajectories * (prompt + response)
+    train = cost.train_s(int(mean_tokens), place.trainer_gpus)
     engines = max(place.rollout_gpus // cost.engine_tp, 1)
-    rate = max(b / cost.decode_step_s(b, b * prompt) for b in (1, cap // 4 or 1, cap // 2 or 1,
-                                                                  cap))
+    rate = max(b / cost.decode_step_s(b, b * prompt)
+               for b in (1, 16, 64, 256, CONCURRENCY_PER_REPLICA))
     generate = trajectories * response / (engines * rate)
     tail_s = _tail(workload) * cost.decode_step_s(1, prompt)
     colocated = mode == "sync" and place.trainer_gpus >= gpus
@@ -88,10 +99,28 @@ def throughput_bound(mode: str, cost: CostModel, gpus: int, trainer_gpus: int,
     elif mode in ("one_step", "stream"):
         iteration = max(generate, tail_s, train) + cost.broadcast_s()
     elif mode == "areal":
-        iteration = max(generate, train) + cost.broadcast_s()
-    else:  # laminar: the trainer stalls for its publish, each engine for its own pull
-        iteration = max(train + cost.publish_s(), generate + cost.pull_s())
-    return BOUND_MARGIN * tokens / iteration
+        iteration = train + cost.broadcast_s()
+    else:  # laminar: the trainer stalls for its publish
+        iteration = train + cost.publish_s()
+    seen = (iterations + 1 + _batches_ahead(mode)) * workload.batch_prompts
+    return BOUND_MARGIN * _most_batch_tokens(workload, seen) / iteration
+
+
+def _batches_ahead(mode: str) -> int:
+    """How many batches beyond the trainer's a system may have admitted: its pool of groups a
+    batch can be taken from (FIFO by completion, so a later batch gathers the long ones)."""
+    return {"sync": 0, "one_step": 1, "stream": 1, "areal": AREAL_ETA}.get(
+        mode, SimConfig.max_buffered_batches)
+
+
+@functools.lru_cache(maxsize=64)
+def _most_batch_tokens(workload: Workload, prompts: int) -> int:
+    """The most prompt + response tokens a batch of ``workload.batch_prompts`` groups can hold
+    when taken from the first ``prompts`` prompts: its longest groups."""
+    groups = sorted((workload.prompt_length(p) * workload.samples +
+                     sum(workload.response_length(p, k) for k in range(workload.samples))
+                     for p in range(prompts)), reverse=True)
+    return sum(groups[:workload.batch_prompts])
 
 
 @functools.lru_cache(maxsize=16)
