@@ -7,10 +7,9 @@ import os
 
 import pytest
 
-from laminar_mcore.relay.chain import chain_time
 from laminar_mcore.sim.clock import SimulationStalled, run_virtual
 from laminar_mcore.sim.cluster import SimConfig, simulate
-from laminar_mcore.sim.costs import LINKS, CostModel
+from laminar_mcore.sim.costs import CostModel
 from laminar_mcore.sim.engine import SimEngine, SimEngineClient, TokenCount
 from laminar_mcore.sim.workload import Workload
 
@@ -80,18 +79,6 @@ def test_engine_retracts_when_the_kv_cache_fills_and_the_request_still_finishes(
         return engine.retracted
 
     assert run_virtual(main()) >= 1
-
-
-def test_chain_cost_is_laminars_formula_at_the_best_chunking():
-    cost = CostModel("72B")
-    m_tbyte, t_start = cost.weight_bytes / LINKS["chain_bytes_s"], LINKS["chain_start_s"]
-    best = min(chain_time(126, int(cost.weight_bytes), k, 1 / LINKS["chain_bytes_s"], t_start)
-               for k in range(1, 2000))
-    assert cost.chain_s(127) == pytest.approx(best, rel=1e-3)
-    assert cost.chain_s(127) < 1.6  # Laminar: under 1.6 s for 72B to 127 relays
-    assert cost.chain_hop_s(127, 126) == pytest.approx(cost.chain_s(127))
-    assert cost.chain_s(127) > m_tbyte  # at least one copy of the model's bytes
-    assert cost.publish_s() == pytest.approx(1.40, abs=0.05)  # the paper's actor stall
 
 
 def test_workload_has_laminars_long_tail():
@@ -253,64 +240,6 @@ def test_a_bug_that_fails_every_trajectory_stops_the_run_instead_of_spinning(cap
     assert RolloutManager.MAX_INTERNAL_ERRORS_IN_A_ROW == 64
 
 
-def test_weight_sync_with_deltas_follows_the_documented_pipeline_formula():
-    """costs.relay_sync_seconds for the 1T MoE (Kimi-K2's shape) on 64 relays, against the
-    formula of docs/simulator.md computed here from its parts: the slowest of encode, publish,
-    the chain's throughput and rebuild, plus one bucket's latency and the chain's fill."""
-    import math
-
-    from laminar_mcore.sim.costs import (DELTA, MOE_MODELS, relay_sync_seconds,
-                                         relay_sync_stages)
-    from laminar_mcore.sim.report import weight_sync_figures
-
-    params, relays, pp, bucket = 1.04e12, 64, 16, 512 * 2**20
-    full_bytes = params * 2  # bf16
-    pub, t_byte, t_start = LINKS["publish_bytes_s"], 1 / LINKS["chain_bytes_s"], \
-        LINKS["chain_start_s"]
-
-    def reference(ratio, encode=math.inf, apply=math.inf):
-        wire = full_bytes / ratio
-        p = relays  # the master plus 63 chained relays
-        k = max(1, round(math.sqrt((p - 2) * wire * t_byte / t_start)))
-        chunk = wire / k * t_byte + t_start
-        slowest = max(full_bytes / pp / encode, wire / pub, k * chunk, full_bytes / apply)
-        return slowest + bucket / encode + bucket / ratio / pub + bucket / apply + (p - 2) * chunk
-
-    # whole: 2.08 TB over the 103 GB/s publish link, the chain behind it (its fill), one bucket
-    full = relay_sync_seconds(params, relays, False, pp=pp)
-    assert full == pytest.approx(reference(1.0), rel=1e-9)
-    assert full == pytest.approx(full_bytes / pub, rel=0.06)  # publish-bound: ~20.2 s + fill
-    # with deltas at DELTA's figures: the same formula with encode and rebuild in it
-    default = relay_sync_seconds(params, relays, True, pp=pp)
-    assert default == pytest.approx(reference(DELTA["bytes_ratio"], DELTA["encode_bytes_s"],
-                                              DELTA["apply_bytes_s"]), rel=1e-9)
-    # where encode and rebuild keep up, the wire bytes decide: a delta beats the whole
-    # version and its time falls with the ratio (publish time exactly as 1 / ratio)
-    fast = {"encode_bytes_s": 1e15, "apply_bytes_s": 1e15}
-    times = {r: relay_sync_seconds(params, relays, True, pp=pp, bytes_ratio=r, **fast)
-             for r in (25.0, 50.0, 100.0)}
-    for r, t in times.items():
-        assert t == pytest.approx(reference(r, 1e15, 1e15), rel=1e-9)
-    assert times[100.0] < times[50.0] < times[25.0] < full
-    # 4x fewer bytes: 3x less time (the chain's per-chunk start costs do not shrink)
-    assert times[25.0] / times[100.0] > 2.5
-    wire = [relay_sync_stages(params, relays, True, pp=pp, bytes_ratio=r, **fast)
-            for r in (25.0, 100.0)]
-    assert wire[0]["publish_s"] == pytest.approx(4 * wire[1]["publish_s"], rel=1e-12)
-    # rebuild throughput bounds it: the relays rebuild every full byte
-    slow = relay_sync_seconds(params, relays, True, pp=pp, apply_bytes_s=1e9, encode_bytes_s=1e15)
-    assert slow >= full_bytes / 1e9
-    # the report's flat keys, from the same function
-    figures = weight_sync_figures()
-    m = MOE_MODELS["1t"]
-    assert (m["params"], m["relays"], m["trainer_pp"]) == (params, relays, pp)
-    assert figures["sync_s_1t_full"] == round(full, 3)
-    assert figures["sync_s_1t"] == round(default, 3)
-    assert figures["delta_bytes_ratio_assumed"] == DELTA["bytes_ratio"]
-    assert {"sync_s_235b", "sync_s_235b_full"} <= set(figures)
-
-
-# ---------------------------------------------------------------- issue 33: protocols, measurement
 def test_verl_pays_a_global_broadcast_behind_a_barrier_where_laminar_pays_a_publish():
     """verl disaggregated, one-step, stream and AReaL update by one NCCL broadcast that stops
     the trainer and every engine (costs.PROTOCOL, verl's checkpoint engine); laminar stalls
@@ -410,55 +339,6 @@ def test_the_relay_chain_on_the_network_keeps_laminars_timing():
     assert stall == pytest.approx(cost.publish_s(), rel=1e-6)
     for i in (1, 8, 15):
         assert held[i] == pytest.approx(cost.chain_hop_s(16, i), abs=0.002)
-
-
-def test_placement_candidates_are_the_same_sweep_for_every_system():
-    from laminar_mcore.sim.placement import best, candidate_trainer_gpus
-
-    cost = CostModel("7B")
-    assert candidate_trainer_gpus("laminar", 256, cost) == [64, 128, 192]
-    assert candidate_trainer_gpus("areal", 256, cost) == [64, 128, 192]
-    assert candidate_trainer_gpus("sync", 256, cost) == [256, 64, 128, 192]  # + colocated
-    runs = [{"tokens_per_s": 10, "staleness": {"5": 1}, "trainer_gpus": 8},
-            {"tokens_per_s": 7, "staleness": {"2": 1}, "trainer_gpus": 16}]
-    assert best(runs, 4)["trainer_gpus"] == 16  # the fastest within the staleness limit
-    assert best(runs, 9)["trainer_gpus"] == 8
-
-
-def test_a_training_step_lasts_as_long_as_its_busiest_data_parallel_rank():
-    """A fixed global batch over more trainer GPUs: the step shrinks with the ranks until
-    one rank holds only the batch's longest sequence, then stops shrinking."""
-    cost = CostModel("7B")  # trainer TP 2: 96 data-parallel ranks on 192 GPUs
-    group_s = lambda flops: flops / (2 * cost.hw["peak_flops"] * cost.trainer_efficiency())  # noqa: E731
-    tail, rest = 16384 + 180, [1400] * 511
-    seqs = [tail] + rest
-    longest = group_s(cost.sequence_flops(tail))
-    assert cost.train_step_s(seqs, 192) == pytest.approx(longest)  # 5 sequences per rank
-    assert cost.train_step_s(seqs, 384) == pytest.approx(longest)  # more GPUs: no faster
-    small = cost.train_step_s(seqs, 8)  # 4 ranks of ~128 sequences: balanced
-    total = sum(cost.sequence_flops(n) for n in seqs)
-    assert group_s(total / 4) <= small <= group_s(total / 4) * 1.01
-    # never faster than the linear model the sweep's bound uses; equal when balanced and short
-    assert small >= cost.train_s(sum(seqs), 8)
-    even = cost.train_step_s([1000] * 64, 8)
-    assert even == pytest.approx(group_s(16 * cost.sequence_flops(1000)))
-    assert even == pytest.approx(cost.train_s(64_000, 8) * (1 + 3584 * 28 * 1000 / 7.62e9),
-                                 rel=1e-3)  # + causal attention
-
-
-def test_the_sweeps_bound_is_never_beaten():
-    """Every split the sweep may skip is skipped on a bound no run of it beats: each system
-    at every candidate split, measured as the sweep measures (one iteration after one)."""
-    from laminar_mcore.sim.placement import candidate_trainer_gpus, throughput_bound
-
-    w = Workload(batch_prompts=32)
-    cost = CostModel("7B")
-    for mode in ("sync", "one_step", "stream", "areal", "laminar"):
-        for t in candidate_trainer_gpus(mode, 64, cost):
-            r = simulate(SimConfig(model="7B", mode=mode, gpus=64, iterations=2, warmup=1,
-                                   split_trainer_gpus=t, workload=w))
-            bound = throughput_bound(mode, cost, 64, t, w)
-            assert r.tokens_per_s <= bound, (mode, t, r.tokens_per_s, bound)
 
 
 def test_a_killed_rollout_machine_dips_and_recovers(monkeypatch):

@@ -189,9 +189,11 @@ class RolloutManager(WeightPulls):
         engine = self._engine(item.engine)
         if engine is not None and item.rid in engine.in_flight:
             self._left(engine, item.rid)
-        else:
+        else:  # usually gone already (a finished trajectory): a lookup per engine, no call
+            rid = item.rid
             for e in self.engines:
-                self._left(e, item.rid)
+                if rid in e.in_flight:
+                    self._left(e, rid)
         with contextlib.suppress(KeyError):  # it may have left the pool already
             self.partial.finish(item.rid)
 

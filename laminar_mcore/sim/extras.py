@@ -7,7 +7,7 @@ import json
 from typing import Dict, List
 
 from .faults import parse_fail
-from .sensitivity import spread, variants
+from .sensitivity import spread, unread, variants
 from .workload import Workload
 
 HEADLINE = ("laminar_vs_verl_avg", "laminar_vs_one_step_avg", "laminar_vs_stream_avg",
@@ -42,8 +42,24 @@ def sensitivity_run(args, workload: Workload, report, log=print) -> Dict[str, ob
                                   iterations=iterations, warmup=warmup, overrides=override,
                                   split_trainer_gpus=splits.get((m, g, mode))))
                 keys.append(i)
-    log(f"sensitivity: {len(specs)} runs of {iterations} iterations")
-    results = report.run_points(specs, args.jobs, log)
+    # a variant of a weight protocol's constants cannot move a run of another protocol: such a
+    # run is the base run (sensitivity.unread), taken from it instead of simulated again
+    reuse = [unread(spec["overrides"], _protocol(spec)) for spec in specs]
+    todo = [spec for spec, r in zip(specs, reuse) if not r]
+    log(f"sensitivity: {len(todo)} runs of {iterations} iterations "
+        f"({len(specs) - len(todo)} others are their base run: a constant of another "
+        f"weight protocol)")
+    done = iter(report.run_points(todo, args.jobs, log))
+    base_runs = {}
+    results = []
+    for spec, r in zip(specs, reuse):
+        if r:
+            results.append(dict(base_runs[(spec["model"], spec["gpus"], spec["mode"])],
+                                overrides=spec["overrides"]))
+        else:
+            results.append(next(done))
+            if spec["overrides"] is None:
+                base_runs[(spec["model"], spec["gpus"], spec["mode"])] = results[-1]
     groups: Dict[int, List[dict]] = {}
     for k, r in zip(keys, results):
         groups.setdefault(k, []).append(r)
@@ -67,6 +83,16 @@ def sensitivity_run(args, workload: Workload, report, log=print) -> Dict[str, ob
                   f"{figures[f'{ratio}_max']} with one constant +-20%; most: "
                   f"{figures[f'{ratio}_most_sensitive_to']})")
     return figures
+
+
+def _protocol(spec: dict) -> str:
+    """The weight protocol a sensitivity run uses (``cluster.protocol_of``)."""
+    from .cluster import placement_for, protocol_of
+    from .costs import CostModel
+
+    place = placement_for(spec["mode"], spec["gpus"], CostModel(spec["model"]), None,
+                          spec["workload"], spec["split_trainer_gpus"])
+    return protocol_of(spec["mode"], place, False, True)
 
 
 def failure_run(args, workload: Workload, report, log=print) -> Dict[str, object]:

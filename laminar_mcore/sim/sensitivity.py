@@ -44,6 +44,24 @@ def applied(overrides: Optional[Dict[str, float]]) -> Iterator[None]:
             table[key] = value
 
 
+# The weight-protocol constants each protocol reads (``relays.RelayTier``); every other
+# constant (efficiencies, the workload) is read by every run. A run whose protocol reads none
+# of a variant's constants is the base run: ``--sensitivity`` reuses it instead of re-running.
+PROTOCOL_READS = {
+    "laminar": {f"LINKS.{k}" for k in ("publish_bytes_s", "chain_bytes_s", "chain_start_s",
+                                       "pull_bytes_s", "pull_fixed_s")},
+    "broadcast": {f"PROTOCOL.{k}" for k in costs.PROTOCOL},
+    "colocated": {"LINKS.colocated_sync_fixed_s"},
+}
+
+
+def unread(override: Optional[Dict[str, float]], protocol: str) -> bool:
+    """Whether a run of ``protocol`` reads none of ``override``'s constants (so that its
+    result is the base run's)."""
+    other = set().union(*(v for k, v in PROTOCOL_READS.items() if k != protocol))
+    return bool(override) and all(name in other for name in override)
+
+
 def workload_with(workload: Workload, overrides: Optional[Dict[str, float]]) -> Workload:
     fields = {}
     for name, value in (overrides or {}).items():
