@@ -47,6 +47,7 @@ from .workload import Workload
 
 SIM_MODES = ("sync", "one_step", "stream", "areal", "laminar", "laminar_norepack")
 GPUS_PER_MACHINE = 8
+SIM_ROWS = 17000  # the prompt pool's rows: DAPO-Math-17k's size
 STREAM_MINIBATCHES = MINIBATCH_STEPS  # stream trains each mini-batch as it completes
 AREAL_ETA = 4  # AReaL's staleness bound in its published runs (max_head_offpolicyness)
 
@@ -270,7 +271,7 @@ async def _simulate(cfg: SimConfig) -> SimResult:
     rollout_cfg = RolloutConfig(repack=cfg.mode == "laminar",
                                 repack_interval_s=cfg.repack_interval_s,
                                 max_buffered_batches=cfg.max_buffered_batches)
-    rows = [{} for _ in range(17000)]  # DAPO-Math-17k's size; lengths come from the group
+    rows = [{} for _ in range(SIM_ROWS)]  # lengths come from the group
     buffer = ExperienceBuffer(w.samples)
     data = RolloutData(PromptPool(rows, w.samples, seed=w.seed), PartialResponsePool(), buffer)
     trainer = SimTrainer(cfg, cost, place, buffer, tier, colocated, share)
@@ -397,7 +398,7 @@ class SimTrainer:
         step = 0
         while step < self.cfg.iterations or loop.time() < self.run_until:
             tokens = alltok = 0
-            for size in sizes:
+            for i, size in enumerate(sizes):
                 batch = await self._take(size)
                 for t in batch:
                     if step >= warm:
@@ -409,7 +410,7 @@ class SimTrainer:
                 tokens += sum(len(t.response_ids) for t in batch)
                 alltok += sum(t.num_tokens for t in batch)
                 seconds = await self._compute(self._train_s([t.num_tokens for t in batch],
-                                                            len(sizes)))
+                                                            len(sizes), i))
                 self.busy_s += seconds
                 if step > 0:
                     self.busy_s_steady += seconds
@@ -422,12 +423,13 @@ class SimTrainer:
             self.manager.notify()
             step += 1
 
-    def _train_s(self, sequences: List[int], taken_in: int) -> float:
+    def _train_s(self, sequences: List[int], taken_in: int, part: int = 0) -> float:
         """Training ``sequences`` (tokens each) as ``MINIBATCH_STEPS`` optimizer steps per
         iteration: a batch taken whole is split into that many mini-batches (trajectory i in
         mini-batch i mod steps, so a group's samples spread over them as a shuffled batch's
-        do); ``stream`` takes its mini-batches one by one (``taken_in`` of them), each a step."""
-        steps = max(1, MINIBATCH_STEPS // taken_in)
+        do); ``stream`` takes its batch in ``taken_in`` parts (16 at the paper's batch, one
+        step each), and part ``part`` gets its share of the 16 steps."""
+        steps = max(1, MINIBATCH_STEPS // taken_in + (part < MINIBATCH_STEPS % taken_in))
         return sum(self.cost.train_step_s(sequences[i::steps], self.place.trainer_gpus)
                    for i in range(min(steps, len(sequences))))
 

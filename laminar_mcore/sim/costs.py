@@ -292,7 +292,7 @@ class CostModel:
         """Training FLOPs of one packed sequence of ``tokens`` tokens: 8·N per token (as
         ``train_s``) plus causal attention, 2·layers·hidden·L² forward, four passes' worth
         (forward, backward = 2 forwards, the proximal log-probs' forward); +21% for a 16K
-        sequence of 7B, +2% at the workload's mean."""
+        sequence of 7B, +3% at the workload's mean."""
         s = self.spec
         return 8 * s["params"] * tokens + 8 * s["layers"] * s["hidden"] * float(tokens) ** 2
 
@@ -310,7 +310,7 @@ class CostModel:
         ranks = [0.0] * self.data_parallel(gpus)
         for flops in sorted((self.sequence_flops(n) for n in sequences), reverse=True):
             heapq.heapreplace(ranks, ranks[0] + flops)
-        group = self.min_trainer_gpus()
+        group = min(self.min_trainer_gpus(), max(gpus, 1))  # fewer GPUs than a replica: all
         return max(ranks) / (group * self.hw["peak_flops"] * self.trainer_efficiency())
 
     def min_trainer_gpus(self) -> int:

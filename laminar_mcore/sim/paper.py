@@ -45,9 +45,10 @@ WHY = {
                           "data-parallel gradient sync, optimizer step or launch cost per "
                           "step (16 per iteration), which dominate the 19 s iteration at "
                           "7B/256: the root of the maxima's and staleness' gaps",
-    "staleness_max": "unbounded, as in the paper: the tail spans many of the short "
-                     "iterations at 7B/256 and waits in the production buffer (8 batches); "
-                     "2-6 where iterations are minutes long",
+    "staleness_max": "unbounded, as in the paper: 2-6 at 32B and 72B up to 128 GPUs, 9-14 "
+                     "at every 7B point (576 requests per engine, which pulls only once "
+                     "drained); at 7B/256 the tail spans many short iterations and waits in "
+                     "the production buffer (8 batches)",
 }
 
 

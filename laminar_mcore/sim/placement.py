@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import functools
 import math
+import zlib
 from typing import Dict, List
 
-from .cluster import AREAL_ETA, GPUS_PER_MACHINE, SimConfig, placement_for
+from ..data.pools import PromptPool
+from .cluster import AREAL_ETA, GPUS_PER_MACHINE, SIM_ROWS, SimConfig, placement_for
 from .costs import CONCURRENCY_PER_REPLICA, CostModel
 from .workload import Workload
 
@@ -103,6 +105,8 @@ def throughput_bound(mode: str, cost: CostModel, gpus: int, trainer_gpus: int,
     else:  # laminar: the trainer stalls for its publish
         iteration = train + cost.publish_s()
     seen = (iterations + 1 + _batches_ahead(mode)) * workload.batch_prompts
+    if mode.startswith("laminar"):  # no admission bound: the engines' groups on top of the buffer
+        seen += engines * CONCURRENCY_PER_REPLICA // workload.samples
     return BOUND_MARGIN * _most_batch_tokens(workload, seen) / iteration
 
 
@@ -114,13 +118,18 @@ def _batches_ahead(mode: str) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _most_batch_tokens(workload: Workload, prompts: int) -> int:
+def _most_batch_tokens(workload: Workload, groups: int) -> int:
     """The most prompt + response tokens a batch of ``workload.batch_prompts`` groups can hold
-    when taken from the first ``prompts`` prompts: its longest groups."""
-    groups = sorted((workload.prompt_length(p) * workload.samples +
-                     sum(workload.response_length(p, k) for k in range(workload.samples))
-                     for p in range(prompts)), reverse=True)
-    return sum(groups[:workload.batch_prompts])
+    when taken from the first ``groups`` groups the run's prompt pool issues (their lengths
+    keyed by their group ids, as ``SimEpisode`` keys them): its longest groups."""
+    pool = PromptPool([{}] * SIM_ROWS, workload.samples, seed=workload.seed)
+    sizes = []
+    for _ in range(groups):
+        key = zlib.crc32(pool.next_group().group_id.encode())
+        sizes.append(workload.prompt_length(key) * workload.samples +
+                     sum(workload.response_length(key, k) for k in range(workload.samples)))
+    sizes.sort(reverse=True)
+    return sum(sizes[:workload.batch_prompts])
 
 
 @functools.lru_cache(maxsize=16)
