@@ -43,7 +43,7 @@ from .engine import CpuShare, SimEngine, SimEngineClient, TokenCount
 from .faults import FailureRecord, fail_machine
 from .network import Network
 from .relays import RelayTier, SimPuller
-from .workload import Workload
+from .workload import Workload, group_lengths
 
 SIM_MODES = ("sync", "one_step", "stream", "areal", "laminar", "laminar_norepack")
 GPUS_PER_MACHINE = 8
@@ -150,14 +150,14 @@ class SimEpisode(Episode):
 
     def start(self, group: PromptGroup, version: int, engine: str) -> List[InFlight]:
         key = zlib.crc32(group.group_id.encode())
-        prompt = self.workload.prompt_length(key)
+        prompt, lengths = group_lengths(self.workload, key)
         items = []
         for k in range(group.n):
             traj = Trajectory(prompt_ids=TokenCount(prompt), response_ids=TokenCount(0),
                               behav_logprobs=TokenCount(0), weight_version=version,
                               group_id=group.group_id, uid=f"{group.group_id}/{k}")
             items.append(InFlight(traj, engine, sampling={"sim_prompt_tokens": prompt},
-                                  max_new_tokens=self.workload.response_length(key, k)))
+                                  max_new_tokens=lengths[k]))
         return items
 
     async def arun(self, ctx, item: InFlight, row: dict) -> None:

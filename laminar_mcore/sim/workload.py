@@ -16,7 +16,7 @@ import math
 import random
 import zlib
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import Tuple
 
 
 @dataclass(frozen=True)
@@ -80,5 +80,8 @@ def _stats(workload: Workload, prompts: int) -> dict:
     return workload._stats(prompts)
 
 
-def group_lengths(w: Workload, prompt: int) -> Tuple[int, List[int]]:
-    return w.prompt_length(prompt), [w.response_length(prompt, k) for k in range(w.samples)]
+@functools.lru_cache(maxsize=1 << 16)
+def group_lengths(w: Workload, prompt: int) -> Tuple[int, Tuple[int, ...]]:
+    """A group's prompt length and its samples' response lengths, cached: a report's worker
+    runs many simulations of one workload, whose prompt pools issue the same groups."""
+    return w.prompt_length(prompt), tuple(w.response_length(prompt, k) for k in range(w.samples))
