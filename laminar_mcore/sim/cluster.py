@@ -142,6 +142,11 @@ class SimConfig:
 
 
 # ---------------------------------------------------------------------- the episode
+def group_key(group_id: str) -> int:
+    """The workload's key of a prompt pool's group: its lengths are ``group_lengths`` of it."""
+    return zlib.crc32(group_id.encode())
+
+
 class SimEpisode(Episode):
     """Trajectories whose lengths come from the workload (a pure function of the group)."""
 
@@ -149,8 +154,7 @@ class SimEpisode(Episode):
         self.workload = workload
 
     def start(self, group: PromptGroup, version: int, engine: str) -> List[InFlight]:
-        key = zlib.crc32(group.group_id.encode())
-        prompt, lengths = group_lengths(self.workload, key)
+        prompt, lengths = group_lengths(self.workload, group_key(group.group_id))
         items = []
         for k in range(group.n):
             traj = Trajectory(prompt_ids=TokenCount(prompt), response_ids=TokenCount(0),

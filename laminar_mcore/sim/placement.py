@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import functools
 import math
-import zlib
 from typing import Dict, List
 
 from ..data.pools import PromptPool
-from .cluster import AREAL_ETA, GPUS_PER_MACHINE, SIM_ROWS, SimConfig, placement_for
+from .cluster import (AREAL_ETA, GPUS_PER_MACHINE, SIM_ROWS, SimConfig, group_key,
+                      placement_for)
 from .costs import CONCURRENCY_PER_REPLICA, CostModel
-from .workload import Workload
+from .workload import Workload, group_lengths
 
 BOUND_MARGIN = 1.05  # throughput_bound's allowance for what its cost terms leave out
 
@@ -125,9 +125,8 @@ def _most_batch_tokens(workload: Workload, groups: int) -> int:
     pool = PromptPool([{}] * SIM_ROWS, workload.samples, seed=workload.seed)
     sizes = []
     for _ in range(groups):
-        key = zlib.crc32(pool.next_group().group_id.encode())
-        sizes.append(workload.prompt_length(key) * workload.samples +
-                     sum(workload.response_length(key, k) for k in range(workload.samples)))
+        prompt, lengths = group_lengths(workload, group_key(pool.next_group().group_id))
+        sizes.append(prompt * workload.samples + sum(lengths))
     sizes.sort(reverse=True)
     return sum(sizes[:workload.batch_prompts])
 
