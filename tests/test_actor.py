@@ -21,7 +21,9 @@ SCRIPT = os.path.join(WORKERS, "actor_step.py")
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("actor1"))
-    results = run_torchrun(SCRIPT, 1, ["--layouts", "1x1,1x1-full,1x1-selective,1x1-gspo,1x1-kl,1x1-kl-offload",
+    results = run_torchrun(SCRIPT, 1, ["--layouts", "1x1,1x1-full,1x1-selective,1x1-gspo,1x1-kl,"
+                                       "1x1-kl-offload,1x1-zeroadv,1x1-skip,1x1-zeroall,"
+                                       "1x1-skipall",
                                        "--budgets", "4096,40",
                                           "--nan-fault"],
                            out_dir=out, timeout=600)
@@ -31,7 +33,8 @@ def single(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("actor2"))
-    results = run_torchrun(SCRIPT, 2, ["--layouts", "2x1,1x2,1x1,2x1-sp,1x1-gspo,1x1-kl,1x2-kl",
+    results = run_torchrun(SCRIPT, 2, ["--layouts", "2x1,1x2,1x1,2x1-sp,1x1-gspo,1x1-kl,1x2-kl,"
+                                       "1x1-skip,1x2-skip",
                                        "--budgets", "60"],
                            out_dir=out, timeout=600)
     return out, results
@@ -151,6 +154,37 @@ def test_tp2_pp2_dp2_give_the_same_update(single, pair):
             stats = r["stats"][f"{layout}@60"]
             assert stats["grad_norm"] == pytest.approx(ref_stats["grad_norm"], rel=1e-5)
             assert stats["n_tokens"] == ref_stats["n_tokens"]
+
+
+def test_skipping_zero_advantage_trajectories_gives_the_whole_batchs_update(single, pair):
+    """trainer.skip_zero_advantage: two of four groups got one reward for every sample, so
+    their advantage is 0 and they are not run; the update, the loss and the gradient norm are
+    the whole batch's (their tokens stay in the denominator), at DP1, DP2 and PP2 and at any
+    micro-batch split. A batch with no advantage anywhere still makes its optimizer step."""
+    out1, result1 = single
+    out2, results2 = pair
+    ref, ref_stats = _weights(out1, "1x1-zeroadv@4096"), result1["stats"]["1x1-zeroadv@4096"]
+    assert "skipped_tokens" not in ref_stats
+    runs = [(_weights(out1, f"1x1-skip@{b}"), result1["stats"][f"1x1-skip@{b}"])
+            for b in (4096, 40)]
+    runs += [(_weights(out2, f"{layout}@60"), r["stats"][f"{layout}@60"])
+             for layout in ("1x1-skip", "1x2-skip") for r in results2]
+    for updated, stats in runs:
+        for name in ref:
+            torch.testing.assert_close(updated[name], ref[name], atol=1e-6, rtol=0)
+        assert stats["grad_norm"] == pytest.approx(ref_stats["grad_norm"], rel=1e-5)
+        assert stats["loss"] == pytest.approx(ref_stats["loss"], abs=1e-7)
+        assert stats["global_tokens"] == ref_stats["global_tokens"]
+        assert 0 < stats["skipped_tokens"] < stats["global_tokens"]
+        assert stats["n_tokens"] == ref_stats["n_tokens"] - stats["skipped_tokens"]
+    assert result1["stats"]["1x1-skip@40"]["num_microbatches"] < \
+        result1["stats"]["1x1-zeroadv@40"]["num_microbatches"]
+    # no advantage anywhere: one trajectory is kept, the step is taken, the update is the same
+    none, skipped = result1["stats"]["1x1-zeroall@4096"], result1["stats"]["1x1-skipall@4096"]
+    assert skipped["version"] == none["version"] == 1.0 and skipped["skipped"] == 0.0
+    assert 0 < skipped["n_tokens"] < none["n_tokens"]
+    a, b = _weights(out1, "1x1-zeroall@4096"), _weights(out1, "1x1-skipall@4096")
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_activation_recompute_does_not_change_the_update(single):

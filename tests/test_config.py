@@ -45,6 +45,20 @@ def test_modes_tasks_and_eval_interval_are_checked():
         validate_config(_compose("trainer.eval_interval=-1"))
 
 
+def test_skipping_zero_advantage_is_refused_where_a_term_reads_every_token():
+    """The demo skips zero-advantage trajectories (exact there); an entropy bonus, a KL penalty,
+    an MoE auxiliary loss or a covariance-selecting loss would make it change the update."""
+    assert _compose().trainer.skip_zero_advantage is True
+    validate_config(_compose("algo.entropy_coef=0.01", "trainer.skip_zero_advantage=false"))
+    for override, named in (("algo.entropy_coef=0.01", "algo.entropy_coef=0.01"),
+                            ("algo.kl_coef=0.1", "algo.kl_coef=0.1"),
+                            ("trainer.moe_aux_loss_coeff=0.01", "trainer.moe_aux_loss_coeff"),
+                            ("algo.policy_loss=kl_cov", "algo.policy_loss=kl_cov")):
+        with pytest.raises(ConfigError, match=rf"skip_zero_advantage=true .*{named}.*"
+                                              r"trainer.skip_zero_advantage=false"):
+            validate_config(_compose(override))
+
+
 def test_fault_isolation_settings_are_checked():
     cfg = _compose()
     assert cfg.trainer.max_restarts >= 1 and cfg.rollout.engine_restarts_per_hour >= 1

@@ -29,6 +29,9 @@ def test_train_job_runs_and_keeps_the_books(tmp_path, mode):
              if transport == "mooncake" else [])
     if mode == "laminar":  # bf16 weights: published as deltas (weight_sync.delta=auto)
         extra.append("model.dtype=bf16")
+    if mode == "sync":  # evaluations after training, on snapshots; generation waits for the
+        # trainer's first batch request
+        extra += ["trainer.eval_offline=true", "rollout.generate_before_trainer=false"]
     out = subprocess.run(
         [sys.executable, "-m", "laminar_mcore.launch", "experiment=cpu_reverse", f"mode={mode}",
          "output_dir=out",
@@ -64,6 +67,17 @@ def test_train_job_runs_and_keeps_the_books(tmp_path, mode):
     evals = {r["step"]: r for r in records if r["kind"] == "eval"}
     assert sorted(evals) == [0, 2, 3], evals
     assert evals[2]["version"] >= 2 and evals[3]["version"] == 3 and evals[0]["wall_s"] == 0
+    trained = {r["version"]: r["time"] for r in records if r["kind"] == "train"}
+    if mode == "sync":  # offline: step 2's own weights, from its snapshot, at its trained time
+        snapshot = tmp_path / "out" / "e2e" / "eval_snapshots" / "step_000002"
+        assert json.loads((snapshot / "laminar_snapshot.json").read_text()) == {
+            "step": 2, "version": 2}
+        assert evals[2]["version"] == 2 and evals[2]["offline"]
+        assert evals[2]["wall_s"] == pytest.approx(
+            trained[2] - summary["first_batch_request"], abs=0.05)
+    # the share of time with generation under way (any engine) is at least the engines' mean
+    assert 1 - summary["engine_idle_fraction"] <= summary["generation_fraction"] + 1e-9
+    assert 0 < summary["generation_fraction"] <= 1
     for r in evals.values():
         assert 0 <= r["accuracy"] <= 1 and 0 <= r["accuracy_greedy"] <= 1
     assert [e["step"] for e in summary["evals"]] == [0, 2, 3]
@@ -80,6 +94,8 @@ def test_train_job_runs_and_keeps_the_books(tmp_path, mode):
     assert len(consumed) == summary["trajectories_consumed"] == len({r["id"] for r in consumed})
     assert max(r["staleness"] for r in consumed) == summary["max_staleness_observed"]
     assert all(r["segments"] and r["engines"] and "consumed" in r["timings"] for r in consumed)
+    if mode == "sync":  # rollout.generate_before_trainer=false
+        assert min(r["timings"]["submitted"] for r in trace) >= summary["first_batch_request"]
     figures = trace_tool([str(tmp_path / "out" / "e2e")])
     assert figures["consumed"] == summary["trajectories_consumed"]
     assert (tmp_path / "out" / "e2e" / "timeline.png").exists()

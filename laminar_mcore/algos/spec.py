@@ -7,7 +7,7 @@ any process starts; the registries (``advantages.py``, ``losses.py``) hold exact
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 # verl's names (verl.trainer.ppo.core_algos), so that a verl config's key carries over.
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
@@ -105,3 +105,19 @@ def _regularizer_problems(algo: Any) -> List[str]:
         out.append("algo.ref_offload=true offloads the reference model, which only "
                    "algo.kl_coef > 0 builds: set algo.kl_coef or algo.ref_offload=false")
     return out
+
+
+def skip_zero_advantage_problem(algo, trainer) -> Optional[str]:
+    """Why ``trainer.skip_zero_advantage`` would change the update (None: it would not)."""
+    reads_all = {k: v for k, v in (("algo.entropy_coef", algo.entropy_coef),
+                                   ("algo.kl_coef", algo.kl_coef),
+                                   ("trainer.moe_aux_loss_coeff", trainer.moe_aux_loss_coeff),
+                                   ("trainer.moe_z_loss_coeff", trainer.moe_z_loss_coeff)) if v}
+    if algo.policy_loss in ("clip_cov", "kl_cov"):  # token selection by batch covariance
+        reads_all["algo.policy_loss"] = algo.policy_loss
+    if not trainer.skip_zero_advantage or not reads_all:
+        return None
+    return ("trainer.skip_zero_advantage=true skips trajectories whose policy-loss gradient is "
+            f"0, but {', '.join(f'{k}={v}' for k, v in reads_all.items())} reads every token (a "
+            "term over all of them, or the batch's covariance), so skipping would change the "
+            "update: set those to 0 (another policy loss) or trainer.skip_zero_advantage=false")

@@ -31,13 +31,15 @@ def fingerprint(cfg) -> Dict[str, object]:
             "train_batch_prompts": t.train_batch_prompts, "lr": t.lr,
             "eval_interval": t.eval_interval, "n_samples_per_prompt": a.n_samples_per_prompt,
             "max_staleness": a.max_staleness, "num_engines": r.num_engines,
+            "skip_zero_advantage": t.skip_zero_advantage, "eval_offline": t.eval_offline,
+            "generate_before_trainer": r.generate_before_trainer,
             "max_new_tokens": r.sampling.max_new_tokens, "model": cfg.model.name,
             "model_path": cfg.model.path}
 
 
 def save(cfg, results: Dict[str, dict], figures: Dict[str, object], path: str = PATH) -> str:
     keep = ("final_accuracy", "final_accuracy_greedy", "trainer_tokens_per_s",
-            "engine_idle_fraction", "max_staleness_observed", "evals")
+            "engine_idle_fraction", "generation_fraction", "max_staleness_observed", "evals")
     data = {"measured": time.strftime("%Y-%m-%d"),
             "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, Python "
                        f"{platform.python_version()}",

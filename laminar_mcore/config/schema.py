@@ -210,6 +210,10 @@ class RolloutConfig:
     # make the buffer grow without end (with algo.max_staleness set, that bound usually binds
     # first). 0: no cap.
     max_buffered_batches: int = 8
+    # true: engines generate as soon as they are up, so the trainer's start-up overlaps the
+    # first batches; false: generation waits for the trainer's first batch request, so that
+    # every mode starts alike from that moment (bench.convergence times from it).
+    generate_before_trainer: bool = True
 
 
 @dataclass
@@ -350,6 +354,12 @@ class TrainerConfig:
     logprob_chunk_size: int = 0
     train_batch_prompts: int = 32  # prompts per step (x n_samples_per_prompt)
     max_tokens_per_microbatch: int = 4096  # token budget of one packed micro-batch
+    # Run no forward/backward for trajectories whose advantage is exactly 0 (a group whose
+    # samples all got the same reward): they add exactly 0 to the policy loss and its gradient;
+    # their tokens still count in the loss's denominator, so the update is the whole batch's.
+    # Needs algo.entropy_coef = algo.kl_coef = 0 and no MoE auxiliary/z-loss (terms that read
+    # every token). Reported per step as skipped_tokens.
+    skip_zero_advantage: bool = False
     # Activation recompute: none | selective (attention core) | full (every layer's forward is
     # rerun in backward; recompute_num_layers per checkpointed group). See job=plan.
     recompute: str = "none"
@@ -360,6 +370,11 @@ class TrainerConfig:
     # accuracy, on a rollout engine once it holds that step's version); 0: only before and
     # after training. verl's test_freq.
     eval_interval: int = 0
+    # true: those evaluations run after training, on weight snapshots the trainer writes at
+    # each eval_interval step (Hugging Face directories in <run>/eval_snapshots; on several
+    # machines, a filesystem the trainer and the controller share), so that evaluating costs
+    # the run's clock only the save: a time to target is then training time alone.
+    eval_offline: bool = False
     resume: str = "none"  # none | auto | a checkpoint directory
     # Optimizer checkpoint format (Megatron's distrib_optim_sharding_type): dp_reshardable
     # (each rank writes its shard; resume at any DP size) or fully_reshardable (gathered in

@@ -148,6 +148,11 @@ def validate_config(cfg: DictConfig) -> None:
         problems.append(f"data.digits={d.digits}, data.long_digits={d.long_digits} and "
                         f"data.long_fraction={d.long_fraction}: need digits >= 1, long_fraction "
                         "in [0, 1] and, for a long tail, long_digits > digits")
+    from ..algos.spec import skip_zero_advantage_problem
+
+    skip = skip_zero_advantage_problem(cfg.algo, cfg.trainer)
+    if skip:
+        problems.append(skip)
     if cfg.trainer.eval_interval < 0:
         problems.append("trainer.eval_interval must be >= 0 (0: evaluate only before and after)")
     from ..metrics.loggers import logger_problems, missing_packages
@@ -353,3 +358,4 @@ def _check_model_divisibility(shape: dict, p, problems: List[str]) -> None:
     if not experts and (p.ep > 1 or p.expert_tp > 1):
         problems.append(f"parallel.ep={p.ep} / parallel.expert_tp={p.expert_tp} need a "
                         f"mixture-of-experts model; {src} ({shape['family']}) has no experts")
+

@@ -91,6 +91,10 @@ class RolloutManager(WeightPulls):
             self._relay_newer, self._stop.is_set, wake_s=wake_s, poll_s=poll_s,
             wait_s=relay_wait_s)
         self.started = clock()
+        # rollout.generate_before_trainer=false: nothing admitted until the trainer's first /batch
+        self.admitting = bool(cfg.generate_before_trainer)
+        # seconds with no healthy engine generating (the phase between generations)
+        self._quiet_s, self._quiet_since = 0.0, None
         # engine name -> the event its loop waits on; set (and dropped) on every change that
         # may let it act, so a wait that starts after the check never misses one
         self._wakes: Dict[str, asyncio.Event] = {}
@@ -112,7 +116,8 @@ class RolloutManager(WeightPulls):
         """AReaL's staleness admission: (eta + v + 1) * B >= admitted + n; and, whatever the
         bound, nothing new while ``rollout.max_buffered_batches`` batches wait in the buffer (a
         trainer that is down, or restarting, does not make the buffer grow without end)."""
-        if self.max_buffered and self.buffer.buffered >= self.max_buffered * self.batch:
+        if not self.admitting or (self.max_buffered and
+                                  self.buffer.buffered >= self.max_buffered * self.batch):
             return False
         if self.max_staleness is None:
             return True
@@ -270,6 +275,20 @@ class RolloutManager(WeightPulls):
         t0, idle0 = since if since is not None else (self.started, 0.0)
         return (self.engine_idle_seconds() - idle0) / max(self.clock() - t0, 1e-9)
 
+    def _generation_edge(self, now: float) -> None:
+        """An engine started or stopped generating: keep the seconds with none generating."""
+        quiet = all(e.idle_since is not None for e in self.engines if e.healthy)
+        if quiet and self._quiet_since is None:
+            self._quiet_since = now
+        elif not quiet and self._quiet_since is not None:
+            self._quiet_s += now - self._quiet_since
+            self._quiet_since = None
+
+    def quiet_seconds(self) -> float:
+        """Seconds so far with no healthy engine generating (``generation_fraction``'s rest)."""
+        since = self._quiet_since
+        return self._quiet_s + (self.clock() - since if since is not None else 0.0)
+
     async def _engine_loop(self, engine: EngineHandle) -> None:
         epoch = engine.epoch
         while not self._stop.is_set():
@@ -278,9 +297,11 @@ class RolloutManager(WeightPulls):
             now = self.clock()
             if not engine.in_flight and engine.idle_since is None:
                 engine.idle_since = now
+                self._generation_edge(now)
             elif engine.in_flight and engine.idle_since is not None:
                 engine.idle_seconds += now - engine.idle_since
                 engine.idle_since = None
+                self._generation_edge(now)
             newer = self.relay_version(engine) > engine.version
             # an engine under evaluation keeps its version (it drains, but pulls afterwards)
             if newer and self.interrupt and not engine.evaluating:

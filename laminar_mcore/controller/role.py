@@ -124,13 +124,18 @@ def evaluate_engine(cfg: LaminarConfig, task: TaskData, url: str,
                     api_key: Optional[str] = None) -> EvalResult:
     """Sampled and greedy accuracy of the engine at ``url`` on the run's held-out set
     (``api_key``: the run's engines', ``netutil.engine_api_key`` of its token)."""
+    return asyncio.run(_evaluate_engine(cfg, task, url, api_key))
+
+
+async def _evaluate_engine(cfg: LaminarConfig, task: TaskData, url: str,
+                           api_key: Optional[str] = None) -> EvalResult:
     if cfg.data.agent:
         from .agent import evaluate_run_agent
 
-        return asyncio.run(evaluate_run_agent(cfg, task, url, api_key))
-    return asyncio.run(evaluate(url, task.evals, task.codec, asdict(cfg.rollout.sampling),
-                                cfg.data.reward_fn, api_key=api_key,
-                                max_new_tokens_fn=task.eval_max_new_tokens))
+        return await evaluate_run_agent(cfg, task, url, api_key)
+    return await evaluate(url, task.evals, task.codec, asdict(cfg.rollout.sampling),
+                          cfg.data.reward_fn, api_key=api_key,
+                          max_new_tokens_fn=task.eval_max_new_tokens)
 
 
 def resume_state(cfg: LaminarConfig, out_dir: str, log) -> Optional[dict]:
@@ -233,6 +238,10 @@ def finish_run(controller: Controller, result: dict, initial: EvalResult, t_star
     others, probes = asyncio.run(bring_all_engines(first))
     if probes:
         probes[first.name] = asyncio.run(probe(first))
+    if cfg.trainer.eval_offline:  # last: the engines end with snapshots' weights
+        evaluate_snapshots(controller, [first] + [
+            e for e in controller.manager.engines if e.healthy and e is not first
+            and isinstance(others.get(e.name), int)], out_dir, log)
     metrics.log("eval", step=result["steps"], **final.record(),
                 wall_s=controller.version_wall_s(final.version))
     books = controller.books()
@@ -250,9 +259,10 @@ def finish_run(controller: Controller, result: dict, initial: EvalResult, t_star
                                                    + books["trajectories_buffered"]
                                                    + books["trajectories_discarded"])
     summary["books_balance"] = balanced
-    summary["evals"] = [{k: r[k] for k in ("step", "version", "accuracy", "accuracy_greedy",
-                                           "wall_s") if k in r}
-                        for r in metrics.records if r["kind"] == "eval"]
+    summary["evals"] = sorted(({k: r[k] for k in ("step", "version", "accuracy",
+                                                  "accuracy_greedy", "wall_s") if k in r}
+                               for r in metrics.records if r["kind"] == "eval"),
+                              key=lambda r: r["step"])
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     plot = metrics.plot()
@@ -266,6 +276,50 @@ def finish_run(controller: Controller, result: dict, initial: EvalResult, t_star
     if not balanced:
         raise RuntimeError("trajectory accounting does not balance; see summary.json")
     return summary
+
+
+def evaluate_snapshots(controller: Controller, handles: list, out_dir: str, log) -> int:
+    """``trainer.eval_offline``: every snapshot the trainer wrote (``weights/snapshots.py``),
+    loaded from disk into one of ``handles``' engines and evaluated as a live evaluation would
+    have been (the engines share the snapshots, one at a time each), each logged with its
+    version's wall time in training. Returns how many were evaluated."""
+    from ..rollout.client import SGLangClient
+    from ..weights.snapshots import list_snapshots
+
+    cfg, task = controller.cfg, controller.task
+    snapshots = list_snapshots(out_dir)
+    t0, done = time.time(), []
+
+    async def on(handle, items) -> None:
+        url, key = handle.client.base_url, handle.client.api_key
+        for step, version, path in items:
+            try:
+                async with SGLangClient(url, api_key=key) as ec:
+                    await ec.update_weights_from_disk(path, weight_version=str(version))
+                result = await _evaluate_engine(cfg, task, url, key)
+            except Exception as exc:  # noqa: BLE001 - as a live one, it must not fail the run
+                log(f"[train] the evaluation of the step-{step} snapshot failed: {exc!r}")
+                continue
+            controller.metrics.log("eval", step=step, **result.record(),
+                                   wall_s=controller.version_wall_s(version), offline=True)
+            done.append(step)
+
+    async def all_engines() -> None:
+        await asyncio.gather(*(on(h, snapshots[i::len(handles)])
+                               for i, h in enumerate(handles)))
+
+    for h in handles:  # their supervisors do not count the loads as failed checks
+        h.updating = True
+    try:
+        asyncio.run(all_engines())
+    finally:
+        for h in handles:
+            h.updating = False
+            h.busy_until = time.time()
+    if snapshots:
+        log(f"[train] evaluated {len(done)} of {len(snapshots)} snapshots after training on "
+            f"{len(handles)} engine(s) ({time.time() - t0:.0f} s, off the training clock)")
+    return len(done)
 
 
 class Progress:

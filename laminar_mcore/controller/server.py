@@ -134,7 +134,9 @@ class Controller(ClusterAPI, TrainerWatch):
         # consumed trajectories whose tokens came from more than their one version (only
         # mode=areal's interruptible generation may make such)
         self.mixed_version_consumed = 0
-        self._idle_mark: Optional[tuple] = None  # (time, engine idle seconds) at the first step
+        # (time, engine idle seconds, seconds with no engine generating) at the first step
+        self._idle_mark: Optional[tuple] = None
+        self._idle_last: Optional[tuple] = None  # the same at the latest step
         self.buffer = ExperienceBuffer(group_size=self.n_samples)
         # outputs/<run>/trajectories.jsonl: every trajectory that leaves (data/trace.py)
         self.trace = TrajectoryTrace(os.path.join(cfg.output_dir, cfg.run_name),
@@ -328,6 +330,9 @@ class Controller(ClusterAPI, TrainerWatch):
         timeout = read_query(request, BATCH_QUERY).get("timeout", 30.0)
         if self.first_request is None:
             self.first_request = time.time()
+        if self.manager is not None and not self.manager.admitting:
+            self.manager.admitting = True  # rollout.generate_before_trainer=false: start now
+            self.manager.notify()
         if self.stop_file and os.path.exists(self.stop_file):
             # a graceful stop: the trainer ends after the step it finished (summary as usual)
             return web.json_response({"stop": True})
@@ -379,10 +384,14 @@ class Controller(ClusterAPI, TrainerWatch):
         self.step_marks.append((now, tokens, float(body.get("wait_s", 0.0))))
         self.version_times[version] = now
         interval = self.cfg.trainer.eval_interval
-        if interval and step % interval == 0 and step < self.cfg.trainer.total_steps:
+        if interval and step % interval == 0 and step < self.cfg.trainer.total_steps \
+                and not self.cfg.trainer.eval_offline:  # offline: after training (role.py)
             self._eval_tasks.append(asyncio.create_task(self._evaluate_version(step, version)))
+        # the engines' idle seconds at the first and the latest step: their idle share over
+        # the trainer's own window (not the shutdown after the last step)
+        self._idle_last = (now, self.manager.engine_idle_seconds(), self.manager.quiet_seconds())
         if len(self.step_marks) == 1:
-            self._idle_mark = (now, self.manager.engine_idle_seconds())
+            self._idle_mark = self._idle_last
         stats = {k: v for k, v in dict(body.get("stats", {})).items()
                  if isinstance(v, (int, float)) and k not in ("version", "step")}
         self.metrics.log(
@@ -501,9 +510,31 @@ class Controller(ClusterAPI, TrainerWatch):
             wait = self.trainer_wait_s
         return {"trainer_tokens_per_s": tokens / span,
                 "trainer_idle_fraction": min(wait / span, 1.0),
-                "engine_idle_fraction": (self.manager.engine_idle_fraction(self._idle_mark)
+                "engine_idle_fraction": (self._engine_idle_fraction()
                                          if self.manager else 0.0),
-                "consumed_tokens": sum(c["tokens"] for c in self.consumed), "span_s": span}
+                "generation_fraction": self._generation_fraction() if self.manager else 0.0,
+                "consumed_tokens": sum(c["tokens"] for c in self.consumed), "span_s": span,
+                "first_batch_request": self.first_request}
+
+    def _engine_idle_fraction(self) -> float:
+        """The engines' idle share (averaged over engines) from the first step to the last
+        (one step: since the first)."""
+        if self._idle_mark is None or self._idle_last is self._idle_mark:
+            return self.manager.engine_idle_fraction(
+                None if self._idle_mark is None else self._idle_mark[:2])
+        (t0, idle0, _), (t1, idle1, _) = self._idle_mark, self._idle_last
+        return min(max((idle1 - idle0) / max(t1 - t0, 1e-9), 0.0), 1.0)
+
+    def _generation_fraction(self) -> float:
+        """The share of the same window with at least one engine generating: a synchronous
+        run's generation phase (Laminar's 83% of RL time), whatever the number of engines."""
+        if self._idle_mark is None or self._idle_last is self._idle_mark:
+            t0, quiet0 = ((self._idle_mark[0], self._idle_mark[2]) if self._idle_mark
+                          else (self.manager.started, 0.0))
+            t1, quiet1 = time.time(), self.manager.quiet_seconds()
+        else:
+            (t0, _, quiet0), (t1, _, quiet1) = self._idle_mark, self._idle_last
+        return min(max(1.0 - (quiet1 - quiet0) / max(t1 - t0, 1e-9), 0.0), 1.0)
 
     def _agent_books(self) -> dict:
         """Agent runs: how episodes ended (done, or the limit that ended them) and, per

@@ -3,7 +3,9 @@
 Owns the model (wrapped in Megatron's DistributedDataParallel), Megatron's optimizer and LR
 schedule, the weight version counter, and one train step:
 
-  1. rank 0 computes advantages, plans balanced micro-batches per DP rank and scatters them;
+  1. rank 0 computes advantages, plans balanced micro-batches per DP rank and scatters them
+     (with ``trainer.skip_zero_advantage``, leaving out trajectories of advantage exactly 0,
+     whose loss tokens still count in the denominator: ``skip_zero_advantage``);
   2. pi_prox is recomputed once per batch with a forward-only pass (skipped, pi_prox = pi_behav,
      when ``use_decoupled_loss`` is false);
   3. with ``algo.kl_coef > 0``, the frozen reference policy (the initial weights, sharded like
@@ -25,13 +27,14 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..algos import (advantage_fn, aggregate_terms, batch_counts, denominator, finalize_stats,
                      policy_loss_fn, policy_loss_options, regularized_sums)
+from ..algos.spec import skip_zero_advantage_problem
 from ..config.schema import AlgoConfig, ParallelConfig, TrainerConfig
 from ..data.trajectory import Trajectory
 from ..parallel import apply_cpu_compat, device
@@ -87,6 +90,9 @@ class MegatronActor:
         if self.routing_replay and (t.recompute != "none" or parallel.sequence_parallel):
             raise ValueError("algo.routing_replay=true is not supported with trainer.recompute "
                              "or parallel.sequence_parallel yet; set them to none/false")
+        skip = skip_zero_advantage_problem(algo, t)
+        if skip:
+            raise ValueError(skip)
         moe_kwargs = dict(
             moe_router_load_balancing_type="aux_loss" if t.moe_aux_loss_coeff > 0 else "none",
             moe_aux_loss_coeff=float(t.moe_aux_loss_coeff),
@@ -146,10 +152,13 @@ class MegatronActor:
                      std_normalize=a.std_normalize, leave_one_out=a.leave_one_out).tolist()
         multiple = pad_multiple(self.ps.get_tensor_model_parallel_world_size(),
                                 self.ps.get_context_parallel_world_size())
-        lengths = [padded_length(t.num_tokens, multiple) for t in trajectories]
-        plan = plan_microbatches(lengths, self.trainer.max_tokens_per_microbatch,
-                                 self.ps.get_data_parallel_world_size())
-        return adv, plan
+        dp = self.ps.get_data_parallel_world_size()
+        keep, skipped = skip_zero_advantage(trajectories, adv, dp) \
+            if self.trainer.skip_zero_advantage else (list(range(len(trajectories))), (0.0, 0.0))
+        lengths = [padded_length(trajectories[i].num_tokens, multiple) for i in keep]
+        plan = [[[keep[j] for j in mb] for mb in rank]
+                for rank in plan_microbatches(lengths, self.trainer.max_tokens_per_microbatch, dp)]
+        return adv, plan, skipped
 
     def distribute(self, trajectories: Optional[Sequence[Trajectory]]) -> List[PackedMicroBatch]:
         """Rank 0's batch -> this rank's packed micro-batches (scattered with torch.distributed:
@@ -159,12 +168,13 @@ class MegatronActor:
         if dist.get_rank() == 0:
             if not trajectories:
                 raise ValueError("train_step needs a non-empty batch on rank 0")
-            adv, plan = self._plan(trajectories)
+            adv, plan, skipped = self._plan(trajectories)
             for rank in range(world):
-                payload[rank] = [[(trajectories[i], adv[i], i) for i in mb]
-                                 for mb in plan[self._dp_ranks[rank]]]
+                payload[rank] = ([[(trajectories[i], adv[i], i) for i in mb]
+                                  for mb in plan[self._dp_ranks[rank]]], skipped)
         received = [None]
         dist.scatter_object_list(received, payload if dist.get_rank() == 0 else None, src=0)
+        received[0], self._skipped = received[0]
         tp = self.ps.get_tensor_model_parallel_world_size()
         cp = self.ps.get_context_parallel_world_size()
         out = []
@@ -298,6 +308,8 @@ class MegatronActor:
                   for mb in micro_batches]
         count = torch.tensor([sum(c[0] for c in counts), sum(c[1] for c in counts)],
                              dtype=torch.float64)
+        if self.ps.get_data_parallel_rank() == 0:  # trajectories not run (zero advantage):
+            count += torch.tensor(self._skipped, dtype=torch.float64)  # counted once per DP
         dist.all_reduce(count, group=dp_group)
         global_tokens = float(count[0].item())
         norm = denominator(mode, global_tokens, float(count[1].item()), s.loss_scale_factor)
@@ -354,6 +366,8 @@ class MegatronActor:
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
 
         result = dict(stats, num_microbatches=float(num_mb), global_tokens=global_tokens)
+        if self.trainer.skip_zero_advantage:
+            result["skipped_tokens"] = float(self._skipped[0])
         if global_tokens == 0:
             logger.warning("batch has no loss tokens; optimizer step skipped")
             result.update(skipped=1.0, grad_norm=0.0, lr=self.scheduler.get_lr(
@@ -429,8 +443,12 @@ class MegatronActor:
         raw["imp_weight_max"] = float(vmax[0].item())
         out = finalize_stats({k: torch.tensor(v) for k, v in raw.items()})
         n = raw["n_tokens"]
+        # the loss over every loss token of the batch (a skipped zero-advantage trajectory adds
+        # 0 to it); entropy over the tokens it was measured on
+        total = n + float(getattr(self, "_skipped", (0.0, 0.0))[0])
         for key in ("loss", "pg_loss", "entropy", "entropy_loss", "kl_loss"):
-            out[key] = raw[key] / n if n > 0 else 0.0
+            d = n if key == "entropy" else total
+            out[key] = raw[key] / d if d > 0 else 0.0
         if not self.algo.entropy_coef:
             out.pop("entropy_loss")
         if self.ref_model is None:
@@ -499,3 +517,27 @@ def mismatch_summary(sums: Dict[str, float], max_value: float, hist: torch.Tenso
     return {"mismatch_tokens": n, "mismatch_mean": sums["mismatch_sum"] / n,
             "mismatch_p99": min(p99, max_value), "mismatch_max": max_value,
             "mismatch_frac_above": sums["mismatch_above"] / n}
+
+
+def skip_zero_advantage(trajectories: Sequence[Trajectory], advantages: Sequence[float],
+                        dp_size: int) -> Tuple[List[int], Tuple[float, float]]:
+    """``trainer.skip_zero_advantage``: the trajectories worth a forward and backward pass.
+
+    With no entropy or KL term (validated), a trajectory whose advantage is exactly 0 (in the
+    float32 the loss reads: a group whose samples all got the same reward) adds exactly 0 to
+    the loss and its gradient, so it is not run; its loss tokens (and sequence) still count in
+    the batch's denominator, so the gradient is that of the whole batch. At least ``dp_size``
+    trajectories are kept (the shortest zero-advantage ones), so that every DP rank has a
+    micro-batch and an all-zero batch still makes its optimizer step. Returns the kept indices
+    and the skipped (loss tokens, sequences with a loss token)."""
+    zero = [i for i, a in enumerate(advantages) if float(torch.tensor(float(a),
+                                                                  dtype=torch.float32)) == 0.0]
+    zeros = set(zero)
+    keep = [i for i in range(len(advantages)) if i not in zeros]
+    if len(keep) < dp_size:
+        zero.sort(key=lambda i: trajectories[i].num_tokens)
+        keep += zero[:dp_size - len(keep)]
+        keep.sort()
+    kept = set(keep)
+    skipped = [trajectories[i].num_sampled for i in zero if i not in kept]
+    return keep, (float(sum(skipped)), float(sum(1 for n in skipped if n > 0)))

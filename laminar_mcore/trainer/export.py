@@ -52,3 +52,58 @@ def iter_stage_hf_tensors(model, hf_config) -> Iterator[Tuple[str, torch.Tensor]
         if experts:
             full.update(gather_ep(model, experts))
         yield from adapter.convert_unit_to_hf(hf_config, unit, full)
+
+
+def save_snapshot(model, hf_config, path: str, *, step: int, version: int) -> None:
+    """This model's weights as a Hugging Face checkpoint directory at ``path`` (config.json,
+    one safetensors file per pipeline stage, an index when there are several, and
+    ``laminar_snapshot.json`` with the step and weight version): what ``trainer.eval_offline``
+    evaluates after training (``weights/snapshots.py``). Collective over the whole trainer world (the export's gathers,
+    then barriers); each stage lead writes its stage; the directory appears complete or not at
+    all (written as ``path.partial``, then renamed by rank 0)."""
+    import json
+    import os
+    import shutil
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from ..models.hf import SAFETENSORS_INDEX
+    from ..weights.snapshots import SNAPSHOT_META
+
+    partial = path + ".partial"
+    stage, stages = (ps.get_pipeline_model_parallel_rank(),
+                     ps.get_pipeline_model_parallel_world_size())
+    first_replica = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+    lead = first_replica and ps.get_tensor_model_parallel_rank() == 0
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    dist.barrier()
+    if first_replica or get_adapter(hf_config).is_moe:  # the publisher's exporting ranks
+        tensors = {}
+        for name, tensor in iter_stage_hf_tensors(model, hf_config):
+            if lead:
+                tensors[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        if lead:
+            save_file(tensors, os.path.join(
+                partial, f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        hf_config.save_pretrained(partial)
+        files = sorted(f for f in os.listdir(partial) if f.endswith(".safetensors"))
+        if len(files) == 1:
+            os.replace(os.path.join(partial, files[0]), os.path.join(partial, "model.safetensors"))
+        else:
+            weight_map = {}
+            for f in files:
+                with safe_open(os.path.join(partial, f), "pt") as handle:
+                    weight_map.update({k: f for k in handle.keys()})
+            with open(os.path.join(partial, SAFETENSORS_INDEX), "w") as out:
+                json.dump({"metadata": {}, "weight_map": weight_map}, out, indent=2)
+        with open(os.path.join(partial, SNAPSHOT_META), "w") as out:
+            json.dump({"step": int(step), "version": int(version)}, out)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(partial, path)

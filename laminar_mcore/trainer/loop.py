@@ -31,6 +31,8 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
     from .publisher import WeightPublisher
     from .actor import MegatronActor
     from .checkpoint import load_checkpoint, save_checkpoint
+    from ..weights.snapshots import snapshot_dir
+    from .export import save_snapshot
     from .model import load_hf_checkpoint, resolve_dtype
 
     cfg = typed(cfg_dict)
@@ -115,6 +117,12 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
                                  weights_sent_bytes=sent["sent_bytes"],
                                  weights_delta_buckets=sent["delta_buckets"])
                 controller.trained(step, actor.version, stats, published.blocked_s, waited)
+            if trainer.eval_offline and trainer.eval_interval \
+                    and step % trainer.eval_interval == 0 and step < trainer.total_steps:
+                # evaluated after training (the final weights are evaluated live at the end)
+                save_snapshot(actor.model, hf_config,
+                              snapshot_dir(os.path.dirname(ckpt_dir), step),
+                              step=step, version=actor.version)
             if trainer.save_interval and step % trainer.save_interval == 0:
                 # The controller's data module (prompt pool position, buffer, in-flight
                 # trajectories) is saved with the trainer's state, from rank 0.

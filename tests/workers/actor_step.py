@@ -7,6 +7,7 @@ and a NaN-weight fault that must skip steps and finally stop the run.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -102,7 +103,9 @@ def main():
     for layout in args.layouts.split(","):
         # "TxP" or "TxP-lever": sp (sequence parallel), selective or full (recompute), gspo
         # (GSPO with RLOO advantages and seq-mean-token-mean aggregation), kl / kl-offload
-        # (entropy bonus and a KL penalty against the reference, two steps).
+        # (entropy bonus and a KL penalty against the reference, two steps), zeroadv / skip
+        # (a batch in which two groups' samples share one reward; skip: with
+        # trainer.skip_zero_advantage), zeroall / skipall (every group's do).
         shape, _, lever = layout.partition("-")
         tp, pp = (int(x) for x in shape.split("x"))
         init_trainer_parallel(tp=tp, pp=pp, seed=1)
@@ -118,6 +121,7 @@ def main():
                                   behav_imp_weight_cap=5.0)
             trainer = TrainerConfig(lr=1e-3, adam_eps=1e-6, grad_clip=1.0,
                                     max_tokens_per_microbatch=budget, logprob_chunk_size=7,
+                                    skip_zero_advantage=lever.startswith("skip"),
                                     recompute=lever if lever in ("selective", "full") else "none",
                                     recompute_num_layers=2)
             if lever.startswith("kl"):  # entropy bonus + k3 KL against the reference
@@ -126,7 +130,12 @@ def main():
                                   ref_offload=lever == "kl-offload")
             actor = MegatronActor(cfg, algo, trainer, ParallelConfig(sequence_parallel=lever == "sp"),
                                   full_state=full)
-            stats = actor.train_step(batch)
+            steps = batch
+            if lever in ("zeroadv", "skip", "zeroall", "skipall"):
+                same = ("g0", "g2") if lever in ("zeroadv", "skip") else ("g0", "g1", "g2", "g3")
+                steps = [dataclasses.replace(t, reward=1.0 if t.group_id == "g0" else 0.0)
+                         if t.group_id in same else t for t in batch]
+            stats = actor.train_step(steps)
             if lever.startswith("kl"):  # a second step: the policy has left the reference
                 result["stats"][f"{layout}@{budget}#1"] = stats
                 result[f"ref_check_{layout}@{budget}"] = reference_check(
