@@ -23,7 +23,7 @@ def single(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("actor1"))
     results = run_torchrun(SCRIPT, 1, ["--layouts", "1x1,1x1-full,1x1-selective,1x1-gspo,1x1-kl,"
                                        "1x1-kl-offload,1x1-zeroadv,1x1-skip,1x1-zeroall,"
-                                       "1x1-skipall",
+                                       "1x1-skipall,1x1-gspo-zeroadv,1x1-gspo-skip",
                                        "--budgets", "4096,40",
                                           "--nan-fault"],
                            out_dir=out, timeout=600)
@@ -34,7 +34,7 @@ def single(tmp_path_factory):
 def pair(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("actor2"))
     results = run_torchrun(SCRIPT, 2, ["--layouts", "2x1,1x2,1x1,2x1-sp,1x1-gspo,1x1-kl,1x2-kl,"
-                                       "1x1-skip,1x2-skip",
+                                       "1x1-skip,1x2-skip,1x1-skipall",
                                        "--budgets", "60"],
                            out_dir=out, timeout=600)
     return out, results
@@ -160,31 +160,70 @@ def test_skipping_zero_advantage_trajectories_gives_the_whole_batchs_update(sing
     """trainer.skip_zero_advantage: two of four groups got one reward for every sample, so
     their advantage is 0 and they are not run; the update, the loss and the gradient norm are
     the whole batch's (their tokens stay in the denominator), at DP1, DP2 and PP2 and at any
-    micro-batch split. A batch with no advantage anywhere still makes its optimizer step."""
+    micro-batch split; also with GSPO's per-sequence aggregation, whose denominator counts the
+    skipped sequences. A batch with no advantage anywhere still makes its optimizer step, at DP1
+    and DP2 (one trajectory kept per DP rank)."""
     out1, result1 = single
     out2, results2 = pair
-    ref, ref_stats = _weights(out1, "1x1-zeroadv@4096"), result1["stats"]["1x1-zeroadv@4096"]
-    assert "skipped_tokens" not in ref_stats
-    runs = [(_weights(out1, f"1x1-skip@{b}"), result1["stats"][f"1x1-skip@{b}"])
-            for b in (4096, 40)]
-    runs += [(_weights(out2, f"{layout}@60"), r["stats"][f"{layout}@60"])
-             for layout in ("1x1-skip", "1x2-skip") for r in results2]
-    for updated, stats in runs:
-        for name in ref:
-            torch.testing.assert_close(updated[name], ref[name], atol=1e-6, rtol=0)
-        assert stats["grad_norm"] == pytest.approx(ref_stats["grad_norm"], rel=1e-5)
-        assert stats["loss"] == pytest.approx(ref_stats["loss"], abs=1e-7)
-        assert stats["global_tokens"] == ref_stats["global_tokens"]
-        assert 0 < stats["skipped_tokens"] < stats["global_tokens"]
-        assert stats["n_tokens"] == ref_stats["n_tokens"] - stats["skipped_tokens"]
+    for loss in ("", "gspo-"):
+        ref = _weights(out1, f"1x1-{loss}zeroadv@4096")
+        ref_stats = result1["stats"][f"1x1-{loss}zeroadv@4096"]
+        assert "skipped_tokens" not in ref_stats
+        runs = [(_weights(out1, f"1x1-{loss}skip@{b}"), result1["stats"][f"1x1-{loss}skip@{b}"])
+                for b in ((4096, 40) if not loss else (4096,))]
+        runs += [(_weights(out2, f"{layout}@60"), r["stats"][f"{layout}@60"])
+                 for layout in (("1x1-skip", "1x2-skip") if not loss else ()) for r in results2]
+        for updated, stats in runs:
+            for name in ref:  # Adam's normalised step: fp32 sums in another order, 1e-6
+                torch.testing.assert_close(updated[name], ref[name], atol=1e-5, rtol=0)
+            assert stats["grad_norm"] == pytest.approx(ref_stats["grad_norm"], rel=1e-5)
+            assert stats["loss"] == pytest.approx(ref_stats["loss"], abs=1e-7)
+            assert stats["global_tokens"] == ref_stats["global_tokens"]
+            assert 0 < stats["skipped_tokens"] < stats["global_tokens"]
+            assert stats["n_tokens"] == ref_stats["n_tokens"] - stats["skipped_tokens"]
     assert result1["stats"]["1x1-skip@40"]["num_microbatches"] < \
         result1["stats"]["1x1-zeroadv@40"]["num_microbatches"]
-    # no advantage anywhere: one trajectory is kept, the step is taken, the update is the same
-    none, skipped = result1["stats"]["1x1-zeroall@4096"], result1["stats"]["1x1-skipall@4096"]
-    assert skipped["version"] == none["version"] == 1.0 and skipped["skipped"] == 0.0
-    assert 0 < skipped["n_tokens"] < none["n_tokens"]
-    a, b = _weights(out1, "1x1-zeroall@4096"), _weights(out1, "1x1-skipall@4096")
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    # no advantage anywhere: the gradient is 0, one trajectory per DP rank is run, the step is
+    # taken (the version moves on, as it does for the whole batch)
+    none = result1["stats"]["1x1-zeroall@4096"]
+    assert none["version"] == 1.0 and none["grad_norm"] == 0.0
+    for stats in [result1["stats"]["1x1-skipall@4096"]] + [r["stats"]["1x1-skipall@60"]
+                                                           for r in results2]:
+        assert stats["version"] == 1.0 and stats["skipped"] == 0.0 and stats["grad_norm"] == 0.0
+        assert 0 < stats["n_tokens"] < none["n_tokens"]
+        assert stats["n_tokens"] + stats["skipped_tokens"] == none["global_tokens"]
+
+
+def test_an_evaluation_snapshot_holds_the_trained_weights_at_every_layout(single, pair):
+    """trainer.eval_offline's snapshot (export.save_snapshot): a Hugging Face directory whose
+    tensors, read back through the model family's adapter, are the trained weights bit for bit
+    at TP1, TP2, PP2 and DP2, its stages' small shards gathered under one index."""
+    import json
+
+    from laminar_mcore.models.hf import SAFETENSORS_INDEX, load_hf_config, load_hf_state_dict
+    from laminar_mcore.weights.snapshots import list_snapshots
+
+    cfg = tiny_hf_config("qwen2")
+    runs = [(single[0], "1x1@4096")] + [(pair[0], f"{k}@60") for k in ("2x1", "1x2", "1x1")]
+    for out, key in runs:
+        snap = os.path.join(out, f"snap_{key}")
+        meta = json.load(open(os.path.join(snap, "laminar_snapshot.json")))
+        assert meta == {"step": 1, "version": 1}
+        index = json.load(open(os.path.join(snap, SAFETENSORS_INDEX)))
+        assert len(set(index["weight_map"].values())) > 2  # 64 KiB shards, several per stage
+        assert not [f for f in os.listdir(snap) if f.startswith("stage_")]
+        assert load_hf_config(snap).num_hidden_layers == cfg.num_hidden_layers
+        got = get_adapter(cfg).hf_to_mcore(cfg, load_hf_state_dict(snap))
+        want = _weights(out, key)
+        assert set(got) == set(want), key
+        assert all(torch.equal(got[k], want[k]) for k in want), key
+    assert not os.path.exists(os.path.join(pair[0], "snap_1x2@60.partial"))
+    import shutil
+
+    root = os.path.join(pair[0], "eval_snapshots")
+    os.makedirs(os.path.join(root, "step_000007.partial"))  # being written: not listed
+    shutil.copytree(os.path.join(pair[0], "snap_1x2@60"), os.path.join(root, "step_000001"))
+    assert list_snapshots(pair[0]) == [(1, 1, os.path.abspath(os.path.join(root, "step_000001")))]
 
 
 def test_activation_recompute_does_not_change_the_update(single):

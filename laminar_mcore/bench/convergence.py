@@ -211,6 +211,9 @@ def main(argv=None) -> dict:
         ap.error("without sync in --modes give --target")
     if args.seeds < 1:
         ap.error("--seeds must be >= 1")
+    if not 0 < args.target_fraction <= 1:
+        ap.error(f"--target-fraction {args.target_fraction} must be in (0, 1]: the share of "
+                 "sync's gain the target sits at")
 
     from hydra import compose, initialize_config_dir
 
@@ -243,6 +246,11 @@ def main(argv=None) -> dict:
         batch_samples = cfg.trainer.train_batch_prompts * cfg.algo.n_samples_per_prompt
         per_seed.append(figures_from(results, batch_samples, args.target,
                                      args.target_fraction))
+        if args.target is None and "sync" in results and \
+                default_target(results["sync"], 1.0) <= default_target(results["sync"], 0.0):
+            print(f"[convergence] warning: seed {cfg.seed}: sync did not improve on its starting "
+                  "accuracy, so the default target is reached at once and the ratios say "
+                  "nothing; give --target or more --steps", flush=True)
         first_runs = first_runs or results
     figures = over_seeds(per_seed)
     figures["steps"] = cfg.trainer.total_steps

@@ -357,8 +357,9 @@ class TrainerConfig:
     # Run no forward/backward for trajectories whose advantage is exactly 0 (a group whose
     # samples all got the same reward): they add exactly 0 to the policy loss and its gradient;
     # their tokens still count in the loss's denominator, so the update is the whole batch's.
-    # Needs algo.entropy_coef = algo.kl_coef = 0 and no MoE auxiliary/z-loss (terms that read
-    # every token). Reported per step as skipped_tokens.
+    # Needs algo.entropy_coef = algo.kl_coef = 0, no MoE auxiliary/z-loss (terms that read
+    # every token) and a policy loss other than clip_cov/kl_cov (they select tokens by the
+    # batch's covariance). Reported per step as skipped_tokens.
     skip_zero_advantage: bool = False
     # Activation recompute: none | selective (attention core) | full (every layer's forward is
     # rerun in backward; recompute_num_layers per checkpointed group). See job=plan.
@@ -372,8 +373,8 @@ class TrainerConfig:
     eval_interval: int = 0
     # true: those evaluations run after training, on weight snapshots the trainer writes at
     # each eval_interval step (Hugging Face directories in <run>/eval_snapshots; on several
-    # machines, a filesystem the trainer and the controller share), so that evaluating costs
-    # the run's clock only the save: a time to target is then training time alone.
+    # machines, a filesystem the trainer nodes write and the rollout nodes read), so that
+    # evaluating costs the run's clock only the save: a time to target is training time alone.
     eval_offline: bool = False
     resume: str = "none"  # none | auto | a checkpoint directory
     # Optimizer checkpoint format (Megatron's distrib_optim_sharding_type): dp_reshardable

@@ -358,4 +358,3 @@ def _check_model_divisibility(shape: dict, p, problems: List[str]) -> None:
     if not experts and (p.ep > 1 or p.expert_tp > 1):
         problems.append(f"parallel.ep={p.ep} / parallel.expert_tp={p.expert_tp} need a "
                         f"mixture-of-experts model; {src} ({shape['family']}) has no experts")
-

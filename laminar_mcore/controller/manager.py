@@ -113,9 +113,9 @@ class RolloutManager(WeightPulls):
         return sum(len(e.in_flight) for e in self.engines)
 
     def can_admit(self, n: int) -> bool:
-        """AReaL's staleness admission: (eta + v + 1) * B >= admitted + n; and, whatever the
-        bound, nothing new while ``rollout.max_buffered_batches`` batches wait in the buffer (a
-        trainer that is down, or restarting, does not make the buffer grow without end)."""
+        """AReaL's staleness admission: (eta + v + 1) * B >= admitted + n; whatever the bound,
+        nothing before ``admitting`` (``rollout.generate_before_trainer``) or while
+        ``rollout.max_buffered_batches`` batches wait (a stopped trainer's buffer is capped)."""
         if not self.admitting or (self.max_buffered and
                                   self.buffer.buffered >= self.max_buffered * self.batch):
             return False
@@ -261,9 +261,9 @@ class RolloutManager(WeightPulls):
         self.notify()
 
     # ------------------------------------------------------------------ per engine
-    def engine_idle_seconds(self) -> float:
-        """Seconds so far with nothing to generate, averaged over engines."""
-        now = self.clock()
+    def engine_idle_seconds(self, now: Optional[float] = None) -> float:
+        """Seconds so far (until ``now``) with nothing to generate, averaged over engines."""
+        now = self.clock() if now is None else now
         total = 0.0
         for e in self.engines:
             total += e.idle_seconds + (now - e.idle_since if e.idle_since is not None else 0.0)
@@ -284,10 +284,10 @@ class RolloutManager(WeightPulls):
             self._quiet_s += now - self._quiet_since
             self._quiet_since = None
 
-    def quiet_seconds(self) -> float:
+    def quiet_seconds(self, now: Optional[float] = None) -> float:
         """Seconds so far with no healthy engine generating (``generation_fraction``'s rest)."""
-        since = self._quiet_since
-        return self._quiet_s + (self.clock() - since if since is not None else 0.0)
+        since, now = self._quiet_since, self.clock() if now is None else now
+        return self._quiet_s + (now - since if since is not None else 0.0)
 
     async def _engine_loop(self, engine: EngineHandle) -> None:
         epoch = engine.epoch

@@ -238,10 +238,11 @@ def finish_run(controller: Controller, result: dict, initial: EvalResult, t_star
     others, probes = asyncio.run(bring_all_engines(first))
     if probes:
         probes[first.name] = asyncio.run(probe(first))
+    offline = None
     if cfg.trainer.eval_offline:  # last: the engines end with snapshots' weights
-        evaluate_snapshots(controller, [first] + [
+        offline = evaluate_snapshots(controller, [first] + [
             e for e in controller.manager.engines if e.healthy and e is not first
-            and isinstance(others.get(e.name), int)], out_dir, log)
+            and isinstance(others.get(e.name), int)], out_dir, log, result["steps"])
     metrics.log("eval", step=result["steps"], **final.record(),
                 wall_s=controller.version_wall_s(final.version))
     books = controller.books()
@@ -259,6 +260,8 @@ def finish_run(controller: Controller, result: dict, initial: EvalResult, t_star
                                                    + books["trajectories_buffered"]
                                                    + books["trajectories_discarded"])
     summary["books_balance"] = balanced
+    if offline is not None:  # steps whose snapshot could not be evaluated (see the log)
+        summary["eval_snapshots_failed"] = offline["failed"]
     summary["evals"] = sorted(({k: r[k] for k in ("step", "version", "accuracy",
                                                   "accuracy_greedy", "wall_s") if k in r}
                                for r in metrics.records if r["kind"] == "eval"),
@@ -278,35 +281,58 @@ def finish_run(controller: Controller, result: dict, initial: EvalResult, t_star
     return summary
 
 
-def evaluate_snapshots(controller: Controller, handles: list, out_dir: str, log) -> int:
-    """``trainer.eval_offline``: every snapshot the trainer wrote (``weights/snapshots.py``),
-    loaded from disk into one of ``handles``' engines and evaluated as a live evaluation would
-    have been (the engines share the snapshots, one at a time each), each logged with its
-    version's wall time in training. Returns how many were evaluated."""
+def evaluate_snapshots(controller: Controller, handles: list, out_dir: str, log,
+                       before_step: int) -> dict:
+    """``trainer.eval_offline``: every snapshot the trainer wrote (``weights/snapshots.py``)
+    of a step before ``before_step`` (the final evaluation is that step's), loaded from disk
+    into one of ``handles``' engines and evaluated as a live evaluation would have been, each
+    logged with its version's wall time in training. The engines take the snapshots one at a
+    time from a shared queue; an engine that fails one gives it back and leaves (another
+    takes it; three tries each). Returns ``{"evaluated": [steps], "failed": [steps]}``."""
     from ..rollout.client import SGLangClient
     from ..weights.snapshots import list_snapshots
 
     cfg, task = controller.cfg, controller.task
-    snapshots = list_snapshots(out_dir)
-    t0, done = time.time(), []
+    snapshots = [s for s in list_snapshots(out_dir) if s[0] < before_step]
+    t0, done, failed = time.time(), [], []
 
-    async def on(handle, items) -> None:
+    busy = [0]  # snapshots being evaluated: one that fails may come back to the queue
+
+    async def worker(handle, queue) -> None:
         url, key = handle.client.base_url, handle.client.api_key
-        for step, version, path in items:
+        while True:
+            if queue.empty():
+                if not busy[0]:
+                    return
+                await asyncio.sleep(0.05)
+                continue
+            (step, version, path), tries = queue.get_nowait()
+            busy[0] += 1
             try:
                 async with SGLangClient(url, api_key=key) as ec:
                     await ec.update_weights_from_disk(path, weight_version=str(version))
                 result = await _evaluate_engine(cfg, task, url, key)
             except Exception as exc:  # noqa: BLE001 - as a live one, it must not fail the run
-                log(f"[train] the evaluation of the step-{step} snapshot failed: {exc!r}")
-                continue
+                log(f"[train] evaluating the step-{step} snapshot on {handle.name} failed: "
+                    f"{exc!r}")
+                if tries < 2:
+                    queue.put_nowait(((step, version, path), tries + 1))
+                else:
+                    failed.append(step)
+                return
+            finally:
+                busy[0] -= 1
             controller.metrics.log("eval", step=step, **result.record(),
                                    wall_s=controller.version_wall_s(version), offline=True)
             done.append(step)
 
     async def all_engines() -> None:
-        await asyncio.gather(*(on(h, snapshots[i::len(handles)])
-                               for i, h in enumerate(handles)))
+        queue: asyncio.Queue = asyncio.Queue()
+        for item in snapshots:
+            queue.put_nowait((item, 0))
+        await asyncio.gather(*(worker(h, queue) for h in handles))
+        while not queue.empty():  # every engine left with these still queued
+            failed.append(queue.get_nowait()[0][0])
 
     for h in handles:  # their supervisors do not count the loads as failed checks
         h.updating = True
@@ -318,8 +344,9 @@ def evaluate_snapshots(controller: Controller, handles: list, out_dir: str, log)
             h.busy_until = time.time()
     if snapshots:
         log(f"[train] evaluated {len(done)} of {len(snapshots)} snapshots after training on "
-            f"{len(handles)} engine(s) ({time.time() - t0:.0f} s, off the training clock)")
-    return len(done)
+            f"{len(handles)} engine(s) ({time.time() - t0:.0f} s, off the training clock)"
+            + (f"; failed: steps {sorted(failed)}" if failed else ""))
+    return {"evaluated": sorted(done), "failed": sorted(failed)}
 
 
 class Progress:

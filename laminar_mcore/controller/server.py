@@ -389,7 +389,8 @@ class Controller(ClusterAPI, TrainerWatch):
             self._eval_tasks.append(asyncio.create_task(self._evaluate_version(step, version)))
         # the engines' idle seconds at the first and the latest step: their idle share over
         # the trainer's own window (not the shutdown after the last step)
-        self._idle_last = (now, self.manager.engine_idle_seconds(), self.manager.quiet_seconds())
+        self._idle_last = (now, self.manager.engine_idle_seconds(now),
+                           self.manager.quiet_seconds(now))
         if len(self.step_marks) == 1:
             self._idle_mark = self._idle_last
         stats = {k: v for k, v in dict(body.get("stats", {})).items()

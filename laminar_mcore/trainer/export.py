@@ -54,23 +54,25 @@ def iter_stage_hf_tensors(model, hf_config) -> Iterator[Tuple[str, torch.Tensor]
         yield from adapter.convert_unit_to_hf(hf_config, unit, full)
 
 
-def save_snapshot(model, hf_config, path: str, *, step: int, version: int) -> None:
-    """This model's weights as a Hugging Face checkpoint directory at ``path`` (config.json,
-    one safetensors file per pipeline stage, an index when there are several, and
-    ``laminar_snapshot.json`` with the step and weight version): what ``trainer.eval_offline``
-    evaluates after training (``weights/snapshots.py``). Collective over the whole trainer world (the export's gathers,
-    then barriers); each stage lead writes its stage; the directory appears complete or not at
-    all (written as ``path.partial``, then renamed by rank 0)."""
+def save_snapshot(model, hf_config, path: str, *, step: int, version: int,
+                  max_shard_bytes: int = 2 * 2**30) -> None:
+    """This model's weights as a Hugging Face checkpoint directory at ``path``: config.json,
+    safetensors shards (each stage's, at most ``max_shard_bytes`` each: one shard in host
+    memory at a time) with an index, and ``laminar_snapshot.json`` (step and weight version):
+    what ``trainer.eval_offline`` evaluates after training (``weights/snapshots.py``).
+
+    Collective over the whole trainer world (the export's gathers, then barriers). Each stage
+    lead writes its stage into ``path.partial/stage_<k>``; rank 0 checks that every stage's
+    index is there, gathers the shards under one index and renames the directory to ``path``,
+    so that it appears complete or not at all."""
     import json
     import os
     import shutil
 
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from safetensors import safe_open
-    from safetensors.torch import save_file
 
-    from ..models.hf import SAFETENSORS_INDEX
+    from ..models.hf import SAFETENSORS_INDEX, ShardWriter
     from ..weights.snapshots import SNAPSHOT_META
 
     partial = path + ".partial"
@@ -83,27 +85,34 @@ def save_snapshot(model, hf_config, path: str, *, step: int, version: int) -> No
         os.makedirs(partial)
     dist.barrier()
     if first_replica or get_adapter(hf_config).is_moe:  # the publisher's exporting ranks
-        tensors = {}
+        writer = ShardWriter(os.path.join(partial, f"stage_{stage:03d}"), max_shard_bytes) \
+            if lead else None
         for name, tensor in iter_stage_hf_tensors(model, hf_config):
-            if lead:
-                tensors[name] = tensor.detach().to("cpu", copy=True).contiguous()
-        if lead:
-            save_file(tensors, os.path.join(
-                partial, f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"))
+            if writer is not None:
+                writer.add(name, tensor)
+        if writer is not None:
+            writer.close()
     dist.barrier()
-    if dist.get_rank() == 0:
-        hf_config.save_pretrained(partial)
-        files = sorted(f for f in os.listdir(partial) if f.endswith(".safetensors"))
-        if len(files) == 1:
-            os.replace(os.path.join(partial, files[0]), os.path.join(partial, "model.safetensors"))
-        else:
-            weight_map = {}
-            for f in files:
-                with safe_open(os.path.join(partial, f), "pt") as handle:
-                    weight_map.update({k: f for k in handle.keys()})
-            with open(os.path.join(partial, SAFETENSORS_INDEX), "w") as out:
-                json.dump({"metadata": {}, "weight_map": weight_map}, out, indent=2)
-        with open(os.path.join(partial, SNAPSHOT_META), "w") as out:
-            json.dump({"step": int(step), "version": int(version)}, out)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(partial, path)
+    if dist.get_rank() != 0:
+        return
+    weight_map = {}
+    for k in range(stages):
+        sub = os.path.join(partial, f"stage_{k:03d}")
+        index = os.path.join(sub, SAFETENSORS_INDEX)
+        if not os.path.isfile(index):
+            raise RuntimeError(f"snapshot {path}: stage {k} wrote no {SAFETENSORS_INDEX} (on "
+                               "several machines, trainer.eval_offline needs a filesystem "
+                               "every trainer node writes to)")
+        with open(index) as f:
+            stage_map = json.load(f)["weight_map"]
+        for file in sorted(set(stage_map.values())):
+            os.replace(os.path.join(sub, file), os.path.join(partial, f"stage{k:03d}-{file}"))
+        weight_map.update({name: f"stage{k:03d}-{file}" for name, file in stage_map.items()})
+        shutil.rmtree(sub)
+    hf_config.save_pretrained(partial)
+    with open(os.path.join(partial, SAFETENSORS_INDEX), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(partial, SNAPSHOT_META), "w") as f:
+        json.dump({"step": int(step), "version": int(version)}, f)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(partial, path)

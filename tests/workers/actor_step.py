@@ -105,7 +105,8 @@ def main():
         # (GSPO with RLOO advantages and seq-mean-token-mean aggregation), kl / kl-offload
         # (entropy bonus and a KL penalty against the reference, two steps), zeroadv / skip
         # (a batch in which two groups' samples share one reward; skip: with
-        # trainer.skip_zero_advantage), zeroall / skipall (every group's do).
+        # trainer.skip_zero_advantage), zeroall / skipall (every group's do); gspo-zeroadv /
+        # gspo-skip: the same with GSPO's per-sequence aggregation.
         shape, _, lever = layout.partition("-")
         tp, pp = (int(x) for x in shape.split("x"))
         init_trainer_parallel(tp=tp, pp=pp, seed=1)
@@ -115,13 +116,13 @@ def main():
             result["vocab_parallel_check"] = vocab_parallel_check(ps)
         for budget in (int(b) for b in args.budgets.split(",")):
             algo = AlgoConfig(eps_clip=0.2, eps_clip_high=0.28, behav_imp_weight_cap=5.0)
-            if lever == "gspo":  # a verl loss, estimator and aggregation mode
+            if lever.startswith("gspo"):  # a verl loss, estimator and aggregation mode
                 algo = AlgoConfig(policy_loss="gspo", loss_agg_mode="seq-mean-token-mean",
                                   advantage="rloo", eps_clip=3e-4, eps_clip_high=4e-4,
                                   behav_imp_weight_cap=5.0)
             trainer = TrainerConfig(lr=1e-3, adam_eps=1e-6, grad_clip=1.0,
                                     max_tokens_per_microbatch=budget, logprob_chunk_size=7,
-                                    skip_zero_advantage=lever.startswith("skip"),
+                                    skip_zero_advantage=lever.endswith(("skip", "skipall")),
                                     recompute=lever if lever in ("selective", "full") else "none",
                                     recompute_num_layers=2)
             if lever.startswith("kl"):  # entropy bonus + k3 KL against the reference
@@ -131,8 +132,9 @@ def main():
             actor = MegatronActor(cfg, algo, trainer, ParallelConfig(sequence_parallel=lever == "sp"),
                                   full_state=full)
             steps = batch
-            if lever in ("zeroadv", "skip", "zeroall", "skipall"):
-                same = ("g0", "g2") if lever in ("zeroadv", "skip") else ("g0", "g1", "g2", "g3")
+            if lever.endswith(("zeroadv", "skip", "zeroall", "skipall")):
+                same = ("g0", "g2") if lever.endswith(("zeroadv", "skip")) \
+                    else ("g0", "g1", "g2", "g3")
                 steps = [dataclasses.replace(t, reward=1.0 if t.group_id == "g0" else 0.0)
                          if t.group_id in same else t for t in batch]
             stats = actor.train_step(steps)
@@ -146,6 +148,11 @@ def main():
             if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
                 name = f"weights_{layout}@{budget}_pp{ps.get_pipeline_model_parallel_rank()}"
                 save_file(weights, os.path.join(args.out, name + ".safetensors"))
+            if not lever:  # trainer.eval_offline's snapshot of the same weights (collective)
+                from laminar_mcore.trainer.export import save_snapshot
+
+                save_snapshot(actor.model, cfg, os.path.join(args.out, f"snap_{layout}@{budget}"),
+                              step=1, version=actor.version, max_shard_bytes=64 * 1024)
 
     if args.nan_fault:
         init_trainer_parallel(tp=1, pp=1, seed=1)
