@@ -103,7 +103,8 @@ def test_a_run_whose_relay_does_not_fit_shm_is_refused_before_it_starts(job):
 
 def test_a_cpu_cluster_with_its_ram_stated_is_checked_and_local_cpu_is_not(tmp_path):
     """No GPUs but cluster.host_memory_gb set: the host budget is still checked before anything
-    starts (a relay and an engine worker at 8 GB each do not fit 10 GB); local_cpu states no
+    starts (a relay and the demo's two engine workers at 8 GB each do not fit 10 GB; one engine
+    needs 16 GB); local_cpu states no
     RAM (0) and is not; job=plan reports the same misfit instead of refusing it."""
     from laminar_mcore.launch.plan import run_plan
 
@@ -111,8 +112,12 @@ def test_a_cpu_cluster_with_its_ram_stated_is_checked_and_local_cpu_is_not(tmp_p
     small = _compose("job=train", "cluster.host_memory_gb=10")
     assert small.cluster.gpus_per_node == 0
     with pytest.raises(ConfigError, match=r"does not fit \(job=plan shows the whole plan\): a "
-                                          r"rollout node needs 16.0 GB .*cluster.host_memory_gb=10"):
+                                          r"rollout node needs 24.0 GB .*3 processes.*"
+                                          r"cluster.host_memory_gb=10"):
         validate_config(small)
+    with pytest.raises(ConfigError, match=r"rollout node needs 16.0 GB .*2 processes"):
+        validate_config(_compose("job=train", "cluster.host_memory_gb=10",
+                                 "rollout.num_engines=1"))
     with pytest.raises(ConfigError, match=r"cluster.shm_gb=100 is more than "
                                           r"cluster.host_memory_gb=64: .*lower it"):
         validate_config(_compose("job=train", "cluster.host_memory_gb=64", "cluster.shm_gb=100"))
