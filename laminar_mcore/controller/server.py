@@ -517,24 +517,26 @@ class Controller(ClusterAPI, TrainerWatch):
                 "consumed_tokens": sum(c["tokens"] for c in self.consumed), "span_s": span,
                 "first_batch_request": self.first_request}
 
+    def _window(self):
+        """(time, engine idle seconds, seconds with no engine generating) at the first step and
+        at the last: the steady state's window (with one step or none, from the first step or
+        the start until now)."""
+        m = self.manager
+        start = self._idle_mark or (m.started, 0.0, 0.0)
+        if self._idle_last is None or self._idle_last is self._idle_mark:
+            now = m.clock()
+            return start, (now, m.engine_idle_seconds(now), m.quiet_seconds(now))
+        return start, self._idle_last
+
     def _engine_idle_fraction(self) -> float:
-        """The engines' idle share (averaged over engines) from the first step to the last
-        (one step: since the first)."""
-        if self._idle_mark is None or self._idle_last is self._idle_mark:
-            return self.manager.engine_idle_fraction(
-                None if self._idle_mark is None else self._idle_mark[:2])
-        (t0, idle0, _), (t1, idle1, _) = self._idle_mark, self._idle_last
+        """The engines' idle share (averaged over engines) over ``_window``."""
+        (t0, idle0, _), (t1, idle1, _) = self._window()
         return min(max((idle1 - idle0) / max(t1 - t0, 1e-9), 0.0), 1.0)
 
     def _generation_fraction(self) -> float:
         """The share of the same window with at least one engine generating: a synchronous
         run's generation phase (Laminar's 83% of RL time), whatever the number of engines."""
-        if self._idle_mark is None or self._idle_last is self._idle_mark:
-            t0, quiet0 = ((self._idle_mark[0], self._idle_mark[2]) if self._idle_mark
-                          else (self.manager.started, 0.0))
-            t1, quiet1 = time.time(), self.manager.quiet_seconds()
-        else:
-            (t0, _, quiet0), (t1, _, quiet1) = self._idle_mark, self._idle_last
+        (t0, _, quiet0), (t1, _, quiet1) = self._window()
         return min(max(1.0 - (quiet1 - quiet0) / max(t1 - t0, 1e-9), 0.0), 1.0)
 
     def _agent_books(self) -> dict:

@@ -75,6 +75,7 @@ class MegatronActor:
         t = trainer
         self.use_te = te_available() if use_te is None else use_te
         self.version = 0
+        self._skipped = (0.0, 0.0)  # this step's skipped (loss tokens, sequences): distribute
         self.consecutive_nonfinite = 0
         self.total_nonfinite = 0
         # The same Megatron optimizer on CPU (gloo) as on GPUs (see parallel/cpu_compat.py).
@@ -445,7 +446,7 @@ class MegatronActor:
         n = raw["n_tokens"]
         # the loss over every loss token of the batch (a skipped zero-advantage trajectory adds
         # 0 to it); entropy over the tokens it was measured on
-        total = n + float(getattr(self, "_skipped", (0.0, 0.0))[0])
+        total = n + float(self._skipped[0])
         for key in ("loss", "pg_loss", "entropy", "entropy_loss", "kl_loss"):
             d = n if key == "entropy" else total
             out[key] = raw[key] / d if d > 0 else 0.0

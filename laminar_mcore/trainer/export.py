@@ -54,6 +54,18 @@ def iter_stage_hf_tensors(model, hf_config) -> Iterator[Tuple[str, torch.Tensor]
         yield from adapter.convert_unit_to_hf(hf_config, unit, full)
 
 
+def export_roles(hf_config) -> Tuple[bool, bool]:
+    """(exports, lead) of this rank: whether it takes part in ``iter_stage_hf_tensors``'
+    gathers (the stage's TP group at DP rank 0; for MoE models every rank of the stage, since
+    experts are gathered over EP, whose groups span DP ranks), and whether it is its stage's
+    lead (TP rank 0 of that replica), the one that keeps the tensors."""
+    from megatron.core import parallel_state as ps
+
+    first_replica = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+    return (first_replica or get_adapter(hf_config).is_moe,
+            first_replica and ps.get_tensor_model_parallel_rank() == 0)
+
+
 def save_snapshot(model, hf_config, path: str, *, step: int, version: int,
                   max_shard_bytes: int = 2 * 2**30) -> None:
     """This model's weights as a Hugging Face checkpoint directory at ``path``: config.json,
@@ -78,13 +90,12 @@ def save_snapshot(model, hf_config, path: str, *, step: int, version: int,
     partial = path + ".partial"
     stage, stages = (ps.get_pipeline_model_parallel_rank(),
                      ps.get_pipeline_model_parallel_world_size())
-    first_replica = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
-    lead = first_replica and ps.get_tensor_model_parallel_rank() == 0
+    exports, lead = export_roles(hf_config)
     if dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
     dist.barrier()
-    if first_replica or get_adapter(hf_config).is_moe:  # the publisher's exporting ranks
+    if exports:
         writer = ShardWriter(os.path.join(partial, f"stage_{stage:03d}"), max_shard_bytes) \
             if lead else None
         for name, tensor in iter_stage_hf_tensors(model, hf_config):

@@ -39,7 +39,7 @@ from ..relay.rendezvous import PublishSession, RendezvousRefused, join_publish_s
 from ..weights.bucket import BucketPacker
 from ..weights.delta import DeltaEncoder, delta_enabled, digest, unit_for
 from ..weights.transport import Channel, stage_group
-from .export import iter_stage_hf_tensors
+from .export import export_roles, iter_stage_hf_tensors
 
 
 @dataclass
@@ -82,14 +82,9 @@ class WeightPublisher:
         self._old_sessions: list = []
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.num_stages = ps.get_pipeline_model_parallel_world_size()
-        from ..models import get_adapter
-
-        # Ranks that take part in the export's gathers: the stage's TP group at DP rank 0; for
-        # MoE models every rank of the stage (experts are gathered over EP, whose groups span
-        # DP ranks), layer by layer: one layer's experts at a time, never the model.
-        first_replica = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
-        self.exports = first_replica or get_adapter(hf_config).is_moe
-        self.is_lead = first_replica and ps.get_tensor_model_parallel_rank() == 0
+        # Ranks that take part in the export's gathers (MoE: layer by layer, one layer's
+        # experts at a time, never the model) and the stage lead, which packs and sends.
+        self.exports, self.is_lead = export_roles(hf_config)
         self.packer = BucketPacker(bucket_bytes, dtype=dtype,
                                    pin_memory=torch.cuda.is_available()) if self.is_lead else None
         weights_dtype = dtype or _parameter_dtype(model)
