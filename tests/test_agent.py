@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from laminar_mcore.config.schema import RolloutConfig
-from laminar_mcore.controller.agent import AgentEpisode
-from laminar_mcore.controller.gateway import AgentGateway, EpisodeLimits
+from laminar_mcore.agents.episode import AgentEpisode
+from laminar_mcore.agents.gateway import AgentGateway, EpisodeLimits
 from laminar_mcore.controller.manager import RolloutData, RolloutManager
 from laminar_mcore.controller.modes import policy_for
 from laminar_mcore.data.chat import ChatFormat, demo_tokenizer
@@ -113,13 +113,12 @@ def test_turns_are_token_exact_masked_and_of_one_version(tmp_path):
                 await asyncio.sleep(0.05)
             manager.stop()
             await runner
-            await episode.aclose()
             async with aiohttp.ClientSession() as http:  # a key of nobody's: refused
                 async with http.post(f"{gateway.url}/v1/chat/completions", json={
                         "messages": [{"role": "user", "content": "1"}]},
                         headers={"Authorization": "Bearer lm-nobody"}) as r:
                     refused = r.status, await r.json()
-            await gateway.close()
+            await episode.aclose()  # its HTTP client and its gateway
             for h in handles:
                 await h.client.close()
                 await h.relay.close()
@@ -217,7 +216,7 @@ def test_limits_end_episodes_with_their_reason_and_calls_are_guarded(tmp_path):
                            log_path=str(tmp_path / "e.log")).start()
     try:
         async def scenario():
-            from laminar_mcore.controller.agent import evaluate_agent
+            from laminar_mcore.agents.episode import evaluate_agent
 
             gateway = AgentGateway(CHAT, EpisodeLimits(max_turns=3, max_new_tokens=6))
             await gateway.start()
@@ -301,7 +300,6 @@ def test_an_engine_killed_mid_episode_resumes_its_turns_on_an_engine_of_the_vers
             manager.stop()
             await runner
             await episode.aclose()
-            await gateway.close()
             for h in handles:
                 await h.client.close()
                 await h.relay.close()
@@ -347,7 +345,7 @@ def test_hundreds_of_concurrent_episodes_share_one_gateway_and_engine(tmp_path):
                            log_path=str(tmp_path / "e.log")).start()
     try:
         async def scenario():
-            from laminar_mcore.controller.agent import evaluate_agent
+            from laminar_mcore.agents.episode import evaluate_agent
 
             gateway = AgentGateway(CHAT, EpisodeLimits(max_new_tokens=4))
             await gateway.start()
@@ -395,8 +393,8 @@ def test_a_tool_call_round_trip_through_the_openai_client(tmp_path):
     """A tiny model that has memorised one tool-using episode: the calculator agent gets an
     OpenAI tool call (finish_reason "tool_calls"), runs it in the sandbox, sends the result and
     gets the final answer; the trajectory's tokens are the demonstration's, its masks too."""
-    from laminar_mcore.controller import agents
-    from laminar_mcore.controller.agent import evaluate_agent
+    from laminar_mcore.agents import builtin as agents
+    from laminar_mcore.agents.episode import evaluate_agent
     from laminar_mcore.data.agent_task import tool_demonstrations
     from laminar_mcore.data.warmup import warmup_checkpoint
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from laminar_mcore.controller.sandbox import (SandboxLimits, ToolResult, calculator,
+from laminar_mcore.agents.sandbox import (SandboxLimits, ToolResult, calculator,
                                               calculator_program, isolation_available, run_python)
 
 MARK = b"laminar-sandbox-"  # in every sandbox process's command line (its temporary directory)

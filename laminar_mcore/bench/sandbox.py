@@ -1,4 +1,4 @@
-"""Per-call cost of the tool sandbox (``controller.sandbox``): latency of ``calculator`` and of
+"""Per-call cost of the tool sandbox (``agents.sandbox``): latency of ``calculator`` and of
 ``run_python`` one call at a time, and calls/s with 1 and 8 calls in flight, against a bare
 ``python -I -S -c pass`` started the same way (the floor any fresh-process sandbox pays).
 
@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Awaitable, Callable, Dict, List
 
-from ..controller.sandbox import SandboxLimits, calculator, isolation_available, run_python
+from ..agents.sandbox import SandboxLimits, calculator, isolation_available, run_python
 from .common import report
 
 PROGRAM = "total = sum(inputs['xs'])\nprint(total)"

@@ -186,7 +186,7 @@ def validate_config(cfg: DictConfig) -> None:
     agent = cfg.data.get("agent")
     if agent is not None and (not isinstance(agent, str) or agent.count(":") != 1):
         problems.append(f"data.agent={agent!r} must name an async function as "
-                        "'module:function' (e.g. laminar_mcore.controller.agents:calculator)")
+                        "'module:function' (e.g. laminar_mcore.agents.builtin:calculator)")
     if cfg.rollout.num_engines < 1:
         problems.append("rollout.num_engines must be >= 1")
     if cfg.rollout.stream_interval < 1:

@@ -6,8 +6,12 @@ The rollout manager owns engines, weight versions, admission, repack and failure
 through the context (``ctx.generate``: streaming into the trajectory, resumed on another engine
 of the same version if its engine dies, moved by repack) and rewards it; it sets the
 trajectory's reward, or raises ``Discard(reason)``. Every mode
-(laminar, one_step, sync) runs ``SingleTurn``: one prompt, one completion, one reward. A
-multi-turn or tool-using episode is one more class here.
+(laminar, one_step, sync) runs ``SingleTurn``: one prompt, one completion, one reward.
+
+Other kinds of episode are plug-ins (``EPISODE_PLUGINS``): a module, named by a string and
+imported only when a run asks for it, with ``build_episode(cfg, task, score) -> Episode`` and
+``async evaluate(cfg, task, url, api_key) -> EvalResult``. Multi-turn, tool-using agents
+(``data.agent``) are the ``laminar_mcore.agents`` plug-in; the controller never imports it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import time
 import uuid
 import zlib
 from dataclasses import dataclass
+import importlib
+from types import ModuleType
 from typing import Callable, List, Optional, Protocol
 
 from ..data.pools import InFlight, PromptGroup
@@ -59,6 +65,25 @@ class Episode:
 
     async def arun(self, ctx: EpisodeContext, item: InFlight, row: dict) -> None:
         raise NotImplementedError
+
+    async def astart(self) -> None:
+        """Start what the episode serves (an agent gateway), on the controller's event loop."""
+
+    async def aclose(self) -> None:
+        """Stop it; called once the rollout manager stopped."""
+
+    def books(self, consumed: List[dict]) -> dict:
+        """The episode's own figures for the run's books (``consumed``: the consumed records)."""
+        return {}
+
+
+# episode kind -> the module that builds it (see the module docstring)
+EPISODE_PLUGINS = {"agent": "laminar_mcore.agents.episode"}
+
+
+def episode_plugin(cfg) -> Optional[ModuleType]:
+    """The plug-in of the run's episode kind; None for ``SingleTurn``."""
+    return importlib.import_module(EPISODE_PLUGINS["agent"]) if cfg.data.agent else None
 
 
 class SingleTurn(Episode):

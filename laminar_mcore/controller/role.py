@@ -19,7 +19,7 @@ from typing import Optional
 from ..config.schema import LaminarConfig
 from ..netutil import engine_api_key
 from .client import ControllerError
-from .episode import TaskCodec
+from .episode import TaskCodec, episode_plugin
 from .evaluation import EvalResult, evaluate
 from .server import Controller, TaskData
 
@@ -98,7 +98,7 @@ def _tool_task(cfg: LaminarConfig, out_dir: str, log) -> TaskData:
     d = cfg.data
     if not d.agent:
         raise ValueError("data.task=tool_addition is an agent task: set data.agent (e.g. "
-                         "laminar_mcore.controller.agents:calculator)")
+                         "laminar_mcore.agents.builtin:calculator)")
     rows = tasks.make_dataset(d.num_train, d.digits, d.task, seed=cfg.seed)
     evals = tasks.make_dataset(d.num_eval, d.digits, d.task, seed=cfg.seed + 10_000)
     data_dir = os.path.join(out_dir, "data")
@@ -129,10 +129,9 @@ def evaluate_engine(cfg: LaminarConfig, task: TaskData, url: str,
 
 async def _evaluate_engine(cfg: LaminarConfig, task: TaskData, url: str,
                            api_key: Optional[str] = None) -> EvalResult:
-    if cfg.data.agent:
-        from .agent import evaluate_run_agent
-
-        return await evaluate_run_agent(cfg, task, url, api_key)
+    plugin = episode_plugin(cfg)
+    if plugin is not None:
+        return await plugin.evaluate(cfg, task, url, api_key)
     return await evaluate(url, task.evals, task.codec, asdict(cfg.rollout.sampling),
                           cfg.data.reward_fn, api_key=api_key,
                           max_new_tokens_fn=task.eval_max_new_tokens)

@@ -37,7 +37,7 @@ from ..netutil import Field, read_json, read_query, token_middleware
 from ..reward import RewardService
 from .cluster import ClusterAPI
 from .engines import RolloutData
-from .episode import SingleTurn, TaskCodec
+from .episode import SingleTurn, TaskCodec, episode_plugin
 from .evaluation import evaluate
 from .manager import RolloutManager
 from .metrics import controller_metrics, scrape_targets
@@ -52,7 +52,7 @@ COUNT = Field("int", low=0)
 SECONDS = Field("number", low=0, high=1e7)
 # what each trainer endpoint accepts (the cluster's: controller/cluster.py)
 NO_QUERY: dict = {}
-# what an agent episode's trajectory reports (controller/gateway.py Session.counts)
+# what an agent episode's trajectory reports (agents/gateway.py Session.counts)
 AGENT_COUNTS = ("turns", "tool_calls", "tool_errors", "malformed_tool_calls")
 BATCH_QUERY = {"timeout": Field("number", low=0, high=3600)}
 TRAINED = {"step": Field("int", required=True, low=0), "version": Field("int", required=True, low=0),
@@ -149,11 +149,9 @@ class Controller(ClusterAPI, TrainerWatch):
         d = cfg.data
         self.reward = RewardService(d.reward_fn, workers=d.reward_workers,
                                     timeout_s=d.reward_timeout_s)
-        self.gateway = None
-        if d.agent:  # multi-turn agent episodes through the OpenAI-compatible gateway
-            from .agent import agent_episode
-
-            self.episode, self.gateway = agent_episode(cfg, task, self.reward.score)
+        plugin = episode_plugin(cfg)  # e.g. agents (data.agent), through their gateway
+        if plugin is not None:
+            self.episode = plugin.build_episode(cfg, task, self.reward.score)
         else:
             self.episode = SingleTurn(task.codec, asdict(cfg.rollout.sampling),
                                       self.reward.score, seed=cfg.seed,
@@ -284,8 +282,7 @@ class Controller(ClusterAPI, TrainerWatch):
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
         self.url = f"http://{self.host}:{port}"
-        if self.gateway is not None:
-            await self.gateway.start()
+        await self.episode.astart()
         self._manager_task = asyncio.create_task(self.manager.run())
         self._election = asyncio.Lock()
         watches = [asyncio.create_task(self._watch_master()),
@@ -306,9 +303,7 @@ class Controller(ClusterAPI, TrainerWatch):
             await h.puller.aclose()
         for client in self._retired_clients:
             await client.close()
-        if self.gateway is not None:
-            await self.episode.aclose()
-            await self.gateway.close()
+        await self.episode.aclose()
         await runner.cleanup()
 
     # ------------------------------------------------------------------ trainer API
@@ -429,11 +424,10 @@ class Controller(ClusterAPI, TrainerWatch):
                 await asyncio.sleep(0.05)
             engine = min(ready, key=lambda e: (e.evaluating, len(e.in_flight)))
             engine.evaluating += 1
-            if self.cfg.data.agent:
-                from .agent import evaluate_run_agent
-
-                result = await evaluate_run_agent(self.cfg, self.task, engine.client.base_url,
-                                                  engine.client.api_key)
+            plugin = episode_plugin(self.cfg)
+            if plugin is not None:
+                result = await plugin.evaluate(self.cfg, self.task, engine.client.base_url,
+                                               engine.client.api_key)
             else:
                 result = await evaluate(engine.client.base_url, self.task.evals,
                                         self.task.codec, asdict(self.cfg.rollout.sampling),
@@ -539,19 +533,6 @@ class Controller(ClusterAPI, TrainerWatch):
         (t0, _, quiet0), (t1, _, quiet1) = self._window()
         return min(max(1.0 - (quiet1 - quiet0) / max(t1 - t0, 1e-9), 0.0), 1.0)
 
-    def _agent_books(self) -> dict:
-        """Agent runs: how episodes ended (done, or the limit that ended them) and, per
-        consumed episode, turns, tool calls and tool errors."""
-        if self.gateway is None:
-            return {}
-        eps = [c for c in self.consumed if "turns" in c]
-        n = max(len(eps), 1)
-        return {"episodes_ended": dict(self.episode.ended),
-                "turns_per_episode": sum(c["turns"] for c in eps) / n,
-                "tool_calls_per_episode": sum(c["tool_calls"] for c in eps) / n,
-                "tool_errors": sum(c.get("tool_errors", 0) for c in eps),
-                "malformed_tool_calls": sum(c.get("malformed_tool_calls", 0) for c in eps)}
-
     def books(self) -> dict:
         s = self.manager.stats if self.manager else None
         return {"trajectories_generated": s.generated if s else 0,
@@ -578,6 +559,6 @@ class Controller(ClusterAPI, TrainerWatch):
                 "lost_engines": dict(s.lost) if s else {},
                 "relay_failovers": self.relay_failovers,
                 "trainer_restarts": self.trainer_restarts,
-                **self._agent_books(),
+                **self.episode.books(self.consumed),
                 "faults": len(self.faults),
                 "trajectories_mixed_versions": self.mixed_version_consumed}

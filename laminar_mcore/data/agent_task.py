@@ -5,7 +5,7 @@ A tiny model cannot add two 6-digit numbers, but it can copy: the operands into 
 whose boilerplate is one token each side in the demo tokenizer, data/chat.py), then the tool's
 answer into its final answer. Its supervised warm-up imitates noisy demonstrations: some answer
 directly (a sum the model cannot compute), some call the tool with a miscopied operand or
-miscopy its answer. RL with the calculator (controller/agents.py) then makes the policy use the
+miscopy its answer. RL with the calculator (agents/builtin.py) then makes the policy use the
 tool and copy exactly.
 
 Each demonstration is the token sequence an agent episode produces through the gateway (the

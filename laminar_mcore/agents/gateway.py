@@ -248,7 +248,7 @@ class AgentGateway:
             tools = [m for m in new if _role(m) == "tool"]
             session.tool_messages += len(tools)
             # a tool that failed says so in a line "Error: ..." (the sandbox's convention,
-            # controller/sandbox.py): the books count them
+            # agents/sandbox.py): the books count them
             failed = [m for m in tools if any(line.startswith("Error:")
                                               for line in str(_content(m)).splitlines())]
             session.tool_errors += len(failed)

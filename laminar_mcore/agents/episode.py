@@ -2,7 +2,7 @@
 
 ``data.agent=module:function`` names ``async def agent(client, row)``: it talks to the policy
 through ``client``, a real ``openai.AsyncOpenAI`` pointed at the controller's gateway
-(controller/gateway.py) with this trajectory's own key, runs its tools (controller/sandbox.py
+(agents/gateway.py) with this trajectory's own key, runs its tools (agents/sandbox.py
 for untrusted code), and returns a reward (a number) or a final answer (a string, scored by
 ``data.reward_fn`` against the row's answer). Every model call is one turn of one trajectory,
 tokens exact, tool outputs masked, all turns of one weight version (the gateway's guarantees).
@@ -27,11 +27,11 @@ import time
 import uuid
 import zlib
 from dataclasses import asdict
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional
 
 from ..data.pools import InFlight, PromptGroup
 from ..data.trajectory import Trajectory
-from .episode import Discard, Episode, Stopped
+from ..controller.episode import Discard, Episode, Stopped
 from .gateway import AgentGateway, EpisodeLimits, Session
 
 logger = logging.getLogger(__name__)
@@ -42,6 +42,9 @@ def load_agent(path: str) -> Callable:
     module, _, name = path.partition(":")
     if not module or not name:
         raise ValueError(f"data.agent={path!r}: name it as 'module:function'")
+    if module == "laminar_mcore.controller.agents":  # before the agents package (issue 55)
+        raise ValueError(f"data.agent={path!r}: the built-in agents moved to "
+                         f"laminar_mcore.agents.builtin; use laminar_mcore.agents.builtin:{name}")
     fn = getattr(importlib.import_module(module), name, None)
     if fn is None:
         raise ValueError(f"data.agent={path!r}: {module} has no {name}")
@@ -177,10 +180,25 @@ class AgentEpisode(Episode):
         traj.timings["finished"] = traj.timings["rewarded"] = time.time()
         traj.metadata["engine"] = item.engine
 
+    async def astart(self) -> None:
+        await self.gateway.start()
+
     async def aclose(self) -> None:
         if self._http is not None:
             await self._http.aclose()
             self._http = None
+        await self.gateway.close()
+
+    def books(self, consumed: List[dict]) -> dict:
+        """How episodes ended (done, or the limit that ended them) and, per consumed episode,
+        turns, tool calls and tool errors."""
+        eps = [c for c in consumed if "turns" in c]
+        n = max(len(eps), 1)
+        return {"episodes_ended": dict(self.ended),
+                "turns_per_episode": sum(c["turns"] for c in eps) / n,
+                "tool_calls_per_episode": sum(c["tool_calls"] for c in eps) / n,
+                "tool_errors": sum(c.get("tool_errors", 0) for c in eps),
+                "malformed_tool_calls": sum(c.get("malformed_tool_calls", 0) for c in eps)}
 
 
 class EngineTurns:
@@ -260,8 +278,9 @@ def limits_of(cfg) -> EpisodeLimits:
                          max_new_tokens=r.sampling.max_new_tokens)
 
 
-def agent_episode(cfg, task, score) -> Tuple[AgentEpisode, AgentGateway]:
-    """The run's agent episode and its gateway (started by the controller on its loop)."""
+# ------------------------------------------------- the controller's episode plug-in (episode.py)
+def build_episode(cfg, task, score) -> AgentEpisode:
+    """The run's agent episode, with its gateway (started by the controller on its loop)."""
     if task.chat is None:
         raise ValueError("data.agent needs a tokenizer with a chat template: model.path's, or "
                          "a built-in agent task (data.task=tool_addition)")
@@ -274,7 +293,7 @@ def agent_episode(cfg, task, score) -> Tuple[AgentEpisode, AgentGateway]:
         raise ValueError(f"rollout.max_episode_tokens={cfg.rollout.max_episode_tokens} is over "
                          f"the model's context ({context} positions, {task.model_path}): an "
                          "episode would outgrow what the engines serve; lower it")
-    return episode, gateway
+    return episode
 
 
 def _context_length(model_path: Optional[str]) -> Optional[int]:
@@ -288,12 +307,12 @@ def _context_length(model_path: Optional[str]) -> Optional[int]:
         return json.load(f).get("max_position_embeddings")
 
 
-async def evaluate_run_agent(cfg, task, url: str, api_key: Optional[str] = None):
+async def evaluate(cfg, task, url: str, api_key: Optional[str] = None):
     """The run's agent on its held-out rows with the engine at ``url`` (an ``EvalResult``; the
     version is the engine's)."""
     from ..reward import load_reward_fn
     from ..rollout.client import SGLangClient
-    from .evaluation import EvalResult
+    from ..controller.evaluation import EvalResult
 
     fn = load_reward_fn(cfg.data.reward_fn)
 

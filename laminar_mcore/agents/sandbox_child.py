@@ -1,4 +1,4 @@
-"""The child side of ``controller.sandbox``, run as a script, never imported:
+"""The child side of ``agents.sandbox``, run as a script, never imported:
 
     python -I -S sandbox_child.py STATUS ISOLATION CPU_S MEMORY_BYTES FILE_BYTES NPROC \
         CODE_PATH INPUTS_PATH

@@ -1,9 +1,9 @@
 """Agents that ship with laminar_mcore, written as a user writes one: plain OpenAI-client code.
 
 ``calculator`` is the agent demo's (``experiment=cpu_agent``): it sends the problem, runs every
-tool call the model makes in the sandbox (controller/sandbox.py) and sends back its answer,
+tool call the model makes in the sandbox (agents/sandbox.py) and sends back its answer,
 until the model answers without a tool call; that answer is scored by ``data.reward_fn``.
-Used with ``data.agent=laminar_mcore.controller.agents:calculator``.
+Used with ``data.agent=laminar_mcore.agents.builtin:calculator``.
 """
 
 from __future__ import annotations
