@@ -1,6 +1,7 @@
-"""The house's layout holds: no Python file over 600 lines, no import circle among our modules,
+"""The house's layout holds: no Python file over 500 lines, no import circle among our modules,
 and the boundaries of DESIGN.md between roles (read from the source, function-local and
-type-checking imports included, so a lazy import cannot hide a dependency)."""
+type-checking imports included, so a lazy import cannot hide a dependency), directly and
+through every chain of imports."""
 
 import ast
 import os
@@ -11,26 +12,37 @@ from typing import Dict, List, Set
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MAX_LINES = 600
+MAX_LINES = 500  # a module of the package
+MAX_TEST_LINES = 600  # a test, tool or example file
 # the package, and the top-level directories installed as part of it (setup.py's package_dir)
 PACKAGE_DIRS = {"laminar_mcore": "laminar_mcore", "kernels": "laminar_mcore.kernels"}
 
-# (importer, imported): a module under the first may import nothing under the second
+ROLES = ("trainer", "rollout", "relay", "controller", "agents")
+# packages every role may use: they import no role
+NEUTRAL = ("algos", "data", "weights", "models", "kernels")
+# (importer, imported), the nevers: a module under the first imports nothing under the second,
+# neither itself nor through any chain of our modules
 FORBIDDEN = [
+    ("trainer", "rollout"),  # the trainer and the engines never import each other
+    ("rollout", "trainer"),
     ("controller", "trainer"),  # the controller talks to the trainer only over its API
-    ("relay", "rollout"),  # relays move buckets; they know no engine code
-    ("relay", "trainer"),
-    ("relay", "controller"),
-    ("rollout", "trainer"),  # engines never import the trainer ...
-    ("rollout", "controller"),
-    ("trainer", "rollout"),  # ... nor the trainer engine code
     ("trainer", "controller"),  # (but its client: ALLOWED)
-    ("weights", "trainer"), ("weights", "rollout"), ("weights", "relay"),
-    ("weights", "controller"),
-    ("data", "trainer"), ("data", "rollout"), ("data", "relay"), ("data", "controller"),
+    ("rollout", "controller"),
+    # the controller reaches agents only through the episode plug-in, by a dotted-name string
+    ("controller", "agents"),
+    ("rollout", "agents"),
+    ("trainer", "agents"),
+    # relays move buckets; they know no engine, trainer, controller or agent code
+    ("relay", "trainer"), ("relay", "rollout"), ("relay", "controller"), ("relay", "agents"),
+    ("sim", "trainer"),  # the simulator models the trainer, it does not run it
+    *[(package, role) for package in NEUTRAL for role in ROLES],
 ]
-# the trainer reaches the controller through its client only
+# (importer, module) that crosses a never on purpose: the trainer reaches the controller
+# through its client only
 ALLOWED = {("trainer", "laminar_mcore.controller.client")}
+# ... and, through a chain only (a direct import still crosses), the config that every role
+# reads checks mode names against the controller's mode table (plain data, imports nothing)
+ALLOWED_THROUGH_A_CHAIN = ALLOWED | {("trainer", "laminar_mcore.controller.modes")}
 
 
 def _modules() -> Dict[str, tuple]:
@@ -93,9 +105,11 @@ def _in(module: str, package: str) -> bool:
     return module == prefix or module.startswith(prefix + ".")
 
 
-def test_no_python_file_is_over_600_lines():
+def test_no_python_file_is_over_500_lines():
+    """500 lines for the package's modules, 600 for tests, tools and examples."""
     long = []
     for top in ("laminar_mcore", "kernels", "tools", "tests", "examples"):
+        limit = MAX_LINES if top in PACKAGE_DIRS else MAX_TEST_LINES
         for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, top)):
             dirnames[:] = [d for d in dirnames if d != "__pycache__"]
             for f in filenames:
@@ -103,7 +117,7 @@ def test_no_python_file_is_over_600_lines():
                     path = os.path.join(dirpath, f)
                     with open(path, encoding="utf-8") as fh:
                         n = sum(1 for _ in fh)
-                    if n > MAX_LINES:
+                    if n > limit:
                         long.append(f"{os.path.relpath(path, ROOT)}: {n} lines")
     assert not long, f"split along a real seam: {long}"
 
@@ -153,13 +167,44 @@ def test_roles_import_across_no_forbidden_boundary():
     assert not crossings, crossings
 
 
+def _reached(package: str) -> Dict[str, str]:
+    """Our modules reachable from those under ``package`` through GRAPH: each -> its importer
+    on one chain ('' for the package's own)."""
+    via = {m: "" for m in MODULES if _in(m, package)}
+    todo = list(via)
+    while todo:
+        m = todo.pop()
+        for d in GRAPH[m]:
+            if d not in via:
+                via[d] = m
+                todo.append(d)
+    return via
+
+
+@pytest.mark.parametrize("importer, imported", FORBIDDEN, ids=[f"{a}->{b}" for a, b in FORBIDDEN])
+def test_no_never_is_crossed_through_a_chain(importer, imported):
+    """A never holds through every chain of imports (sim -> bench -> trainer crosses it as
+    surely as a direct import): nothing reachable from ``importer`` is under ``imported``."""
+    via = _reached(importer)
+    chains = []
+    for m in sorted(via):
+        if _in(m, imported) and (importer, m) not in ALLOWED_THROUGH_A_CHAIN:
+            chain = [m]
+            while via[chain[-1]]:
+                chain.append(via[chain[-1]])
+            chains.append(" -> ".join(reversed(chain)))
+    assert not chains, chains
+
+
 @pytest.mark.parametrize("module, absent", [
     ("laminar_mcore.controller.role", ("laminar_mcore.trainer", "megatron")),
     ("laminar_mcore.relay.server", ("laminar_mcore.rollout", "laminar_mcore.trainer",
                                     "megatron")),
+    ("laminar_mcore.sim.calibrate", ("laminar_mcore.trainer", "megatron")),
 ])
 def test_a_role_loads_without_the_code_it_must_not_need(module, absent):
-    """A controller host needs no Megatron; a relay process loads no engine code."""
+    """A controller host needs no Megatron; a relay process loads no engine code; the
+    simulator's calibration loads no trainer."""
     code = ("import sys, importlib; importlib.import_module(%r); "
             "print('\\n'.join(sorted(sys.modules)))" % module)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -10,6 +10,8 @@ of the same bytes (memcpy) and a raw gloo broadcast of them to as many processes
 The first two publishes allocate every host and shared-memory buffer (a relay keeps the newest
 version and the one arriving); the next ``--repeats`` reuse them and are measured, and the
 trainer-blocked, chain and host-copy figures are medians (the machines are noisy).
+``sim.calibrate`` runs this module as its own process and reads ``pull_s`` from its ``--json``
+(the simulator never imports the trainer): its flags and keys are an interface.
 """
 
 from __future__ import annotations

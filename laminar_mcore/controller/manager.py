@@ -16,9 +16,10 @@ answering is marked unhealthy; its in-flight trajectories resume on healthy engi
 version from the tokens the pool holds. Finished trajectories are rewarded in the reward
 service and land in the experience buffer; everything dropped is counted with its reason.
 
-Beside it: what it knows of each engine (controller/engines.py), how engines take new versions
-(controller/pulls.py), the versions relays hold (controller/relays.py) and Laminar's repack
-(controller/repack.py).
+Beside it: what it knows of each engine (controller/engines.py), which trajectories it may
+start (controller/admission.py), supervision and fault isolation (controller/health.py), how
+engines take new versions (controller/pulls.py), the versions relays hold
+(controller/relays.py) and Laminar's repack (controller/repack.py).
 """
 
 from __future__ import annotations
@@ -27,15 +28,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Set
+from typing import Callable, Dict, List, Optional, Set
 
 from ..config.schema import RolloutConfig
 from ..data.pools import InFlight
-from ..data.trajectory import Trajectory
-from ..relay.client import RelayClient
-from ..rollout.client import EngineError, SGLangClient, StreamProtocolError
+from ..rollout.client import EngineError, StreamProtocolError
+from .admission import Admission
 from .engines import EngineHandle, ManagerStats, RolloutData
 from .episode import Discard, Episode, Stopped
+from .health import EngineHealth
 from .modes import ModePolicy
 from .pulls import WeightPulls
 from .relays import RelayVersions
@@ -44,7 +45,7 @@ from .repack import Repacker
 logger = logging.getLogger(__name__)
 
 
-class RolloutManager(WeightPulls):
+class RolloutManager(Admission, EngineHealth, WeightPulls):
     def __init__(self, engines: List[EngineHandle], data: RolloutData, episode: Episode,
                  policy: ModePolicy, cfg: RolloutConfig, *, trainer_version: Callable[[], int],
                  batch_trajectories: int, poll_s: float = 0.05, wake_s: float = 1.0,
@@ -108,22 +109,6 @@ class RolloutManager(WeightPulls):
         # (kind, event, info) of fault-isolation events, for the controller's records
         self.on_event: Optional[Callable[[str, str, dict], None]] = None
 
-    # ------------------------------------------------------------------ admission
-    def running(self) -> int:
-        return sum(len(e.in_flight) for e in self.engines)
-
-    def can_admit(self, n: int) -> bool:
-        """AReaL's staleness admission: (eta + v + 1) * B >= admitted + n; whatever the bound,
-        nothing before ``admitting`` (``rollout.generate_before_trainer``) or while
-        ``rollout.max_buffered_batches`` batches wait (a stopped trainer's buffer is capped)."""
-        if not self.admitting or (self.max_buffered and
-                                  self.buffer.buffered >= self.max_buffered * self.batch):
-            return False
-        if self.max_staleness is None:
-            return True
-        v = self.trainer_version()
-        return self.accepted + n <= (self.max_staleness + v + 1) * self.batch
-
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> None:
         self._running = True
@@ -140,54 +125,6 @@ class RolloutManager(WeightPulls):
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.error is not None:
             raise RuntimeError(f"the rollout manager stopped: {self.error}") from self.error
-
-    # ------------------------------------------------------------------ supervision
-    def _spawn(self, coro, what: str, on_error: Callable[[str, BaseException], None]):
-        """Start ``coro`` as a supervised task: if it ends with an exception, ``on_error`` is
-        told (never a silent end of an engine's loop or of the relay watcher)."""
-        task = asyncio.create_task(coro, name=what)
-
-        def done(t: asyncio.Task) -> None:
-            self._tasks.discard(t)
-            if t.cancelled() or t.exception() is None:
-                return
-            on_error(what, t.exception())
-
-        task.add_done_callback(done)
-        self._tasks.add(task)
-        return task
-
-    def _fatal(self, what: str, exc: BaseException) -> None:
-        logger.error("rollout manager: %s failed: %r; stopping the run", what, exc,
-                     exc_info=exc)
-        if self.error is None:
-            self.error = exc
-        self._stop.set()
-
-    def _engine_failed(self, engine: EngineHandle):
-        epoch = engine.epoch
-
-        def on_error(what: str, exc: BaseException) -> None:
-            logger.error("%s failed: %r; engine %s is taken out of service", what, exc,
-                         engine.name, exc_info=exc)
-            self._mark_unhealthy(engine, epoch)
-        return on_error
-
-    # internal errors in a row (no trajectory finishing in between) that stop the run: one
-    # trajectory's bad luck is isolated, a bug that fails every trajectory is not a state to
-    # spin in
-    MAX_INTERNAL_ERRORS_IN_A_ROW = 64
-
-    def _trajectory_failed(self, item: InFlight):
-        def on_error(what: str, exc: BaseException) -> None:
-            self._internal_errors += 1
-            if self._internal_errors <= 3:
-                logger.error("%s failed: %r; the trajectory is discarded", what, exc, exc_info=exc)
-            self._drop(item)
-            self._discard(item.group_id, 1, "internal_error", [item.traj])
-            if self._internal_errors >= self.MAX_INTERNAL_ERRORS_IN_A_ROW and self.error is None:
-                self._fatal(f"{self._internal_errors} trajectories in a row ({what})", exc)
-        return on_error
 
     def _drop(self, item: InFlight) -> None:
         """Take ``item`` off its engine (any engine, if not there) and out of the pool."""
@@ -323,12 +260,6 @@ class RolloutManager(WeightPulls):
                 self._start_group(engine)
                 continue
             await self._sleep_until_woken(engine, self.wake_s)
-
-    def _barrier_ready(self) -> bool:
-        """One-step / sync baselines: nobody pulls until every healthy engine is idle."""
-        if not self.barrier:
-            return True
-        return all(not e.in_flight for e in self.engines if e.healthy)
 
     def _start_group(self, engine: EngineHandle) -> None:
         group = self.prompts.next_group()
@@ -471,20 +402,6 @@ class RolloutManager(WeightPulls):
                                           "with --enable-return-routed-experts")
         return reason
 
-    async def _protocol_error(self, engine: EngineHandle, item: InFlight,
-                              exc: BaseException) -> None:
-        """Count it (``protocol_errors``), abort what may still run of the request, and stop the
-        run when every trajectory fails so (a client and an engine that disagree)."""
-        self.stats.protocol_errors += 1
-        self._internal_errors += 1
-        if self.stats.protocol_errors <= 3:
-            logger.error("engine %s: stream of %s could not be read: %s; the trajectory is "
-                         "discarded", engine.name, item.rid, exc)
-        with contextlib.suppress(EngineError):
-            await engine.client.abort_request(item.rid)
-        if self._internal_errors >= self.MAX_INTERNAL_ERRORS_IN_A_ROW and self.error is None:
-            self._fatal(f"{self._internal_errors} trajectories in a row (stream protocol)", exc)
-
     def _engine(self, name: Optional[str]) -> Optional[EngineHandle]:
         if not name:
             return None
@@ -496,105 +413,3 @@ class RolloutManager(WeightPulls):
     def plan_repack(self, kv_free: Optional[Dict[str, int]] = None) -> List[tuple]:
         """Laminar's repack plan now (controller/repack.py)."""
         return self.repacker.plan(kv_free)
-
-    def _discard(self, group_id: str, count: int, reason: str,
-                 trajs: Sequence[Trajectory] = ()) -> None:
-        """Count ``count`` ended-but-unusable trajectories; a group with a lost member can never
-        complete, so its members already buffered are dropped too (with their own reason), and
-        so are those that finish later. The whole group's admission capacity is given back
-        (none of it was consumed: groups are consumed whole), so a bounded-staleness run -- and
-        ``mode=sync`` (bound 0) above all -- admits a replacement instead of waiting for a group
-        that cannot come."""
-        self.stats.generated += count
-        self.buffer.discard(count, reason, trajs)
-        first = not self.buffer.is_dropped(group_id)
-        dropped = self.buffer.drop_group(group_id, f"{reason}_group")
-        if first:
-            self.accepted = max(self.accepted - self.prompts.n_samples, 0)
-            self.notify()  # admission capacity came back
-        self.stats.discarded[reason] = self.stats.discarded.get(reason, 0) + count + dropped
-
-    def _mark_unhealthy(self, engine: EngineHandle, epoch: Optional[int] = None) -> None:
-        """Take ``engine`` out of service (``epoch``: the process the failure was seen on; a
-        failure of a process already replaced says nothing of the new one)."""
-        if epoch is not None and epoch != engine.epoch:
-            return
-        if engine.healthy:
-            engine.healthy = False
-            self.stats.unhealthy.append(engine.name)
-            logger.warning("engine %s marked unhealthy", engine.name)
-            self.notify()  # its loop ends; with a barrier, the others need not wait for it
-            self.relay_versions.changed.set()
-
-    # ------------------------------------------------------------------ fault isolation
-    def engine_down(self, engine: EngineHandle, reason: str, evict: bool) -> None:
-        """Its node's supervisor found it dead or hung: no more work for it. Unless
-        ``evict``, a replacement is on its way (``replace_engine``)."""
-        self._mark_unhealthy(engine)
-        if evict:
-            engine.restarting, engine.evicted = False, reason
-            self.stats.evicted[engine.name] = reason
-        else:
-            engine.restarting = True
-
-    def engine_lost(self, engine: EngineHandle, reason: str) -> int:
-        """The controller found ``engine`` gone or silent and no supervisor reported it (its
-        host went away): no more work for it, and the streams still open to it end now, so
-        their trajectories resume on engines of their version (or are discarded with a
-        reason) rather than wait for a host that may never answer. Returns how many streams
-        were ended. A supervisor that comes back restarts it (``replace_engine``)."""
-        self._mark_unhealthy(engine)
-        engine.lost = reason
-        self.stats.lost[engine.name] = reason
-        return engine.client.break_streams(f"engine {engine.name} lost: {reason}")
-
-    def replace_engine(self, engine: EngineHandle, client: SGLangClient) -> SGLangClient:
-        """The restarted engine takes ``engine``'s place: it holds the starting weights
-        (version 0) and pulls the newest version before it takes work, like an engine that
-        joins. Returns the old client (the caller closes it). Call on the manager's loop."""
-        old, engine.client = engine.client, client
-        engine.epoch += 1
-        engine.version, engine.pulls = 0, 0
-        engine.healthy, engine.restarting, engine.evicted, engine.lost = True, False, None, None
-        engine.draining = engine.paused = engine.pulling = False
-        engine.resuming = 0
-        engine.in_flight = {}  # its trajectories moved on when it failed
-        engine.idle_since = None
-        self.stats.engine_restarts += 1
-        self.relay_versions.changed.set()
-        self._start_engine_loop(engine)
-        return old
-
-    def replace_relay(self, old_url: str, relay: RelayClient) -> List[RelayClient]:
-        """A relay restarted (or its engines now pull from another): engines that pulled from
-        ``old_url`` pull from ``relay``. Returns the old clients (the caller closes them)."""
-        old = []
-        for e in self.engines:
-            if e.relay.url == old_url:
-                old.append(e.relay)
-                e.relay = relay
-        self.relay_versions.forget(old_url)
-        return old
-
-    async def _engine_of_version(self, item: InFlight) -> EngineHandle:
-        """A healthy engine of ``item``'s version to continue on (the least loaded), waiting
-        while one may still come; the trajectory is placed on it. (With ``interrupt``, AReaL's
-        mode, a trajectory spans versions anyway: any healthy engine that is not paused.)"""
-        while not self._stop.is_set():
-            candidates = [e for e in self.engines if e.healthy and not e.paused and (
-                self.interrupt or (e.version == item.traj.weight_version and not e.draining))]
-            if candidates:
-                target = min(candidates, key=lambda e: len(e.in_flight))
-                item.engine = target.name
-                target.in_flight[item.rid] = item
-                return target
-            # a restarting engine comes back at version 0 and pulls the newest: it can take
-            # the trajectory only if that is its version
-            may_come = any(e.restarting for e in self.engines) and (
-                self.interrupt or item.traj.weight_version in (0, self.relay_versions.latest))
-            if not may_come and (not any(e.healthy for e in self.engines) or not self.interrupt
-                                 and all(e.version > item.traj.weight_version
-                                         for e in self.engines if e.healthy)):
-                raise Discard("no_engine_of_its_version")
-            await asyncio.sleep(self.poll_s)
-        raise Stopped()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Optional
 
 from ..data.pools import InFlight
 from ..netutil import EngineError

@@ -2,10 +2,11 @@
 
 Runs an asyncio loop (in its own thread of the launcher, or as its own process on a cluster):
 the RolloutManager keeps engines busy and fills the experience buffer; trainer rank 0 takes
-batches with ``GET /batch`` and reports each step with ``POST /trained``. The controller records
-per trajectory its version and staleness at consumption, and keeps the books:
-generated = consumed + buffered + discarded (with reasons). What rollout nodes, relays and their
-supervisors call (registration, failures, the master relay's election) is controller/cluster.py.
+batches with ``GET /batch`` and reports each step with ``POST /trained`` (controller/batches.py).
+The controller records per trajectory its version and staleness at consumption, and keeps the
+books: generated = consumed + buffered + discarded (with reasons; controller/books.py). What
+rollout nodes, relays and their supervisors call (registration, failures, the master relay's
+election) is controller/cluster.py; trainer nodes' liveness controller/trainers.py.
 
 Every endpoint but ``/health``, ``/metrics`` and ``/metrics/targets`` (Prometheus' discovery: the
 addresses of those ``/metrics``) proves the run token; every body and query is checked field by
@@ -17,7 +18,6 @@ with 503 "shutting down" and cancels handlers still running after ``SHUTDOWN_S``
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -33,8 +33,10 @@ from ..data.pools import ExperienceBuffer, PartialResponsePool, PromptPool
 from ..data.trace import TrajectoryTrace
 from ..data.trajectory import Trajectory
 from ..metrics.prometheus import STALENESS_BUCKETS, Histogram, Scrape
-from ..netutil import Field, read_json, read_query, token_middleware
+from ..netutil import read_query, token_middleware
 from ..reward import RewardService
+from .batches import TrainerAPI
+from .books import RunBooks
 from .cluster import ClusterAPI
 from .engines import RolloutData
 from .episode import SingleTurn, TaskCodec, episode_plugin
@@ -48,16 +50,8 @@ logger = logging.getLogger(__name__)
 
 OPEN_PATHS = ("/health", "/metrics", "/metrics/targets")  # what answers without the token
 SHUTDOWN_S = 1.0  # how long a stop waits for handlers still running before cancelling them
-COUNT = Field("int", low=0)
-SECONDS = Field("number", low=0, high=1e7)
-# what each trainer endpoint accepts (the cluster's: controller/cluster.py)
+# what each trainer endpoint accepts (controller/batches.py; the cluster's: controller/cluster.py)
 NO_QUERY: dict = {}
-# what an agent episode's trajectory reports (agents/gateway.py Session.counts)
-AGENT_COUNTS = ("turns", "tool_calls", "tool_errors", "malformed_tool_calls")
-BATCH_QUERY = {"timeout": Field("number", low=0, high=3600)}
-TRAINED = {"step": Field("int", required=True, low=0), "version": Field("int", required=True, low=0),
-           "stats": Field("dict", max_len=1024), "publish_blocked_s": SECONDS, "wait_s": SECONDS}
-DONE = {"steps": COUNT, "version": Field("int", required=True, low=0)}
 
 
 @dataclass
@@ -93,7 +87,7 @@ def length_fn_from_config(rollout_cfg):
     return length
 
 
-class Controller(ClusterAPI, TrainerWatch):
+class Controller(TrainerAPI, RunBooks, ClusterAPI, TrainerWatch):
     def __init__(self, cfg: LaminarConfig, task: TaskData, metrics, token: str, *,
                  listen: Tuple[str, int] = ("127.0.0.1", 0), info: Optional[dict] = None,
                  initial_state: Optional[dict] = None):
@@ -268,12 +262,10 @@ class Controller(ClusterAPI, TrainerWatch):
         app.router.add_get("/metrics", Scrape(lambda: controller_metrics(self)).handle)
         app.router.add_get("/metrics/targets",
                            lambda r: web.json_response(scrape_targets(self)))
-        app.router.add_get("/batch", self._batch)
-        app.router.add_post("/trained", self._trained)
+        self._add_batch_routes(app.router)  # controller/batches.py
         app.router.add_get("/state", self._state)
         app.router.add_get("/health", lambda r: web.json_response({"ok": True,
                                                                    "done": self.finished}))
-        app.router.add_post("/done", self._done)
         self._add_cluster_routes(app.router)
         self._add_trainer_routes(app.router)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_S)
@@ -305,100 +297,6 @@ class Controller(ClusterAPI, TrainerWatch):
             await client.close()
         await self.episode.aclose()
         await runner.cleanup()
-
-    # ------------------------------------------------------------------ trainer API
-    async def _json_body(self, request: web.Request) -> Optional[dict]:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-            return None
-        return body if isinstance(body, dict) else None
-
-    async def _done(self, request: web.Request):
-        """Trainer rank 0: training finished (``{"steps", "version"}``)."""
-        body = await read_json(request, DONE)
-        self.trainer_done = body
-        self.trainer_done_event.set()
-        return web.json_response({"ok": True})
-
-    async def _batch(self, request: web.Request):
-        timeout = read_query(request, BATCH_QUERY).get("timeout", 30.0)
-        if self.first_request is None:
-            self.first_request = time.time()
-        if self.manager is not None and not self.manager.admitting:
-            self.manager.admitting = True  # rollout.generate_before_trainer=false: start now
-            self.manager.notify()
-        if self.stop_file and os.path.exists(self.stop_file):
-            # a graceful stop: the trainer ends after the step it finished (summary as usual)
-            return web.json_response({"stop": True})
-        batch = await asyncio.to_thread(self._take, self.batch_prompts, timeout)
-        if self.closing and batch is None:
-            return web.json_response({"error": "shutting down"}, status=503)
-        if batch is None:
-            return web.Response(status=204)
-        self.manager.notify()  # the buffer has room again
-        now = time.time()
-        staleness = [self.trainer_version - t.weight_version for t in batch]
-        for t in batch:
-            t.timings["consumed"] = now
-            seen = t.versions_seen()
-            if seen and seen != [str(t.weight_version)]:
-                self.mixed_version_consumed += 1
-            record = {"uid": t.uid, "version": t.weight_version,
-                      "staleness": self.trainer_version - t.weight_version,
-                      "reward": t.reward, "tokens": len(t.response_ids)}
-            record.update({k: t.metadata[k] for k in AGENT_COUNTS if k in t.metadata})
-            self.consumed.append(record)
-        self.max_staleness_observed = max([self.max_staleness_observed] + staleness)
-        for s in staleness:
-            self.staleness.observe(s)
-        # thousands of records a step at scale: written off the loop that drives the engines
-        await asyncio.to_thread(self.trace.consumed, batch, self.trainer_version)
-        return web.json_response({"trajectories": [t.to_dict() for t in batch],
-                                  "staleness": staleness})
-
-    def _take(self, groups: int, timeout: float):
-        """``buffer.take``, woken by a stop (``_wake_long_polls``): then None at once."""
-        with self.buffer.cond:
-            self.buffer.cond.wait_for(
-                lambda: self.closing or self.buffer.ready_groups >= groups, timeout=timeout)
-            if self.closing:
-                return None
-            return self.buffer.take(groups, 0)
-
-    async def _trained(self, request: web.Request):
-        body = await read_json(request, TRAINED)
-        step, version = body["step"], body["version"]
-        self.trainer_version = max(self.trainer_version, version)
-        self.manager.notify()  # barrier modes follow the trainer; admission grows with it
-        self.trainer_wait_s += float(body.get("wait_s", 0.0))
-        now = time.time()
-        elapsed, self.last_step_time = now - self.last_step_time, now
-        batch = self.consumed[-self.batch_prompts * self.n_samples:]
-        tokens = sum(c["tokens"] for c in batch)
-        self.step_marks.append((now, tokens, float(body.get("wait_s", 0.0))))
-        self.version_times[version] = now
-        interval = self.cfg.trainer.eval_interval
-        if interval and step % interval == 0 and step < self.cfg.trainer.total_steps \
-                and not self.cfg.trainer.eval_offline:  # offline: after training (role.py)
-            self._eval_tasks.append(asyncio.create_task(self._evaluate_version(step, version)))
-        # the engines' idle seconds at the first and the latest step: their idle share over
-        # the trainer's own window (not the shutdown after the last step)
-        self._idle_last = (now, self.manager.engine_idle_seconds(now),
-                           self.manager.quiet_seconds(now))
-        if len(self.step_marks) == 1:
-            self._idle_mark = self._idle_last
-        stats = {k: v for k, v in dict(body.get("stats", {})).items()
-                 if isinstance(v, (int, float)) and k not in ("version", "step")}
-        self.metrics.log(
-            "train", step=step, version=version, reward_mean=sum(c["reward"] for c in batch) / max(len(batch), 1),
-            staleness_mean=sum(c["staleness"] for c in batch) / max(len(batch), 1),
-            staleness_max=max((c["staleness"] for c in batch), default=0),
-            tokens_per_s=tokens / max(elapsed, 1e-9), step_seconds=elapsed,
-            buffered=self.buffer.buffered, generated=self.manager.stats.generated,
-            engine_pulls=self.manager.stats.pulls, repacked=self.manager.stats.repacked, publish_blocked_s=body.get("publish_blocked_s", 0.0),
-            **stats)
-        return web.json_response({"ok": True})
 
     # ------------------------------------------------------------------ evaluation
     def version_wall_s(self, version: Optional[int]) -> Optional[float]:
@@ -490,75 +388,3 @@ class Controller(ClusterAPI, TrainerWatch):
         # The admission budget resumes from what can still be trained on: consumed and
         # buffered trajectories, not those lost in flight at the save.
         self.manager.accepted = self.buffer.consumed + self.buffer.buffered
-
-    def utilisation(self) -> dict:
-        """Trainer-consumed tokens/s and idle fractions in the steady state: from the end of the
-        first step (start-up, model build and the first batch excluded in every mode) to the
-        end of the last; over the whole run when there is a single step."""
-        if len(self.step_marks) >= 2:
-            span = max(self.step_marks[-1][0] - self.step_marks[0][0], 1e-9)
-            tokens = sum(t for _, t, _ in self.step_marks[1:])
-            wait = sum(w for _, _, w in self.step_marks[1:])
-        else:
-            span = max(time.time() - (self.first_request or time.time()), 1e-9)
-            tokens = sum(c["tokens"] for c in self.consumed)
-            wait = self.trainer_wait_s
-        return {"trainer_tokens_per_s": tokens / span,
-                "trainer_idle_fraction": min(wait / span, 1.0),
-                "engine_idle_fraction": (self._engine_idle_fraction()
-                                         if self.manager else 0.0),
-                "generation_fraction": self._generation_fraction() if self.manager else 0.0,
-                "consumed_tokens": sum(c["tokens"] for c in self.consumed), "span_s": span,
-                "first_batch_request": self.first_request}
-
-    def _window(self):
-        """(time, engine idle seconds, seconds with no engine generating) at the first step and
-        at the last: the steady state's window (with one step or none, from the first step or
-        the start until now)."""
-        m = self.manager
-        start = self._idle_mark or (m.started, 0.0, 0.0)
-        if self._idle_last is None or self._idle_last is self._idle_mark:
-            now = m.clock()
-            return start, (now, m.engine_idle_seconds(now), m.quiet_seconds(now))
-        return start, self._idle_last
-
-    def _engine_idle_fraction(self) -> float:
-        """The engines' idle share (averaged over engines) over ``_window``."""
-        (t0, idle0, _), (t1, idle1, _) = self._window()
-        return min(max((idle1 - idle0) / max(t1 - t0, 1e-9), 0.0), 1.0)
-
-    def _generation_fraction(self) -> float:
-        """The share of the same window with at least one engine generating: a synchronous
-        run's generation phase (Laminar's 83% of RL time), whatever the number of engines."""
-        (t0, _, quiet0), (t1, _, quiet1) = self._window()
-        return min(max(1.0 - (quiet1 - quiet0) / max(t1 - t0, 1e-9), 0.0), 1.0)
-
-    def books(self) -> dict:
-        s = self.manager.stats if self.manager else None
-        return {"trajectories_generated": s.generated if s else 0,
-                "trajectories_consumed": self.buffer.consumed,
-                "trajectories_buffered": self.buffer.buffered,
-                "trajectories_discarded": sum(self.buffer.discarded.values()),
-                # started but neither ended (kept or discarded with a reason) nor in flight,
-                # plus ended ones the books cannot place: 0 unless a trajectory vanished
-                "trajectories_lost": ((s.started - s.generated - len(self.partial)) if s else 0)
-                + ((s.generated - self.buffer.consumed - self.buffer.buffered
-                    - sum(self.buffer.discarded.values())) if s else 0),
-                "discarded_reasons": dict(self.buffer.discarded),
-                "max_staleness_observed": self.max_staleness_observed,
-                "engine_pulls": s.pulls if s else 0, "resumed": s.resumed if s else 0,
-                "repacked": s.repacked if s else 0, "repack_rounds": s.repack_rounds if s else 0,
-                "trajectories_interrupted": s.interrupted if s else 0,
-                "protocol_errors": s.protocol_errors if s else 0,
-                "reward_worker_restarts": self.reward.restarts,
-                "engine_versions": ({e.name: e.version for e in self.manager.engines}
-                                    if self.manager else {}),
-                "unhealthy_engines": list(s.unhealthy) if s else [],
-                "engine_restarts": s.engine_restarts if s else 0,
-                "evicted_engines": dict(s.evicted) if s else {},
-                "lost_engines": dict(s.lost) if s else {},
-                "relay_failovers": self.relay_failovers,
-                "trainer_restarts": self.trainer_restarts,
-                **self.episode.books(self.consumed),
-                "faults": len(self.faults),
-                "trajectories_mixed_versions": self.mixed_version_consumed}

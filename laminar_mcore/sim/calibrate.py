@@ -14,6 +14,10 @@
    ``laminar_vs_sync`` and ``laminar_vs_one_step`` beside the measured ones;
    ``calibration_error`` is the larger relative error.
 
+Both benchmarks run as their own processes and calibration reads their ``--json``: the
+simulator models the trainer, it never imports it (``tests/test_layering.py`` holds this
+through every chain of imports); the runs' shape comes from the neutral ``run_shape``.
+
 The engines and the trainer share this machine's two cores, yet their costs barely interact:
 the trainer's busy seconds per step in one_step (overlapping generation) are no higher than in
 sync (alone): 88 against 99 ms in one run. So by default the simulated components do not slow
@@ -32,11 +36,14 @@ import argparse
 import asyncio
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
+from ..run_shape import add_run_args, run_args, run_overrides
 from .cluster import SimConfig, simulate, summary_line
 from .costs import CostModel
 from .workload import Workload
@@ -98,15 +105,28 @@ def measure_engine(cfg, model_path: str, prompt_ids: List[int], batches=(1, 2, 4
     return steps
 
 
+def run_benchmark(module: str, flags: List[str]) -> dict:
+    """``python -m laminar_mcore.bench.<module> FLAGS --json PATH`` in its own process (its
+    lines printed as it prints them), and its JSON: the benchmarks start the trainer, which
+    the simulator must not import."""
+    with tempfile.TemporaryDirectory(prefix="laminar-calibrate-bench-") as tmp:
+        path = os.path.join(tmp, f"{module}.json")
+        done = subprocess.run([sys.executable, "-m", f"laminar_mcore.bench.{module}", *flags,
+                               "--json", path])
+        if done.returncode != 0 or not os.path.exists(path):
+            raise SystemExit(f"bench.{module} {' '.join(flags)} failed (exit {done.returncode}, "
+                             "its output is above); calibration needs its figures")
+        with open(path) as f:
+            return json.load(f)
+
+
 def measure_pull(cfg) -> float:
     """Seconds for an engine to pull a version of the run's model shape from its relay
     (``bench.weight_sync``: a real relay, the CPU engine's shared-memory pull)."""
-    from ..bench.weight_sync import main as weight_sync
-
     arch = cfg.model.arch
-    figures = weight_sync(["--hidden", str(arch.hidden_size), "--layers",
-                           str(arch.num_hidden_layers), "--vocab", str(arch.vocab_size),
-                           "--relays", "1", "--repeats", "3", "--mooncake", "off"])
+    figures = run_benchmark("weight_sync", [
+        "--hidden", str(arch.hidden_size), "--layers", str(arch.num_hidden_layers),
+        "--vocab", str(arch.vocab_size), "--relays", "1", "--repeats", "3", "--mooncake", "off"])
     return float(figures["pull_s"])
 
 
@@ -151,8 +171,6 @@ def predict(cost: CostModel, workload: Workload, args, steps: int,
 
 
 def main(argv=None) -> dict:
-    from ..bench.modes import add_run_args, run_args, run_overrides
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_run_args(ap)
     ap.add_argument("--pull-s", type=float, default=None,
@@ -189,8 +207,7 @@ def main(argv=None) -> dict:
         if "bench_steps" in measured:
             measured = {k[6:]: v for k, v in measured.items() if k.startswith("bench_")}
     else:
-        from ..bench.modes import main as bench_modes
-        measured = bench_modes(run_args(args))
+        measured = run_benchmark("modes", run_args(args))
     steps = int(measured.get("steps", args.steps))
 
     register_configs()

@@ -1,0 +1,61 @@
+"""Admission: which trajectories the rollout manager may start, and the capacity they hold.
+
+AReaL's staleness admission control, ``(eta + v + 1) * B >= admitted + n`` (``can_admit``; off
+by default as in Laminar), gated by ``rollout.generate_before_trainer`` and
+``rollout.max_buffered_batches``; the one-step/sync baselines' global barrier
+(``_barrier_ready``); and the books of what ends unusable (``_discard``): a group with a lost
+member is dropped whole and its admission capacity given back, so a bounded run admits a
+replacement instead of waiting for a group that cannot come.
+
+Mixed into ``RolloutManager`` (controller/manager.py), which provides ``engines``, ``buffer``,
+``prompts``, ``stats``, ``batch``, ``max_staleness``, ``max_buffered``, ``admitting``,
+``barrier``, ``accepted``, ``trainer_version`` and ``notify``. It never starts or stops anything.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..data.trajectory import Trajectory
+
+
+class Admission:
+    """The admission half of ``RolloutManager`` (see the module docstring)."""
+
+    def running(self) -> int:
+        return sum(len(e.in_flight) for e in self.engines)
+
+    def can_admit(self, n: int) -> bool:
+        """AReaL's staleness admission: (eta + v + 1) * B >= admitted + n; whatever the bound,
+        nothing before ``admitting`` (``rollout.generate_before_trainer``) or while
+        ``rollout.max_buffered_batches`` batches wait (a stopped trainer's buffer is capped)."""
+        if not self.admitting or (self.max_buffered and
+                                  self.buffer.buffered >= self.max_buffered * self.batch):
+            return False
+        if self.max_staleness is None:
+            return True
+        v = self.trainer_version()
+        return self.accepted + n <= (self.max_staleness + v + 1) * self.batch
+
+    def _barrier_ready(self) -> bool:
+        """One-step / sync baselines: nobody pulls until every healthy engine is idle."""
+        if not self.barrier:
+            return True
+        return all(not e.in_flight for e in self.engines if e.healthy)
+
+    def _discard(self, group_id: str, count: int, reason: str,
+                 trajs: Sequence[Trajectory] = ()) -> None:
+        """Count ``count`` ended-but-unusable trajectories; a group with a lost member can never
+        complete, so its members already buffered are dropped too (with their own reason), and
+        so are those that finish later. The whole group's admission capacity is given back
+        (none of it was consumed: groups are consumed whole), so a bounded-staleness run -- and
+        ``mode=sync`` (bound 0) above all -- admits a replacement instead of waiting for a group
+        that cannot come."""
+        self.stats.generated += count
+        self.buffer.discard(count, reason, trajs)
+        first = not self.buffer.is_dropped(group_id)
+        dropped = self.buffer.drop_group(group_id, f"{reason}_group")
+        if first:
+            self.accepted = max(self.accepted - self.prompts.n_samples, 0)
+            self.notify()  # admission capacity came back
+        self.stats.discarded[reason] = self.stats.discarded.get(reason, 0) + count + dropped
