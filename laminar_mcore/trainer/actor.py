@@ -20,6 +20,9 @@ schedule, the weight version counter, and one train step:
   5. a non-finite loss or gradient norm skips the step (warned and counted); too many in a row
      stop the run with a clear error.
 
+The batch's plan (advantages, skipped trajectories, micro-batches) is ``batch_plan``'s and the
+step's statistics are ``step_stats``'s; this module builds, scatters, runs and steps.
+
 It never imports engine code; weights leave it only through ``laminar_mcore.weights`` formats.
 """
 
@@ -27,21 +30,26 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..algos import (advantage_fn, aggregate_terms, batch_counts, denominator, finalize_stats,
-                     policy_loss_fn, policy_loss_options, regularized_sums)
+from ..algos import (aggregate_terms, batch_counts, denominator, policy_loss_fn,
+                     policy_loss_options, regularized_sums)
 from ..algos.spec import skip_zero_advantage_problem
 from ..config.schema import AlgoConfig, ParallelConfig, TrainerConfig
 from ..data.trajectory import Trajectory
 from ..parallel import apply_cpu_compat, device
+from .batch_plan import plan_batch, skip_zero_advantage
 from .logprobs import megatron_vocab_parallel_logprobs
 from .model import build_gpt_model, load_full_state, memory_config, te_available
-from .packing import (PackedMicroBatch, pack_routed_experts, pack_trajectories, pad_multiple,
-                      padded_length, plan_microbatches)
+from .packing import PackedMicroBatch, pack_routed_experts, pack_trajectories
+from .step_stats import MISMATCH_EDGES, mismatch_summary, mismatch_terms, reduce_step_stats
+
+# the planning and statistics names, importable from here as before the split
+__all__ = ["MegatronActor", "NonFiniteLossError", "MISMATCH_EDGES", "mismatch_summary",
+           "mismatch_terms", "skip_zero_advantage"]
 
 logger = logging.getLogger(__name__)
 
@@ -143,23 +151,10 @@ class MegatronActor:
 
     # ------------------------------------------------------------------ batch distribution
     def _plan(self, trajectories: Sequence[Trajectory]):
-        a = self.algo
-        rewards = [t.reward for t in trajectories]
-        if any(r is None for r in rewards):
-            raise ValueError("every trajectory needs a reward before training on it")
-        adv_fn = advantage_fn(a.advantage)
-        adv = adv_fn(rewards, [t.group_id for t in trajectories],
-                     lengths=[t.num_sampled for t in trajectories],
-                     std_normalize=a.std_normalize, leave_one_out=a.leave_one_out).tolist()
-        multiple = pad_multiple(self.ps.get_tensor_model_parallel_world_size(),
-                                self.ps.get_context_parallel_world_size())
-        dp = self.ps.get_data_parallel_world_size()
-        keep, skipped = skip_zero_advantage(trajectories, adv, dp) \
-            if self.trainer.skip_zero_advantage else (list(range(len(trajectories))), (0.0, 0.0))
-        lengths = [padded_length(trajectories[i].num_tokens, multiple) for i in keep]
-        plan = [[[keep[j] for j in mb] for mb in rank]
-                for rank in plan_microbatches(lengths, self.trainer.max_tokens_per_microbatch, dp)]
-        return adv, plan, skipped
+        return plan_batch(trajectories, self.algo, self.trainer,
+                          tp=self.ps.get_tensor_model_parallel_world_size(),
+                          cp=self.ps.get_context_parallel_world_size(),
+                          dp=self.ps.get_data_parallel_world_size())
 
     def distribute(self, trajectories: Optional[Sequence[Trajectory]]) -> List[PackedMicroBatch]:
         """Rank 0's batch -> this rank's packed micro-batches (scattered with torch.distributed:
@@ -423,39 +418,9 @@ class MegatronActor:
 
     def _reduce_stats(self, sums: Dict[str, torch.Tensor]) -> Dict[str, float]:
         """Sum the per-micro-batch stats over DP on the last stage, then share them over PP."""
-        keys = ["loss", "pg_loss", "entropy_loss", "kl_loss", "entropy", "n_tokens", "clip_frac", "dual_clip_frac", "imp_weight_mean",
-                "behav_masked_frac", "approx_kl", "ppo_kl", "clip_frac_lower", "mismatch_sum",
-                "mismatch_count", "mismatch_above"]
-        maxes = ["imp_weight_max", "mismatch_max"]
-        vec = torch.tensor([float(sums.get(k, 0.0)) for k in keys], dtype=torch.float64)
-        vmax = torch.tensor([float(sums.get(k, 0.0)) for k in maxes], dtype=torch.float64)
-        hist = sums.get("mismatch_hist", torch.zeros(len(MISMATCH_EDGES) + 1, dtype=torch.float64))
-        if self.ps.is_pipeline_last_stage():
-            dist.all_reduce(vec, group=self.ps.get_data_parallel_group())
-            dist.all_reduce(hist, group=self.ps.get_data_parallel_group())
-            dist.all_reduce(vmax, op=dist.ReduceOp.MAX, group=self.ps.get_data_parallel_group())
-        if self.ps.get_pipeline_model_parallel_world_size() > 1:
-            both = torch.cat([vec, vmax, hist])
-            dist.broadcast(both, src=self.ps.get_pipeline_model_parallel_last_rank(),
-                           group=self.ps.get_pipeline_model_parallel_group())
-            vec, vmax, hist = both[:len(keys)], both[len(keys):len(keys) + 2], both[len(keys) + 2:]
-        raw = dict(zip(keys, vec.tolist()))
-        mismatch = {k: raw.pop(k) for k in ("mismatch_sum", "mismatch_count", "mismatch_above")}
-        raw["imp_weight_max"] = float(vmax[0].item())
-        out = finalize_stats({k: torch.tensor(v) for k, v in raw.items()})
-        n = raw["n_tokens"]
-        # the loss over every loss token of the batch (a skipped zero-advantage trajectory adds
-        # 0 to it); entropy over the tokens it was measured on
-        total = n + float(self._skipped[0])
-        for key in ("loss", "pg_loss", "entropy", "entropy_loss", "kl_loss"):
-            d = n if key == "entropy" else total
-            out[key] = raw[key] / d if d > 0 else 0.0
-        if not self.algo.entropy_coef:
-            out.pop("entropy_loss")
-        if self.ref_model is None:
-            out.pop("kl_loss")
-        out.update(mismatch_summary(mismatch, float(vmax[1].item()), hist))
-        return out
+        return reduce_step_stats(sums, self.ps, float(self._skipped[0]),
+                                 entropy_coef=self.algo.entropy_coef,
+                                 has_reference=self.ref_model is not None)
 
 
 def _router_replays(model) -> list:
@@ -482,63 +447,3 @@ def _frozen_copy(model, hf_config, build: dict, *, offload: bool):
     if offload:
         ref.to("cpu")
     return ref
-
-
-# |log pi_engine - log pi_trainer| histogram: log-spaced edges from 1e-8 to 100 (25 per decade);
-# bin 0 holds everything below 1e-8, the last bin everything above 100.
-MISMATCH_EDGES = torch.logspace(-8, 2, 251, dtype=torch.float64)
-
-
-def mismatch_terms(trainer_lp: torch.Tensor, engine_lp: torch.Tensor, mask: torch.Tensor,
-                   threshold: float) -> Dict[str, torch.Tensor]:
-    """Per-micro-batch sums of the train/inference mismatch over the tokens of ``mask``."""
-    d = (trainer_lp.double() - engine_lp.double()).abs()
-    keep = mask > 0
-    d = d[keep]
-    hist = torch.bincount(torch.bucketize(d.cpu(), MISMATCH_EDGES),
-                          minlength=len(MISMATCH_EDGES) + 1).double()
-    return {"mismatch_sum": d.sum(), "mismatch_count": torch.tensor(float(d.numel())),
-            "mismatch_above": (d > threshold).sum().double(),
-            "mismatch_max": d.max() if d.numel() else torch.zeros((), dtype=torch.float64),
-            "mismatch_hist": hist}
-
-
-def mismatch_summary(sums: Dict[str, float], max_value: float, hist: torch.Tensor) -> Dict[str, float]:
-    """mean, p99 (the upper edge of the histogram bin that holds it), max and the fraction
-    above the threshold; ``mismatch_tokens`` counts the tokens they are over (0: no token of
-    this step came from the trainer's own version, and the others are 0 too)."""
-    n = sums["mismatch_count"]
-    if n <= 0:
-        return {"mismatch_tokens": 0.0, "mismatch_mean": 0.0, "mismatch_p99": 0.0,
-                "mismatch_max": 0.0, "mismatch_frac_above": 0.0}
-    cum = torch.cumsum(hist, 0)
-    b = int(torch.searchsorted(cum, torch.tensor([0.99 * n], dtype=cum.dtype)).item())
-    p99 = float(MISMATCH_EDGES[min(b, len(MISMATCH_EDGES) - 1)]) if b < len(MISMATCH_EDGES) \
-        else max_value
-    return {"mismatch_tokens": n, "mismatch_mean": sums["mismatch_sum"] / n,
-            "mismatch_p99": min(p99, max_value), "mismatch_max": max_value,
-            "mismatch_frac_above": sums["mismatch_above"] / n}
-
-
-def skip_zero_advantage(trajectories: Sequence[Trajectory], advantages: Sequence[float],
-                        dp_size: int) -> Tuple[List[int], Tuple[float, float]]:
-    """``trainer.skip_zero_advantage``: the trajectories worth a forward and backward pass.
-
-    With no entropy or KL term (validated), a trajectory whose advantage is exactly 0 (in the
-    float32 the loss reads: a group whose samples all got the same reward) adds exactly 0 to
-    the loss and its gradient, so it is not run; its loss tokens (and sequence) still count in
-    the batch's denominator, so the gradient is that of the whole batch. At least ``dp_size``
-    trajectories are kept (the shortest zero-advantage ones), so that every DP rank has a
-    micro-batch and an all-zero batch still makes its optimizer step. Returns the kept indices
-    and the skipped (loss tokens, sequences with a loss token)."""
-    zero = [i for i, a in enumerate(advantages) if float(torch.tensor(float(a),
-                                                                  dtype=torch.float32)) == 0.0]
-    zeros = set(zero)
-    keep = [i for i in range(len(advantages)) if i not in zeros]
-    if len(keep) < dp_size:
-        zero.sort(key=lambda i: trajectories[i].num_tokens)
-        keep += zero[:dp_size - len(keep)]
-        keep.sort()
-    kept = set(keep)
-    skipped = [trajectories[i].num_sampled for i in zero if i not in kept]
-    return keep, (float(sum(skipped)), float(sum(1 for n in skipped if n > 0)))
