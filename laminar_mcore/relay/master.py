@@ -34,7 +34,7 @@ import torch
 from aiohttp import web
 
 from ..weights.transport import Channel, resolve_backend, stage_group
-from .chain import receive_publishes
+from .publish_receiver import receive_publishes
 from .client import probe_relay
 from ..netutil import read_json, read_query
 from .rendezvous import PublishRendezvous

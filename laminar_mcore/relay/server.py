@@ -6,14 +6,16 @@
 Owns a ``VersionStore`` in shared host memory (at most ``weight_sync.relay_versions`` versions'
 buffers; given ``model_bytes`` it refuses to start when /dev/shm cannot hold that many, naming
 the mount to enlarge, rather than die of SIGBUS when the tmpfs fills), a TCP data port that
-receives pushed versions, a ``Forwarder`` that pushes every newer version to its downstream
-relay, and an HTTP control API: ``/pull`` (lease the newest complete version), ``/bucket`` (one
-of its flattened buckets at a time: shared-memory handles for local CPU engines, CUDA IPC for
-local SGLang engines, Mooncake transfer-engine buffers for pullers on other machines when
-started with ``--mooncake-protocol``), ``/release``, ``/release_holder`` (every lease taken
-from a host that is gone), ``/latest``, ``/digests`` (the newest version's bucket digests,
-computed from its bytes), ``/health``, ``/metrics`` (Prometheus text, relay/metrics.py); the
-formats are the weight transports of ``relay/transports``. On the master also ``/register``,
+receives pushed versions (the chain's protocol and the ``Forwarder`` that pushes every newer
+version to its downstream relay are relay/chain.py), and an HTTP control API: ``/pull`` (lease
+the newest complete version), ``/bucket`` (one of its flattened buckets at a time:
+shared-memory handles for local CPU engines, CUDA IPC for local SGLang engines, Mooncake
+transfer-engine buffers for pullers on other machines when started with
+``--mooncake-protocol``), ``/release``, ``/release_holder`` (every lease taken from a host that
+is gone) -- those four, the leases and the transports' exporters are relay/pulls.py --
+``/latest``, ``/digests`` (the newest version's bucket digests, computed from its bytes),
+``/health``, ``/metrics`` (Prometheus text, relay/metrics.py); the formats are the weight
+transports of ``relay/transports``. On the master also ``/register``,
 ``/report_failure`` and ``/chain``.
 The master hosts the trainer's publish group (outside the trainer's world; a trainer joins it only
 after proving the run token, relay/rendezvous.py), orders the chain, watches every relay's
@@ -25,6 +27,9 @@ Every endpoint but ``/health`` (``{"ok": true}``; the relay's details only with 
 is a 400 naming the field, relay/requests.py). SIGTERM: long polls are answered at once (503
 "shutting down"), handlers still running after ``SHUTDOWN_S`` are cancelled, and the shared
 memory is released before the process exits.
+
+A relay process never loads engine, trainer or Megatron code (tests/test_layering.py): it
+moves flattened buckets only.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Optional
+from typing import Optional
 
 import torch
 from aiohttp import web
@@ -55,10 +60,10 @@ from ..weights.transport import resolve_backend
 from .chain import Forwarder, PushRefused, serve_push
 from .master import MasterRelay
 from .metrics import RelayBooks, relay_families
-from .requests import BUCKET, LATEST, NO_QUERY, PULL, RELEASE, RELEASE_HOLDER, SET_DOWNSTREAM
+from .pulls import PullService
+from .requests import LATEST, NO_QUERY, SET_DOWNSTREAM
 from .store import ShmFull, VersionStore, shm_shortfall, shm_space, size_text
-from .transports import (TRANSPORTS, Exporter, TransportUnavailable, enabled_at_start,
-                         make_exporter)
+from .transports import TRANSPORTS, TransportUnavailable
 
 logger = logging.getLogger("laminar_mcore.relay")
 
@@ -112,27 +117,11 @@ def resolve_relay_device(name: str) -> Optional[str]:
     return name
 
 
-MAX_BUCKETS_OUTSTANDING = 2
 OPEN_PATHS = ("/health", "/metrics")  # what answers without the token
 SHUTDOWN_S = 1.0  # how long a SIGTERM waits for handlers still running before cancelling them
 
 
-@dataclass
-class PullState:
-    """One lease's per-bucket pull: its transport, what the transport's ``check`` returned for
-    it (CUDA IPC: the engine's GPUs), the buckets served and not yet applied, and the most ever
-    outstanding at once."""
-
-    fmt: str
-    params: Any
-    holder: str = ""  # the address the lease was taken from
-    outstanding: set = field(default_factory=set)
-    applied: set = field(default_factory=set)
-    peak: int = 0
-    started: float = field(default_factory=time.monotonic)
-
-
-class RelayServer(MasterRelay):
+class RelayServer(PullService, MasterRelay):
     def __init__(self, cfg: RelayConfig):
         if not cfg.token:
             raise ValueError("a relay needs the run's token (--token or LAMINAR_RUN_TOKEN)")
@@ -179,12 +168,7 @@ class RelayServer(MasterRelay):
         self._init_master()  # the chain, the publish group (relay/master.py)
         self._newer: Optional[asyncio.Event] = None  # set when a version completes (long polls)
         self.closing = False  # SIGTERM: long polls answer now, new requests get 503
-        self.pulls: Dict[str, PullState] = {}  # lease id -> how its buckets are being served
-        # the weight transports' relay halves; those a config enables start now (Mooncake
-        # registers its buffers), the others on their first /pull
-        self.exporters: Dict[str, Exporter] = {}
-        for name in enabled_at_start(cfg):
-            self.exporters[name] = make_exporter(name, cfg)
+        self._init_pulls(cfg)  # leases and the weight transports' exporters (relay/pulls.py)
         # every endpoint but /health and /metrics (read-only, as SGLang's) proves the run token;
         # bad input is a 400 naming the field
         self.app = web.Application(middlewares=[token_middleware(
@@ -197,10 +181,7 @@ class RelayServer(MasterRelay):
         r.add_get("/metrics", Scrape(lambda: relay_families(self)).handle)
         r.add_get("/latest", self.latest)
         r.add_get("/digests", self.digests)
-        r.add_post("/pull", self.pull)
-        r.add_post("/bucket", self.bucket)
-        r.add_post("/release", self.release)
-        r.add_post("/release_holder", self.release_holder)
+        self._add_pull_routes(r)
         r.add_post("/set_downstream", self.set_downstream)
         self._add_master_routes(r)
 
@@ -352,113 +333,6 @@ class RelayServer(MasterRelay):
         event, self._newer = self._newer, asyncio.Event()
         event.set()
 
-    async def pull(self, request):
-        """Lease the newest complete version; its buckets are then fetched one at a time with
-        ``/bucket`` (every format: the CPU engine's shared memory as SGLang's CUDA IPC)."""
-        body = await read_json(request, PULL)
-        min_version = body.get("min_version", -1)
-        ttl = body.get("ttl_s")
-        fmt = body.get("format", "shm")
-        if fmt not in TRANSPORTS:
-            return web.json_response(
-                {"error": f"format {fmt!r} is not one of {', '.join(TRANSPORTS)}"}, status=400)
-        try:
-            exporter = await asyncio.to_thread(self._exporter, fmt)
-            params = await asyncio.to_thread(exporter.check, body)
-        except (TransportUnavailable, ValueError, RuntimeError) as exc:
-            # e.g. no GPU on this machine for CUDA IPC, Mooncake not configured
-            return web.json_response({"error": f"cannot serve format {fmt!r}: {exc}"}, status=400)
-        leased = self.store.lease_latest(min_version, float(ttl) if ttl is not None else None)
-        if leased is None:
-            return web.json_response({"version": None})
-        lease_id, sv = leased
-        with self.store.cond:  # leases the store let expire: free what they held
-            expired = [k for k in self.pulls if k not in self.store.leases]
-        for stale in expired:
-            await asyncio.to_thread(self._forget_lease, stale)
-        self.pulls[lease_id] = PullState(fmt, params, holder=request.remote or "")
-        self.metrics.leased(fmt)
-        return web.json_response({"version": sv.version, "lease_id": lease_id, "format": fmt,
-                                  "num_buckets": len(sv.ordered()), "nbytes": sv.nbytes})
-
-    async def bucket(self, request):
-        """One bucket of a lease, in the lease's format. ``applied`` lists the buckets the engine
-        has finished applying: the relay frees their copies (CUDA IPC: GPU memory back to the
-        driver). At most two buckets may be outstanding (served, not applied) -- the one being
-        applied and the next -- so an engine GPU never holds more than two of the relay's;
-        asking for a third is refused with 409. Every format follows the same protocol, so the
-        CPU pull exercises what the GPU pull does."""
-        body = await read_json(request, BUCKET)
-        lease_id, index, applied = body["lease_id"], body["index"], body.get("applied", [])
-        with self.store.cond:
-            entry = self.store.leases.get(lease_id)
-        state = self.pulls.get(lease_id)
-        if entry is None or state is None:
-            await asyncio.to_thread(self._forget_lease, lease_id)
-            return web.json_response({"error": f"lease {lease_id!r} is unknown, released or "
-                                               "expired; pull again"}, status=404)
-        buckets = entry[0].ordered()
-        if not 0 <= index < len(buckets):
-            return web.json_response({"error": f"bucket index {index} is not in "
-                                               f"[0, {len(buckets)})"}, status=400)
-        exporter = self.exporters[state.fmt]
-        done = [i for i in applied if i in state.outstanding]
-        state.outstanding.difference_update(done)
-        state.applied.update(done)
-        if done:
-            await asyncio.to_thread(exporter.free, lease_id, done)
-        if index not in state.outstanding and len(state.outstanding) >= MAX_BUCKETS_OUTSTANDING:
-            return web.json_response(
-                {"error": f"buckets {sorted(state.outstanding)} of lease {lease_id} are not "
-                          f"applied yet: at most {MAX_BUCKETS_OUTSTANDING} may be outstanding; "
-                          "list the applied ones in 'applied'"}, status=409)
-        try:
-            data = await asyncio.to_thread(exporter.serve, lease_id, index, buckets[index],
-                                           state.params)
-        except Exception as exc:  # noqa: BLE001 - e.g. a GPU error: say it, keep serving
-            return web.json_response({"error": f"cannot serve bucket {index} as "
-                                               f"{state.fmt!r}: {exc}"}, status=500)
-        state.outstanding.add(index)
-        state.peak = max(state.peak, len(state.outstanding))
-        self.metrics.served(buckets[index].nbytes)
-        return web.json_response({"index": index, "serialized": data})
-
-    def _exporter(self, name: str) -> Exporter:
-        if name not in self.exporters:
-            self.exporters[name] = make_exporter(name, self.cfg)
-        return self.exporters[name]
-
-    def _forget_lease(self, lease_id: str) -> Optional[PullState]:
-        state = self.pulls.pop(lease_id, None)
-        if state is not None:
-            self.exporters[state.fmt].release(lease_id)
-        return state
-
-    async def release(self, request):
-        lease_id = (await read_json(request, RELEASE))["lease_id"]
-        # GPU copies first: the lease pins the host buffers they were made from.
-        state = await asyncio.to_thread(self._forget_lease, lease_id)
-        out = {"released": self.store.release(lease_id)}
-        if state is not None:
-            self.metrics.released(time.monotonic() - state.started)
-            out.update(peak_outstanding=state.peak,
-                       buckets_served=len(state.applied | state.outstanding))
-        return web.json_response(out)
-
-    async def release_holder(self, request):
-        """Release every lease taken from ``host``: the controller found that host gone (its
-        engines lost, no supervisor left to report them), so the pull agent that took them
-        will never release them; without this they would hold their versions' buffers for
-        the lease TTL and, with ``weight_sync.relay_versions`` of them held, keep this relay
-        from taking newer versions (a master relay: from the trainer)."""
-        host = (await read_json(request, RELEASE_HOLDER))["host"]
-        leases = [k for k, state in self.pulls.items() if state.holder == host]
-        for lease_id in leases:
-            await asyncio.to_thread(self._forget_lease, lease_id)
-            self.store.release(lease_id)
-        if leases:
-            logger.warning("released %d leases of %s, whose host is gone", len(leases), host)
-        return web.json_response({"released": len(leases)})
 
     async def set_downstream(self, request):
         body = await read_json(request, SET_DOWNSTREAM)

@@ -152,7 +152,7 @@ def _publish_channel(b: Bench, backend: str, chunk: int) -> Tuple[bool, str]:
 
 def _relay_main(conn, backend: str, port: int, chunk: int, device) -> None:
     """The relay end of ``_publish_channel`` (a ``_Peer``): receive one bucket as
-    ``relay/chain.py`` does and answer (SHA-256, where it was staged)."""
+    ``relay/publish_receiver.py`` does and answer (SHA-256, where it was staged)."""
     try:
         import torch.distributed as dist
 

@@ -1,0 +1,138 @@
+"""The master relay's receiving end of the trainer's publish stream: versions from one trainer
+stage lead, over that stage's ``weights.transport.Channel`` (torch.distributed: NCCL or gloo),
+into the relay's ``VersionStore`` -- buckets whole or as deltas rebuilt here, digest checked.
+
+Owns the per-version protocol with the lead (accept or refuse, which buckets to send again
+whole) and what a broken stream leaves behind (the version it was sending is failed, never
+half-served). It never forms the publish group or proves the run's token (relay/rendezvous.py
+and relay/master.py do), never speaks the chain's TCP framing (relay/chain.py), and imports no
+trainer code: it moves flattened buckets only.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional
+
+import torch
+
+from ..weights.bucket import metas_from_dicts
+from .store import StoredVersion, VersionError, VersionStore
+
+
+def receive_publishes(channel, store: VersionStore, stop: threading.Event,
+                      on_version: Callable[[int], None],
+                      on_bucket: Optional[Callable[[str, int, int], None]] = None) -> None:
+    """Master relay: receive versions from one trainer stage lead over its publish ``channel``
+    (a ``weights.transport.Channel``) until the trainer closes it or ``stop``.
+
+    Per version: the lead's ``version`` frame names the base its deltas would be against and
+    this relay answers whether it takes the version (``store.begin``) and holds that base;
+    then buckets, whole (chunks) or as deltas (rebuilt here against the base, digest
+    checked); at ``end`` this relay names the buckets it could not rebuild and the lead sends
+    them again whole. ``on_bucket(outcome, full_bytes, received_bytes)`` counts them (outcome
+    full, delta or fallback). If the stream breaks (the trainer died mid-publish) the version
+    it was sending is failed: a pull never sees part of it, and the restarted trainer sends a
+    newer one whole."""
+    sv = pinned = None  # the version being received; pinned while this thread writes it
+    need = []
+    note = on_bucket or (lambda outcome, full, got: None)
+
+    def let_go():
+        nonlocal pinned
+        if pinned is not None:
+            store.unpin(pinned)  # (a version failed meanwhile gives its buffers back now)
+            pinned = None
+
+    try:
+        while not stop.is_set():
+            header = channel.recv_header()
+            kind = header.get("type")
+            if kind == "close":
+                return
+            if kind == "version":
+                let_go()
+                sv, need = None, []
+                try:
+                    sv = store.begin(int(header["version"]), int(header["num_stages"]),
+                                     owner="trainer")
+                except VersionError as exc:
+                    channel.send_header({"accept": False, "reason": str(exc)})
+                    continue
+                store.pin(sv)
+                pinned = sv
+                base = header.get("base")
+                channel.send_header({"accept": True, "base_ok": base is not None and store.holds(
+                    int(base), int(header["stage"]))})
+                continue
+            if kind == "end":
+                failed = sv is None or bool(sv.failed)  # refused or broken mid-way
+                asked = [] if failed else need
+                channel.send_header({"need": asked, "failed": failed})
+                need = []
+                if sv is not None and not sv.complete and store.try_complete(sv):
+                    on_version(sv.version)
+                if not asked:  # this stage writes no more of it (another may still be)
+                    let_go()
+                continue
+            if kind != "bucket":
+                raise ConnectionError(f"unknown publish frame {kind!r}")
+            sv = _receive_bucket(channel, store, sv, header, need, note)
+            if sv is not None and not sv.complete and store.try_complete(sv):
+                on_version(sv.version)
+    except BaseException:
+        if sv is not None and not sv.complete:
+            store.fail(sv, "the trainer's publish stream broke")
+        raise
+    finally:
+        let_go()
+
+
+def _receive_bucket(channel, store: VersionStore, sv: Optional[StoredVersion], header: dict,
+                    need: list, note) -> Optional[StoredVersion]:
+    """One bucket of the version being received (drained when the version was refused or
+    failed); returns the version, or None once it is refused."""
+    nbytes, chunk = int(header["nbytes"]), int(header["chunk_bytes"])
+    payload_bytes = int(header.get("payload_bytes", nbytes))
+    delta = header.get("encoding") == "delta"
+    key = (int(header["stage"]), int(header["index"]))
+    if sv is None or sv.failed or int(header["version"]) != sv.version:
+        _drain(channel, payload_bytes, chunk)
+        return None if sv is None or sv.failed else sv
+    payload = None
+    if delta:  # the delta first, then a buffer for the rebuilt bucket
+        raw = torch.empty(payload_bytes, dtype=torch.uint8)
+        for start in range(0, payload_bytes, chunk):  # in the sender's chunks
+            channel.recv_into(raw[start:min(payload_bytes, start + chunk)])
+        payload = memoryview(raw.numpy())
+    try:
+        if header.get("resend") and key in sv.buckets:
+            bucket = sv.buckets[key]
+        else:
+            bucket = store.add_bucket(sv, key, nbytes, metas_from_dicts(header["metas"]),
+                                      bool(header["last_of_stage"]), digest=header.get("digest"),
+                                      delta=payload, base_version=header.get("base_version"))
+    except VersionError:  # no room for it in /dev/shm: the version is refused, drain
+        if not delta:
+            _drain(channel, nbytes, chunk)
+        return None
+    if delta:
+        if store.rebuild(sv, bucket):
+            note("delta", nbytes, payload_bytes)
+        else:
+            need.append(key[1])
+            note("fallback", nbytes, payload_bytes)
+        return sv
+    for start in range(0, nbytes, chunk):
+        end = min(nbytes, start + chunk)
+        channel.recv_into(bucket.shm.buffer[start:end])
+        store.progress(sv, bucket, end)
+    note("resent" if header.get("resend") else "full", nbytes, nbytes)
+    return sv
+
+
+def _drain(channel, nbytes: int, chunk: int) -> None:
+    """Read and drop a bucket of ``nbytes`` the store will not keep."""
+    sink = torch.empty(min(nbytes, chunk), dtype=torch.uint8)
+    for start in range(0, nbytes, chunk):
+        channel.recv_into(sink[:min(chunk, nbytes - start)])

@@ -1,0 +1,172 @@
+"""A relay's pull service: ``/pull`` leases the newest complete version, ``/bucket`` serves its
+flattened buckets one at a time in the lease's transport format, ``/release`` and
+``/release_holder`` give leases back. Owns the per-lease state (``PullState``), the relay
+halves of the weight transports (``relay/transports`` exporters: started with the relay when
+the config enables them, else on their first ``/pull``) and the bound on what an engine may
+hold at once: ``MAX_BUCKETS_OUTSTANDING`` buckets served and not yet applied.
+
+Mixed into ``RelayServer`` (relay/server.py), which provides ``cfg``, ``store`` and ``metrics``
+and calls ``_init_pulls`` and ``_add_pull_routes``; it closes the exporters at shutdown. It
+never writes a version (the store's buffers are read through leases only), never touches the
+chain, and imports no engine code: an exporter hands out handles, the engine's puller applies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+from aiohttp import web
+
+from ..netutil import read_json
+from .requests import BUCKET, PULL, RELEASE, RELEASE_HOLDER
+from .transports import (TRANSPORTS, Exporter, TransportUnavailable, enabled_at_start,
+                         make_exporter)
+
+logger = logging.getLogger("laminar_mcore.relay")
+
+MAX_BUCKETS_OUTSTANDING = 2
+
+
+@dataclass
+class PullState:
+    """One lease's per-bucket pull: its transport, what the transport's ``check`` returned for
+    it (CUDA IPC: the engine's GPUs), the buckets served and not yet applied, and the most ever
+    outstanding at once."""
+
+    fmt: str
+    params: Any
+    holder: str = ""  # the address the lease was taken from
+    outstanding: set = field(default_factory=set)
+    applied: set = field(default_factory=set)
+    peak: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+class PullService:
+    """The pull endpoints of ``RelayServer`` (see the module docstring)."""
+
+    def _init_pulls(self, cfg) -> None:
+        self.pulls: Dict[str, PullState] = {}  # lease id -> how its buckets are being served
+        # the weight transports' relay halves; those a config enables start now (Mooncake
+        # registers its buffers), the others on their first /pull
+        self.exporters: Dict[str, Exporter] = {}
+        for name in enabled_at_start(cfg):
+            self.exporters[name] = make_exporter(name, cfg)
+
+    def _add_pull_routes(self, router: web.UrlDispatcher) -> None:
+        router.add_post("/pull", self.pull)
+        router.add_post("/bucket", self.bucket)
+        router.add_post("/release", self.release)
+        router.add_post("/release_holder", self.release_holder)
+
+    async def pull(self, request):
+        """Lease the newest complete version; its buckets are then fetched one at a time with
+        ``/bucket`` (every format: the CPU engine's shared memory as SGLang's CUDA IPC)."""
+        body = await read_json(request, PULL)
+        min_version = body.get("min_version", -1)
+        ttl = body.get("ttl_s")
+        fmt = body.get("format", "shm")
+        if fmt not in TRANSPORTS:
+            return web.json_response(
+                {"error": f"format {fmt!r} is not one of {', '.join(TRANSPORTS)}"}, status=400)
+        try:
+            exporter = await asyncio.to_thread(self._exporter, fmt)
+            params = await asyncio.to_thread(exporter.check, body)
+        except (TransportUnavailable, ValueError, RuntimeError) as exc:
+            # e.g. no GPU on this machine for CUDA IPC, Mooncake not configured
+            return web.json_response({"error": f"cannot serve format {fmt!r}: {exc}"}, status=400)
+        leased = self.store.lease_latest(min_version, float(ttl) if ttl is not None else None)
+        if leased is None:
+            return web.json_response({"version": None})
+        lease_id, sv = leased
+        with self.store.cond:  # leases the store let expire: free what they held
+            expired = [k for k in self.pulls if k not in self.store.leases]
+        for stale in expired:
+            await asyncio.to_thread(self._forget_lease, stale)
+        self.pulls[lease_id] = PullState(fmt, params, holder=request.remote or "")
+        self.metrics.leased(fmt)
+        return web.json_response({"version": sv.version, "lease_id": lease_id, "format": fmt,
+                                  "num_buckets": len(sv.ordered()), "nbytes": sv.nbytes})
+
+    async def bucket(self, request):
+        """One bucket of a lease, in the lease's format. ``applied`` lists the buckets the engine
+        has finished applying: the relay frees their copies (CUDA IPC: GPU memory back to the
+        driver). At most two buckets may be outstanding (served, not applied) -- the one being
+        applied and the next -- so an engine GPU never holds more than two of the relay's;
+        asking for a third is refused with 409. Every format follows the same protocol, so the
+        CPU pull exercises what the GPU pull does."""
+        body = await read_json(request, BUCKET)
+        lease_id, index, applied = body["lease_id"], body["index"], body.get("applied", [])
+        with self.store.cond:
+            entry = self.store.leases.get(lease_id)
+        state = self.pulls.get(lease_id)
+        if entry is None or state is None:
+            await asyncio.to_thread(self._forget_lease, lease_id)
+            return web.json_response({"error": f"lease {lease_id!r} is unknown, released or "
+                                               "expired; pull again"}, status=404)
+        buckets = entry[0].ordered()
+        if not 0 <= index < len(buckets):
+            return web.json_response({"error": f"bucket index {index} is not in "
+                                               f"[0, {len(buckets)})"}, status=400)
+        exporter = self.exporters[state.fmt]
+        done = [i for i in applied if i in state.outstanding]
+        state.outstanding.difference_update(done)
+        state.applied.update(done)
+        if done:
+            await asyncio.to_thread(exporter.free, lease_id, done)
+        if index not in state.outstanding and len(state.outstanding) >= MAX_BUCKETS_OUTSTANDING:
+            return web.json_response(
+                {"error": f"buckets {sorted(state.outstanding)} of lease {lease_id} are not "
+                          f"applied yet: at most {MAX_BUCKETS_OUTSTANDING} may be outstanding; "
+                          "list the applied ones in 'applied'"}, status=409)
+        try:
+            data = await asyncio.to_thread(exporter.serve, lease_id, index, buckets[index],
+                                           state.params)
+        except Exception as exc:  # noqa: BLE001 - e.g. a GPU error: say it, keep serving
+            return web.json_response({"error": f"cannot serve bucket {index} as "
+                                               f"{state.fmt!r}: {exc}"}, status=500)
+        state.outstanding.add(index)
+        state.peak = max(state.peak, len(state.outstanding))
+        self.metrics.served(buckets[index].nbytes)
+        return web.json_response({"index": index, "serialized": data})
+
+    def _exporter(self, name: str) -> Exporter:
+        if name not in self.exporters:
+            self.exporters[name] = make_exporter(name, self.cfg)
+        return self.exporters[name]
+
+    def _forget_lease(self, lease_id: str) -> Optional[PullState]:
+        state = self.pulls.pop(lease_id, None)
+        if state is not None:
+            self.exporters[state.fmt].release(lease_id)
+        return state
+
+    async def release(self, request):
+        lease_id = (await read_json(request, RELEASE))["lease_id"]
+        # GPU copies first: the lease pins the host buffers they were made from.
+        state = await asyncio.to_thread(self._forget_lease, lease_id)
+        out = {"released": self.store.release(lease_id)}
+        if state is not None:
+            self.metrics.released(time.monotonic() - state.started)
+            out.update(peak_outstanding=state.peak,
+                       buckets_served=len(state.applied | state.outstanding))
+        return web.json_response(out)
+
+    async def release_holder(self, request):
+        """Release every lease taken from ``host``: the controller found that host gone (its
+        engines lost, no supervisor left to report them), so the pull agent that took them
+        will never release them; without this they would hold their versions' buffers for
+        the lease TTL and, with ``weight_sync.relay_versions`` of them held, keep this relay
+        from taking newer versions (a master relay: from the trainer)."""
+        host = (await read_json(request, RELEASE_HOLDER))["host"]
+        leases = [k for k, state in self.pulls.items() if state.holder == host]
+        for lease_id in leases:
+            await asyncio.to_thread(self._forget_lease, lease_id)
+            self.store.release(lease_id)
+        if leases:
+            logger.warning("released %d leases of %s, whose host is gone", len(leases), host)
+        return web.json_response({"released": len(leases)})
