@@ -17,6 +17,22 @@ try:
 except ImportError:  # pragma: no cover
     pass
 
+# One warm-up cache for the whole session (data/warmup.py: keyed by recipe, written atomically):
+# the train jobs of many tests start from the same warm-up checkpoints. Set before any worker
+# process starts, so they all inherit it; removed by the process that made it.
+if not os.environ.get("LAMINAR_CACHE_DIR"):
+    import tempfile
+
+    os.environ["LAMINAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="laminar-test-cache-")
+    _CACHE_OWNER = os.getpid()
+
+
+def pytest_unconfigure(config):
+    if globals().get("_CACHE_OWNER") == os.getpid():
+        import shutil
+
+        shutil.rmtree(os.environ["LAMINAR_CACHE_DIR"], ignore_errors=True)
+
 
 @pytest.fixture
 def repo_root():

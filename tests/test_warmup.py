@@ -1,5 +1,7 @@
 """The supervised warm-up that builds the demo's starting checkpoint (data/warmup.py)."""
 
+import os
+
 import pytest
 import torch
 
@@ -58,3 +60,28 @@ def test_the_cache_key_covers_the_whole_problem_set(tmp_path):
     again = warmup.warmup_checkpoint(str(tmp_path), problems=a, steps=1, batch_size=4, hidden=32,
                                      layers=1, max_positions=128, log=lambda *_: None)
     assert again == paths[0]  # the same set is the cached one
+
+
+def test_runs_sharing_a_cache_warm_the_same_recipe_at_once(tmp_path, monkeypatch):
+    """Two runs (the test suite's jobs, or two users' runs with one $LAMINAR_CACHE_DIR) that
+    warm the same recipe at once both get the one complete checkpoint; no temporary entry
+    stays behind, whichever finishes first."""
+    import subprocess
+    import sys
+
+    from laminar_mcore.data import warmup
+
+    monkeypatch.setenv("LAMINAR_CACHE_DIR", str(tmp_path / "shared"))
+    assert warmup.warmup_cache_dir("/elsewhere") == str(tmp_path / "shared")
+    monkeypatch.delenv("LAMINAR_CACHE_DIR")
+    assert warmup.warmup_cache_dir("out") == os.path.join("out", ".cache")
+    code = ("import sys; from laminar_mcore.data import tasks, warmup; "
+            "rows = tasks.make_dataset(40, 3, 'reverse', seed=1); "
+            "print(warmup.warmup_checkpoint(sys.argv[1], problems=rows, steps=30, batch_size=4, "
+            "hidden=32, layers=1, log=lambda *_: None))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "shared")],
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    paths = [p.communicate(timeout=300)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert paths[0] == paths[1] and os.path.isfile(os.path.join(paths[0], "model.safetensors"))
+    assert os.listdir(tmp_path / "shared") == [os.path.basename(paths[0])]

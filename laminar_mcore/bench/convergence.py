@@ -191,7 +191,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", default=None)
     ap.add_argument("--output-dir", default="outputs",
                     help="runs go to OUTPUT_DIR/convergence/<mode> (the warm-up cache is shared "
-                         "with the demo's, OUTPUT_DIR/.cache)")
+                         "with the demo's, OUTPUT_DIR/.cache, or $LAMINAR_CACHE_DIR)")
     ap.add_argument("--plot", default="outputs/convergence/convergence.png")
     ap.add_argument("--save-reference", action="store_true",
                     help="store the result as the figure make demo compares with "

@@ -147,7 +147,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", default=None)
     ap.add_argument("--output-dir", default="outputs",
                     help="runs go to OUTPUT_DIR/staleness/eta<k>[_coupled] (the warm-up cache is "
-                         "shared with the demo's, OUTPUT_DIR/.cache)")
+                         "shared with the demo's, OUTPUT_DIR/.cache, or $LAMINAR_CACHE_DIR)")
     ap.add_argument("--plot", default="outputs/staleness/staleness.png")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides applied to every run")
     args = ap.parse_args(argv)

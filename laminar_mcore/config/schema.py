@@ -430,7 +430,7 @@ class LaminarConfig:
     """The whole run. ``mode`` picks laminar / areal / one_step / sync on one code base."""
 
     run_name: str = "default"  # outputs go to output_dir/run_name
-    output_dir: str = "outputs"  # root of every run's outputs (and the warm-up cache, .cache)
+    output_dir: str = "outputs"  # every run's outputs; warm-ups cached in .cache ($LAMINAR_CACHE_DIR)
     mode: str = "laminar"  # laminar | areal | one_step | sync (controller/modes.py)
     seed: int = 1234  # trajectories sample with seeds derived from (seed, group, index)
     # What `python -m laminar_mcore.launch` runs; `smoke` is the parallel Megatron check.

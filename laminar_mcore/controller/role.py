@@ -17,6 +17,7 @@ from dataclasses import asdict
 from typing import Optional
 
 from ..config.schema import LaminarConfig
+from ..errors import within
 from ..netutil import engine_api_key
 from .client import ControllerError
 from .episode import TaskCodec, episode_plugin
@@ -36,7 +37,8 @@ def load_task(cfg: LaminarConfig, out_dir: str, log) -> TaskData:
         from transformers import AutoTokenizer
 
         if cfg.model.path is None:
-            raise ValueError("data.train_files needs model.path (its tokenizer encodes the prompts)")
+            raise ValueError("LMC-E706: data.train_files needs model.path (its tokenizer encodes "
+                             "the prompts)")
         tok = AutoTokenizer.from_pretrained(cfg.model.path, local_files_only=True)
         rows = load_prompts(list(d.train_files), d.prompt_key, d.answer_key)
         evals = (load_prompts(list(d.eval_files), d.prompt_key, d.answer_key) if d.eval_files
@@ -62,11 +64,10 @@ def load_task(cfg: LaminarConfig, out_dir: str, log) -> TaskData:
     codec = TaskCodec(encode_prompt=lambda row: tasks.encode(row["prompt"]), decode=tasks.decode)
     model_path = cfg.model.path
     if model_path is None:
-        from ..data.warmup import warmup_checkpoint
+        from ..data.warmup import warmup_cache_dir, warmup_checkpoint
 
-        cache = os.path.join(cfg.output_dir, ".cache")
-        model_path = warmup_checkpoint(cache, problems=rows, steps=d.warmup_steps,
-                                       wrong_fraction=d.warmup_wrong_fraction,
+        model_path = warmup_checkpoint(warmup_cache_dir(cfg.output_dir), problems=rows,
+                                       steps=d.warmup_steps, wrong_fraction=d.warmup_wrong_fraction,
                                        hidden=cfg.model.arch.hidden_size,
                                        layers=cfg.model.arch.num_hidden_layers, seed=cfg.seed,
                                        max_positions=tasks.position_budget(
@@ -97,7 +98,7 @@ def _tool_task(cfg: LaminarConfig, out_dir: str, log) -> TaskData:
 
     d = cfg.data
     if not d.agent:
-        raise ValueError("data.task=tool_addition is an agent task: set data.agent (e.g. "
+        raise ValueError("LMC-E706: data.task=tool_addition is an agent task: set data.agent (e.g. "
                          "laminar_mcore.agents.builtin:calculator)")
     rows = tasks.make_dataset(d.num_train, d.digits, d.task, seed=cfg.seed)
     evals = tasks.make_dataset(d.num_eval, d.digits, d.task, seed=cfg.seed + 10_000)
@@ -108,12 +109,12 @@ def _tool_task(cfg: LaminarConfig, out_dir: str, log) -> TaskData:
     chat = ChatFormat(demo_tokenizer())
     model_path = cfg.model.path
     if model_path is None:
-        from ..data.warmup import warmup_checkpoint
+        from ..data.warmup import warmup_cache_dir, warmup_checkpoint
 
         demos = tool_demonstrations(rows, chat, wrong_fraction=d.warmup_wrong_fraction,
                                     seed=cfg.seed)
         model_path = warmup_checkpoint(
-            os.path.join(cfg.output_dir, ".cache"), problems=rows, steps=d.warmup_steps,
+            warmup_cache_dir(cfg.output_dir), problems=rows, steps=d.warmup_steps,
             hidden=cfg.model.arch.hidden_size, layers=cfg.model.arch.num_hidden_layers,
             seed=cfg.seed, max_positions=cfg.rollout.max_episode_tokens, log=log,
             demonstrations=demos, tokenizer=chat.tok)
@@ -276,7 +277,7 @@ def finish_run(controller: Controller, result: dict, initial: EvalResult, t_star
         f"{books['max_staleness_observed']}; {summary['wall_seconds']:.0f}s. "
         f"Wrote {out_dir}/summary.json, metrics.jsonl, {os.path.basename(plot or '')}")
     if not balanced:
-        raise RuntimeError("trajectory accounting does not balance; see summary.json")
+        raise RuntimeError("LMC-E607: trajectory accounting does not balance; see summary.json")
     return summary
 
 
@@ -404,9 +405,10 @@ def run(cfg: LaminarConfig, token: str) -> dict:
         deadline = time.time() + cfg.cluster.join_timeout_s
         while len(controller.rollout_nodes) < cfg.cluster.rollout_nodes or controller.master_relay is None:
             if time.time() > deadline:
-                raise ControllerError(f"only {len(controller.rollout_nodes)} of "
-                                      f"{cfg.cluster.rollout_nodes} rollout nodes registered within "
-                                      f"cluster.join_timeout_s={cfg.cluster.join_timeout_s}")
+                raise ControllerError(f"LMC-E204: only {len(controller.rollout_nodes)} of "
+                                      f"{cfg.cluster.rollout_nodes} rollout nodes registered "
+                                      f"within cluster.join_timeout_s="
+                                      f"{cfg.cluster.join_timeout_s}")
             time.sleep(0.2)
         first_engine = controller.rollout_nodes[0]["engines"][0]
         initial = evaluate_engine(cfg, task, first_engine, engine_api_key(controller.token))
@@ -419,7 +421,7 @@ def run(cfg: LaminarConfig, token: str) -> dict:
         try:
             while not controller.trainer_done_event.wait(1.0):
                 if controller.error is not None:
-                    raise ControllerError(f"controller failed: {controller.error}")
+                    raise ControllerError(within("controller failed", controller.error, "LMC-E209"))
                 lost = controller.silent_trainer_node()
                 if lost is not None:  # the survivors learn it from their next report
                     controller.stop_for_trainers(lost)

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -90,15 +91,26 @@ def warmup_checkpoint(out_dir: str, *, problems: List[Dict[str, str]], steps: in
         if step % 50 == 0 or step == steps - 1:
             log(f"[warm-up] step {step + 1}/{steps} loss {loss.item():.3f} "
                 f"({time.perf_counter() - start:.0f}s)")
-    tmp = path + ".tmp"
+    tmp = f"{path}.tmp-{os.getpid()}"  # runs sharing a cache may warm the same recipe at once
     from ..models import get_adapter
 
     # checkpoint layout (transformers keeps an MoE layer's experts fused in memory)
     save_hf_checkpoint(tmp, cfg, get_adapter(cfg).from_transformers_state(cfg, model.state_dict()))
     if tokenizer is not None:  # engines' OpenAI routes and the gateway's chat template
         tokenizer.save_pretrained(tmp)
-    os.replace(tmp, path)  # never leave a half-written cache entry
+    try:
+        os.replace(tmp, path)  # never leave a half-written cache entry
+    except OSError:
+        if not os.path.isfile(os.path.join(path, "model.safetensors")):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # another run wrote the same recipe first
     return path
+
+
+def warmup_cache_dir(output_dir: str) -> str:
+    """Where warm-up checkpoints are cached: ``$LAMINAR_CACHE_DIR`` if set (runs with other
+    output directories share it; the test suite does), else ``<output_dir>/.cache``."""
+    return os.environ.get("LAMINAR_CACHE_DIR") or os.path.join(output_dir, ".cache")
 
 
 # padded tokens of one warm-up forward pass; a batch whose padded size is over it (long-tailed
