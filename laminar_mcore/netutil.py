@@ -12,6 +12,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
+from .errors import coded, error_body, split
+
 # The environment variable that carries the run's token to every process of a run.
 TOKEN_ENV = "LAMINAR_RUN_TOKEN"
 
@@ -28,11 +30,14 @@ def engine_api_key(token: str) -> str:
 class EngineError(RuntimeError):
     """An engine answered with an error or could not be reached (raised by
     ``rollout.client.SGLangClient``; relays and the controller catch it without importing
-    engine code)."""
+    engine code). A code ``message`` starts with leads the whole; ``message`` is the rest (the
+    engine's own words), ``code`` the code."""
 
     def __init__(self, endpoint: str, status: Optional[int], message: str):
-        super().__init__(f"{endpoint}: {message}" + (f" (HTTP {status})" if status else ""))
-        self.endpoint, self.status, self.message = endpoint, status, message
+        code, rest = split(message)
+        text = f"{endpoint}: {rest}" + (f" (HTTP {status})" if status else "")
+        super().__init__(coded(code, text) if code else text)
+        self.endpoint, self.status, self.message, self.code = endpoint, status, rest, code
 
 
 def _ephemeral_range() -> tuple:
@@ -69,11 +74,20 @@ def free_port(host: str = "127.0.0.1") -> int:
 class BadRequest(ValueError):
     """A request field that is missing, unknown, of the wrong type or out of range: answered
     400 with a message that names it (``field``: where in the request, e.g. ``publish.port``;
-    empty for the body or query as a whole)."""
+    empty for the body or query as a whole), under its error code (one for every malformed
+    field)."""
 
-    def __init__(self, field: str, problem: str):
-        super().__init__(f"{field!r} {problem}" if field else problem)
-        self.field = field
+    def __init__(self, field: str, problem: str, code: str = "LMC-E400"):
+        super().__init__(coded(code, f"{field!r} {problem}" if field else problem))
+        self.field, self.code = field, code
+
+
+def error_response(status: int, code: str, message: str, **extra):
+    """The JSON answer of our servers to a request they refuse: ``{"error": "<code>: <message>",
+    "code": code, **extra}``."""
+    from aiohttp import web
+
+    return web.json_response(error_body(code, message, **extra), status=status)
 
 
 INT64 = (-2**63, 2**63 - 1)
@@ -246,27 +260,31 @@ def token_middleware(token: str, needs_token=lambda request: True,
     a caller without the token learns nothing, not even which paths exist); a handler's
     ``BadRequest`` (naming the field), ValueError, KeyError, TypeError, OverflowError or bad JSON
     is answered 400 -- the server keeps serving. ``closing()``: the server is shutting down;
-    new requests but the open ones (``/health``) are answered 503."""
+    new requests but the open ones (``/health``) are answered 503. Every such answer carries
+    its error code (``errors.error_body``)."""
     from aiohttp import web
 
     @web.middleware
     async def middleware(request, handler):
         guarded = needs_token(request)
         if guarded and not bearer_ok(request, token):
-            return web.json_response({"error": "missing or wrong run token (Authorization: "
-                                               f"Bearer ${TOKEN_ENV})"}, status=401)
+            return error_response(401, "LMC-E401", "missing or wrong run token (Authorization: "
+                                                   f"Bearer ${TOKEN_ENV})")
         if guarded and closing is not None and closing():  # (/health still answers)
-            return web.json_response({"error": "shutting down"}, status=503)
+            return error_response(503, "LMC-E402", "shutting down")
         try:
             return await handler(request)
+        except web.HTTPRequestEntityTooLarge as exc:  # aiohttp's, over client_max_size
+            return error_response(413, "LMC-E403", f"the request body is too large: {exc.text}")
         except web.HTTPException:
             raise
         except BadRequest as exc:
-            return web.json_response({"error": f"bad request: {exc}", "field": exc.field},
-                                     status=400)
+            return error_response(400, exc.code, f"bad request: {split(exc)[1]}",
+                                  field=exc.field)
         except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
-            return web.json_response({"error": f"bad request: {type(exc).__name__}: "
-                                               f"{str(exc)[:300]}"}, status=400)
+            code, message = split(exc)  # a handler's own code, if its error has one
+            return error_response(400, code or "LMC-E400", f"bad request: "
+                                  f"{type(exc).__name__}: {message[:300]}")
 
     return middleware
 
@@ -280,7 +298,7 @@ def resolve(host: str) -> str:
     try:
         return socket.getaddrinfo(host, None)[0][4][0]
     except (socket.gaierror, UnicodeError) as exc:
-        raise ValueError(f"cannot resolve the host name {host!r}: {exc}") from None
+        raise ValueError(f"LMC-E202: cannot resolve the host name {host!r}: {exc}") from None
 
 
 def is_loopback(host: str) -> bool:
@@ -308,7 +326,8 @@ def route_source_address(target: str) -> str:
         try:
             sock.connect((address, 9))
         except OSError as exc:
-            raise ValueError(f"this host has no route to {target} ({address}): {exc}") from None
+            raise ValueError(f"LMC-E202: this host has no route to {target} ({address}): "
+                             f"{exc}") from None
         return sock.getsockname()[0]
 
 

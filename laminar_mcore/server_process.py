@@ -86,7 +86,8 @@ class ServerProcess:
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise ServerStartError(f"{self.what} exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise ServerStartError(f"LMC-E205: {self.what} exited with "
+                                       f"{self.proc.returncode}:\n{self.log_tail()}")
             if self.port in (None, 0):
                 value = self.printed(self.port_key)
                 if value:
@@ -98,8 +99,8 @@ class ServerProcess:
         where = f" on {self.url}{self.ready_path}" if self.port else " (no port printed yet)"
         budget = f" ({self.timeout_key}={timeout_s:g}; raise it if it only starts slowly)" \
             if self.timeout_key else ""
-        raise ServerStartError(f"{self.what} not ready{where} after {timeout_s:g} s{budget}; "
-                               f"its log ({self.log_path}) ends:\n{self.log_tail()}")
+        raise ServerStartError(f"LMC-E206: {self.what} not ready{where} after {timeout_s:g} s"
+                               f"{budget}; its log ({self.log_path}) ends:\n{self.log_tail()}")
 
     def _ready(self, timeout: float) -> bool:
         try:
@@ -126,7 +127,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 break
             time.sleep(0.05)
-        raise ServerStartError(f"{key} never printed:\n{self.log_tail()}")
+        raise ServerStartError(f"LMC-E205: {key} never printed:\n{self.log_tail()}")
 
     def log_text(self) -> str:
         try:

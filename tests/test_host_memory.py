@@ -74,7 +74,7 @@ def test_host_problems_name_the_key_and_fits_is_both():
     assert not small["fits_host"] and small["fits_gpu"]
     assert any("cluster.shm_gb=1000 is more than cluster.host_memory_gb=512" in p
                for p in small["problems"])
-    assert any(p.startswith("a rollout node needs") and "cluster.host_memory_gb=512" in p
+    assert any(p.startswith("LMC-E124: a rollout node needs") and "cluster.host_memory_gb=512" in p
                for p in small["problems"])
     # the offloaded reference model's host memory counts on the trainer node
     off = capacity_plan(_compose("experiment=qwen3_235b_a22b_math", "algo.kl_coef=0.001",
@@ -82,7 +82,7 @@ def test_host_problems_name_the_key_and_fits_is_both():
     ref = off["reference_host_gb_per_trainer_node"]
     assert ref > 50 and off["trainer_host_gb_per_node"] == pytest.approx(
         off["pinned_publish_gb_per_trainer_node"] + ref + 8 * 8, abs=0.2)
-    (trainer,) = [p for p in off["problems"] if p.startswith("a trainer node needs")]
+    (trainer,) = [p for p in off["problems"] if p.startswith("LMC-E125: a trainer node needs")]
     assert "offloaded reference model" in trainer and "algo.ref_offload=false" in trainer
     # local_cpu: host memory is not checked
     cpu = capacity_plan(_compose())
@@ -371,7 +371,8 @@ def test_in_a_small_tmpfs_the_relay_refuses_instead_of_dying_of_sigbus():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["complete"] is True and out["latest"] == 2
-    assert out["again"] == out["bucket"] and out["bucket"].startswith("version 1 refused: ")
+    assert out["again"] == out["bucket"]
+    assert out["bucket"].startswith("LMC-E500: version 1 refused: ")
     for key in ("start", "bucket", "version"):
         assert "/dev/shm has" in out[key] and "MB free of 1.05 MB" in out[key], out
         assert "mount -o remount,size=2M /dev/shm" in out[key] and "cluster.shm_gb" in out[key]

@@ -149,7 +149,7 @@ def test_a_missing_package_fails_at_startup_with_the_install_command(tmp_path, m
                                                                      name, pip_name):
     monkeypatch.setitem(sys.modules, name, None)  # `import name` now raises ImportError
     assert missing_packages(["jsonl", name]) == [
-        f"trainer.loggers has {name}, but the '{name}' package is not installed: "
+        f"LMC-E107: trainer.loggers has {name}, but the '{name}' package is not installed: "
         f"pip install {pip_name} (or drop {name} from trainer.loggers)"]
     with pytest.raises(LoggerUnavailable, match=f"pip install {pip_name} "):
         MetricsWriter(str(tmp_path), ["jsonl", name])

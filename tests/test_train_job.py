@@ -167,8 +167,14 @@ def test_sync_run_resumed_at_step_k_matches_the_uninterrupted_run(tmp_path):
     assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
 
 
-def _shm_names():
-    return {n for n in os.listdir("/dev/shm") if n.startswith("laminar")} if os.path.isdir("/dev/shm") else set()
+def _shm_names(pids=None):
+    """Our shared-memory segments (``laminar-<kind>-<creator pid>-<id>``), of ``pids`` only if
+    given: other tests running beside this one have segments of their own."""
+    names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
+    ours = {n for n in names if n.startswith("laminar")}
+    if pids is None:
+        return ours
+    return {n for n in ours if any(p.isdigit() and int(p) in pids for p in n.split("-"))}
 
 
 @pytest.mark.parametrize("how", ["ctrl_c", "trainer_dies"])
@@ -220,7 +226,8 @@ def test_an_interrupt_or_a_dead_role_stops_every_process(tmp_path, how):
     alive = [pid for pid in seen if psutil.pid_exists(pid)
              and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
     assert not alive, (alive, output[-3000:])
-    assert _shm_names() <= shm_before, _shm_names() - shm_before
+    left = _shm_names(seen | {proc.pid}) - shm_before
+    assert not left, left
 
 
 @pytest.mark.slow

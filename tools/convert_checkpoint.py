@@ -76,7 +76,7 @@ def check_layout(hf_config, tp: int, pp: int, ep: int = 1) -> None:
     if pp >= 1 and s.layers % pp:
         problems.append(f"num_hidden_layers={s.layers} is not divisible by --pp {pp}")
     if problems:
-        fail("; ".join(problems))
+        fail("LMC-E312: " + "; ".join(problems))
 
 
 def hf_to_mcore(args) -> None:
@@ -148,21 +148,25 @@ def mcore_to_hf(args) -> None:
 
     meta_path = os.path.join(args.ckpt, MODEL_META)
     if not os.path.isfile(meta_path):
-        fail(f"{args.ckpt} has no {MODEL_META}: not a checkpoint written by hf-to-mcore or the trainer")
+        fail(f"LMC-E313: {args.ckpt} has no {MODEL_META}: not a checkpoint written by hf-to-mcore "
+             "or the trainer")
     meta = json.load(open(meta_path))
     try:
         hf_config = load_hf_config(os.path.join(args.ckpt, "hf_meta"))
         if args.origin_hf:
             origin = load_hf_config(args.origin_hf)
             if not _same_architecture(origin, hf_config):
-                fail(f"--origin-hf {args.origin_hf} is a different model than the checkpoint "
-                     f"({origin.model_type} vs {hf_config.model_type} or different sizes)")
+                fail(f"LMC-E313: --origin-hf {args.origin_hf} is a different model than the "
+                     f"checkpoint ({origin.model_type} vs {hf_config.model_type} or different "
+                     "sizes)")
     except AdapterError as exc:
         fail(str(exc))
     except (ValueError, OSError) as exc:  # transformers' own config validation
-        fail(f"cannot read the model config of {args.ckpt} (hf_meta/config.json): {exc}")
+        fail(f"LMC-E313: cannot read the model config of {args.ckpt} (hf_meta/config.json): "
+             f"{exc}")
 
     from laminar_mcore.models.hf import ShardWriter, copy_side_files
+    from laminar_mcore.errors import within
     from laminar_mcore.trainer.checkpoint import CheckpointMismatch, iter_checkpoint_hf_tensors
 
     start = time.perf_counter()
@@ -173,20 +177,21 @@ def mcore_to_hf(args) -> None:
         for name, tensor in iter_checkpoint_hf_tensors(os.path.join(args.ckpt, "model"), hf_config):
             want = expected.pop(name, None)
             if want is None:
-                fail(f"the checkpoint produces {name!r}, which a {hf_config.model_type} model of its "
-                     "config does not have (or produces it twice)")
+                fail(f"LMC-E303: the checkpoint produces {name!r}, which a "
+                     f"{hf_config.model_type} model of its config does not have (or produces it "
+                     "twice)")
             if tuple(tensor.shape) != want:
-                fail(f"{name}: the checkpoint holds shape {tuple(tensor.shape)}, the config predicts "
-                     f"{want}; a checkpoint of another model?")
+                fail(f"LMC-E303: {name}: the checkpoint holds shape {tuple(tensor.shape)}, the "
+                     f"config predicts {want}; a checkpoint of another model?")
             writer.add(name, tensor)
     except CheckpointMismatch as exc:
-        fail(f"cannot convert {args.ckpt}: {exc}")
+        fail(within(f"cannot convert {args.ckpt}", exc, "LMC-E303"))
     except Exception as exc:  # noqa: BLE001 - dist_checkpointing raises many kinds
-        fail(f"cannot read {args.ckpt} as a {hf_config.model_type} checkpoint of its config "
-             f"(truncated, or a checkpoint of another model?): {exc}")
+        fail(f"LMC-E303: cannot read {args.ckpt} as a {hf_config.model_type} checkpoint of its "
+             f"config (truncated, or a checkpoint of another model?): {exc}")
     if expected:
-        fail(f"the checkpoint lacks {sorted(expected)[:5]} ({len(expected)} tensors): it would be "
-             "an incomplete model")
+        fail(f"LMC-E303: the checkpoint lacks {sorted(expected)[:5]} ({len(expected)} tensors): "
+             "it would be an incomplete model")
     count, total = writer.close(), writer.total_bytes
     hf_config.save_pretrained(args.out)
     copy_side_files(args.origin_hf or os.path.join(args.ckpt, "hf_meta"), args.out)

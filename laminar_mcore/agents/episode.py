@@ -41,15 +41,16 @@ def load_agent(path: str) -> Callable:
     """The agent function ``module:function``; a clear error if it is not an async function."""
     module, _, name = path.partition(":")
     if not module or not name:
-        raise ValueError(f"data.agent={path!r}: name it as 'module:function'")
+        raise ValueError(f"LMC-E705: data.agent={path!r}: name it as 'module:function'")
     if module == "laminar_mcore.controller.agents":  # before the agents package (issue 55)
-        raise ValueError(f"data.agent={path!r}: the built-in agents moved to "
+        raise ValueError(f"LMC-E705: data.agent={path!r}: the built-in agents moved to "
                          f"laminar_mcore.agents.builtin; use laminar_mcore.agents.builtin:{name}")
     fn = getattr(importlib.import_module(module), name, None)
     if fn is None:
-        raise ValueError(f"data.agent={path!r}: {module} has no {name}")
+        raise ValueError(f"LMC-E705: data.agent={path!r}: {module} has no {name}")
     if not inspect.iscoroutinefunction(fn):
-        raise ValueError(f"data.agent={path!r} must be an async function agent(client, row)")
+        raise ValueError(f"LMC-E705: data.agent={path!r} must be an async function "
+                         "agent(client, row)")
     return fn
 
 
@@ -282,17 +283,18 @@ def limits_of(cfg) -> EpisodeLimits:
 def build_episode(cfg, task, score) -> AgentEpisode:
     """The run's agent episode, with its gateway (started by the controller on its loop)."""
     if task.chat is None:
-        raise ValueError("data.agent needs a tokenizer with a chat template: model.path's, or "
-                         "a built-in agent task (data.task=tool_addition)")
+        raise ValueError("LMC-E706: data.agent needs a tokenizer with a chat template: "
+                         "model.path's, or a built-in agent task (data.task=tool_addition)")
     gateway = AgentGateway(task.chat, limits_of(cfg), model_name=cfg.run_name)
     episode = AgentEpisode(load_agent(cfg.data.agent), gateway, score, task.codec.encode_prompt,
                            asdict(cfg.rollout.sampling), seed=cfg.seed,
                            max_episode_s=cfg.rollout.max_episode_s)
     context = _context_length(task.model_path)
     if context is not None and cfg.rollout.max_episode_tokens > context:
-        raise ValueError(f"rollout.max_episode_tokens={cfg.rollout.max_episode_tokens} is over "
-                         f"the model's context ({context} positions, {task.model_path}): an "
-                         "episode would outgrow what the engines serve; lower it")
+        raise ValueError(f"LMC-E707: rollout.max_episode_tokens={cfg.rollout.max_episode_tokens} "
+                         f"is over the model's context ({context} positions, "
+                         f"{task.model_path}): an episode would outgrow what the engines serve; "
+                         "lower it")
     return episode
 
 

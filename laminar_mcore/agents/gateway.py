@@ -41,6 +41,7 @@ from aiohttp import web
 
 from ..data.chat import ChatFormat, TemplateError, parse_tool_calls, same_message
 from ..data.pools import InFlight
+from ..errors import coded, split
 
 logger = logging.getLogger(__name__)
 
@@ -93,10 +94,13 @@ class Session:
 UNSUPPORTED = ("stop", "response_format", "top_logprobs", "logit_bias", "prediction")
 
 
-def _error(status: int, message: str, code: Optional[str] = None,
+def _error(status: int, lmc: str, message: str, code: Optional[str] = None,
            kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "param": None,
-                                        "code": code}}, status=status)
+    """An OpenAI-shaped error answer (``code``: OpenAI's, e.g. ``invalid_api_key``), its
+    message under our error code ``lmc`` (or the code the message already starts with)."""
+    own, message = split(message)
+    return web.json_response({"error": {"message": coded(own or lmc, message), "type": kind,
+                                        "param": None, "code": code}}, status=status)
 
 
 class AgentGateway:
@@ -149,8 +153,8 @@ class AgentGateway:
             why = ("this trajectory has ended" if key in self.ended else
                    "no trajectory has this key" if key else "no key (Authorization: Bearer)")
             raise web.HTTPUnauthorized(
-                text=json.dumps({"error": {"message": f"{why}: each agent call must use the "
-                                           "key of its own, running trajectory",
+                text=json.dumps({"error": {"message": f"LMC-E401: {why}: each agent call must "
+                                           "use the key of its own, running trajectory",
                                            "type": "authentication_error", "param": None,
                                            "code": "invalid_api_key"}}),
                 content_type="application/json")
@@ -167,42 +171,44 @@ class AgentGateway:
         try:
             body = await request.json()
         except (ValueError, UnicodeDecodeError):
-            return _error(400, "the body is not JSON")
+            return _error(400, "LMC-E400", "the body is not JSON")
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list) \
                 or not body["messages"]:
-            return _error(400, "messages must be a non-empty list of messages", "messages")
+            return _error(400, "LMC-E400", "messages must be a non-empty list of messages",
+                          "messages")
         if body.get("stream"):
-            return _error(400, "stream=true is not served: agent turns are answered whole",
-                          "stream")
+            return _error(400, "LMC-E400", "stream=true is not served: agent turns are answered "
+                          "whole", "stream")
         if body.get("n") not in (None, 1):
-            return _error(400, "n must be 1: a trajectory is one conversation (the run samples "
-                               "a group of trajectories per prompt)", "n")
+            return _error(400, "LMC-E400", "n must be 1: a trajectory is one conversation (the "
+                          "run samples a group of trajectories per prompt)", "n")
         for key in UNSUPPORTED:
             if body.get(key) not in (None, [], "", {"type": "text"}):
-                return _error(400, f"{key} is not served by the gateway (its turns must be the "
-                                   "run's policy, token for token)", "unsupported_parameter")
+                return _error(400, "LMC-E400", f"{key} is not served by the gateway (its turns "
+                              "must be the run's policy, token for token)",
+                              "unsupported_parameter")
         if session.busy:
-            return _error(409, "a call of this trajectory is running: one at a time",
+            return _error(409, "LMC-E404", "a call of this trajectory is running: one at a time",
                           "concurrent_call")
         if session.failure is not None:
-            return _error(503, f"this trajectory's generation failed: {session.failure}",
-                          "generation_failed", "server_error")
+            return _error(503, "LMC-E409", f"this trajectory's generation failed: "
+                          f"{session.failure}", "generation_failed", "server_error")
         session.busy = True
         session.task = asyncio.current_task()
         try:
             return web.json_response(await self._turn(session, body))
         except EpisodeEnded as exc:
             session.end_reason = session.end_reason or exc.reason
-            return _error(400, f"the episode reached its limit: {exc}", exc.reason,
+            return _error(400, "LMC-E408", f"the episode reached its limit: {exc}", exc.reason,
                           "episode_limit")
         except (ValueError, TemplateError) as exc:
-            return _error(400, str(exc), "messages")
+            return _error(400, "LMC-E400", str(exc), "messages")
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # Discard / Stopped / an engine failure: the episode ends
             session.failure = exc
-            return _error(503, f"the turn could not be generated: {exc}", "generation_failed",
-                          "server_error")
+            return _error(503, "LMC-E409", f"the turn could not be generated: {exc}",
+                          "generation_failed", "server_error")
         finally:
             session.busy = False
 
@@ -218,7 +224,7 @@ class AgentGateway:
         asked = body.get("max_completion_tokens") or body.get("max_tokens")
         if asked is not None and (not isinstance(asked, int) or isinstance(asked, bool)
                                   or asked < 1):
-            raise ValueError(f"max_tokens={asked!r} must be a positive integer")
+            raise ValueError(f"LMC-E400: max_tokens={asked!r} must be a positive integer")
         if session.turns == 0:
             session.tools = body.get("tools") or None
             prompt = self.chat.prompt(messages, session.tools)
@@ -229,14 +235,15 @@ class AgentGateway:
         else:
             held = session.messages
             if len(messages) <= len(held):
-                raise ValueError(f"the call repeats {len(messages)} of the conversation's "
-                                 f"{len(held)} messages and adds none: a turn needs new ones")
+                raise ValueError(f"LMC-E407: the call repeats {len(messages)} of the "
+                                 f"conversation's {len(held)} messages and adds none: a turn "
+                                 "needs new ones")
             for i, (sent, rec) in enumerate(zip(messages, held)):
                 if not same_message(sent, rec):
                     raise ValueError(
-                        f"message {i} ({rec.get('role')}) differs from this trajectory's: a "
-                        "call must extend the conversation it continues (send the assistant's "
-                        "messages as they were answered)")
+                        f"LMC-E407: message {i} ({rec.get('role')}) differs from this "
+                        "trajectory's: a call must extend the conversation it continues (send "
+                        "the assistant's messages as they were answered)")
             new = messages[len(held):]
             ended_eos = bool(traj.response_ids) and traj.response_ids[-1] == self.chat.eos_id
             env = self.chat.continuation(held, new, session.tools, ended_with_eos=ended_eos)

@@ -42,12 +42,13 @@ def _resolve(key: str) -> Optional[str]:
             where = f"'{prefix}'" if prefix else "the root config"
             close = difflib.get_close_matches(part, list(hints), n=1)
             hint = f"; did you mean {'.'.join(parts[:i] + [close[0]])}?" if close else ""
-            return (f"unknown config key '{key}': {where} has no field '{part}'{hint} "
+            return (f"LMC-E100: unknown config key '{key}': {where} has no field '{part}'{hint} "
                     f"(valid: {', '.join(sorted(hints))})")
         child = _dataclass_of(hints[part])
         if child is None:
             if i != len(parts) - 1:
-                return f"unknown config key '{key}': '{'.'.join(parts[:i + 1])}' is a value, not a section"
+                return (f"LMC-E100: unknown config key '{key}': "
+                        f"'{'.'.join(parts[:i + 1])}' is a value, not a section")
             return None
         node = child
     return None

@@ -290,21 +290,23 @@ def capacity_plan(cfg, digits: int = 2) -> dict:
                     "grads_gb": "raise parallel.tp or parallel.pp",
                     "logits_gb": "lower trainer.max_tokens_per_microbatch or raise parallel.tp"}
             problems.append(
+                "LMC-E120: "
                 f"a trainer GPU ({peak_stage} pipeline stage) needs {peak['peak_gb']:.1f} GB, "
                 f"cluster.gpu_memory_gb={mem:g}; the largest item is {largest[:-3]} "
                 f"({peak[largest]:.1f} GB): {knob[largest]}")
         if cl.trainer.nproc_per_node > gpus:
-            problems.append(f"cluster.trainer.nproc_per_node={cl.trainer.nproc_per_node} is more "
-                            f"than cluster.gpus_per_node={gpus}")
+            problems.append(f"LMC-E121: cluster.trainer.nproc_per_node={cl.trainer.nproc_per_node} "
+                            f"is more than cluster.gpus_per_node={gpus}")
         if r.backend == "sglang":
             if engine_gpus > gpus:
                 problems.append(
+                    "LMC-E121: "
                     f"rollout.num_engines={r.num_engines} x rollout.engine_tp={r.engine_tp} = "
                     f"{engine_gpus} GPUs per rollout node, cluster.gpus_per_node={gpus}: lower "
                     "rollout.num_engines (engines per rollout node)")
             if kv_gb < 0.1 * mem:
                 problems.append(
-                    f"an engine GPU holds {engine_weights_gb:.1f} GB of weights, leaving "
+                    f"LMC-E122: an engine GPU holds {engine_weights_gb:.1f} GB of weights, leaving "
                     f"{max(kv_gb, 0):.1f} GB of KV cache under rollout.mem_fraction_static="
                     f"{r.mem_fraction_static}: raise rollout.engine_tp")
     return {
@@ -350,17 +352,20 @@ def _host_plan(cfg, model_gb: float, pinned_gb: float, ref_host_gb: float,
     trainer_gb = pinned_gb + ref_host_gb + PROCESS_HOST_GB * cl.trainer.nproc_per_node
     problems = []
     if rv < 2:
-        problems.append(f"weight_sync.relay_versions={rv} must be >= 2: a relay keeps the newest "
-                        "complete version for pulls while it receives the next")
+        problems.append("LMC-E103: "
+                        f"weight_sync.relay_versions={rv} must be >= 2: a relay keeps the "
+                        "newest complete version for pulls while it receives the next")
     if host_gb > 0:
         shm_key = ("cluster.shm_gb unset: half of cluster.host_memory_gb" if shm_default
                    else "cluster.shm_gb")
         if shm_gb > host_gb:
-            problems.append(f"cluster.shm_gb={shm_gb:g} is more than cluster.host_memory_gb="
-                            f"{host_gb:g}: /dev/shm is a tmpfs, it lives in RAM; lower it")
+            problems.append(f"LMC-E123: cluster.shm_gb={shm_gb:g} is more than "
+                            f"cluster.host_memory_gb={host_gb:g}: /dev/shm is a tmpfs, it lives "
+                            "in RAM; lower it")
         if shm_need > shm_gb:
             size = math.ceil(shm_need * 1.05 / 10) * 10
             problems.append(
+                "LMC-E123: "
                 f"a rollout node's relay keeps weight_sync.relay_versions={rv} versions of "
                 f"{model_gb:.1f} GB in /dev/shm ({shm_need:.1f} GB), but /dev/shm holds "
                 f"{shm_gb:g} GB ({shm_key}): "
@@ -369,7 +374,7 @@ def _host_plan(cfg, model_gb: float, pinned_gb: float, ref_host_gb: float,
                 + (", or lower weight_sync.relay_versions (2 is the least)" if rv > 2 else ""))
         if rollout_gb > host_gb:
             problems.append(
-                f"a rollout node needs {rollout_gb:.1f} GB of host memory (the relay's "
+                f"LMC-E124: a rollout node needs {rollout_gb:.1f} GB of host memory (the relay's "
                 f"{shm_need:.1f} GB in /dev/shm, {PROCESS_HOST_GB:g} GB for each of its "
                 f"{engine_gpus + 1} processes: engine workers and the relay), "
                 f"cluster.host_memory_gb={host_gb:g}: "
@@ -377,6 +382,7 @@ def _host_plan(cfg, model_gb: float, pinned_gb: float, ref_host_gb: float,
                 + "use nodes with more RAM (cluster.host_memory_gb)")
         if trainer_gb > host_gb:
             problems.append(
+                "LMC-E125: "
                 f"a trainer node needs {trainer_gb:.1f} GB of host memory ({pinned_gb:.1f} GB of "
                 f"pinned publish buffers, {ref_host_gb:.1f} GB of offloaded reference model, "
                 f"{PROCESS_HOST_GB:g} GB for each of its {cl.trainer.nproc_per_node} ranks), "

@@ -20,7 +20,7 @@ import time
 
 from aiohttp import web
 
-from ..netutil import Field, read_json, read_query
+from ..netutil import Field, error_response, read_json, read_query
 
 COUNT = Field("int", low=0)
 SECONDS = Field("number", low=0, high=1e7)
@@ -59,7 +59,7 @@ class TrainerAPI:
             return web.json_response({"stop": True})
         batch = await asyncio.to_thread(self._take, self.batch_prompts, timeout)
         if self.closing and batch is None:
-            return web.json_response({"error": "shutting down"}, status=503)
+            return error_response(503, "LMC-E402", "shutting down")
         if batch is None:
             return web.Response(status=204)
         self.manager.notify()  # the buffer has room again

@@ -31,8 +31,8 @@ def controller_url(cfg) -> str:
     ``cluster.controller_port``)."""
     port = int(cfg.cluster.controller_port)
     if port <= 0:
-        raise ControllerError("cluster.controller_port must be set (> 0) for job=rollout and "
-                              "job=trainer: the port the controller listens on")
+        raise ControllerError("LMC-E103: cluster.controller_port must be set (> 0) for job=rollout "
+                              "and job=trainer: the port the controller listens on")
     return f"http://{cfg.cluster.controller_addr}:{port}"
 
 
@@ -54,9 +54,9 @@ class ControllerClient:
                 return resp.status, (json.loads(text) if text else None)
         except urllib.error.HTTPError as exc:
             if exc.code == 401:
-                raise ControllerError(f"{self.url}{path} refused the run token: is {TOKEN_ENV} "
-                                      "the same on every node?") from None
-            raise ControllerError(f"{method} {self.url}{path}: HTTP {exc.code}: "
+                raise ControllerError(f"LMC-E201: {self.url}{path} refused the run token: is "
+                                      f"{TOKEN_ENV} the same on every node?") from None
+            raise ControllerError(f"LMC-E208: {method} {self.url}{path}: HTTP {exc.code}: "
                                   f"{exc.read()[:300].decode(errors='replace')}") from None
 
     # ------------------------------------------------------------------ trainer rank 0
@@ -142,5 +142,5 @@ class ControllerClient:
             except (urllib.error.URLError, OSError) as exc:
                 last = exc
             time.sleep(0.5)
-        raise ControllerError(f"gave up waiting for {what} at {self.url} after "
+        raise ControllerError(f"LMC-E204: gave up waiting for {what} at {self.url} after "
                               f"{timeout_s:.0f}s ({last})")

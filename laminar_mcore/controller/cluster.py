@@ -31,7 +31,8 @@ from typing import List, Optional
 
 from aiohttp import web
 
-from ..netutil import Field, engine_api_key, is_loopback, read_json, read_query
+from ..netutil import (Field, engine_api_key, error_response, is_loopback, read_json,
+                       read_query)
 from ..relay.client import RelayClient, RelayError, probe_relay
 from ..relay.transports import make_puller
 from ..rollout.client import SGLangClient
@@ -146,9 +147,9 @@ class ClusterAPI:
         while self.master_relay is None and time.time() < deadline and not self.closing:
             await asyncio.sleep(0.2)
         if self.closing:
-            return web.json_response({"error": "shutting down"}, status=503)
+            return error_response(503, "LMC-E402", "shutting down")
         if self.master_relay is None:
-            return web.json_response({"error": "the master relay has not registered"}, status=503)
+            return error_response(503, "LMC-E406", "the master relay has not registered yet")
         async with self._election:
             # A relay restarting after a crash: join the master if it lives; else one of the
             # other relays is elected; if none is left, the asker becomes the master.
@@ -373,7 +374,7 @@ class ClusterAPI:
         body = await read_json(request, ENGINE_DOWN)
         engine = self._handle_by_url(body["url"])
         if engine is None:
-            return web.json_response({"error": f"no engine at {body['url']}"}, status=404)
+            return error_response(404, "LMC-E405", f"no engine at {body['url']}")
         evict = bool(body.get("evict"))
         self.manager.engine_down(engine, str(body.get("reason", "")), evict)
         self._fault("engine", "evicted" if evict else "down", engine=engine.name,
@@ -384,7 +385,7 @@ class ClusterAPI:
         body = await read_json(request, ENGINE_REPLACED)
         engine = self._handle_by_url(body["old_url"])
         if engine is None:
-            return web.json_response({"error": f"no engine at {body['old_url']}"}, status=404)
+            return error_response(404, "LMC-E405", f"no engine at {body['old_url']}")
         old = self.manager.replace_engine(engine, SGLangClient(
             body["new_url"], retries=0, timeout_s=10, incremental_stream=True,
             api_key=engine.client.api_key))
@@ -438,8 +439,7 @@ class ClusterAPI:
         publish = body.get("publish")
         if publish is not None:
             if self.master_relay is not None and self.master_relay["url"] != body["relay_url"]:
-                return web.json_response({"error": "a master relay is already registered"},
-                                         status=409)
+                return error_response(409, "LMC-E404", "a master relay is already registered")
             self.master_relay = {"url": body["relay_url"], "publish_host": str(publish["host"]),
                                  "publish_port": int(publish["port"])}
         node = len(self.rollout_nodes)
@@ -452,8 +452,7 @@ class ClusterAPI:
         publish = body["publish"]
         if self.master_relay is not None and \
                 await self._relay_health(self.master_relay["url"]) is not None:
-            return web.json_response({"error": "a master relay is already registered"},
-                                     status=409)
+            return error_response(409, "LMC-E404", "a master relay is already registered")
         self._master_claimed = True
         self.master_relay = {"url": body["relay_url"].rstrip("/"),
                              "publish_host": str(publish["host"]),

@@ -39,7 +39,7 @@ async def _generate(client: SGLangClient, ids: List[int], sampling: dict, attemp
         if out["meta_info"]["finish_reason"]["type"] != "abort":
             return out
         await asyncio.sleep(0.1)  # paused for a weight update: ask again
-    raise RuntimeError(f"an evaluation request was aborted {attempts} times in a row")
+    raise RuntimeError(f"LMC-E608: an evaluation request was aborted {attempts} times in a row")
 
 
 async def evaluate(url: str, rows: List[dict], codec: TaskCodec, sampling: dict, reward_fn: str,

@@ -124,7 +124,8 @@ class RolloutManager(Admission, EngineHealth, WeightPulls):
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.error is not None:
-            raise RuntimeError(f"the rollout manager stopped: {self.error}") from self.error
+            raise RuntimeError(f"LMC-E209: the rollout manager stopped: "
+                               f"{self.error}") from self.error
 
     def _drop(self, item: InFlight) -> None:
         """Take ``item`` off its engine (any engine, if not there) and out of the pool."""
@@ -397,7 +398,7 @@ class RolloutManager(Admission, EngineHealth, WeightPulls):
                 traj.routed_experts.append(routed)
                 traj.metadata["routed_positions"] = len(traj.prompt_ids) + len(traj.response_ids) - 1
             elif routed is None and reason != "abort":
-                raise StreamProtocolError("/generate", None, "the engine returned no "
+                raise StreamProtocolError("/generate", None, "LMC-E332: the engine returned no "
                                           "routed_experts (algo.routing_replay=true): start it "
                                           "with --enable-return-routed-experts")
         return reason

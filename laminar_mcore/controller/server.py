@@ -32,6 +32,7 @@ from ..config.schema import LaminarConfig
 from ..data.pools import ExperienceBuffer, PartialResponsePool, PromptPool
 from ..data.trace import TrajectoryTrace
 from ..data.trajectory import Trajectory
+from ..errors import within
 from ..metrics.prometheus import STALENESS_BUCKETS, Histogram, Scrape
 from ..netutil import read_query, token_middleware
 from ..reward import RewardService
@@ -167,9 +168,9 @@ class Controller(TrainerAPI, RunBooks, ClusterAPI, TrainerWatch):
         self._thread = threading.Thread(target=self._run, name="laminar-controller", daemon=True)
         self._thread.start()
         if not self._ready.wait(60):
-            raise RuntimeError(f"controller did not start: {self.error}")
+            raise RuntimeError(within("controller did not start", self.error, "LMC-E209"))
         if self.error:
-            raise RuntimeError(f"controller did not start: {self.error}")
+            raise RuntimeError(within("controller did not start", self.error, "LMC-E209"))
         return self.url
 
     def _install_sigterm(self) -> None:

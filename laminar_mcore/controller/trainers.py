@@ -63,8 +63,8 @@ class TrainerWatch:
         # reporting because of it)
         for node, r in sorted(self.trainer_nodes.items(), key=lambda item: item[1]["last"]):
             if now - r["last"] > limit:
-                return (f"trainer node {node} (host {r['host']}, rank {r['rank']} and its "
-                        f"node's other ranks) has been silent for {now - r['last']:.0f} s, "
+                return (f"LMC-E605: trainer node {node} (host {r['host']}, rank {r['rank']} and "
+                        f"its node's other ranks) has been silent for {now - r['last']:.0f} s, "
                         f"more than half of trainer.collective_timeout_s="
                         f"{self.cfg.trainer.collective_timeout_s:g}: it died, lost its network "
                         "or hung, and the run stops (start it again with trainer.resume=auto "

@@ -64,12 +64,13 @@ def _plain(message: Any) -> dict:
     if hasattr(message, "model_dump"):
         message = message.model_dump(exclude_none=True)
     if not isinstance(message, dict) or "role" not in message:
-        raise ValueError(f"a message must be an object with a role; got {message!r:.80}")
+        raise ValueError(f"LMC-E400: a message must be an object with a role; got "
+                         f"{message!r:.80}")
     message = dict(message)
     content = message.get("content")
     if isinstance(content, list):
         if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
-            raise ValueError("only text content parts are served")
+            raise ValueError("LMC-E400: only text content parts are served")
         message["content"] = "".join(p.get("text", "") for p in content)
     return message
 
@@ -103,12 +104,12 @@ class ChatFormat:
 
     def __init__(self, tokenizer, eos_id: Optional[int] = None):
         if not getattr(tokenizer, "chat_template", None):
-            raise TemplateError("the tokenizer has no chat_template: agent episodes render "
-                                "messages with it (set one in tokenizer_config.json)")
+            raise TemplateError("LMC-E704: the tokenizer has no chat_template: agent episodes "
+                                "render messages with it (set one in tokenizer_config.json)")
         self.tok = tokenizer
         self.eos_id = self._end_of_turn() if eos_id is None else eos_id
         if self.eos_id is None:
-            raise TemplateError("the tokenizer has no eos_token: a turn ends at it")
+            raise TemplateError("LMC-E704: the tokenizer has no eos_token: a turn ends at it")
         self.eos_text = tokenizer.decode([self.eos_id])
 
     def _end_of_turn(self) -> Optional[int]:
@@ -140,7 +141,8 @@ class ChatFormat:
     def prompt(self, messages: Sequence[dict], tools: Optional[list] = None) -> List[int]:
         """The first turn's prompt: the messages rendered, with the generation prompt."""
         if not messages:
-            raise ValueError("messages is empty: the first call needs at least one message")
+            raise ValueError("LMC-E400: messages is empty: the first call needs at least one "
+                             "message")
         return self.encode(self.render(messages, tools, add_generation_prompt=True))
 
     def continuation(self, history: Sequence[dict], new: Sequence[dict],
@@ -153,13 +155,13 @@ class ChatFormat:
         after = self.render(list(history) + list(new), tools, add_generation_prompt=True)
         if not after.startswith(before):
             raise TemplateError(
-                "the chat template renders the earlier messages differently once new ones "
-                "follow, so the next prompt cannot extend the tokens sampled so far; use a "
+                "LMC-E704: the chat template renders the earlier messages differently once new "
+                "ones follow, so the next prompt cannot extend the tokens sampled so far; use a "
                 "template that renders each message independently of later ones")
         end = before.rfind(self.eos_text)
         if end < len(self.render(history[:-1], tools, add_generation_prompt=True)):
             raise TemplateError(
-                f"the chat template does not end the last assistant message with "
+                f"LMC-E704: the chat template does not end the last assistant message with "
                 f"{self.eos_text!r}, the token its turns end with; token-exact turns need it")
         tail = before[end + len(self.eos_text):]
         ids = self.encode(tail + after[len(before):])

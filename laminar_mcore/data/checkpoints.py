@@ -37,6 +37,7 @@ def resolve_resume(resume: str, root: str) -> Optional[str]:
     if resume == "auto":
         return latest_complete(root)
     if not os.path.isfile(os.path.join(resume, COMPLETE)):
-        raise FileNotFoundError(f"trainer.resume={resume!r} is not a complete checkpoint "
-                                f"(no {COMPLETE}); use auto, none or a step_* directory")
+        raise FileNotFoundError(f"LMC-E207: trainer.resume={resume!r} is not a complete "
+                                f"checkpoint (no {COMPLETE}); use auto, none or a step_* "
+                                "directory")
     return resume

@@ -32,7 +32,8 @@ def load_prompts(paths: List[str], prompt_key: str = "prompt",
             try:
                 import pyarrow.parquet as pq
             except ImportError:
-                raise ValueError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
+                raise ValueError(f"LMC-E700: {path}: reading Parquet needs pyarrow (pip install "
+                                 "pyarrow)") from None
             rows.extend(pq.read_table(path).to_pylist())
             continue
         with open(path) as f:
@@ -42,17 +43,18 @@ def load_prompts(paths: List[str], prompt_key: str = "prompt",
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{line_no}: not JSON ({exc})") from None
+                    raise ValueError(f"LMC-E700: {path}:{line_no}: not JSON ({exc})") from None
     for i, row in enumerate(rows):
         if prompt_key not in row:
-            raise ValueError(f"row {i} has no {prompt_key!r} field; set data.prompt_key")
+            raise ValueError(f"LMC-E701: row {i} has no {prompt_key!r} field; set data.prompt_key")
         if answer_key != "answer":
             if answer_key not in row:
-                raise ValueError(f"row {i} has no {answer_key!r} field; set data.answer_key "
-                                 f"to the answer's field (its fields: {sorted(row)})")
+                raise ValueError(f"LMC-E701: row {i} has no {answer_key!r} field; set "
+                                 f"data.answer_key to the answer's field (its fields: "
+                                 f"{sorted(row)})")
             row["answer"] = row[answer_key]
     if not rows:
-        raise ValueError(f"no prompts in {paths}")
+        raise ValueError(f"LMC-E702: no prompts in {paths}")
     return rows
 
 

@@ -62,7 +62,7 @@ def make_problem(rng: random.Random, digits: int, task: str = "addition", *,
         a, b = (rng.randrange(10 ** (digits - 1), 10 ** digits) for _ in range(2))
         return {"prompt": f"{a}+{b}", "answer": str(a + b)}
     if task != "addition":
-        raise ValueError(f"unknown task {task!r}: one of {', '.join(TASKS)}")
+        raise ValueError(f"LMC-E102: unknown task {task!r}: one of {', '.join(TASKS)}")
     a, b = rng.randrange(10 ** digits), rng.randrange(10 ** digits)
     return {"prompt": f"{a:0{digits}d}+{b:0{digits}d}=", "answer": str(a + b)}
 

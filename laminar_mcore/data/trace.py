@@ -146,7 +146,7 @@ def read_trace(path: str) -> List[dict]:
     if os.path.isdir(path):
         path = os.path.join(path, TRACE_FILE)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no trajectory trace here (a run writes "
+        raise FileNotFoundError(f"LMC-E708: {path}: no trajectory trace here (a run writes "
                                 f"{TRACE_FILE} in its output directory, outputs/<run>/)")
     records: dict = {}
     with open(path) as f:

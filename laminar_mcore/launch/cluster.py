@@ -39,8 +39,9 @@ def environ_rank0() -> bool:
 def run_token() -> str:
     token = os.environ.get(TOKEN_ENV, "")
     if len(token) < 8:
-        raise ClusterError(f"multi-node roles share a secret run token: export {TOKEN_ENV}=<at "
-                           "least 8 characters, e.g. $(openssl rand -hex 16)> on every node")
+        raise ClusterError(f"LMC-E200: multi-node roles share a secret run token: export "
+                           f"{TOKEN_ENV}=<at least 8 characters, e.g. $(openssl rand -hex 16)> "
+                           "on every node")
     return token
 
 
@@ -56,9 +57,10 @@ def advertised_host(cfg) -> str:
         return host
     address = route_source_address(controller)
     if is_loopback(address):
-        raise ClusterError(f"rollout.host={host!r} is not an address other hosts can reach and "
-                           f"the route to the controller ({controller}) leaves from {address}: "
-                           "set rollout.host to this node's address on the cluster network")
+        raise ClusterError(f"LMC-E202: rollout.host={host!r} is not an address other hosts can "
+                           f"reach and the route to the controller ({controller}) leaves from "
+                           f"{address}: set rollout.host to this node's address on the cluster "
+                           "network")
     print(f"[rollout] rollout.host={host!r} is not an address other hosts can reach: "
           f"advertising {address}, this host's address on its route to the controller "
           f"{controller} (set rollout.host to choose another)", flush=True)
@@ -100,6 +102,7 @@ def check_trainer_rendezvous(cfg, environ=None) -> None:
     if node > 0 and master and is_loopback(master) \
             and not is_loopback(str(cfg.cluster.controller_addr)):
         raise ClusterError(
+            "LMC-E202: "
             f"torchrun gave trainer node {node} MASTER_ADDR={master}, a loopback address: the "
             "first trainer node's host name resolves to loopback there (as /etc/hosts' "
             "127.0.1.1 line makes it), so the other nodes cannot reach its store. Start "
@@ -130,4 +133,4 @@ def run_role(job: str, cfg) -> object:
         if line and environ_rank0():
             print(line, flush=True)
         return run(cfg, token)
-    raise ValueError(f"job={job!r} is not a cluster role")
+    raise ValueError(f"LMC-E102: job={job!r} is not a cluster role")

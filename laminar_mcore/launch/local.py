@@ -32,8 +32,9 @@ def launch_trainer_world(entrypoint: Callable, args: tuple, nproc: int,
 def trainer_nproc(cfg) -> int:
     t = cfg.cluster.trainer
     if t.nnodes != 1:
-        raise ValueError("the local launcher runs one node; for cluster.trainer.nnodes > 1 start "
-                         "each trainer node with torchrun (see README, 'Multi-node')")
+        raise ValueError("LMC-E203: "
+                         "the local launcher runs one node; for cluster.trainer.nnodes > 1 "
+                         "start each trainer node with torchrun (see README, 'Multi-node')")
     return t.nproc_per_node
 
 

@@ -41,12 +41,14 @@ def logger_problems(names: Sequence[str]) -> List[str]:
     problems = []
     unknown = [n for n in names if n not in LOGGERS]
     if unknown:
-        problems.append(f"trainer.loggers has unknown logger(s) {', '.join(map(repr, unknown))}; "
+        problems.append("LMC-E106: "
+                        f"trainer.loggers has unknown logger(s) {', '.join(map(repr, unknown))}; "
                         f"the known ones are {', '.join(LOGGERS)}")
     if len(set(names)) != len(names):
-        problems.append(f"trainer.loggers={list(names)} names a logger twice")
+        problems.append(f"LMC-E106: trainer.loggers={list(names)} names a logger twice")
     if "jsonl" not in names:
-        problems.append(f"trainer.loggers={list(names)} lacks jsonl: metrics.jsonl is the run's "
+        problems.append("LMC-E106: "
+                        f"trainer.loggers={list(names)} lacks jsonl: metrics.jsonl is the run's "
                         "own record (the summary, the chaos tests and the benchmarks read it); "
                         f"add it, e.g. trainer.loggers=[{','.join(['jsonl', *names])}]")
     return problems
@@ -54,7 +56,7 @@ def logger_problems(names: Sequence[str]) -> List[str]:
 
 def _install_hint(name: str) -> str:
     module, pip_name = _PACKAGES[name]
-    return (f"trainer.loggers has {name}, but the {module!r} package is not installed: "
+    return (f"LMC-E107: trainer.loggers has {name}, but the {module!r} package is not installed: "
             f"pip install {pip_name} (or drop {name} from trainer.loggers)")
 
 
@@ -154,7 +156,7 @@ class WandbLogger(MetricsLogger):
                                    config=run_config, reinit="create_new")
         except Exception as exc:  # noqa: BLE001 - say what to do, not only what W&B said
             raise LoggerUnavailable(
-                f"trainer.loggers has wandb, but W&B could not start a run in project "
+                f"LMC-E107: trainer.loggers has wandb, but W&B could not start a run in project "
                 f"{project!r}: {exc}; log in (wandb login, or WANDB_API_KEY) or run without a "
                 "network with WANDB_MODE=offline (wandb sync uploads it later)") from exc
         self._kinds: set = set()
@@ -199,9 +201,9 @@ class MlflowLogger(MetricsLogger):
                 self._client.log_batch(self.run_id, params=params[start:start + 100])
         except Exception as exc:  # noqa: BLE001 - say where, not only what MLflow said
             raise LoggerUnavailable(
-                f"trainer.loggers has mlflow, but MLflow could not start a run in experiment "
-                f"{experiment!r} at {tracking_uri}: {exc}; check trainer.mlflow_tracking_uri "
-                "(or $MLFLOW_TRACKING_URI)") from exc
+                f"LMC-E107: trainer.loggers has mlflow, but MLflow could not start a run in "
+                f"experiment {experiment!r} at {tracking_uri}: {exc}; check "
+                "trainer.mlflow_tracking_uri (or $MLFLOW_TRACKING_URI)") from exc
 
     def log(self, record: dict) -> None:
         from mlflow.entities import Metric

@@ -46,6 +46,7 @@ def get_adapter(hf_config) -> "ModelAdapter":
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in _REGISTRY:
         raise AdapterError(
+            "LMC-E115: "
             f"no adapter for model_type {model_type!r}; known: {', '.join(known_model_types())}. "
             "Add one under laminar_mcore/models/ (see models/families.py)."
         )
@@ -157,13 +158,14 @@ class ModelAdapter:
     def check_hf_config(self, hf_config) -> None:
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
-            raise AdapterError(f"{self.name}: hidden_act {act!r} is not supported (only silu)")
+            raise AdapterError("LMC-E310: "
+                               f"{self.name}: hidden_act {act!r} is not supported (only silu)")
         if getattr(hf_config, "attention_bias", False) and not self.qkv_bias:
-            raise AdapterError(f"{self.name}: attention_bias=True is not supported")
+            raise AdapterError(f"LMC-E310: {self.name}: attention_bias=True is not supported")
         if getattr(hf_config, "mlp_bias", False):
-            raise AdapterError(f"{self.name}: mlp_bias=True is not supported")
+            raise AdapterError(f"LMC-E310: {self.name}: mlp_bias=True is not supported")
         if getattr(hf_config, "use_sliding_window", False):
-            raise AdapterError(f"{self.name}: sliding-window attention is not supported; "
+            raise AdapterError(f"LMC-E310: {self.name}: sliding-window attention is not supported; "
                                "set use_sliding_window=false in config.json")
         self.rope_scaling(hf_config)
 
@@ -184,12 +186,14 @@ class ModelAdapter:
         if rope_type == "default":
             return None
         if rope_type != "llama3" or not self.supports_llama3_rope_scaling:
-            raise AdapterError(f"{self.name}: rope scaling {rope_type!r} is not supported")
+            raise AdapterError("LMC-E310: "
+                               f"{self.name}: rope scaling {rope_type!r} is not supported")
         expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
                     "original_max_position_embeddings": 8192}
         for key, value in expected.items():
             if key in scaling and float(scaling[key]) != float(value):
                 raise AdapterError(
+                    "LMC-E310: "
                     f"{self.name}: llama3 rope scaling with {key}={scaling[key]} is not supported "
                     f"(Megatron-Core implements {key}={value})")
         return float(scaling.get("factor", 8.0))
@@ -322,7 +326,8 @@ class ModelAdapter:
 
         def take(name: str) -> Tensor:
             if name not in tensors:
-                raise AdapterError(f"{self.name}: tensor {name!r} is missing from the checkpoint")
+                raise AdapterError(f"LMC-E303: {self.name}: tensor {name!r} is missing from the "
+                                   "checkpoint")
             return tensors[name]
 
         if unit == "embedding":
@@ -349,8 +354,8 @@ class ModelAdapter:
             expected.add("lm_head.weight")  # allowed (must equal the embedding), not required
         extra = sorted(n for n in names if n not in expected and not n.endswith("rotary_emb.inv_freq"))
         if extra:
-            raise AdapterError(f"{self.name}: checkpoint tensors with no Megatron counterpart: "
-                               f"{extra[:8]}{' ...' if len(extra) > 8 else ''}")
+            raise AdapterError(f"LMC-E303: {self.name}: checkpoint tensors with no Megatron "
+                               f"counterpart: {extra[:8]}{' ...' if len(extra) > 8 else ''}")
 
     def hf_to_mcore(self, hf_config, hf_state: Mapping[str, Tensor]) -> Dict[str, Tensor]:
         """Full Megatron tensors (global layer numbers) from a Hugging Face state dict.
@@ -364,7 +369,8 @@ class ModelAdapter:
             out.update(self.convert_unit_from_hf(hf_config, unit, hf_state))
         if self.tied_embeddings(hf_config) and "lm_head.weight" in hf_state:
             if not torch.equal(hf_state["lm_head.weight"], out["embedding.word_embeddings.weight"]):
-                raise AdapterError(f"{self.name}: tie_word_embeddings=true but lm_head.weight "
+                raise AdapterError("LMC-E303: "
+                                   f"{self.name}: tie_word_embeddings=true but lm_head.weight "
                                    "differs from model.embed_tokens.weight")
         return out
 
@@ -421,14 +427,15 @@ class ModelAdapter:
         for unit, names in self.export_units(hf_config):
             missing = [n for n in names if n not in mcore_state]
             if missing:
-                raise AdapterError(f"{self.name}: Megatron tensor {missing[0]!r} is missing")
+                raise AdapterError(f"LMC-E303: {self.name}: Megatron tensor {missing[0]!r} is "
+                                   "missing")
             used.update(names)
             for name, tensor in self.convert_unit_to_hf(hf_config, unit, mcore_state):
                 out[name] = tensor.contiguous()
         extra = sorted(set(mcore_state) - used)
         if extra:
-            raise AdapterError(f"{self.name}: Megatron tensors with no Hugging Face counterpart: "
-                               f"{extra[:8]}{' ...' if len(extra) > 8 else ''}")
+            raise AdapterError(f"LMC-E303: {self.name}: Megatron tensors with no Hugging Face "
+                               f"counterpart: {extra[:8]}{' ...' if len(extra) > 8 else ''}")
         return out
 
     def from_transformers_state(self, hf_config, state: Mapping[str, Tensor]) -> Dict[str, Tensor]:
@@ -468,7 +475,8 @@ class ModelAdapter:
         if dim is None or tp_size == 1:
             return full
         if full.shape[dim] % tp_size:
-            raise AdapterError(f"{name}: dimension {dim} of size {full.shape[dim]} does not "
+            raise AdapterError("LMC-E312: "
+                               f"{name}: dimension {dim} of size {full.shape[dim]} does not "
                                f"divide by tensor parallel size {tp_size}")
         if _stacks_gate_up(name):
             # Each rank holds [gate_r; up_r], not a contiguous slice of [gate; up].

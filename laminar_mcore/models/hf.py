@@ -24,7 +24,8 @@ def load_hf_config(path: str | os.PathLike):
 
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise AdapterError(f"model path {str(path)!r} has no config.json; point model.path at a "
+        raise AdapterError("LMC-E114: "
+                           f"model path {str(path)!r} has no config.json; point model.path at a "
                            "Hugging Face checkpoint directory")
     return AutoConfig.from_pretrained(str(path), local_files_only=True)
 
@@ -137,12 +138,14 @@ def build_hf_config(family: str, **fields):
     classes = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config,
                "qwen3_moe": Qwen3MoeConfig}
     if family not in classes:
-        raise AdapterError(f"unknown model family {family!r}; choose one of {sorted(classes)}")
+        raise AdapterError("LMC-E115: "
+                           f"unknown model family {family!r}; choose one of {sorted(classes)}")
     fields = {k: v for k, v in fields.items() if v is not None}
     if family not in ("qwen3", "qwen3_moe") and "head_dim" in fields:
         hidden, heads = fields.get("hidden_size"), fields.get("num_attention_heads")
         if hidden and heads and fields["head_dim"] != hidden // heads:
-            raise AdapterError(f"{family}: head_dim must equal hidden_size/num_attention_heads")
+            raise AdapterError("LMC-E310: "
+                               f"{family}: head_dim must equal hidden_size/num_attention_heads")
         fields.pop("head_dim")
     return classes[family](**fields)
 
@@ -176,7 +179,7 @@ def hf_config_from_arch(arch_cfg):
         arch["mlp_only_layers"] = list(arch["mlp_only_layers"])
     else:
         if arch.get("num_experts"):
-            raise AdapterError(f"model.arch.num_experts={arch['num_experts']} needs "
+            raise AdapterError(f"LMC-E310: model.arch.num_experts={arch['num_experts']} needs "
                                f"family=qwen3_moe (family {family!r} is dense)")
         for key in moe_keys:
             arch.pop(key, None)
@@ -211,21 +214,23 @@ class SafetensorsReader:
             try:
                 self.weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError) as exc:
-                raise AdapterError(f"{index}: not a safetensors index ({exc})") from None
+                raise AdapterError(f"LMC-E311: {index}: not a safetensors index ({exc})") from None
         elif (self.path / "model.safetensors").is_file():
             self.weight_map = None
         else:
-            raise AdapterError(f"{str(self.path)!r} has neither model.safetensors nor {SAFETENSORS_INDEX}")
+            raise AdapterError(f"LMC-E311: {str(self.path)!r} has neither model.safetensors nor "
+                               f"{SAFETENSORS_INDEX}")
         files = sorted(set(self.weight_map.values())) if self.weight_map else ["model.safetensors"]
         self._handles = {}
         for name in files:
             file = self.path / name
             if not file.is_file():
-                raise AdapterError(f"shard {str(file)!r} named by the index is missing")
+                raise AdapterError(f"LMC-E311: shard {str(file)!r} named by the index is missing")
             try:
                 self._handles[name] = safe_open(str(file), framework="pt")
             except Exception as exc:  # safetensors' own error types
-                raise AdapterError(f"cannot read {str(file)!r} (truncated or corrupt?): {exc}") from None
+                raise AdapterError(f"LMC-E311: cannot read {str(file)!r} (truncated or corrupt?): "
+                                   f"{exc}") from None
         self._where = {}
         for fname, handle in self._handles.items():
             for key in handle.keys():
@@ -233,7 +238,8 @@ class SafetensorsReader:
         if self.weight_map:
             missing = sorted(set(self.weight_map) - set(self._where))
             if missing:
-                raise AdapterError(f"tensors listed in the index but absent from the shards: {missing[:8]}")
+                raise AdapterError(f"LMC-E311: tensors listed in the index but absent from the "
+                                   f"shards: {missing[:8]}")
 
     def names(self):
         return list(self._where)
@@ -243,11 +249,12 @@ class SafetensorsReader:
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:
-            raise AdapterError(f"tensor {name!r} is missing from {self.path}")
+            raise AdapterError(f"LMC-E311: tensor {name!r} is missing from {self.path}")
         try:
             return self._handles[self._where[name]].get_tensor(name)
         except Exception as exc:
-            raise AdapterError(f"cannot read {name!r} from {self.path} (truncated?): {exc}") from None
+            raise AdapterError(f"LMC-E311: cannot read {name!r} from {self.path} (truncated?): "
+                               f"{exc}") from None
 
     def nbytes(self) -> int:
         return sum((self.path / f).stat().st_size for f in self._handles)

@@ -83,17 +83,18 @@ class MoeAdapter(ModelAdapter):
         super().check_hf_config(hf_config)
         m = self.moe_shape(hf_config)
         if m.experts < 1:
-            raise AdapterError(f"{self.name}: num_experts must be >= 1 (got {m.experts})")
+            raise AdapterError(f"LMC-E310: {self.name}: num_experts must be >= 1 (got {m.experts})")
         if not 1 <= m.topk <= m.experts:
-            raise AdapterError(f"{self.name}: num_experts_per_tok={m.topk} must be in "
+            raise AdapterError(f"LMC-E310: {self.name}: num_experts_per_tok={m.topk} must be in "
                                f"[1, num_experts={m.experts}]")
         bad = [i for i in (getattr(hf_config, "mlp_only_layers", None) or [])
                if not 0 <= int(i) < hf_config.num_hidden_layers]
         if bad:
-            raise AdapterError(f"{self.name}: mlp_only_layers {bad} are not layer numbers "
+            raise AdapterError("LMC-E310: "
+                               f"{self.name}: mlp_only_layers {bad} are not layer numbers "
                                f"(0..{hf_config.num_hidden_layers - 1})")
         if getattr(hf_config, "shared_expert_intermediate_size", 0):
-            raise AdapterError(f"{self.name}: shared experts are not supported")
+            raise AdapterError(f"LMC-E310: {self.name}: shared experts are not supported")
 
     def transformer_config_kwargs(self, hf_config) -> dict:
         kwargs = super().transformer_config_kwargs(hf_config)
@@ -197,7 +198,8 @@ class MoeAdapter(ModelAdapter):
 
         def take(name: str) -> Tensor:
             if name not in tensors:
-                raise AdapterError(f"{self.name}: tensor {name!r} is missing from the checkpoint")
+                raise AdapterError(f"LMC-E303: {self.name}: tensor {name!r} is missing from the "
+                                   "checkpoint")
             return tensors[name]
 
         i = int(unit.split(".")[1])

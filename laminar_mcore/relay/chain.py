@@ -125,7 +125,8 @@ def serve_push(conn: socket.socket, store: VersionStore, owner: str, token: str,
         send_frame(conn, {"accept": False, "busy": False, "have": None,
                           "reason": "authentication failed: the push does not prove the run's "
                                     "token (--token / LAMINAR_RUN_TOKEN must match)"})
-        raise PushRefused(f"push of version {version} refused: no valid proof of the run's token")
+        raise PushRefused(f"LMC-E503: push of version {version} refused: no valid proof of the "
+                          "run's token")
     try:
         sv = store.begin(version, num_stages, owner=owner)
     except VersionError as exc:
@@ -230,7 +231,7 @@ def push_version(sock: socket.socket, store: VersionStore, sv: StoredVersion, ch
     reply = recv_frame(sock)
     if not reply.get("accept"):
         if str(reply.get("reason", "")).startswith("authentication failed"):
-            raise PushRefused(f"the downstream relay refused the push: {reply['reason']}")
+            raise PushRefused(f"LMC-E503: the downstream relay refused the push: {reply['reason']}")
         if reply.get("busy"):
             raise ReceiverBusy(reply.get("reason"))
         return False

@@ -17,6 +17,7 @@ from typing import Awaitable, Callable, Dict, Iterator, List, Optional, Sequence
 import aiohttp
 import torch
 
+from ..errors import code_of, coded
 from ..netutil import EngineError
 from ..weights.bucket import decode_handle, open_handle
 
@@ -112,13 +113,15 @@ class RelayClient:
                                              timeout=aiohttp.ClientTimeout(total=self.timeout_s + extra_s)) as r:
                 text = await r.text()
                 if r.status >= 400:
-                    raise RelayError(f"{path}: HTTP {r.status}: {text[:300]}", r.status)
+                    raise RelayError(coded(code_of(text) or "LMC-E510",
+                                           f"{path}: HTTP {r.status}: {text[:300]}"), r.status)
                 return json.loads(text)
         except asyncio.TimeoutError:
-            raise RelayError(f"{path}: relay {self.url} did not answer within {self.timeout_s:g} s "
+            raise RelayError(f"LMC-E510: {path}: relay {self.url} did not answer within "
+                             f"{self.timeout_s:g} s "
                              "(RelayClient timeout_s)") from None
         except aiohttp.ClientError as exc:
-            raise RelayError(f"{path}: relay {self.url} unreachable: {exc!r}") from None
+            raise RelayError(f"LMC-E510: {path}: relay {self.url} unreachable: {exc!r}") from None
 
     async def latest(self, after: Optional[int] = None, wait_s: float = 0.0) -> dict:
         """The relay's newest version and state; with ``after``, a long poll that answers once
@@ -242,9 +245,9 @@ async def apply_version(engine, buckets: BucketSource, version: int, *,
             await engine.begin_weight_update()
         except EngineError as exc:
             if "already open" not in exc.message:
-                raise WeightApplyError(f"could not open a weight-update session for version "
-                                       f"{version}: {exc}; the engine keeps its previous "
-                                       "version", mixed=last_error is not None) from None
+                raise WeightApplyError(f"LMC-E511: could not open a weight-update session for "
+                                       f"version {version}: {exc}; the engine keeps its "
+                                       "previous version", mixed=last_error is not None) from None
             await engine.end_weight_update()  # a session left open by an earlier failure
             await engine.begin_weight_update()
         nxt = None
@@ -273,6 +276,6 @@ async def apply_version(engine, buckets: BucketSource, version: int, *,
                 await engine.end_weight_update()
         if last_error is None:
             return
-    raise WeightApplyError(f"version {version} failed to apply {attempts} times ({last_error}); "
-                           "the engine may hold a mix of two versions and must not serve until "
-                           "it pulls a complete version", mixed=True)
+    raise WeightApplyError(f"LMC-E512: version {version} failed to apply {attempts} times "
+                           f"({last_error}); the engine may hold a mix of two versions and must "
+                           "not serve until it pulls a complete version", mixed=True)

@@ -36,7 +36,7 @@ from aiohttp import web
 from ..weights.transport import Channel, resolve_backend, stage_group
 from .publish_receiver import receive_publishes
 from .client import probe_relay
-from ..netutil import read_json, read_query
+from ..netutil import error_response, read_json, read_query
 from .rendezvous import PublishRendezvous
 from .requests import NO_QUERY, PROMOTE, REGISTER, REPORT_FAILURE, SET_MASTER
 
@@ -237,7 +237,7 @@ class MasterRelay:
     # ------------------------------------------------------------------ HTTP
     async def register(self, request):
         if not self.master:
-            raise web.HTTPNotFound(text="only the master relay keeps the chain")
+            return error_response(404, "LMC-E405", "only the master relay keeps the chain")
         entry = _chain_entry(await read_json(request, REGISTER))
         with self.chain_lock:
             self.relays.pop(entry["relay_id"], None)  # a restarted relay rejoins at the end
@@ -247,7 +247,7 @@ class MasterRelay:
 
     async def report_failure(self, request):
         if not self.master:
-            raise web.HTTPNotFound(text="only the master relay keeps the chain")
+            return error_response(404, "LMC-E405", "only the master relay keeps the chain")
         body = await read_json(request, REPORT_FAILURE)
         self.metrics.fault("failure_reported")
         await asyncio.to_thread(self._check_and_remove, body["data_addr"])
@@ -286,7 +286,7 @@ class MasterRelay:
                 break
             await asyncio.sleep(0.1)
         else:
-            raise web.HTTPServiceUnavailable(text="the publish group did not start in 30 s")
+            return error_response(503, "LMC-E406", "the publish group did not start in 30 s")
         return web.json_response({"ok": True, "publish_port": self.publish_port,
                                   "version": self.store.latest_version})
 
@@ -294,7 +294,7 @@ class MasterRelay:
         """A new master was elected or restarted: chain from it (register there)."""
         url = (await read_json(request, SET_MASTER))["master_url"]
         if self.master:
-            raise web.HTTPConflict(text="this relay is the master")
+            return error_response(409, "LMC-E404", "this relay is the master")
         if url != self.master_url:
             self.master_url = url
             self.metrics.recovery("master_changed")

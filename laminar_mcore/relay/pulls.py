@@ -21,7 +21,8 @@ from typing import Any, Dict, Optional
 
 from aiohttp import web
 
-from ..netutil import read_json
+from ..errors import split
+from ..netutil import error_response, read_json
 from .requests import BUCKET, PULL, RELEASE, RELEASE_HOLDER
 from .transports import (TRANSPORTS, Exporter, TransportUnavailable, enabled_at_start,
                          make_exporter)
@@ -71,14 +72,15 @@ class PullService:
         ttl = body.get("ttl_s")
         fmt = body.get("format", "shm")
         if fmt not in TRANSPORTS:
-            return web.json_response(
-                {"error": f"format {fmt!r} is not one of {', '.join(TRANSPORTS)}"}, status=400)
+            return error_response(400, "LMC-E400", f"format {fmt!r} is not one of "
+                                  f"{', '.join(TRANSPORTS)}", field="format")
         try:
             exporter = await asyncio.to_thread(self._exporter, fmt)
             params = await asyncio.to_thread(exporter.check, body)
         except (TransportUnavailable, ValueError, RuntimeError) as exc:
             # e.g. no GPU on this machine for CUDA IPC, Mooncake not configured
-            return web.json_response({"error": f"cannot serve format {fmt!r}: {exc}"}, status=400)
+            code, why = split(exc)
+            return error_response(400, code or "LMC-E506", f"cannot serve format {fmt!r}: {why}")
         leased = self.store.lease_latest(min_version, float(ttl) if ttl is not None else None)
         if leased is None:
             return web.json_response({"version": None})
@@ -106,12 +108,12 @@ class PullService:
         state = self.pulls.get(lease_id)
         if entry is None or state is None:
             await asyncio.to_thread(self._forget_lease, lease_id)
-            return web.json_response({"error": f"lease {lease_id!r} is unknown, released or "
-                                               "expired; pull again"}, status=404)
+            return error_response(404, "LMC-E405", f"lease {lease_id!r} is unknown, released or "
+                                  "expired; pull again")
         buckets = entry[0].ordered()
         if not 0 <= index < len(buckets):
-            return web.json_response({"error": f"bucket index {index} is not in "
-                                               f"[0, {len(buckets)})"}, status=400)
+            return error_response(400, "LMC-E400", f"bucket index {index} is not in "
+                                  f"[0, {len(buckets)})", field="index")
         exporter = self.exporters[state.fmt]
         done = [i for i in applied if i in state.outstanding]
         state.outstanding.difference_update(done)
@@ -119,16 +121,17 @@ class PullService:
         if done:
             await asyncio.to_thread(exporter.free, lease_id, done)
         if index not in state.outstanding and len(state.outstanding) >= MAX_BUCKETS_OUTSTANDING:
-            return web.json_response(
-                {"error": f"buckets {sorted(state.outstanding)} of lease {lease_id} are not "
-                          f"applied yet: at most {MAX_BUCKETS_OUTSTANDING} may be outstanding; "
-                          "list the applied ones in 'applied'"}, status=409)
+            return error_response(
+                409, "LMC-E404", f"buckets {sorted(state.outstanding)} of lease {lease_id} are "
+                f"not applied yet: at most {MAX_BUCKETS_OUTSTANDING} may be outstanding; list "
+                "the applied ones in 'applied'")
         try:
             data = await asyncio.to_thread(exporter.serve, lease_id, index, buckets[index],
                                            state.params)
         except Exception as exc:  # noqa: BLE001 - e.g. a GPU error: say it, keep serving
-            return web.json_response({"error": f"cannot serve bucket {index} as "
-                                               f"{state.fmt!r}: {exc}"}, status=500)
+            code, why = split(exc)
+            return error_response(500, code or "LMC-E506", f"cannot serve bucket {index} as "
+                                  f"{state.fmt!r}: {why}")
         state.outstanding.add(index)
         state.peak = max(state.peak, len(state.outstanding))
         self.metrics.served(buckets[index].nbytes)

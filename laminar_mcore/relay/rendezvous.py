@@ -42,6 +42,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch.distributed as dist
 
+from ..errors import within
 from .chain import recv_frame, send_frame
 
 logger = logging.getLogger("laminar_mcore.relay")
@@ -49,7 +50,7 @@ logger = logging.getLogger("laminar_mcore.relay")
 HANDSHAKE_S = 10.0  # an unauthenticated connection must prove the token within this
 MAX_PENDING = 32  # unauthenticated connections at once; more are closed at once
 MAX_HELLO = 4096  # bytes of a frame before the proof
-AUTH_FAILED = ("authentication failed: the join does not prove the run's token "
+AUTH_FAILED = ("LMC-E503: authentication failed: the join does not prove the run's token "
                "(LAMINAR_RUN_TOKEN must be the same for the trainer and the relay)")
 
 
@@ -226,10 +227,10 @@ class PublishRendezvous:
                 and hmac.compare_digest(proof.encode(), join_proof(
                     self.token, nonce, stage, theirs).encode())):
             send_frame(conn, {"accept": False, "reason": AUTH_FAILED})
-            raise RendezvousRefused("no valid proof of the run's token")
+            raise RendezvousRefused("LMC-E503: no valid proof of the run's token")
         if not 0 <= stage < self.stages:
-            reason = (f"stage {stage} is not one of this relay's {self.stages} trainer stages "
-                      "(--trainer-stages: the trainer's pipeline-parallel size)")
+            reason = (f"LMC-E504: stage {stage} is not one of this relay's {self.stages} trainer "
+                      "stages (--trainer-stages: the trainer's pipeline-parallel size)")
             send_frame(conn, {"accept": False, "reason": reason})
             raise RendezvousRefused(reason)
         with self._lock:
@@ -426,7 +427,7 @@ def join_publish_session(host: str, port: int, token: str, stage: int,
     token, check the relay's proof, and return the session. Raises ``RendezvousRefused``
     when either side does not prove the token, OSError when the relay cannot be reached."""
     if not token:
-        raise RendezvousRefused("publishing needs the run's token (LAMINAR_RUN_TOKEN)")
+        raise RendezvousRefused("LMC-E200: publishing needs the run's token (LAMINAR_RUN_TOKEN)")
     sock = socket.create_connection((host, port), timeout=timeout_s)
     try:
         sock.settimeout(timeout_s)
@@ -437,7 +438,7 @@ def join_publish_session(host: str, port: int, token: str, stage: int,
             challenge = None
         if not isinstance(challenge, dict) or challenge.get("type") != "publish-challenge" \
                 or not isinstance(challenge.get("nonce"), str):
-            raise RendezvousRefused(f"{host}:{port} is not a master relay's publish port")
+            raise RendezvousRefused(f"LMC-E504: {host}:{port} is not a master relay's publish port")
         mine = secrets.token_hex(16)
         send_frame(sock, {"type": "join", "stage": int(stage), "nonce": mine,
                           "proof": join_proof(token, challenge["nonce"], int(stage), mine)})
@@ -446,17 +447,18 @@ def join_publish_session(host: str, port: int, token: str, stage: int,
         except ValueError:
             reply = None
         if not isinstance(reply, dict):
-            raise RendezvousRefused(f"{host}:{port} answered the join with no valid reply")
+            raise RendezvousRefused(f"LMC-E504: {host}:{port} answered the join with no valid "
+                                    "reply")
         if not reply.get("accept"):
-            raise RendezvousRefused(f"the master relay at {host}:{port} refused the join: "
-                                    f"{reply.get('reason')}")
+            raise RendezvousRefused(within(f"the master relay at {host}:{port} refused the join",
+                                           reply.get("reason"), "LMC-E503"))
         session = reply.get("session")
         proof = reply.get("proof")
         if not isinstance(session, int) or not isinstance(proof, str) or \
                 not hmac.compare_digest(proof.encode(), relay_proof(
                     token, challenge["nonce"], mine, session).encode()):
-            raise RendezvousRefused(f"the relay at {host}:{port} did not prove the run's token: "
-                                    "not publishing to it")
+            raise RendezvousRefused(f"LMC-E503: the relay at {host}:{port} did not prove the "
+                                    "run's token: not publishing to it")
         backend = str(reply.get("backend"))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         return PublishSession(RemoteStore(sock, timeout_s, f"{host}:{port}"), backend, session)

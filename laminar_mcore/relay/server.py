@@ -53,7 +53,9 @@ from aiohttp import web
 
 from ..config.schema import WeightSyncConfig
 from ..metrics.prometheus import Scrape
-from ..netutil import TOKEN_ENV, BadRequest, bearer_ok, read_json, read_query, token_middleware
+from ..errors import within
+from ..netutil import (TOKEN_ENV, BadRequest, bearer_ok, error_response, read_json, read_query,
+                       token_middleware)
 from ..weights.bucket import SHM_DIR, reclaim_segments
 from ..weights.delta import digest
 from ..weights.transport import resolve_backend
@@ -112,7 +114,7 @@ def resolve_relay_device(name: str) -> Optional[str]:
         return f"cuda:{torch.cuda.device_count() - 1}"
     device = torch.device(name)
     if device.type != "cuda" or (device.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"relay device {name!r} is not a GPU of this machine "
+        raise ValueError(f"LMC-E508: relay device {name!r} is not a GPU of this machine "
                          f"({torch.cuda.device_count()} visible); use auto, cpu or cuda:N")
     return name
 
@@ -124,15 +126,17 @@ SHUTDOWN_S = 1.0  # how long a SIGTERM waits for handlers still running before c
 class RelayServer(PullService, MasterRelay):
     def __init__(self, cfg: RelayConfig):
         if not cfg.token:
-            raise ValueError("a relay needs the run's token (--token or LAMINAR_RUN_TOKEN)")
+            raise ValueError("LMC-E200: a relay needs the run's token (--token or "
+                             "LAMINAR_RUN_TOKEN)")
         if cfg.master == bool(cfg.master_url):
-            raise ValueError("a relay is either the master (--master) or joins one (--master-url)")
+            raise ValueError("LMC-E509: a relay is either the master (--master) or joins one "
+                             "(--master-url)")
         ws = cfg.weight_sync
         need = ws.relay_versions * cfg.model_bytes
         short = need and shm_shortfall(need, f"weight_sync.relay_versions={ws.relay_versions} "
                                              f"versions of {size_text(cfg.model_bytes)} need")
         if short:
-            raise ShmFull(f"cannot start: {short}")
+            raise ShmFull(within("cannot start", short, "LMC-E500"))
         free, total = shm_space()
         logger.info("%s: %.1f GB free of %.1f GB; weight_sync.relay_versions=%d", SHM_DIR,
                     free / 1e9, total / 1e9, ws.relay_versions)
@@ -279,7 +283,7 @@ class RelayServer(PullService, MasterRelay):
         if after is not None and wait_s > 0:
             await self._wait_newer(after, wait_s)
         if self.closing:
-            return web.json_response({"error": "shutting down"}, status=503)
+            return error_response(503, "LMC-E402", "shutting down")
         s = self.store
         with s.cond:
             latest = s.latest
@@ -404,7 +408,7 @@ def main(argv=None) -> None:
     else:
         args.token = os.environ.get(TOKEN_ENV)
     if not args.token:
-        ap.error("--token (or LAMINAR_RUN_TOKEN) is required")
+        ap.error("LMC-E200: --token (or LAMINAR_RUN_TOKEN) is required")
     try:
         cfg = _config_from_args(args)
         # Buckets of relays (or readers) killed with -9 on this machine: nobody else frees them.
@@ -413,7 +417,7 @@ def main(argv=None) -> None:
             logger.warning("reclaimed %d shared-memory buckets of dead processes", len(stale))
         server = RelayServer(cfg)
     except (TransportUnavailable, ValueError, TypeError) as exc:
-        ap.exit(2, f"relay: {exc}\n")
+        ap.exit(2, within("relay", exc) + "\n")
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((cfg.host, cfg.port))

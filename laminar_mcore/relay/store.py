@@ -35,6 +35,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
+from ..errors import within
 from ..weights.bucket import SHM_DIR, ShmBucket, TensorMeta
 from ..weights.delta import apply as apply_delta, digest as bucket_digest
 
@@ -73,7 +74,7 @@ def shm_shortfall(need: int, what: str) -> Optional[str]:
         return None
     mount = total - free + need
     size = f"{-(-mount // 10**9)}G" if mount >= 10**9 else f"{-(-mount // 10**6)}M"
-    return (f"{SHM_DIR} has {size_text(free)} free of {size_text(total)}, but {what} "
+    return (f"LMC-E500: {SHM_DIR} has {size_text(free)} free of {size_text(total)}, but {what} "
             f"{size_text(need)}: enlarge it (mount -o remount,size={size} {SHM_DIR}; docker: "
             f"--shm-size={size.lower()}) and set cluster.shm_gb to its size (job=plan checks "
             "the run against it), or free what else fills it")
@@ -95,7 +96,8 @@ def _reserve(shm: ShmBucket) -> None:
             return  # a filesystem without fallocate: nothing to reserve
         shm.close()
         raise ShmFull(shm_shortfall(shm.nbytes, "a weight bucket needs")
-                      or f"cannot allocate a {size_text(shm.nbytes)} weight bucket in {SHM_DIR}: "
+                      or f"LMC-E500: cannot allocate a {size_text(shm.nbytes)} weight bucket in "
+                         f"{SHM_DIR}: "
                          f"{exc} (a memory limit on this container or cgroup?)") from None
     finally:
         os.close(fd)
@@ -145,7 +147,8 @@ class VersionStore:
         known beforehand (0: learnt from the first complete version); ``full_wait_s``: how long
         ``begin`` waits for a lease or pin to end when ``max_versions`` are held."""
         if max_versions is not None and max_versions < 2:
-            raise ValueError(f"weight_sync.relay_versions={max_versions} must be >= 2: a relay "
+            raise ValueError(f"LMC-E103: weight_sync.relay_versions={max_versions} must be >= 2: a "
+                             "relay "
                              "keeps the newest complete version for pulls while it receives "
                              "the next")
         self.cond = threading.Condition()
@@ -179,12 +182,12 @@ class VersionStore:
         with self.cond:
             while True:
                 if version <= self.latest_version:
-                    raise VersionError(f"version {version} is not newer than "
+                    raise VersionError(f"LMC-E502: version {version} is not newer than "
                                        f"{self.latest_version}")
                 if version in self.receiving:
                     current = self.receiving[version]
                     if current.owner != owner:
-                        raise BusyError(f"version {version} is being received from "
+                        raise BusyError(f"LMC-E502: version {version} is being received from "
                                         f"{current.owner}")
                     return current
                 refused = self._refused.get((version, owner))
@@ -196,7 +199,7 @@ class VersionStore:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     self._refuse(version, owner, StoreFull(
-                        f"version {version} refused: weight_sync.relay_versions="
+                        f"LMC-E501: version {version} refused: weight_sync.relay_versions="
                         f"{self.max_versions} versions hold this relay's buffers ("
                         f"{self._holders()}) and no lease or pin ended within "
                         f"{wait_s:g} s; a newer version will be taken (raise "
@@ -208,7 +211,8 @@ class VersionStore:
             need = self.version_bytes - self.pooled_bytes
             short = need > 0 and shm_shortfall(need, f"version {version} needs")
             if short:
-                self._refuse(version, owner, ShmFull(f"version {version} refused: {short}"))
+                self._refuse(version, owner,
+                             ShmFull(within(f"version {version} refused", short, "LMC-E500")))
             sv = StoredVersion(version, num_stages, owner=owner)
             self.receiving[version] = sv
             self.cond.notify_all()
@@ -240,7 +244,7 @@ class VersionStore:
             if key in sv.buckets:
                 raise ValueError(f"bucket {key} of version {sv.version} arrived twice")
             if sv.failed:  # superseded or broken meanwhile: its buffers may be reused already
-                raise VersionError(f"version {sv.version} is no longer received "
+                raise VersionError(f"LMC-E502: version {sv.version} is no longer received "
                                    f"({sv.failed})")
             pool = self._pool.get(nbytes)
             shm = pool.pop() if pool else None
@@ -253,7 +257,7 @@ class VersionStore:
             except ShmFull as exc:
                 # the whole version is refused, as at ``begin``: its other buckets are drained
                 # by the receiver, and its buffers go back for the next one
-                refused = ShmFull(f"version {sv.version} refused: {exc}")
+                refused = ShmFull(within(f"version {sv.version} refused", exc, "LMC-E500"))
                 with self.cond:
                     self._refused[(sv.version, sv.owner)] = refused
                     if not sv.complete:
@@ -267,8 +271,8 @@ class VersionStore:
             if key in sv.buckets or sv.failed:
                 self._pool.setdefault(nbytes, []).append(shm)
                 if sv.failed:
-                    raise VersionError(f"version {sv.version} is no longer received "
-                                       f"({sv.failed})")
+                    raise VersionError(f"LMC-E502: version {sv.version} is no longer "
+                                       f"received ({sv.failed})")
                 raise ValueError(f"bucket {key} of version {sv.version} arrived twice")
             bucket = StoredBucket(key, shm, metas, nbytes, last_of_stage=last_of_stage,
                                   digest=digest, delta=delta, base_version=base_version)

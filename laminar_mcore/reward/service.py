@@ -23,13 +23,13 @@ def load_reward_fn(path: str) -> Callable[..., float]:
     if not sep:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
-        raise ValueError(f"reward function {path!r} must be 'package.module:function'")
+        raise ValueError(f"LMC-E703: reward function {path!r} must be 'package.module:function'")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load reward function {path!r}: {exc}") from None
+        raise ValueError(f"LMC-E703: cannot load reward function {path!r}: {exc}") from None
     if not callable(fn):
-        raise ValueError(f"reward function {path!r} is not callable")
+        raise ValueError(f"LMC-E703: reward function {path!r} is not callable")
     return fn
 
 
@@ -38,7 +38,7 @@ def _score(path: str, response_text: str, answer, row: dict) -> float:
     extra = {k: v for k, v in row.items() if k not in ("response_text", "answer")}
     value = float(fn(response_text, answer, **extra))
     if not math.isfinite(value):
-        raise ValueError(f"reward {value} is not finite")
+        raise ValueError(f"LMC-E703: reward {value} is not finite")
     return value
 
 

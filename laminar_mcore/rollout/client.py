@@ -133,17 +133,19 @@ class SGLangClient:
                         timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                     text = await resp.text()
                     if resp.status >= 400:
-                        raise EngineError(endpoint, resp.status, _message(text))
+                        raise EngineError(endpoint, resp.status, f"LMC-E601: {_message(text)}")
                     if not expect_json:
                         return text
                     try:
                         return json.loads(text) if text else {}
                     except json.JSONDecodeError:
-                        raise EngineError(endpoint, resp.status, f"not JSON: {text[:200]}") from None
+                        raise EngineError(endpoint, resp.status,
+                                          f"LMC-E601: not JSON: {text[:200]}") from None
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 if attempt >= retries:
                     kind = "timed out" if isinstance(exc, asyncio.TimeoutError) else "unreachable"
-                    raise EngineError(endpoint, None, f"{kind} at {self.base_url}: {exc!r}") from None
+                    raise EngineError(endpoint, None,
+                                      f"LMC-E600: {kind} at {self.base_url}: {exc!r}") from None
                 attempt += 1
                 await asyncio.sleep(self.retry_backoff_s * attempt)
 
@@ -181,7 +183,8 @@ class SGLangClient:
                     timeout=aiohttp.ClientTimeout(total=self.generate_timeout_s)) as resp:
                 self._live_streams.add(resp)
                 if resp.status >= 400:
-                    raise EngineError("/generate", resp.status, _message(await resp.text()))
+                    raise EngineError("/generate", resp.status,
+                                      f"LMC-E601: {_message(await resp.text())}")
                 async for line in self._lines(resp.content):
                     if not line.startswith(b"data:"):
                         continue
@@ -191,18 +194,21 @@ class SGLangClient:
                     try:
                         chunk = json.loads(data)
                     except ValueError as exc:
-                        raise StreamProtocolError("/generate", None, f"a stream chunk of "
-                                                  f"{len(data)} bytes is not JSON: {exc}") from None
+                        raise StreamProtocolError(
+                            "/generate", None, f"LMC-E602: a stream chunk of {len(data)} bytes "
+                            f"is not JSON: {exc}") from None
                     if not isinstance(chunk, dict):
                         raise StreamProtocolError("/generate", None,
-                                                  f"a stream chunk is not an object: {data[:200]!r}")
+                                                  f"LMC-E602: a stream chunk is not an object: "
+                                                  f"{data[:200]!r}")
                     if "error" in chunk:
                         err = chunk["error"]
                         raise EngineError("/generate", err.get("code") if isinstance(err, dict)
-                                          else None, _message(json.dumps(chunk)))
+                                          else None, f"LMC-E601: {_message(json.dumps(chunk))}")
                     yield chunk
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise EngineError("/generate", None, f"stream broken at {self.base_url}: {exc!r}") from None
+            raise EngineError("/generate", None,
+                              f"LMC-E600: stream broken at {self.base_url}: {exc!r}") from None
         finally:
             self._live_streams.discard(resp)
 
@@ -237,7 +243,7 @@ class SGLangClient:
                 scanned = 0
             scanned = len(buf)
             if len(buf) > self.max_line_bytes:
-                raise StreamProtocolError("/generate", None, f"a stream line exceeds "
+                raise StreamProtocolError("/generate", None, f"LMC-E602: a stream line exceeds "
                                           f"{self.max_line_bytes} bytes (max_line_bytes)")
         if buf:
             yield bytes(buf)
@@ -265,7 +271,7 @@ class SGLangClient:
             yield StreamChunk(ids, lps, meta)
             if meta.get("finish_reason") is not None:
                 return  # finished: what follows ([DONE], or a broken connection) changes nothing
-        raise EngineError("/generate", None, "stream ended without a finish reason")
+        raise EngineError("/generate", None, "LMC-E602: stream ended without a finish reason")
 
     def _reconcile(self, chunk: dict, meta: dict, seen: int):
         """The ids and log-probs ``chunk`` adds to the ``seen`` already yielded (see
@@ -286,8 +292,8 @@ class SGLangClient:
             total = seen + len(ids) if self.incremental_stream else len(ids)
         new = total - seen
         if new < 0:
-            raise StreamProtocolError("/generate", None, f"completion_tokens went back from "
-                                      f"{seen} to {total}")
+            raise StreamProtocolError("/generate", None, f"LMC-E602: completion_tokens went back "
+                                      f"from {seen} to {total}")
         if not self.incremental_stream:
             ok = len(ids) == total
             ids, lp_new = ids[seen:total], lps[seen:total]
@@ -302,7 +308,7 @@ class SGLangClient:
                 lp_new = lps[:new] if len(lps) == new else []
         if not ok or len(ids) != new or len(lp_new) != new:
             raise StreamProtocolError(
-                "/generate", None, f"stream chunk cannot be reconciled: {new} new tokens "
+                "/generate", None, f"LMC-E602: stream chunk cannot be reconciled: {new} new tokens "
                 f"(completion_tokens {total}, {seen} already streamed) but "
                 f"{len(chunk.get('output_ids') or [])} ids and {len(lps)} log-probs (was the "
                 f"engine started with --incremental-streaming-output={self.incremental_stream}?)")
@@ -319,7 +325,7 @@ class SGLangClient:
     async def _checked(self, endpoint: str, body: dict, timeout: float) -> dict:
         out = await self._request("POST", endpoint, body, timeout=timeout)
         if isinstance(out, dict) and out.get("success") is False:
-            raise EngineError(endpoint, None, str(out.get("message")))
+            raise EngineError(endpoint, None, f"LMC-E601: {out.get('message')}")
         return out
 
     async def update_weights_from_tensor(self, serialized_named_tensors: List[str], *,
@@ -432,7 +438,8 @@ class SGLangClient:
         deadline = asyncio.get_running_loop().time() + timeout_s
         while not await self.ready():
             if asyncio.get_running_loop().time() > deadline:
-                raise EngineError("/ready", None, f"{self.base_url} not ready after {timeout_s}s")
+                raise EngineError("/ready", None,
+                                  f"LMC-E603: {self.base_url} not ready after {timeout_s}s")
             await asyncio.sleep(poll_s)
 
     async def get_load(self) -> EngineLoad:
@@ -442,7 +449,7 @@ class SGLangClient:
                                   retries=self.retries)
         loads = raw.get("loads") if isinstance(raw, dict) else None
         if not loads:
-            raise EngineError("/v1/loads", None, f"no per-rank loads in {str(raw)[:200]}")
+            raise EngineError("/v1/loads", None, f"LMC-E601: no per-rank loads in {str(raw)[:200]}")
         cap = sum(int(x.get("max_total_num_tokens") or 0) for x in loads)
         used = sum(int(x.get("num_used_tokens") or 0) for x in loads)
         if not used and any(x.get("token_usage") for x in loads):  # only a fraction reported

@@ -42,8 +42,8 @@ def engine_start_timeout_s(rollout_cfg) -> float:
     if value is None:
         return DEFAULT_START_TIMEOUT_S.get(rollout_cfg.backend, DEFAULT_START_TIMEOUT_S["cpu"])
     if float(value) <= 0:
-        raise ValueError(f"rollout.start_timeout_s={value} must be > 0 (seconds), or null for "
-                         "the backend's default (1800 sglang, 180 cpu)")
+        raise ValueError(f"LMC-E103: rollout.start_timeout_s={value} must be > 0 (seconds), or "
+                         "null for the backend's default (1800 sglang, 180 cpu)")
     return float(value)
 
 
@@ -141,7 +141,8 @@ def engine_command_from_config(rollout_cfg, model_path: str, *, port: int,
     (the controller's clients read them so: ``Controller._handle``) and, with a run ``seed``
     and ``rollout.deterministic_inference``, honour per-trajectory sampling seeds."""
     if rollout_cfg.backend not in ("cpu", "sglang"):
-        raise ValueError(f"rollout.backend={rollout_cfg.backend!r} is not one of cpu, sglang")
+        raise ValueError(f"LMC-E102: rollout.backend={rollout_cfg.backend!r} is not one of cpu, "
+                         "sglang")
     common = dict(incremental_streaming_output=True,
                   stream_interval=int(rollout_cfg.stream_interval),
                   deterministic=seed is not None and bool(rollout_cfg.deterministic_inference),

@@ -119,7 +119,8 @@ def _watch(cfg, client, procs, log) -> None:
     while True:
         for p in procs:
             if p.proc.poll() is not None:
-                raise NodeError(f"{p.command[2]} exited with {p.proc.returncode}; see {p.log_path}")
+                raise NodeError(f"LMC-E604: {p.command[2]} exited with {p.proc.returncode}; see "
+                                f"{p.log_path}")
         try:
             if client.health().get("done"):
                 log("the run is done; stopping")

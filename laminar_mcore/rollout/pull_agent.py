@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 import aiohttp
 from aiohttp import web
 
-from ..netutil import engine_api_key, token_middleware
+from ..netutil import engine_api_key, error_response, token_middleware
 from ..relay.client import RelayClient, RelayError, WeightApplyError
 from ..relay.transports import Puller, PullSpec, make_puller
 from .client import EngineError, SGLangClient
@@ -48,7 +48,7 @@ class PullAgent:
         self._thread = threading.Thread(target=self._run, name="laminar-pull-agent", daemon=True)
         self._thread.start()
         if not self._ready.wait(60) or self.error is not None:
-            raise RuntimeError(f"the pull agent did not start: {self.error}")
+            raise RuntimeError(f"LMC-E209: the pull agent did not start: {self.error}")
         return self.url
 
     def stop(self) -> None:
@@ -78,11 +78,11 @@ class PullAgent:
                 i, current = int(body["engine"]), int(body["current_version"])
             except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError,
                     ValueError) as exc:
-                return web.json_response({"error": f"expected {{engine, current_version}}: "
-                                                   f"{exc!r}"}, status=400)
+                return error_response(400, "LMC-E400", f"bad request: expected {{engine, "
+                                      f"current_version}}: {exc!r}")
             if not 0 <= i < len(engines):
-                return web.json_response({"error": f"engine {i} is not one of this node's "
-                                                   f"{len(engines)}"}, status=400)
+                return error_response(400, "LMC-E400", f"bad request: engine {i} is not one of "
+                                      f"this node's {len(engines)}")
             async with locks[i]:
                 try:
                     version = await pullers[i].pull(relay, engines[i], current)
@@ -134,7 +134,8 @@ class AgentPuller(Puller):
                     timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
                 body = json.loads(await r.text() or "{}")
         except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
-            raise EngineError("pull agent", None, f"{self.agent_url} failed: {exc!r}") from None
+            raise EngineError("pull agent", None,
+                              f"LMC-E600: {self.agent_url} failed: {exc!r}") from None
         if r.status == 200:
             return body.get("version")
         kind, message = body.get("kind"), body.get("error", f"HTTP {r.status}")

@@ -309,7 +309,7 @@ class NodeSupervisor:
             window.popleft()
         budget = self.cfg.rollout.engine_restarts_per_hour
         if len(window) >= budget:
-            why = (f"{reason}; restarted {len(window)} times in the last hour "
+            why = (f"LMC-E609: {reason}; restarted {len(window)} times in the last hour "
                    f"(rollout.engine_restarts_per_hour={budget}); see {old.log_path}")
             self.evicted[index] = why
             self._event("evicted", f"engine{index}", url=old.url, reason=why)

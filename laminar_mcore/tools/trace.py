@@ -21,6 +21,7 @@ from collections import Counter
 from typing import Dict, List, Optional
 
 from ..data.trace import read_trace
+from ..errors import within
 
 # (name, from timing, to timing): the stages of a trajectory's life, in order
 STAGES = (("queued", "submitted", "first_token"), ("generating", "first_token", "finished"),
@@ -174,9 +175,9 @@ def main(argv=None) -> dict:
     try:
         records = read_trace(args.run)
     except (FileNotFoundError, ValueError) as exc:
-        raise SystemExit(f"trace: {exc}") from None
+        raise SystemExit(within("trace", exc, "LMC-E708")) from None
     if not records:
-        raise SystemExit(f"trace: {args.run} holds no trajectories yet")
+        raise SystemExit(f"LMC-E708: trace: {args.run} holds no trajectories yet")
     figures, lines = story(records, args.top)
     run_dir = args.run if os.path.isdir(args.run) else os.path.dirname(os.path.abspath(args.run))
     png = draw_timeline(records, args.png or os.path.join(run_dir, "timeline.png"))

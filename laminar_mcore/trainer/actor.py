@@ -95,10 +95,11 @@ class MegatronActor:
         self.moe = get_adapter(hf_config).is_moe
         self.routing_replay = bool(algo.routing_replay)
         if self.routing_replay and not self.moe:
-            raise ValueError("algo.routing_replay=true needs a mixture-of-experts model")
+            raise ValueError("LMC-E113: algo.routing_replay=true needs a mixture-of-experts model")
         if self.routing_replay and (t.recompute != "none" or parallel.sequence_parallel):
-            raise ValueError("algo.routing_replay=true is not supported with trainer.recompute "
-                             "or parallel.sequence_parallel yet; set them to none/false")
+            raise ValueError("LMC-E113: algo.routing_replay=true is not supported with "
+                             "trainer.recompute or parallel.sequence_parallel yet; set them to "
+                             "none/false")
         skip = skip_zero_advantage_problem(algo, t)
         if skip:
             raise ValueError(skip)
@@ -394,9 +395,9 @@ class MegatronActor:
                        loss, grad_norm, self.consecutive_nonfinite, self.total_nonfinite)
         if self.consecutive_nonfinite >= self.trainer.max_consecutive_nonfinite:
             raise NonFiniteLossError(
-                f"{self.consecutive_nonfinite} consecutive steps had a non-finite loss or gradient "
-                f"norm (last loss {loss}, grad norm {grad_norm}); lower trainer.lr, check the "
-                "rewards and behaviour log-probs of the data, or raise "
+                f"LMC-E300: {self.consecutive_nonfinite} consecutive steps had a non-finite loss "
+                f"or gradient norm (last loss {loss}, grad norm {grad_norm}); lower trainer.lr, "
+                "check the rewards and behaviour log-probs of the data, or raise "
                 "trainer.max_consecutive_nonfinite")
 
     def _moe_metrics(self, num_mb: int) -> Dict[str, float]:

@@ -281,17 +281,17 @@ def _check_layout(path: str, saved: dict, state: dict) -> None:
     if saved == now:
         return
     if os.path.isfile(os.path.join(path, "rank_00000.pt")):
-        raise RuntimeError(f"checkpoint {path} is in the old per-rank pickle format, which this "
-                           "version no longer loads; resume it with the version that wrote it")
+        raise RuntimeError(f"LMC-E302: checkpoint {path} is in the old per-rank pickle format, "
+                           "which is no longer loaded; resume it with the version that wrote it")
     sharding = state.get("optim_sharding", "dp_reshardable")
     if sharding == "fully_reshardable":
         return
     if (saved["tp"], saved["pp"], saved["ep"]) != (now["tp"], now["pp"], now["ep"]):
         raise RuntimeError(
-            f"checkpoint {path} was saved at layout {saved}, this run is {now}: its optimizer "
-            "state (trainer.ckpt_optim_sharding=dp_reshardable) reshards over DP only. Resume at "
-            f"tp={saved['tp']} pp={saved['pp']} ep={saved['ep']} (any DP size), save with "
-            "trainer.ckpt_optim_sharding=fully_reshardable, or convert the model with "
+            f"LMC-E302: checkpoint {path} was saved at layout {saved}, this run is {now}: its "
+            "optimizer state (trainer.ckpt_optim_sharding=dp_reshardable) reshards over DP "
+            f"only. Resume at tp={saved['tp']} pp={saved['pp']} ep={saved['ep']} (any DP size), "
+            "save with trainer.ckpt_optim_sharding=fully_reshardable, or convert the model with "
             "tools/convert_checkpoint.py and start a new run from it")
 
 
@@ -312,18 +312,18 @@ def load_checkpoint(path: str, actor) -> Tuple[int, Optional[dict]]:
     _check_layout(path, marker["layout"], state)
     if bool(state.get("distributed_optimizer", False)) != actor.use_distributed_optimizer:
         raise RuntimeError(
-            f"checkpoint {path} was saved with parallel.use_distributed_optimizer="
+            f"LMC-E302: checkpoint {path} was saved with parallel.use_distributed_optimizer="
             f"{state.get('distributed_optimizer')}, this run has "
             f"{actor.use_distributed_optimizer}; resume with the same setting")
     saved_optimizers, optimizers = int(state.get("optimizers", 1)), _optimizer_count(actor.optimizer)
     if saved_optimizers != optimizers:
         raise RuntimeError(
-            f"checkpoint {path} holds the state of {saved_optimizers} chained optimizers (dense "
-            f"and expert weights at ep={marker['layout'].get('ep', 1)}), this run has "
-            f"{optimizers} (ep={_layout()['ep']}); Megatron-Core cannot load an optimizer state "
-            "across that change, even fully_reshardable. Resume at an EP with the same split "
-            "(ep > 1 keeps experts apart), or convert the model with tools/convert_checkpoint.py "
-            "and start a new run from it")
+            f"LMC-E302: checkpoint {path} holds the state of {saved_optimizers} chained "
+            f"optimizers (dense and expert weights at ep={marker['layout'].get('ep', 1)}), this "
+            f"run has {optimizers} (ep={_layout()['ep']}); Megatron-Core cannot load an optimizer "
+            "state across that change, even fully_reshardable. Resume at an EP with the same "
+            "split (ep > 1 keeps experts apart), or convert the model with "
+            "tools/convert_checkpoint.py and start a new run from it")
     model = _module(actor)
     metadata = _sharding_metadata(actor)
     metadata["distrib_optim_sharding_type"] = state.get("optim_sharding",
@@ -421,7 +421,7 @@ def iter_checkpoint_hf_tensors(model_dir: str, hf_config):
     try:
         stored = reader.read_metadata().state_dict_metadata
     except Exception as exc:  # noqa: BLE001 - missing/truncated metadata
-        raise CheckpointMismatch(f"{model_dir} is not a readable torch_dist checkpoint "
+        raise CheckpointMismatch(f"LMC-E303: {model_dir} is not a readable torch_dist checkpoint "
                                  f"(missing or truncated .metadata): {exc}") from exc
     for unit, names in adapter.export_units(hf_config):
         # one region per stored key: a layer's slice of a layer-stacked tensor, or a layer's
@@ -445,8 +445,8 @@ def iter_checkpoint_hf_tensors(model_dir: str, hf_config):
         try:
             pairs = adapter.convert_unit_to_hf(hf_config, unit, full)
         except (RuntimeError, ValueError) as exc:
-            raise CheckpointMismatch(f"{unit}: the checkpoint's tensors do not fit the config "
-                                     f"({exc}); a checkpoint of another model?") from exc
+            raise CheckpointMismatch(f"LMC-E303: {unit}: the checkpoint's tensors do not fit the "
+                                     f"config ({exc}); a checkpoint of another model?") from exc
         for hf_name, tensor in pairs:
             yield hf_name, tensor
         del buffers, full, pairs
@@ -480,14 +480,14 @@ def _locate(stored, name: str, layers: int, model_dir: str):
             continue
         size = tuple(meta.size)
         if lead and (not size or size[0] != layers):
-            raise CheckpointMismatch(f"{key} holds {size[0] if size else 0} layers, the config "
-                                     f"says {layers}: a checkpoint of another model")
+            raise CheckpointMismatch(f"LMC-E303: {key} holds {size[0] if size else 0} layers, "
+                                     f"the config says {layers}: a checkpoint of another model")
         if expert is not None and (len(size) <= len(lead) or size[len(lead)] <= expert[0]):
-            raise CheckpointMismatch(f"{key} has shape {size}: no expert {expert[0]} (a "
-                                     "checkpoint of another model?)")
+            raise CheckpointMismatch(f"LMC-E303: {key} has shape {size}: no expert {expert[0]} "
+                                     "(a checkpoint of another model?)")
         return key, lead, (expert[0] if expert is not None else None)
-    raise CheckpointMismatch(f"{model_dir} has no tensor {candidates[0][0]!r} (needed for "
-                             f"{name}); a checkpoint of another model or architecture?")
+    raise CheckpointMismatch(f"LMC-E303: {model_dir} has no tensor {candidates[0][0]!r} (needed "
+                             f"for {name}); a checkpoint of another model or architecture?")
 
 
 def _split_layer(name: str):

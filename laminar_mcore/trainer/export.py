@@ -111,9 +111,9 @@ def save_snapshot(model, hf_config, path: str, *, step: int, version: int,
         sub = os.path.join(partial, f"stage_{k:03d}")
         index = os.path.join(sub, SAFETENSORS_INDEX)
         if not os.path.isfile(index):
-            raise RuntimeError(f"snapshot {path}: stage {k} wrote no {SAFETENSORS_INDEX} (on "
-                               "several machines, trainer.eval_offline needs a filesystem "
-                               "every trainer node writes to)")
+            raise RuntimeError(f"LMC-E304: snapshot {path}: stage {k} wrote no "
+                               f"{SAFETENSORS_INDEX} (on several machines, trainer.eval_offline "
+                               "needs a filesystem every trainer node writes to)")
         with open(index) as f:
             stage_map = json.load(f)["weight_map"]
         for file in sorted(set(stage_map.values())):

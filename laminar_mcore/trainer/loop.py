@@ -102,7 +102,7 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
                           flush=True)
                 break
             if code == 0:
-                raise RuntimeError(f"no batch from the controller for {limit:.0f} s "
+                raise RuntimeError(f"LMC-E301: no batch from the controller for {limit:.0f} s "
                                    "(trainer.batch_timeout_s); are the engines alive?")
             waited = time.perf_counter() - waited
             stats = actor.train_step(batch)
@@ -171,13 +171,13 @@ def run(cfg, token: str) -> dict:
     from .watch import NodeReporter
 
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise ControllerError("job=trainer runs under torchrun (it reads RANK and WORLD_SIZE); "
-                              "for one machine use job=train, which starts every role")
+        raise ControllerError("LMC-E203: job=trainer runs under torchrun (it reads RANK and "
+                              "WORLD_SIZE); for one machine use job=train, which starts every role")
     world = int(os.environ["WORLD_SIZE"])
     t = cfg.cluster.trainer
     if world != t.nnodes * t.nproc_per_node:
-        raise ControllerError(f"torchrun started {world} processes but cluster.trainer is "
-                              f"{t.nnodes} x {t.nproc_per_node}; make them agree")
+        raise ControllerError(f"LMC-E203: torchrun started {world} processes but cluster.trainer "
+                              f"is {t.nnodes} x {t.nproc_per_node}; make them agree")
     url = controller_url(cfg)
     client = ControllerClient(url, token)
     info = client.wait_for("the rollout nodes", client.cluster, lambda a: a.get("ready"),

@@ -123,17 +123,20 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32,
     tp = config.tensor_model_parallel_size
     pp = config.pipeline_model_parallel_size
     if config.sequence_parallel and not use_te and torch.cuda.is_available():
-        raise AdapterError("parallel.sequence_parallel=true needs Transformer Engine on GPUs: "
-                           "Megatron's local layer spec has no sequence-parallel norm there. "
-                           "Install transformer-engine on the trainer nodes, or set it false "
-                           "(and use trainer.recompute to save activation memory)")
+        raise AdapterError("LMC-E330: parallel.sequence_parallel=true needs Transformer Engine on "
+                           "GPUs: Megatron's local layer spec has no sequence-parallel norm "
+                           "there. Install transformer-engine on the trainer nodes, or set it "
+                           "false (and use trainer.recompute to save activation memory)")
     if hf_config.vocab_size % tp:
-        raise AdapterError(f"vocab_size {hf_config.vocab_size} is not divisible by tp={tp}")
+        raise AdapterError("LMC-E111: "
+                           f"vocab_size {hf_config.vocab_size} is not divisible by tp={tp}")
     if hf_config.num_hidden_layers % pp:
-        raise AdapterError(f"num_hidden_layers {hf_config.num_hidden_layers} is not divisible "
+        raise AdapterError("LMC-E111: "
+                           f"num_hidden_layers {hf_config.num_hidden_layers} is not divisible "
                            f"by pp={pp}")
     if adapter.num_experts(hf_config) % config.expert_model_parallel_size:
-        raise AdapterError(f"num_experts {adapter.num_experts(hf_config)} is not divisible by "
+        raise AdapterError("LMC-E111: "
+                           f"num_experts {adapter.num_experts(hf_config)} is not divisible by "
                            f"ep={config.expert_model_parallel_size}")
     model = GPTModel(
         config=config,
@@ -204,11 +207,13 @@ def load_full_state(model, hf_config, full_state: Mapping[str, torch.Tensor]) ->
     params = dict(model.named_parameters())
     for local, full_name in local_full_names(model, hf_config).items():
         if full_name not in full_state:
-            raise AdapterError(f"no source tensor for parameter {local!r} ({full_name!r})")
+            raise AdapterError("LMC-E303: "
+                               f"no source tensor for parameter {local!r} ({full_name!r})")
         shard = adapter.shard(full_name, full_state[full_name], *_tp_layout(full_name)[:2])
         param = params[local]
         if tuple(shard.shape) != tuple(param.shape):
-            raise AdapterError(f"{local}: source shard has shape {tuple(shard.shape)}, the model "
+            raise AdapterError("LMC-E312: "
+                               f"{local}: source shard has shape {tuple(shard.shape)}, the model "
                                f"expects {tuple(param.shape)} (wrong config or tp size?)")
         param.copy_(shard.to(param.dtype))
 
@@ -310,11 +315,12 @@ def load_hf_checkpoint(model, hf_config, reader) -> int:
             for local in wanted.get(full, []):
                 shard = adapter.shard(full, tensor, *_tp_layout(full)[:2])
                 if tuple(shard.shape) != tuple(params[local].shape):
-                    raise AdapterError(f"{local}: checkpoint shard {tuple(shard.shape)} does not "
+                    raise AdapterError("LMC-E312: "
+                                       f"{local}: checkpoint shard {tuple(shard.shape)} does not "
                                        f"match the model's {tuple(params[local].shape)}")
                 params[local].copy_(shard.to(params[local].dtype))
                 loaded.add(local)
     missing = sorted(set(params) - loaded)
     if missing:
-        raise AdapterError(f"parameters not found in the checkpoint: {missing[:8]}")
+        raise AdapterError(f"LMC-E303: parameters not found in the checkpoint: {missing[:8]}")
     return nbytes

@@ -137,9 +137,10 @@ def routed_experts_rows(traj: Trajectory, layers: int, topk: int) -> torch.Tenso
     import numpy as np
 
     if not traj.routed_experts:
-        raise ValueError(f"trajectory {traj.uid} carries no routed experts; algo.routing_replay="
-                         "true needs engines started with --enable-return-routed-experts (the "
-                         "launcher adds it) and trajectories generated since")
+        raise ValueError(f"LMC-E332: trajectory {traj.uid} carries no routed experts; "
+                         "algo.routing_replay=true needs engines started with "
+                         "--enable-return-routed-experts (the launcher adds it) and trajectories "
+                         "generated since")
     flat = np.concatenate([np.frombuffer(base64.b64decode(seg), dtype=np.int32)
                            for seg in traj.routed_experts])
     want = (traj.num_tokens - 1) * layers * topk
@@ -170,7 +171,7 @@ def partition_balanced(lengths: Sequence[int], parts: int) -> List[List[int]]:
     if parts < 1:
         raise ValueError("parts must be >= 1")
     if len(lengths) < parts:
-        raise ValueError(f"{len(lengths)} trajectories cannot be spread over {parts} "
+        raise ValueError(f"LMC-E331: {len(lengths)} trajectories cannot be spread over {parts} "
                          "data-parallel ranks; make the batch larger")
     groups: List[List[int]] = [[] for _ in range(parts)]
     loads = [0] * parts

@@ -34,6 +34,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from ..errors import within
 from ..netutil import TOKEN_ENV
 from ..relay.rendezvous import PublishSession, RendezvousRefused, join_publish_session
 from ..weights.bucket import BucketPacker
@@ -121,16 +122,16 @@ class WeightPublisher:
         try:
             session = join_publish_session(host, port, self.token, self.stage, self.timeout_s)
         except RendezvousRefused as exc:
-            raise PublishError(f"stage {self.stage}: {exc}") from None
+            raise PublishError(within(f"stage {self.stage}", exc, "LMC-E504")) from None
         except OSError as exc:
-            raise PublishError(f"stage {self.stage}: the master relay's store at {host}:{port} "
-                               f"did not answer within {self.timeout_s:.0f} s "
+            raise PublishError(f"LMC-E320: stage {self.stage}: the master relay's store at "
+                               f"{host}:{port} did not answer within {self.timeout_s:.0f} s "
                                f"(weight_sync.publish_timeout_s): {exc}") from exc
         backend = session.backend
         if backend == "nccl" and not torch.cuda.is_available():
             session.close()
-            raise RuntimeError("the master relay publishes over NCCL but this trainer has no "
-                               "GPU: start the relay with --publish-backend gloo "
+            raise RuntimeError("LMC-E321: the master relay publishes over NCCL but this trainer "
+                               "has no GPU: start the relay with --publish-backend gloo "
                                "(weight_sync.publish_backend=gloo)")
         try:
             pg = stage_group(session.store, self.stage, 1, backend, timeout,
@@ -139,7 +140,7 @@ class WeightPublisher:
             session.close()
             self._old_sessions.append(session)  # (torch may still hold its store)
             raise PublishError(
-                f"stage {self.stage}: could not join the master relay's publish group at "
+                f"LMC-E320: stage {self.stage}: could not join the master relay's publish group at "
                 f"{host}:{port} within {self.timeout_s:.0f} s (weight_sync.publish_timeout_s): "
                 f"{exc}. Is the relay alive? Its log is relay-*.log in the run's logs/") from exc
         # the group calls back into the session's store (a Python object) while it lives:
@@ -155,7 +156,8 @@ class WeightPublisher:
         """Block until the previous publish has been sent (raises if the send failed)."""
         self._idle.wait()
         if self.error is not None:
-            raise RuntimeError(f"weight publication to the master relay failed: {self.error}")
+            raise RuntimeError(within("weight publication to the master relay failed", self.error,
+                                      "LMC-E322"))
 
     def publish(self, version: int, tensors=None) -> PublishStats:
         """Export this stage as ``version``; returns once the host buckets are filled.
@@ -345,7 +347,8 @@ class WeightPublisher:
                   f"({exc}); publishing to {host}:{port} now", flush=True)
             return True
         self.error = PublishError(
-            f"stage {self.stage}: the master relay {failed[0]}:{failed[1]} was lost ({exc}) and "
+            f"LMC-E322: stage {self.stage}: the master relay {failed[0]}:{failed[1]} was lost "
+            f"({exc}) and "
             f"no successor took the publish within {self.failover_timeout_s:.0f} s "
             f"(weight_sync.failover_timeout_s); last error: {last}")
         return False

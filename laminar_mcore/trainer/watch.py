@@ -80,7 +80,7 @@ class NodeReporter:
             except (ControllerError, urllib.error.URLError, OSError, KeyError, TypeError) as exc:
                 why = None
                 if time.time() - answered > self.limit_s:
-                    why = (f"the controller at {self.client.url} has not answered for "
+                    why = (f"LMC-E606: the controller at {self.client.url} has not answered for "
                            f"{time.time() - answered:.0f} s ({exc})")
             if why and not self._stop.is_set():
                 self._end(why)

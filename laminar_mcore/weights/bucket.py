@@ -158,7 +158,7 @@ def decode_handle(data: str, kind: str = "shm") -> dict:
     if not isinstance(handle, dict) or handle.get("kind") != kind:
         hint = (" (CUDA IPC handles are served to SGLang engines, not to the CPU engine)"
                 if kind == "shm" else f" (pull with format={kind!r})")
-        raise ValueError(f"unsupported bucket handle: expected kind {kind!r}{hint}")
+        raise ValueError(f"LMC-E514: unsupported bucket handle: expected kind {kind!r}{hint}")
     return handle
 
 
@@ -194,7 +194,7 @@ def open_handle(handle: dict) -> Iterator[Dict[str, torch.Tensor]]:
     if not os.path.realpath(path).startswith(os.path.realpath(SHM_DIR) + os.sep):
         raise ValueError(f"bucket path {path!r} is outside {SHM_DIR}")
     if not os.path.exists(path):
-        raise ValueError(f"bucket {path!r} does not exist (released by its owner?)")
+        raise ValueError(f"LMC-E513: bucket {path!r} does not exist (released by its owner?)")
     nbytes = int(handle["nbytes"])
     if os.path.getsize(path) < nbytes:
         raise ValueError(f"bucket {path!r} is smaller than its handle says")

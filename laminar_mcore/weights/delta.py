@@ -69,7 +69,7 @@ def unit_for(dtype: Optional[torch.dtype]) -> int:
 def delta_enabled(mode: str, dtype: Optional[torch.dtype]) -> bool:
     """``weight_sync.delta``: on, off, or auto (on when the rollout dtype is 16-bit)."""
     if mode not in MODES:
-        raise ValueError(f"weight_sync.delta={mode!r} is not one of {', '.join(MODES)}")
+        raise ValueError(f"LMC-E102: weight_sync.delta={mode!r} is not one of {', '.join(MODES)}")
     if mode == "auto":
         return dtype is not None and dtype.itemsize == 2 and dtype.is_floating_point
     return mode == "on"
@@ -100,12 +100,15 @@ def encode_counted(new: torch.Tensor, base: torch.Tensor, unit: int = 2,
                    level: int = 1) -> Tuple[bytes, int]:
     """``encode``, and how many elements changed."""
     if new.numel() != base.numel():
-        raise DeltaError(f"a delta needs buckets of one size ({new.numel()} != {base.numel()})")
+        raise DeltaError("LMC-E505: "
+                         f"a delta needs buckets of one size ({new.numel()} != {base.numel()})")
     if new.numel() % unit:
-        raise DeltaError(f"a {new.numel()}-byte bucket is not a whole number of {unit}-byte "
+        raise DeltaError("LMC-E505: "
+                         f"a {new.numel()}-byte bucket is not a whole number of {unit}-byte "
                          "elements")
     if new.numel() // unit > _MAX_ELEMENTS:
-        raise DeltaError(f"a bucket of more than {_MAX_ELEMENTS} elements cannot be delta-coded")
+        raise DeltaError("LMC-E505: "
+                         f"a bucket of more than {_MAX_ELEMENTS} elements cannot be delta-coded")
     a = new.view(_UNIT_DTYPES[unit])
     b = base.view(_UNIT_DTYPES[unit])
     changed = a != b
@@ -133,22 +136,26 @@ def apply(payload: bytes, target: torch.Tensor, unit: Optional[int] = None) -> i
         # a frame that states its size is decompressed whole whatever max_output_size says
         stated = zstandard.frame_content_size(payload)
         if stated > limit:
-            raise DeltaError(f"a delta that decompresses to {stated} bytes cannot be for a "
+            raise DeltaError("LMC-E505: "
+                             f"a delta that decompresses to {stated} bytes cannot be for a "
                              f"{target.numel()}-byte bucket")
         raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=limit)
     except zstandard.ZstdError as exc:
-        raise DeltaError(f"not a {CODEC} delta: {exc}") from None
+        raise DeltaError(f"LMC-E505: not a {CODEC} delta: {exc}") from None
     if len(raw) < _HEAD.size:
-        raise DeltaError("a delta shorter than its header")
+        raise DeltaError("LMC-E505: a delta shorter than its header")
     count, raw_unit, mode = _HEAD.unpack_from(raw)
     if raw_unit not in _UNIT_DTYPES or (unit is not None and raw_unit != unit):
-        raise DeltaError(f"a delta of {raw_unit}-byte elements for a bucket of {unit}-byte ones")
+        raise DeltaError("LMC-E505: "
+                         f"a delta of {raw_unit}-byte elements for a bucket of {unit}-byte ones")
     if target.numel() % raw_unit:
-        raise DeltaError(f"a delta of {raw_unit}-byte elements for a {target.numel()}-byte bucket")
+        raise DeltaError("LMC-E505: "
+                         f"a delta of {raw_unit}-byte elements for a {target.numel()}-byte bucket")
     unit, elements = raw_unit, target.numel() // raw_unit
     size = _HEAD.size + (elements * unit if mode == DENSE else count * (4 + unit))
     if mode not in (SPARSE, DENSE) or count > elements or len(raw) != size:
-        raise DeltaError(f"a delta of {count} elements does not fit a {target.numel()}-byte "
+        raise DeltaError("LMC-E505: "
+                         f"a delta of {count} elements does not fit a {target.numel()}-byte "
                          "bucket (or is truncated)")
     view = memoryview(raw)[_HEAD.size:]
     t = target.view(_UNIT_DTYPES[unit])
@@ -160,10 +167,10 @@ def apply(payload: bytes, target: torch.Tensor, unit: Optional[int] = None) -> i
     gaps = _from_planes(view[:4 * count], count, 4).to(torch.int64) & 0xFFFFFFFF
     xor = _from_planes(view[4 * count:], count, unit)
     if int(gaps.min()) < 1:
-        raise DeltaError("a delta whose positions do not increase")
+        raise DeltaError("LMC-E505: a delta whose positions do not increase")
     positions = torch.cumsum(gaps, 0) - 1
     if int(positions[-1]) >= elements:
-        raise DeltaError("a delta position outside its bucket")
+        raise DeltaError("LMC-E505: a delta position outside its bucket")
     t[positions] = t[positions] ^ xor
     return count
 
@@ -181,8 +188,8 @@ class DeltaEncoder:
     def __init__(self, enabled: bool, unit: int, anchor_interval: int = 16,
                  max_fraction: float = DEFAULT_MAX_FRACTION):
         if anchor_interval < 1:
-            raise ValueError(f"weight_sync.anchor_interval={anchor_interval} must be >= 1 (1: "
-                             "every version whole)")
+            raise ValueError(f"LMC-E103: weight_sync.anchor_interval={anchor_interval} must be "
+                             ">= 1 (1: every version whole)")
         if not 0 < max_fraction <= 1:
             raise ValueError(f"delta max_fraction={max_fraction} must be in (0, 1]")
         self.enabled, self.unit = enabled, unit

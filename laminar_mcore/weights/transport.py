@@ -25,11 +25,12 @@ BACKENDS = ("auto", "gloo", "nccl")
 def resolve_backend(requested: str) -> str:
     """``auto``: NCCL when this process sees a GPU, else gloo. ``nccl`` without a GPU fails."""
     if requested not in BACKENDS:
-        raise ValueError(f"publish backend {requested!r} is not one of {', '.join(BACKENDS)}")
+        raise ValueError("LMC-E102: "
+                         f"publish backend {requested!r} is not one of {', '.join(BACKENDS)}")
     if requested == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     if requested == "nccl" and not torch.cuda.is_available():
-        raise ValueError("publish backend nccl needs a GPU on the relay's machine; use "
+        raise ValueError("LMC-E321: publish backend nccl needs a GPU on the relay's machine; use "
                          "--publish-backend gloo (weight_sync.publish_backend=gloo) on CPU machines")
     return requested
 

@@ -48,7 +48,7 @@ class PullSpec:
 
 def transport_module(name: str):
     if name not in TRANSPORTS:
-        raise ValueError(f"format {name!r} is not one of {', '.join(TRANSPORTS)}")
+        raise ValueError(f"LMC-E102: format {name!r} is not one of {', '.join(TRANSPORTS)}")
     return importlib.import_module(f"{__name__}.{TRANSPORTS[name]}")
 
 

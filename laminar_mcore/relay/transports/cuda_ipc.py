@@ -138,7 +138,8 @@ class CudaIpcExporter:
         """``classes``: (bucket, metadata, serializer) classes, SGLang's by default;
         ``require_cuda=False`` lets ``bench.gpu --cpu-rehearsal`` run the same logic on CPU."""
         if require_cuda and not torch.cuda.is_available():
-            raise RuntimeError("CUDA IPC serving needs a GPU; CPU machines pull shared-memory handles")
+            raise RuntimeError("LMC-E506: CUDA IPC serving needs a GPU; CPU machines pull "
+                               "shared-memory handles")
         self.require_cuda = require_cuda
         self._classes = classes
         self._alive: Dict[str, Dict[int, List[torch.Tensor]]] = {}

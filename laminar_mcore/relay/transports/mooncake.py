@@ -50,7 +50,7 @@ def transfer_engine_class():
         from mooncake.engine import TransferEngine
     except ImportError as exc:  # the package, or libibverbs.so.1 that its module links
         raise MooncakeUnavailable(
-            f"Mooncake's transfer engine is not usable here ({exc}). Install it with "
+            f"LMC-E506: Mooncake's transfer engine is not usable here ({exc}). Install it with "
             "`pip install mooncake-transfer-engine` (GPU/RDMA clusters) or "
             "`pip install mooncake-transfer-engine-non-cuda` (CPU machines, TCP), plus the "
             "system package libibverbs1 (`apt-get install libibverbs1`).") from None
@@ -69,12 +69,13 @@ def start_engine(host: str, protocol: str, device_name: str = ""):
     """A transfer engine on ``host`` that peers reach by its P2P handshake port (no metadata
     server). Returns (engine, session id "host:port")."""
     if protocol not in PROTOCOLS:
-        raise ValueError(f"Mooncake protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
+        raise ValueError("LMC-E102: "
+                         f"Mooncake protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
     engine = transfer_engine_class()()
     rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
     if rc != 0:
-        raise MooncakeUnavailable(f"Mooncake transfer engine failed to start on {host} with "
-                                  f"protocol {protocol!r} (code {rc}); for rdma, name the NIC "
+        raise MooncakeUnavailable(f"LMC-E506: Mooncake transfer engine failed to start on {host} "
+                                  f"with protocol {protocol!r} (code {rc}); for rdma, name the NIC "
                                   "with --mooncake-device (e.g. mlx5_0)")
     return engine, f"{host}:{engine.get_rpc_port()}"
 
@@ -96,7 +97,8 @@ class MooncakeExporter:
                 self.engine.unregister_memory(addr)
             rc = self.engine.register_memory(addr, nbytes)
             if rc != 0:
-                raise RuntimeError(f"Mooncake could not register {nbytes} bytes (code {rc})")
+                raise RuntimeError("LMC-E507: "
+                                   f"Mooncake could not register {nbytes} bytes (code {rc})")
             self._registered[addr] = nbytes
 
     def handles(self, buckets: Sequence[Tuple[ShmBucket, List[TensorMeta]]]) -> List[str]:
@@ -147,7 +149,8 @@ class MooncakeReader:
         local.buffer.zero_()  # fault the pages in once, not during every read
         if self.engine.register_memory(local.buffer.data_ptr(), local.nbytes) != 0:
             local.close()
-            raise RuntimeError(f"Mooncake could not register a {nbytes}-byte local buffer")
+            raise RuntimeError("LMC-E507: "
+                               f"Mooncake could not register a {nbytes}-byte local buffer")
         with self._lock:
             self._owned[local.path] = local
         return local
@@ -167,7 +170,8 @@ class MooncakeReader:
                                             int(handle["addr"]), nbytes)
         if rc < 0:
             self.give_back(local)
-            raise RuntimeError(f"Mooncake read of {nbytes} bytes from {handle['session']} "
+            raise RuntimeError("LMC-E507: "
+                               f"Mooncake read of {nbytes} bytes from {handle['session']} "
                                f"failed (code {rc}): is the relay reachable and its lease alive?")
         return local, metas
 
@@ -229,8 +233,8 @@ class Exporter(_Exporter):
     def __init__(self, relay_cfg):
         ws = relay_cfg.weight_sync
         if not ws.mooncake_protocol:
-            raise TransportUnavailable("this relay does not serve Mooncake pulls: start it with "
-                                       "--mooncake-protocol tcp|rdma "
+            raise TransportUnavailable("LMC-E506: this relay does not serve Mooncake pulls: "
+                                       "start it with --mooncake-protocol tcp|rdma "
                                        "(weight_sync.mooncake_protocol)")
         self.exporter = MooncakeExporter(relay_cfg.host, ws.mooncake_protocol,
                                          ws.mooncake_device)
