@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.laminar-installed
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test`, each taking whole test files (0: one process)
+TEST_WORKERS ?= 2
 
 .PHONY: demo test docs setup clean ibverbs
 
@@ -35,7 +37,7 @@ demo: $(STAMP)
 	PYTHONWARNINGS=ignore $(PY) -m laminar_mcore.launch
 
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The documentation site, strict: a broken link or anchor, or any other warning, fails the build.
 # The configuration reference is rendered from config/schema.py at build time (docs/hooks.py).

@@ -14,6 +14,12 @@ try:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    # `make test` runs files side by side in pytest-xdist workers: each worker computes on its
+    # share of the cores (two workers with a thread per core each would oversubscribe them,
+    # and OpenMP's spinning threads then slow both down several times over)
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if _workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
 except ImportError:  # pragma: no cover
     pass
 
