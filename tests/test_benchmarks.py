@@ -27,7 +27,8 @@ def test_weight_sync_benchmark_writes_its_keys(tmp_path):
     from laminar_mcore.bench.weight_sync import main
 
     out = tmp_path / "sync.json"
-    main(["--hidden", "128", "--layers", "2", "--vocab", "512", "--relays", "2", "--json", str(out)])
+    main(["--hidden", "128", "--layers", "2", "--vocab", "512", "--relays", "2", "--repeats", "1",
+          "--json", str(out)])
     figures = json.loads(out.read_text())
     keys = {"trainer_blocked_s", "host_copy_s", "chain_gbps", "pull_gbps", "gloo_broadcast_gbps",
             "memcpy_gbps", "bit_exact"}
