@@ -15,10 +15,11 @@ from typing import Dict, List
 
 import pytest
 
+from laminar_mcore.errors import CODE
+
 from .conftest import running_controller
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CODE = re.compile(r"LMC-E\d{3}")
 # the package (and its conversion tool); errors.py only formats codes (its docstring's
 # examples are no codes of ours)
 SOURCE_DIRS = ("laminar_mcore", "kernels", "tools")
