@@ -180,6 +180,12 @@ def test_turns_are_token_exact_masked_and_of_one_version(tmp_path):
         assert episode.ended.get("done", 0) >= len(buffer.seen)
 
 
+async def _engine_post(url, path, body):
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{url}{path}", json=body) as r:
+            assert r.status == 200, await r.text()
+
+
 def test_limits_end_episodes_with_their_reason_and_calls_are_guarded(tmp_path):
     cfg, state = _digit_model(tmp_path)
     save_hf_checkpoint(tmp_path / "m", cfg, state)
@@ -206,10 +212,22 @@ def test_limits_end_episodes_with_their_reason_and_calls_are_guarded(tmp_path):
                         {"role": "user", "content": "other"}, *messages[1:]])
                 except openai.BadRequestError as exc:
                     seen["diverged"] = exc.body
-                # two calls of one trajectory at once: one is refused
-                both = await asyncio.gather(*[client.chat.completions.create(
-                    model="p", messages=messages) for _ in range(2)], return_exceptions=True)
-                seen["busy"] = [getattr(b, "status_code", 200) for b in both]
+                # two calls of one trajectory at once: the second is refused. The engine is
+                # paused in place so the first call is held in flight while the second comes
+                # (without it a fast turn could end first, and the second would be a repeat)
+                session = seen["gateway"].sessions[client.api_key]
+                await _engine_post(engine.url, "/pause_generation", {"mode": "in_place"})
+                first = asyncio.ensure_future(client.chat.completions.create(
+                    model="p", messages=messages))
+                while not session.busy:
+                    await asyncio.sleep(0.01)
+                try:
+                    await client.chat.completions.create(model="p", messages=messages)
+                    seen["busy"] = [200]
+                except openai.APIStatusError as exc:
+                    seen["busy"] = [exc.status_code, exc.body.get("code")]
+                await _engine_post(engine.url, "/continue_generation", {})
+                seen["busy"].append((await first).choices[0].finish_reason is not None)
                 return 0.5
 
     engine = EngineProcess(cpu_engine_command(str(tmp_path / "m"), deterministic=True),
@@ -219,6 +237,7 @@ def test_limits_end_episodes_with_their_reason_and_calls_are_guarded(tmp_path):
             from laminar_mcore.agents.episode import evaluate_agent
 
             gateway = AgentGateway(CHAT, EpisodeLimits(max_turns=3, max_new_tokens=6))
+            seen["gateway"] = gateway
             await gateway.start()
             result = await evaluate_agent(engine.url, rows, agent, gateway, _reward,
                                           lambda row: [1], {"temperature": 1.0}, greedy=False)
@@ -243,7 +262,7 @@ def test_limits_end_episodes_with_their_reason_and_calls_are_guarded(tmp_path):
     assert budget["turns_per_episode"] == 1 and budget["accuracy"] == 0.0
     assert set(seen["limits"]) == {"max_turns", "max_episode_tokens"}
     assert seen["diverged"]["code"] == "messages" and "differs" in seen["diverged"]["message"]
-    assert sorted(seen["busy"]) == [200, 409]
+    assert seen["busy"] == [409, "concurrent_call", True]
     # the first episode returned 0.5 after its busy check; the others hit max_turns (reward 0)
     assert result["turns_per_episode"] == pytest.approx((2 + 3 * 7) / 8)
     assert result["accuracy"] == pytest.approx(0.5 / 8)
