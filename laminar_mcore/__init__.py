@@ -10,3 +10,7 @@ meet in ``laminar_mcore.weights`` formats and ``laminar_mcore.data`` types.
 """
 
 __version__ = "0.1.0"
+
+from . import import_cost as _import_cost  # noqa: E402  (megatron without its wandb import)
+
+_import_cost.install()
