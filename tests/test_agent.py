@@ -17,7 +17,7 @@ from laminar_mcore.config.schema import RolloutConfig
 from laminar_mcore.agents.episode import AgentEpisode
 from laminar_mcore.agents.gateway import AgentGateway, EpisodeLimits
 from laminar_mcore.controller.manager import RolloutData, RolloutManager
-from laminar_mcore.controller.modes import policy_for
+from laminar_mcore.modes import policy_for
 from laminar_mcore.data.chat import ChatFormat, demo_tokenizer
 from laminar_mcore.data.pools import PartialResponsePool, PromptPool
 from laminar_mcore.models.hf import save_hf_checkpoint, tiny_hf_config

@@ -40,9 +40,7 @@ FORBIDDEN = [
 # (importer, module) that crosses a never on purpose: the trainer reaches the controller
 # through its client only
 ALLOWED = {("trainer", "laminar_mcore.controller.client")}
-# ... and, through a chain only (a direct import still crosses), the config that every role
-# reads checks mode names against the controller's mode table (plain data, imports nothing)
-ALLOWED_THROUGH_A_CHAIN = ALLOWED | {("trainer", "laminar_mcore.controller.modes")}
+ALLOWED_THROUGH_A_CHAIN = ALLOWED
 
 
 def _modules() -> Dict[str, tuple]:

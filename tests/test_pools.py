@@ -189,7 +189,7 @@ def _manager(prompts, partial, buffer, mode="laminar"):
     from laminar_mcore.config.schema import RolloutConfig
     from laminar_mcore.controller.episode import SingleTurn, TaskCodec
     from laminar_mcore.controller.manager import RolloutData, RolloutManager
-    from laminar_mcore.controller.modes import policy_for
+    from laminar_mcore.modes import policy_for
 
     episode = SingleTurn(TaskCodec(lambda row: [1], lambda ids: ""), {}, None)
     return RolloutManager([], RolloutData(prompts, partial, buffer), episode, policy_for(mode),

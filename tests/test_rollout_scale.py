@@ -18,7 +18,7 @@ from aiohttp import web
 from laminar_mcore.config.schema import RolloutConfig
 from laminar_mcore.controller.episode import SingleTurn, TaskCodec
 from laminar_mcore.controller.manager import EngineHandle, RolloutData, RolloutManager
-from laminar_mcore.controller.modes import policy_for
+from laminar_mcore.modes import policy_for
 from laminar_mcore.data.pools import ExperienceBuffer, InFlight, PartialResponsePool, PromptPool
 from laminar_mcore.data.trajectory import Trajectory
 from laminar_mcore.models.hf import initial_hf_state, save_hf_checkpoint, tiny_hf_config

@@ -12,7 +12,7 @@ from typing import List
 
 from omegaconf import DictConfig
 
-from ..controller.modes import MODES
+from ..modes import MODES
 from ..data.tasks import TASKS
 from ..errors import within
 from ..relay.transports import TRANSPORTS
@@ -195,6 +195,9 @@ def validate_config(cfg: DictConfig) -> None:
         if getattr(r, key) < (0 if key == "max_tool_calls" else 1):
             problems.append(f"LMC-E103: rollout.{key}={getattr(r, key)} must be >= "
                             f"{0 if key == 'max_tool_calls' else 1}")
+    if r.sandbox not in ("bubblewrap", "unsafe-local"):
+        problems.append(f"LMC-E102: rollout.sandbox={r.sandbox!r} must be bubblewrap or "
+                        "unsafe-local")
     agent = cfg.data.get("agent")
     if agent is not None and (not isinstance(agent, str) or agent.count(":") != 1):
         problems.append(f"LMC-E705: data.agent={agent!r} must name an async function as "
@@ -325,7 +328,7 @@ def _check_delta(cfg: DictConfig, problems: List[str]) -> None:
 def _check_publish_lag(cfg: DictConfig, problems: List[str]) -> None:
     """``weight_sync.publish_lag`` (bench.staleness): engines hold weights that many versions
     behind the trainer, which a barrier mode or a smaller staleness bound cannot allow."""
-    from ..controller.modes import policy_for
+    from ..modes import policy_for
 
     lag = cfg.weight_sync.publish_lag
     if lag < 0:

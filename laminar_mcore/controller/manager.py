@@ -37,7 +37,7 @@ from .admission import Admission
 from .engines import EngineHandle, ManagerStats, RolloutData
 from .episode import Discard, Episode, Stopped
 from .health import EngineHealth
-from .modes import ModePolicy
+from ..modes import ModePolicy
 from .pulls import WeightPulls
 from .relays import RelayVersions
 from .repack import Repacker

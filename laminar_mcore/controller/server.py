@@ -44,7 +44,7 @@ from .episode import SingleTurn, TaskCodec, episode_plugin
 from .evaluation import evaluate
 from .manager import RolloutManager
 from .metrics import controller_metrics, scrape_targets
-from .modes import policy_for
+from ..modes import policy_for
 from .trainers import TrainerWatch
 
 logger = logging.getLogger(__name__)

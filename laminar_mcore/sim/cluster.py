@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Tuple
 from ..config.schema import RolloutConfig
 from ..controller.episode import Episode
 from ..controller.manager import EngineHandle, RolloutData, RolloutManager
-from ..controller.modes import policy_for
+from ..modes import policy_for
 from ..data.pools import ExperienceBuffer, InFlight, PartialResponsePool, PromptGroup, PromptPool
 from ..data.trajectory import Trajectory
 from .clock import run_virtual
