@@ -8,12 +8,12 @@ PYTEST_ARGS ?=
 # pytest-xdist workers for `make test`, each taking whole test files (0: one process)
 TEST_WORKERS ?= 2
 
-.PHONY: demo test docs setup clean ibverbs
+.PHONY: demo test docs setup clean ibverbs bubblewrap
 
 setup: $(STAMP)
 
 $(STAMP): requirements.txt requirements-dev.txt setup.py
-	@$(MAKE) --no-print-directory ibverbs
+	@$(MAKE) --no-print-directory ibverbs bubblewrap
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
 	$(PIP) install -r requirements.txt -r requirements-dev.txt
@@ -33,10 +33,23 @@ ibverbs:
 	  else echo "note: libibverbs1 is missing (apt-get install libibverbs1); the Mooncake tests will be skipped"; fi; \
 	fi
 
+# The tool sandbox of agent jobs is bubblewrap (agents/bubblewrap.py). Installed where this
+# can (root with apt-get); without it an agent job refuses to start, naming the fix, and the
+# sandbox tests fail saying so (rollout.sandbox=unsafe-local runs tools with no isolation).
+bubblewrap:
+	@if ! command -v bwrap >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing bubblewrap (Debian) for the tool sandbox"; \
+	    apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1; } || \
+	    echo "note: could not install bubblewrap; agent jobs and the sandbox tests need it"; \
+	  else echo "note: bwrap is missing (apt-get install bubblewrap); agent jobs and the sandbox tests need it"; fi; \
+	fi
+
 demo: $(STAMP)
 	PYTHONWARNINGS=ignore $(PY) -m laminar_mcore.launch
 
-test: $(STAMP)
+test: $(STAMP) bubblewrap
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The documentation site, strict: a broken link or anchor, or any other warning, fails the build.

@@ -401,6 +401,7 @@ def test_cpu_agent_train_job_trains_on_multi_turn_episodes(tmp_path):
     assert summary["trajectories_consumed"] == 2 * 4 * 4
     assert sum(summary["episodes_ended"].values()) >= summary["trajectories_consumed"]
     assert summary["turns_per_episode"] >= 1.0 and "tool_calls_per_episode" in summary
+    assert summary["sandbox"] == "bubblewrap" and "sandbox_warning" not in summary
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [0, 1, 2]

@@ -33,6 +33,7 @@ from ..data.pools import InFlight, PromptGroup
 from ..data.trajectory import Trajectory
 from ..controller.episode import Discard, Episode, Stopped
 from .gateway import AgentGateway, EpisodeLimits, Session
+from .sandbox import use_sandbox
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,7 @@ class AgentEpisode(Episode):
         self.prompt_ids, self.sampling, self.seed = prompt_ids, dict(sampling), seed
         self._http = None
         self.ended: dict = {}  # end reason -> episodes (the books)
+        self.sandbox = "bubblewrap"  # rollout.sandbox (build_episode)
 
     def _sampling_seed(self, group_id: str, k: int) -> Optional[int]:
         if self.seed is None:
@@ -195,7 +197,11 @@ class AgentEpisode(Episode):
         turns, tool calls and tool errors."""
         eps = [c for c in consumed if "turns" in c]
         n = max(len(eps), 1)
-        return {"episodes_ended": dict(self.ended),
+        sandbox = {"sandbox": self.sandbox}
+        if self.sandbox == "unsafe-local":
+            sandbox["sandbox_warning"] = ("rollout.sandbox=unsafe-local: tool code ran with no "
+                                          "isolation")
+        return {**sandbox, "episodes_ended": dict(self.ended),
                 "turns_per_episode": sum(c["turns"] for c in eps) / n,
                 "tool_calls_per_episode": sum(c["tool_calls"] for c in eps) / n,
                 "tool_errors": sum(c.get("tool_errors", 0) for c in eps),
@@ -285,10 +291,12 @@ def build_episode(cfg, task, score) -> AgentEpisode:
     if task.chat is None:
         raise ValueError("LMC-E706: data.agent needs a tokenizer with a chat template: "
                          "model.path's, or a built-in agent task (data.task=tool_addition)")
+    sandbox = use_sandbox(cfg.rollout.sandbox)  # refuses to start without a working bwrap
     gateway = AgentGateway(task.chat, limits_of(cfg), model_name=cfg.run_name)
     episode = AgentEpisode(load_agent(cfg.data.agent), gateway, score, task.codec.encode_prompt,
                            asdict(cfg.rollout.sampling), seed=cfg.seed,
                            max_episode_s=cfg.rollout.max_episode_s)
+    episode.sandbox = sandbox
     context = _context_length(task.model_path)
     if context is not None and cfg.rollout.max_episode_tokens > context:
         raise ValueError(f"LMC-E707: rollout.max_episode_tokens={cfg.rollout.max_episode_tokens} "
@@ -315,6 +323,8 @@ async def evaluate(cfg, task, url: str, api_key: Optional[str] = None):
     from ..reward import load_reward_fn
     from ..rollout.client import SGLangClient
     from ..controller.evaluation import EvalResult
+
+    use_sandbox(cfg.rollout.sandbox)
 
     fn = load_reward_fn(cfg.data.reward_fn)
 

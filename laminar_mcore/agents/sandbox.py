@@ -1,6 +1,6 @@
-"""The tool sandbox: untrusted Python (a model's tool call) run in a fresh child process, whose
-every crash, timeout or exception comes back as a ``ToolResult`` (a tool message for the model),
-never as an exception into the episode that called it.
+"""The tool sandbox: untrusted Python (a model's tool call) run in a fresh child process under
+bubblewrap, whose every crash, timeout or exception comes back as a ``ToolResult`` (a tool
+message for the model), never as an exception into the episode that called it.
 
     result = await run_python("print(sum(inputs['xs']))", inputs={"xs": [1, 2]})
     result.output == "3\\n"; result.as_tool_message() == "3"
@@ -8,43 +8,40 @@ never as an exception into the episode that called it.
 Convention: a tool's output is what its code printed to stdout (a notebook cell's convention:
 ``print(x)``, not a ``result`` variable). ``inputs`` (a JSON-able dict) is a global of the code.
 
-What each call gets (``SandboxLimits``):
+**What it guarantees** (``sandbox="bubblewrap"``, the default and the only isolation; see
+agents/bubblewrap.py for the command line): each call runs under ``bwrap`` in namespaces of its
+own (user, PID, network, mount, IPC, UTS): no network interface at all, a ``/proc`` with only
+its own processes, no capabilities, an environment of ``PATH`` and ``LANG`` only (never the run
+token or the run's configuration), uid 65534 inside and an unprivileged user on the host, a
+read-only view of the interpreter and the system libraries and nothing else of the host's
+files, a private tmpfs of ``tmpfs_mb`` as ``/tmp`` and working directory. The code and its
+inputs reach it through a memory file, not the filesystem. Every process it starts dies with
+the call (``setsid`` or not: the PID namespace goes). Then the limits (``SandboxLimits``):
+CPU time (``RLIMIT_CPU``: a ``CPU time limit`` error at ``cpu_s``, killed a second later),
+address space (``RLIMIT_AS``: ``MemoryError``), file size (``RLIMIT_FSIZE``), no core files,
+``RLIMIT_NPROC`` (counted over the sandbox's host user), stdout and stderr each truncated at
+``max_output_bytes``, and a wall-clock limit the parent enforces by killing it.
 
-* a fresh interpreter (``python -I -S``: no site-packages, no user site, no ``PYTHON*``
-  variables), an environment holding only ``PATH`` and ``LANG`` (no inherited tokens), stdin
-  closed, and a private temporary working directory that is removed afterwards;
-* CPU time (``RLIMIT_CPU``: the code gets a ``CPU time limit`` error at ``cpu_s``, is killed a
-  second later), address space (``RLIMIT_AS``: allocation fails with ``MemoryError``), file
-  size (``RLIMIT_FSIZE``: a longer write fails), no core files, ``RLIMIT_NPROC`` (which Linux
-  does not apply to root), and a wall-clock limit that the parent enforces by killing the
-  child's whole process group;
-* stdout and stderr each truncated at ``max_output_bytes`` (the rest is drained and dropped);
-* no network. Where the process may (root, or ``CAP_SYS_ADMIN``), the child enters a private
-  network namespace and a private PID namespace (``unshare(CLONE_NEWNET | CLONE_NEWPID)`` via
-  ``ctypes``): it has no network interface at all (not even loopback up), and the code runs as
-  the namespace's init, so every process it forks (even one that called ``setsid``) dies with
-  it (as init, it also ignores signals it sends itself). ``isolation == "netns"``. Where that
-  is refused, the fallback is an audit hook (``sys.addaudithook``) that refuses every
-  ``socket.*`` event and every way to start another program (``os.exec*``, ``os.posix_spawn``,
-  ``os.system``, ``subprocess.Popen``) or to load C code (``ctypes.dlopen``), and descendants
-  are killed through the process group (one that leaves the group with ``setsid`` escapes
-  that). ``isolation == "audit-hook"``.
+**What it does not**: a kernel exploit escapes any namespace sandbox (a VM or gVisor is the
+next boundary; a remote sandbox service is how to get one, docs/agents.md); code can read the
+system's libraries and the interpreter's standard library (not its site-packages).
 
-What is *not* isolated: this is a guard against a model's accidents (endless loops, memory
-blow-ups, fork storms, a stray HTTP call), not a security boundary against a determined attacker.
-There is no seccomp filter and no filesystem isolation: the code runs as the caller's user and
-can read (as root, write) the shared filesystem, and reach Unix-domain sockets on it even in a
-network namespace; the audit hook can be bypassed by C extensions already importable.
+``sandbox="unsafe-local"`` (``rollout.sandbox=unsafe-local``) is a plain child process with the
+same limits and a cleared environment: no boundary at all (it can read and write what the
+controller's user can), for code you trust or a machine without bubblewrap; ``isolation`` in
+every ``ToolResult`` says which ran. A call never falls back from one to the other: where
+bubblewrap is missing or cannot make its namespaces, the call fails (and an agent job refuses
+to start, agents/episode.py).
 
 Calls run concurrently (asyncio subprocesses), at most ``max_concurrency`` children at a time
 per event loop and value. ``calculator`` is the arithmetic tool of the CPU agent demo built on
 ``run_python``: its expression is parsed and checked in the caller (only numbers, ``+ - * / //
 % **``, unary signs and parentheses), then evaluated in the sandbox.
 
-The child's side is ``sandbox_child.py``, run as a script. This module imports only the standard
-library and must never raise out of ``run_python`` or ``calculator`` for anything the tool's code
-or expression does (cancellation of the caller's task still propagates, after the child is
-killed).
+The child's side is ``sandbox_child.py``, passed to the interpreter as ``-c`` text (no file of
+the project's tree is in the sandbox). This module must never raise out of ``run_python`` or
+``calculator`` for anything the tool's code or expression does (cancellation of the caller's
+task still propagates, after the child is killed).
 """
 
 from __future__ import annotations
@@ -52,6 +49,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import json
+import logging
 import marshal
 import math
 import os
@@ -61,13 +59,33 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 import weakref
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-NETWORK_MODES = ("auto", "netns", "audit-hook")
-_CLONE_NEWNET_NEWPID = 0x40000000 | 0x20000000
-_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+from . import bubblewrap
+from .bubblewrap import SANDBOXES, SandboxUnavailable
+
+logger = logging.getLogger(__name__)
+_default = ["bubblewrap"]
+
+
+def use_sandbox(kind: str) -> str:
+    """Make ``kind`` (``rollout.sandbox``) the sandbox of every call whose limits name none,
+    in this process; for bubblewrap, check that it runs here first (raises SandboxUnavailable,
+    naming the fix). Returns ``kind``."""
+    if kind not in SANDBOXES:
+        raise ValueError(f"LMC-E102: rollout.sandbox={kind!r} must be one of "
+                         f"{', '.join(SANDBOXES)}")
+    if kind == "bubblewrap":
+        bubblewrap.check()
+    else:
+        logger.warning("rollout.sandbox=unsafe-local: tool code runs as a plain child process "
+                       "of the controller, with no isolation (it can read and write what the "
+                       "controller's user can); only for code you trust")
+    _default[0] = kind
+    return kind
 
 
 @dataclass(frozen=True)
@@ -84,14 +102,15 @@ class SandboxLimits:
     """Bytes of stdout (and, separately, of stderr) kept; the rest is dropped."""
     max_file_mb: int = 64
     """Size of any one file the code writes (``RLIMIT_FSIZE``; past it a write fails)."""
+    tmpfs_mb: int = 64
+    """Size of the sandbox's private tmpfs (``/tmp``, the working directory): all its files."""
     max_processes: int = 64
-    """``RLIMIT_NPROC`` (per user, and not applied by Linux to root: the group kill is what
-    bounds a fork storm there)."""
+    """``RLIMIT_NPROC``: processes of the sandbox's host user (calls at once share it)."""
     max_concurrency: int = 8
     """Children running at once, per event loop, among calls with this value."""
-    network: str = "auto"
-    """``auto`` (a network namespace where permitted, else the audit hook), ``netns`` (refuse to
-    run without one) or ``audit-hook`` (always the fallback)."""
+    sandbox: Optional[str] = None
+    """``bubblewrap`` or ``unsafe-local``; None: the process's (``use_sandbox``, from
+    ``rollout.sandbox``; bubblewrap unless set)."""
 
     def __post_init__(self):
         def positive(name, value, kind=(int, float)):
@@ -103,15 +122,19 @@ class SandboxLimits:
 
         positive("cpu_s", self.cpu_s)
         positive("wall_s", self.wall_s)
-        for name in ("memory_mb", "max_output_bytes", "max_file_mb", "max_processes",
-                     "max_concurrency"):
+        for name in ("memory_mb", "max_output_bytes", "max_file_mb", "tmpfs_mb",
+                     "max_processes", "max_concurrency"):
             positive(name, getattr(self, name), int)
         if self.memory_mb < 32:
             raise ValueError(f"SandboxLimits.memory_mb={self.memory_mb}: the interpreter alone "
                              "needs about 20 MiB; give at least 32")
-        if self.network not in NETWORK_MODES:
-            raise ValueError(f"SandboxLimits.network={self.network!r}: "
-                             f"choose one of {', '.join(NETWORK_MODES)}")
+        if self.sandbox is not None and self.sandbox not in SANDBOXES:
+            raise ValueError(f"SandboxLimits.sandbox={self.sandbox!r}: "
+                             f"choose one of {', '.join(SANDBOXES)}")
+
+    @property
+    def kind(self) -> str:
+        return self.sandbox or _default[0]
 
 
 @dataclass
@@ -125,7 +148,7 @@ class ToolResult:
     error: Optional[str] = None
     wall_s: float = 0.0
     isolation: str = ""
-    """How the network was cut off: ``netns``, ``audit-hook`` ('' if no child ran)."""
+    """Which sandbox ran: ``bubblewrap`` or ``unsafe-local`` ('' if no child ran)."""
     stderr: str = ""
     truncated: bool = False
     """True if stdout or stderr passed ``max_output_bytes``."""
@@ -142,37 +165,12 @@ class ToolResult:
         return "\n".join(parts) if parts else "(no output)"
 
 
-_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
-_network_probe: Optional[bool] = None
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py"),
+          encoding="utf-8") as _f:
+    _CHILD = _f.read()
+TAG = "laminar-sandbox-"  # + a call's id: the last argument of its every process
 _semaphores: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Dict[int, asyncio.Semaphore]]"
 _semaphores = weakref.WeakKeyDictionary()
-
-
-async def _netns_permitted() -> bool:
-    """Whether a child may enter private network and PID namespaces (probed once per process)."""
-    global _network_probe
-    if _network_probe is None:
-        probe = ("import ctypes, sys; "
-                 f"sys.exit(ctypes.CDLL(None).unshare({_CLONE_NEWNET_NEWPID}) != 0)")
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-I", "-S", "-c", probe, stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_ENV)
-            _network_probe = await proc.wait() == 0
-        except OSError:
-            _network_probe = False
-    return _network_probe
-
-
-async def isolation_available(limits: Optional[SandboxLimits] = None) -> str:
-    """The isolation ``run_python`` will use with ``limits``: ``netns`` or ``audit-hook`` (or
-    '' when ``network="netns"`` is demanded and not permitted here)."""
-    limits = limits or SandboxLimits()
-    if limits.network == "audit-hook":
-        return "audit-hook"
-    if await _netns_permitted():
-        return "netns"
-    return "" if limits.network == "netns" else "audit-hook"
 
 
 def _semaphore(n: int) -> asyncio.Semaphore:
@@ -216,18 +214,17 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-def _read_status(path: str):
+def _read_status(fd: int):
     try:
-        with open(path, encoding="utf-8") as f:
-            return ast.literal_eval(f.read())
-    except (OSError, ValueError, SyntaxError):
+        return ast.literal_eval(os.pread(fd, 4096, 0).decode("utf-8", "replace"))
+    except (OSError, ValueError, SyntaxError, MemoryError, RecursionError):
         return None
 
 
 def _verdict(status, limits: SandboxLimits, returncode: Optional[int]) -> Optional[str]:
     """The one-line error for how the child ended (None: it ran to its end)."""
     cpu_s = math.ceil(limits.cpu_s)
-    if not status:
+    if not status or not isinstance(status, tuple):
         return f"the sandbox ended without a report (exit code {returncode})"
     kind = status[0]
     if kind == "ok":
@@ -262,76 +259,93 @@ async def run_python(code: str, *, inputs: Optional[dict] = None,
     limits = limits or SandboxLimits()
     if not isinstance(code, str):
         return ToolResult(False, "", f"code must be a string, got {type(code).__name__}")
-    inputs_bytes = None
+    inputs_obj = None
     if inputs is not None:
-        try:  # what JSON would carry (tuples become lists), in marshal's form: the child reads
-            # it without importing json (and re), a few milliseconds of every call
-            inputs_bytes = marshal.dumps(json.loads(json.dumps(inputs)))
+        try:  # what JSON would carry (tuples become lists); the child reads marshal's form
+            inputs_obj = json.loads(json.dumps(inputs))
         except (TypeError, ValueError) as e:
             return ToolResult(False, "", f"inputs are not JSON-able: {e}")
-    isolation = await isolation_available(limits)
-    if not isolation:
-        return ToolResult(False, "", "network namespace not permitted here and "
-                          "SandboxLimits.network='netns' forbids the audit-hook fallback")
+    try:
+        payload = marshal.dumps((code, inputs_obj))
+    except ValueError as e:  # e.g. nested too deeply for marshal
+        return ToolResult(False, "", f"inputs cannot be passed to the sandbox: {e}")
+    kind = limits.kind
+    if kind == "bubblewrap":
+        try:
+            setup = bubblewrap.check()
+        except SandboxUnavailable as e:
+            return ToolResult(False, "", str(e))
     async with _semaphore(limits.max_concurrency):
         start = time.monotonic()
-        result = await _run_child(code, inputs_bytes, limits, isolation)
+        if kind == "bubblewrap":
+            prefix = bubblewrap.argv(setup, limits.tmpfs_mb << 20)
+            result = await _run_child(prefix, payload, limits, kind, None,
+                                      bubblewrap.popen_user(bubblewrap.host_ids()))
+        else:
+            workdir = tempfile.mkdtemp(prefix=TAG)
+            try:
+                result = await _run_child([sys.executable], payload, limits, kind, workdir, {})
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
     result.wall_s = time.monotonic() - start
     return result
 
 
-async def _run_child(code: str, inputs_bytes: Optional[bytes], limits: SandboxLimits,
-                     isolation: str) -> ToolResult:
-    root = tempfile.mkdtemp(prefix="laminar-sandbox-")
+def _memfd(name: str, data: bytes = b"") -> int:
+    fd = os.memfd_create(name)
+    if data:
+        os.write(fd, data)
+    return fd
+
+
+async def _run_child(prefix: list, payload: bytes, limits: SandboxLimits, kind: str,
+                     workdir: Optional[str], popen: dict) -> ToolResult:
     transport = None
+    code_fd, status_fd = _memfd("laminar-tool-code", payload), _memfd("laminar-tool-status")
     try:
-        workdir = os.path.join(root, "work")
-        os.mkdir(workdir)
-        code_path, inputs_path = os.path.join(root, "code.py"), ""
-        with open(code_path, "w", encoding="utf-8") as f:
-            f.write(code)
-        if inputs_bytes is not None:
-            inputs_path = os.path.join(root, "inputs.marshal")
-            with open(inputs_path, "wb") as f:
-                f.write(inputs_bytes)
-        status_path = os.path.join(root, "status")
         loop = asyncio.get_running_loop()
         try:
             transport, child = await loop.subprocess_exec(
                 lambda: _ChildProtocol(limits.max_output_bytes),
-                sys.executable, "-I", "-S", _CHILD, status_path, isolation,
+                *prefix, "-I", "-S", "-c", _CHILD, str(status_fd),
                 str(math.ceil(limits.cpu_s)), str(limits.memory_mb << 20),
-                str(limits.max_file_mb << 20), str(limits.max_processes), code_path, inputs_path,
+                str(limits.max_file_mb << 20), str(limits.max_processes), str(code_fd),
+                TAG + uuid.uuid4().hex[:12],
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                cwd=workdir, env=dict(_ENV), start_new_session=True)
+                cwd=workdir or "/", env=dict(bubblewrap.ENV), start_new_session=True,
+                pass_fds=(code_fd, status_fd), **popen)
         except OSError as e:
-            return ToolResult(False, "", f"sandbox could not start: {e}", isolation=isolation)
+            return ToolResult(False, "", f"sandbox could not start: {e}", isolation=kind)
+        os.close(code_fd)
+        code_fd = -1
         timed_out = False
         try:
             await asyncio.wait_for(asyncio.shield(child.exited), timeout=limits.wall_s)
         except asyncio.TimeoutError:
             timed_out = True
-        # the child's descendants (its process group; the PID namespace already took them
-        # where there is one) go with it, so that nothing runs on or holds the pipes
+        # bwrap's sandbox dies with it (--die-with-parent, then its PID namespace); a plain
+        # child's descendants go with its process group
         _kill_group(transport.get_pid())
         await child.exited
         try:
             await asyncio.wait_for(asyncio.shield(child.closed), timeout=1.0)
-        except asyncio.TimeoutError:  # a descendant that left the group holds a pipe
+        except asyncio.TimeoutError:  # (unsafe-local) a descendant that left the group
             pass
         if timed_out:
             error = f"timeout after {limits.wall_s:g} s wall"
         else:
-            error = _verdict(_read_status(status_path), limits, transport.get_returncode())
+            error = _verdict(_read_status(status_fd), limits, transport.get_returncode())
         out, err = (child.kept[fd].decode("utf-8", "replace") for fd in (1, 2))
-        return ToolResult(error is None, out, error, isolation=isolation, stderr=err,
+        return ToolResult(error is None, out, error, isolation=kind, stderr=err,
                           truncated=max(child.total.values()) > limits.max_output_bytes)
     finally:
         if transport is not None:
             if transport.get_returncode() is None:  # cancelled: still kill it
                 _kill_group(transport.get_pid())
             transport.close()
-        shutil.rmtree(root, ignore_errors=True)
+        for fd in (code_fd, status_fd):
+            if fd >= 0:
+                os.close(fd)
 
 
 # -- calculator ------------------------------------------------------------------------------

@@ -1,14 +1,14 @@
-"""The child side of ``agents.sandbox``, run as a script, never imported:
+"""The child side of ``agents.sandbox``, passed to the interpreter as ``-c`` text, never imported:
 
-    python -I -S sandbox_child.py STATUS ISOLATION CPU_S MEMORY_BYTES FILE_BYTES NPROC \
-        CODE_PATH INPUTS_PATH
+    python -I -S -c "<this file>" STATUS_FD CPU_S MEMORY_BYTES FILE_BYTES NPROC CODE_FD TAG
 
-The outer process enters private network and PID namespaces (``ISOLATION == "netns"``) and forks;
-the inner one (that namespace's init, where there is one) sets its limits, reads the code and its
-inputs (INPUTS_PATH: their marshal form, '' for none), installs the audit hook (``ISOLATION ==
-"audit-hook"``) and runs the code. The inner writes how the code ended to STATUS as a Python
-literal tuple; the outer writes it instead when the inner was killed by a signal. Every tool call
-pays for this file's imports, so it imports little, and only what ``-S`` leaves at hand.
+Under bubblewrap (agents/bubblewrap.py) the namespaces, the filesystem view and the cleared
+environment are already in place when it starts. The outer process forks; the inner sets its
+limits, reads the code and its inputs (CODE_FD: a memory file holding their marshal form) and
+runs the code. The inner writes how the code ended to STATUS_FD (a memory file) as a Python
+literal tuple; the outer writes it instead when the inner was killed by a signal. TAG (the
+call's id) is only there to name the call's processes. Every tool call pays for this file's
+imports, so it imports little, and only what ``-S`` leaves at hand.
 """
 
 import os
@@ -16,56 +16,21 @@ import resource
 import _signal  # not signal: its enum import costs milliseconds per call
 import sys
 
-CLONE_NEWNET_NEWPID = 0x40000000 | 0x20000000
-CLONE_NEWNS = 0x00020000
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 16384, 1 << 18
-# in the fallback: no sockets, and no other program (which the hook would not follow) or C code
-REFUSED_EVENTS = ("os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen",
-                  "ctypes.dlopen", "ctypes.dlsym")
-# modules that start programs or load C code without an audited call of their own
-# (_posixsubprocess.fork_exec runs any program)
-REFUSED_MODULES = ("_posixsubprocess", "subprocess", "_ctypes", "ctypes", "multiprocessing",
-                   "_multiprocessing", "_socket", "socket")
-
 
 class CpuLimit(BaseException):
     """Raised in the code at the soft CPU limit (not an Exception: ``except Exception`` in the
     code does not swallow it; the hard limit a second later kills whatever does)."""
 
 
-def write_status(path, *fields):
-    with open(path, "w") as f:
-        f.write(repr(fields))
+def write_status(fd, *fields):
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, repr(fields).encode(), 0)
 
 
-def enter_namespaces(status_path):
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    # (a mount namespace too, where the inner mounts its own /proc: the code sees no process
-    # of the host's, so not the environment of the controller that started it)
-    if libc.unshare(CLONE_NEWNET_NEWPID | CLONE_NEWNS) != 0:
-        write_status(status_path, "setup", "unshare(CLONE_NEWNET|CLONE_NEWPID) failed: "
-                     + os.strerror(ctypes.get_errno()))
-        os._exit(0)
-
-
-def private_proc(status_path):
-    """In the new PID namespace: mounts private, and a /proc of that namespace only."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0 or libc.mount(
-            b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None) != 0:
-        write_status(status_path, "setup", "cannot mount a private /proc: "
-                     + os.strerror(ctypes.get_errno()))
-        os._exit(0)
-
-
-def wait_for_inner(status_path, pid):
+def wait_for_inner(status_fd, pid):
     _, how, usage = os.wait4(pid, 0)
     if os.WIFSIGNALED(how):
-        write_status(status_path, "signal", os.WTERMSIG(how), usage.ru_utime + usage.ru_stime)
+        write_status(status_fd, "signal", os.WTERMSIG(how), usage.ru_utime + usage.ru_stime)
     os._exit(0)
 
 
@@ -84,12 +49,6 @@ def set_limits(cpu_s, memory_bytes, file_bytes, nproc):
         pass
 
 
-def refuse_network(event, args):
-    if event.startswith("socket.") or event in REFUSED_EVENTS or (
-            event == "import" and args[0].partition(".")[0] in REFUSED_MODULES):
-        raise PermissionError(f"no network and no other programs in this sandbox ({event})")
-
-
 def describe(error, source):
     """One line for the status, and a traceback of the code's own frames on stderr."""
     detail = f"{type(error).__name__}: {error}"[:500]
@@ -105,17 +64,12 @@ def describe(error, source):
     return detail
 
 
-def run_code(source, inputs_path, isolation):
+def run_code(source, inputs):
     """Run the code; how it ended, as a status tuple."""
     scope = {"__name__": "__main__", "__builtins__": __builtins__,
              "exit": sys.exit, "quit": sys.exit}  # -S leaves out site's exit() and quit()
-    if inputs_path:
-        import marshal  # built in; the parent checked that the inputs are JSON-able
-
-        with open(inputs_path, "rb") as f:
-            scope["inputs"] = marshal.load(f)
-    if isolation == "audit-hook":
-        sys.addaudithook(refuse_network)
+    if inputs is not None:
+        scope["inputs"] = inputs
     try:
         exec(compile(source, "<tool>", "exec"), scope)
     except MemoryError:
@@ -137,32 +91,29 @@ def run_code(source, inputs_path, isolation):
 
 
 def main():
-    status_path, isolation, cpu_s, memory_bytes, file_bytes, nproc, code_path, inputs_path = \
-        sys.argv[1:]
+    status_fd, cpu_s, memory_bytes, file_bytes, nproc, code_fd = map(int, sys.argv[1:7])
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    if isolation == "netns":
-        enter_namespaces(status_path)
     pid = os.fork()
     if pid:
-        wait_for_inner(status_path, pid)
+        wait_for_inner(status_fd, pid)
     inner = os.getpid()
-    if isolation == "netns":
-        private_proc(status_path)
     try:
-        set_limits(int(cpu_s), int(memory_bytes), int(file_bytes), int(nproc))
+        set_limits(cpu_s, memory_bytes, file_bytes, nproc)
     except (ValueError, OSError) as e:  # e.g. above the hard limits of a non-root caller
-        write_status(status_path, "setup", f"cannot set the limits: {e}")
+        write_status(status_fd, "setup", f"cannot set the limits: {e}")
         os._exit(0)
-    with open(code_path, encoding="utf-8") as f:
-        source = f.read()
-    end = run_code(source, inputs_path, isolation)
+    import marshal  # built in; the parent checked that the inputs are JSON-able
+
+    source, inputs = marshal.loads(os.pread(code_fd, os.fstat(code_fd).st_size, 0))
+    os.close(code_fd)
+    end = run_code(source, inputs)
     try:
         sys.stdout.flush()
         sys.stderr.flush()
     except BaseException:  # noqa: BLE001 - a closed or broken stream changes nothing here
         pass
     if os.getpid() == inner:  # not a process the code forked that ran on to here
-        write_status(status_path, *end)
+        write_status(status_fd, *end)
     os._exit(0)  # threads the code left running end with it
 
 

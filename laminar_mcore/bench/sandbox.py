@@ -1,6 +1,8 @@
 """Per-call cost of the tool sandbox (``agents.sandbox``): latency of ``calculator`` and of
-``run_python`` one call at a time, and calls/s with 1 and 8 calls in flight, against a bare
-``python -I -S -c pass`` started the same way (the floor any fresh-process sandbox pays).
+``run_python`` under bubblewrap one call at a time, beside the same calculator call in the
+``unsafe-local`` child (no isolation) and a bare ``python -I -S -c pass`` started the same way
+(the floor any fresh-process sandbox pays); ``bubblewrap_overhead_median_ms`` is what bubblewrap
+adds per call. Calls/s with 1 and 8 calls in flight, under bubblewrap.
 
     python -m laminar_mcore.bench.sandbox [--calls 200] [--json PATH]
 """
@@ -15,7 +17,7 @@ import sys
 import time
 from typing import Awaitable, Callable, Dict, List
 
-from ..agents.sandbox import SandboxLimits, calculator, isolation_available, run_python
+from ..agents.sandbox import SandboxLimits, calculator, run_python
 from .common import report
 
 PROGRAM = "total = sum(inputs['xs'])\nprint(total)"
@@ -64,24 +66,27 @@ def _p90(values: List[float]) -> float:
 
 
 async def measure(calls: int) -> Dict[str, object]:
-    limits = SandboxLimits(max_concurrency=8)
-    fallback = SandboxLimits(max_concurrency=8, network="audit-hook")
-    isolation = await isolation_available(limits)
-    await calculator("1+1", limits=limits)  # the one-time namespace probe, page cache
+    limits = SandboxLimits(max_concurrency=8, sandbox="bubblewrap")
+    local = SandboxLimits(max_concurrency=8, sandbox="unsafe-local")
+    first = await calculator("1+1", limits=limits)  # the one-time bwrap probe, page cache
+    if not first.ok:
+        raise RuntimeError(f"the sandbox does not run here: {first.error}")
     xs = list(range(100))
     t = await _latencies({
         "bare": _bare_start,
         "calc": lambda: calculator("12345678+87654321", limits=limits),
-        "calc_fallback": lambda: calculator("12345678+87654321", limits=fallback),
+        "calc_local": lambda: calculator("12345678+87654321", limits=local),
         "code": lambda: run_python(PROGRAM, inputs={"xs": xs}, limits=limits)}, calls)
-    bare, calc, calc_fallback, code = t["bare"], t["calc"], t["calc_fallback"], t["code"]
+    bare, calc, calc_local, code = t["bare"], t["calc"], t["calc_local"], t["code"]
     return {
-        "isolation": isolation,
+        "isolation": first.isolation,
         "calls": calls,
         "bare_start_median_ms": round(statistics.median(bare), 2),
         "calculator_median_ms": round(statistics.median(calc), 2),
         "calculator_p90_ms": round(_p90(calc), 2),
-        "calculator_audit_hook_median_ms": round(statistics.median(calc_fallback), 2),
+        "calculator_unsafe_local_median_ms": round(statistics.median(calc_local), 2),
+        "bubblewrap_overhead_median_ms": round(statistics.median(
+            [a - b for a, b in zip(calc, calc_local)]), 2),
         "run_python_median_ms": round(statistics.median(code), 2),
         "run_python_p90_ms": round(_p90(code), 2),
         "calls_per_s_concurrency_1": round(await _calls_per_s(calls, 1, limits), 1),
@@ -105,8 +110,11 @@ def main(argv=None) -> Dict[str, object]:
         "calculator_median_ms": f"{f['calculator_median_ms']} ms "
                                 f"({f['calculator_median_ms'] / bare:.2f}x bare start)",
         "calculator_p90_ms": f"{f['calculator_p90_ms']} ms ({f['calculator_p90_ms'] / bare:.2f}x)",
-        "calculator_audit_hook_median_ms": f"{f['calculator_audit_hook_median_ms']} ms "
-                                           f"({f['calculator_audit_hook_median_ms'] / bare:.2f}x)",
+        "calculator_unsafe_local_median_ms": f"{f['calculator_unsafe_local_median_ms']} ms "
+                                             f"({f['calculator_unsafe_local_median_ms'] / bare:.2f}x"
+                                             " bare start; no isolation)",
+        "bubblewrap_overhead_median_ms": f"{f['bubblewrap_overhead_median_ms']} ms per call "
+                                         "(bubblewrap minus unsafe-local, paired calls)",
         "run_python_median_ms": f"{f['run_python_median_ms']} ms "
                                 f"({f['run_python_median_ms'] / bare:.2f}x)",
         "run_python_p90_ms": f"{f['run_python_p90_ms']} ms ({f['run_python_p90_ms'] / bare:.2f}x)",

@@ -162,6 +162,11 @@ class RolloutConfig:
     # Seconds an episode (its agent, tools included) may take; over it, it is discarded
     # (episode_timeout): a hung tool never keeps its engine from pulling. null: no limit.
     max_episode_s: Optional[float] = 3600.0
+    # Where agents' tool code runs (agents/sandbox.py): bubblewrap (namespaces of its own, no
+    # network, no host files, an unprivileged user; an agent job refuses to start without a
+    # working bwrap) or unsafe-local (a plain child process: no isolation at all, only for
+    # code you trust; warned at start and in summary.json).
+    sandbox: str = "bubblewrap"
     extra_args: List[str] = field(default_factory=list)  # passed to sglang.launch_server
     # Engines stream only new tokens (--incremental-streaming-output), a chunk every
     # stream_interval tokens: the controller's cost stays O(L) for an L-token response.
@@ -431,7 +436,7 @@ class LaminarConfig:
 
     run_name: str = "default"  # outputs go to output_dir/run_name
     output_dir: str = "outputs"  # every run's outputs; warm-ups cached in .cache ($LAMINAR_CACHE_DIR)
-    mode: str = "laminar"  # laminar | areal | one_step | sync (controller/modes.py)
+    mode: str = "laminar"  # laminar | areal | one_step | sync (modes.py)
     seed: int = 1234  # trajectories sample with seeds derived from (seed, group, index)
     # What `python -m laminar_mcore.launch` runs; `smoke` is the parallel Megatron check.
     job: str = "smoke"
