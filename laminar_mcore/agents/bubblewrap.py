@@ -16,7 +16,7 @@ inside a user namespace root's uid 65534 would still be host uid 0, which Linux 
 a fork storm (counted over every process of that user, so calls running at once share it).
 Started by another user, ``bwrap`` runs as that user (unprivileged user namespaces needed).
 
-The interpreter: the caller's own (``sys.executable`` resolved), unless the sandbox's host user
+The interpreter: the caller's own (a venv's base interpreter, resolved), unless the sandbox's host user
 cannot reach it (a Python under ``/root`` when started as root): then ``/usr/bin/python3``.
 """
 
@@ -93,7 +93,8 @@ _QUERY = ("import os, sys, site, sysconfig; print(repr((sorted({sysconfig.get_pa
 def interpreter(ids: Optional[Tuple[int, int]], preferred: Optional[str] = None) -> Interpreter:
     """The interpreter tool code runs on (see the module docstring); ``preferred`` overrides the
     caller's own. Raises SandboxUnavailable when none is reachable by the sandbox's user."""
-    candidates = [preferred] if preferred else [os.path.realpath(sys.executable),
+    own = getattr(sys, "_base_executable", None) or sys.executable  # a venv's base Python
+    candidates = [preferred] if preferred else [os.path.realpath(own),
                                                 os.path.realpath(FALLBACK_PYTHON)]
     for path in candidates:
         if not (os.path.isfile(path) and reachable(path, ids)):
