@@ -40,6 +40,25 @@ class EngineError(RuntimeError):
         self.endpoint, self.status, self.message, self.code = endpoint, status, rest, code
 
 
+# HTTP answers of an engine that say the engine (or our configuration of it) is at fault, not
+# the request: a wrong key (401, 403), a route it does not serve (404), "retry later" (429)
+ENGINE_SIDE_4XX = (401, 403, 404, 429)
+
+
+class RequestError(EngineError):
+    """One request was refused by a working engine: SGLang's in-stream error chunk with a 4xx
+    code (a prompt longer than the context, an invalid sampling parameter), an abort whose
+    ``finish_reason.status_code`` is 4xx, or an HTTP 4xx other than ``ENGINE_SIDE_4XX``. The
+    same request would be refused by every engine: it ends the request, never the engine, and
+    is never retried elsewhere."""
+
+
+def is_request_error(status) -> bool:
+    """Whether an engine's HTTP status or error-chunk code refuses the request itself."""
+    return (isinstance(status, int) and not isinstance(status, bool) and 400 <= status < 500
+            and status not in ENGINE_SIDE_4XX)
+
+
 def _ephemeral_range() -> tuple:
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:

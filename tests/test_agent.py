@@ -108,7 +108,9 @@ def test_turns_are_token_exact_masked_and_of_one_version(tmp_path):
             # only when their episodes end
             await asyncio.to_thread(publisher.publish, 1)
             await asyncio.to_thread(publisher.wait)
-            while not any(t.weight_version == 1 for t in buffer.seen):
+            # (each engine takes it once its own episodes end: wait for both)
+            while not (any(t.weight_version == 1 for t in buffer.seen)
+                       and all(h.version == 1 for h in handles)):
                 assert time.time() < deadline, manager.stats
                 await asyncio.sleep(0.05)
             manager.stop()

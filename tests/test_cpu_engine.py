@@ -391,14 +391,15 @@ def test_auth_and_malformed_requests_get_4xx_and_the_server_keeps_serving(engine
         ({"text": "hello"}, "need a tokenizer"),
         ({}, "Either text or input_ids should be provided."),
         ({"input_ids": []}, "non-empty list"),
-        ({"input_ids": [1, "a"]}, "non-empty list"),
+        ({"input_ids": [1, "a"]}, "input_ids: expected integer token ids"),  # SGLang's schema
         ({"input_ids": [1000]}, "input_ids must be in [0, 128)"),
         ({"input_ids": [1], "sampling_params": {"max_new_tokens": 5000}},
          "exceeds the model's maximum context length of 512 tokens"),
         ({"input_ids": [1], "sampling_params": {"temprature": 1.0}}, "unknown field `temprature`"),
         ({"input_ids": [1], "sampling_params": {"seed": 1}}, "unknown field `seed`"),
         ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p"),
-        ({"input_ids": [1], "sampling_params": {"max_new_tokens": "many"}}, "bad sampling_params"),
+        ({"input_ids": [1], "sampling_params": {"max_new_tokens": "many"}},
+         "sampling_params.max_new_tokens: expected an integer"),
     ]
     for body, message in cases:
         status, text = _raw(url, "/generate", body)

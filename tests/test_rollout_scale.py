@@ -311,3 +311,57 @@ def test_a_stream_that_cannot_be_reconciled_costs_its_trajectory_not_the_engine(
     assert discarded.reason == "protocol_error" and "cannot be reconciled" in str(discarded)
     assert manager.stats.protocol_errors == 1
     assert handle.healthy and not manager.stats.unhealthy
+
+
+def test_an_abort_pause_at_256_streams_fits_its_budget(checkpoints):
+    """mode=areal's pause (abort) against 256 running streams, with the controller's client
+    settings (timeout_s=10 for control calls, rollout.pause_timeout_s for the pause): the CPU
+    engine aborts as SGLang 0.5.23 does (abort all, re-check the update lock once a second), so
+    the pause takes at least a round; it completes within its budget, every stream ends
+    ``abort`` with the tokens it had, and generation continues afterwards."""
+    from laminar_mcore.config.schema import RolloutConfig
+    from laminar_mcore.rollout.engine_control import ABORT_RECHECK_S
+
+    cfg, root = checkpoints
+
+    async def scenario(url):
+        client = SGLangClient(url, incremental_stream=True, retries=0, timeout_s=10,
+                              pause_timeout_s=RolloutConfig().pause_timeout_s)
+        started, results = set(), {}
+        all_started = asyncio.Event()
+
+        async def one(i):
+            ids, meta = [], None
+            async for chunk in client.stream_tokens([i % 100 + 1, 7, 3], {
+                    "max_new_tokens": 400, "ignore_eos": True, "temperature": 1.0},
+                    rid=f"a{i:04d}"):
+                ids += chunk.new_ids
+                meta = chunk.meta
+                if ids and i not in started:
+                    started.add(i)
+                    if len(started) == STREAMS:
+                        all_started.set()
+            results[i] = (ids, meta)
+
+        tasks = [asyncio.create_task(one(i)) for i in range(STREAMS)]
+        await asyncio.wait_for(all_started.wait(), 120)
+        t0 = time.perf_counter()
+        await client.pause_generation("abort")  # raises (EngineError) past its budget
+        pause_s = time.perf_counter() - t0
+        await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        await client.continue_generation()
+        after = [c async for c in client.stream_tokens([1, 2], {"max_new_tokens": 3})]
+        await client.close()
+        return pause_s, results, after
+
+    cmd = cpu_engine_command(str(root / "m0"), max_running_requests=STREAMS,
+                             kv_capacity_tokens=STREAMS * 512, incremental_streaming_output=True,
+                             stream_interval=4)
+    with EngineProcess(cmd, log_path=str(root / "abort256.log")) as proc:
+        pause_s, results, after = asyncio.run(scenario(proc.url))
+    print(f"abort-mode pause of {STREAMS} streams answered in {pause_s:.2f} s")
+    assert pause_s >= ABORT_RECHECK_S  # at least one of SGLang's rounds: a faithful twin
+    assert len(results) == STREAMS
+    for i, (ids, meta) in results.items():
+        assert meta["finish_reason"]["type"] == "abort" and 0 < len(ids) < 400, (i, meta)
+    assert after[-1].meta["finish_reason"]["type"] == "length"

@@ -8,7 +8,6 @@ bwrap, naming the fix, and ``rollout.sandbox=unsafe-local`` says so in the books
 import asyncio
 import os
 import pathlib
-import pwd
 import select
 import shutil
 import socket
@@ -25,7 +24,7 @@ from laminar_mcore.config import register_configs
 from laminar_mcore.config.paths import conf_dir
 from laminar_mcore.config.sections import typed
 
-from .test_sandbox import _sandbox_processes, _wait_gone, no_leftovers  # noqa: F401
+from .test_sandbox import _wait_gone, no_leftovers  # noqa: F401
 
 register_configs()
 
@@ -184,22 +183,13 @@ while True:
     except OSError:
         pass
 """
-    r = run(run_python(code, limits=SandboxLimits(wall_s=3, max_processes=32)))
-    assert not r.ok and (r.error.startswith("timeout") or "limit" in r.error), r
-    assert not _wait_gone(r.output.split()[0].encode(), timeout=10)
-    if os.geteuid() == 0:  # bwrap ran as nobody: none of its processes is left
-        nobody = pwd.getpwnam("nobody").pw_uid
-        left = [p for p in _sandbox_processes(b"") if _uid(p) == nobody]
-        assert not left, left
+    # (RLIMIT_NPROC counts every process of the sandbox's host user: 16, below the default
+    # 64, leaves room to tool calls running beside it, in this run or another test file's)
+    r = run(run_python(code, limits=SandboxLimits(wall_s=3, max_processes=16)))
+    assert not r.ok and (r.error.startswith("timeout") or "CPU time limit" in r.error), r
+    tag = r.output.split()[0].encode()
+    assert not _wait_gone(tag, timeout=10), "a process of the storm outlived the call"
     _contained(r, host)
-
-
-def _uid(pid: int):
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
-    except (OSError, StopIteration):
-        return None
 
 
 def test_filling_its_tmpfs_stops_at_its_size(no_leftovers, host):

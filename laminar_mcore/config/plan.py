@@ -52,6 +52,8 @@ from __future__ import annotations
 import math
 from typing import Dict
 
+from .budgets import controller_open_files, controller_streams
+
 # The CUDA context (~0.5 GB with the kernels of torch, Transformer Engine and NCCL loaded) and
 # NCCL's communicators: each keeps NCCL_BUFFSIZE (4 MiB) per channel and peer, and a trainer rank
 # has a dozen groups (TP, PP, DP, EP, their combinations) -- about 2-3 GB in all at 8 GPUs/node.
@@ -334,6 +336,8 @@ def capacity_plan(cfg, digits: int = 2) -> dict:
         "reference_model": "offloaded" if ref_offload else "held" if reference else "none",
         "reference_host_gb_per_trainer_node": round(ref_host_gb, 1),
         **{k: v for k, v in host.items() if k != "problems"},
+        "controller_streams": controller_streams(cfg),
+        "controller_open_files": controller_open_files(cfg),
         "fits_gpu": not problems, "fits_host": not host["problems"],
         "fits": not problems and not host["problems"], "problems": problems + host["problems"],
     }
@@ -429,6 +433,9 @@ def format_plan(plan: dict) -> str:
         f"{plan['trainer_host_gb_per_node']:.0f} GB"
         + (f", of {plan['host_memory_gb']:g} GB" if plan["host_memory_gb"] else
            " (not checked: cluster.host_memory_gb=0)"),
+        f"  controller: up to {plan['controller_streams']} streams at once, "
+        f"{plan['controller_open_files']} open files (RLIMIT_NOFILE: raised to the hard limit "
+        "at start, which must be at least this)",
         "  fits: " + ("yes" if plan["fits"] else
                       f"NO (GPU: {'yes' if plan['fits_gpu'] else 'no'}, host: "
                       f"{'yes' if plan['fits_host'] else 'no'})\n    - "

@@ -206,6 +206,11 @@ class RolloutConfig:
     # start fails with the engine's log tail. null: by backend, 1800 for sglang (a big
     # checkpoint loads and captures CUDA graphs for many minutes), 180 for the CPU engine.
     start_timeout_s: Optional[float] = None
+    # Seconds a pause_generation / continue_generation call may take (separate from the
+    # per-request timeouts): SGLang's abort-mode pause aborts every request and re-checks
+    # once a second until the update lock is free; a slower pause is logged, and only one
+    # over this budget takes the engine out of service.
+    pause_timeout_s: float = 60.0
     # Test/twin knob of the CPU engine (backend=cpu only; sglang ignores it): its HTTP server
     # answers 503 ("Starting") on /health, /health_generate and /ready for this many seconds
     # after it binds, as a big model's start-up does. 0: none.
@@ -288,7 +293,9 @@ class ClusterConfig:
     rollout_nodes: int = 1  # rollout nodes (each a relay and num_engines engines)
     controller_addr: str = MISSING  # local_cpu sets 127.0.0.1; multi-node runs must set it
     controller_port: int = 0  # job=controller listens here; 0: pick one (single machine only)
-    join_timeout_s: float = 600.0  # how long roles wait for each other to start
+    # How long roles wait for each other to start. null: the engines' start budget
+    # (rollout.start_timeout_s) + 300 s; never below that budget (the check refuses it).
+    join_timeout_s: Optional[float] = None
     shutdown_grace_s: float = 60.0  # a rollout node stops this long after its controller went
     # CPU threads per process on a shared machine; 0: leave torch's default.
     threads_per_process: int = 1

@@ -13,6 +13,7 @@ from typing import List
 from omegaconf import DictConfig
 
 from ..modes import MODES
+from .budgets import budget_problems
 from ..data.tasks import TASKS
 from ..errors import within
 from ..relay.transports import TRANSPORTS
@@ -215,6 +216,7 @@ def validate_config(cfg: DictConfig) -> None:
                         f"weight_sync.publish_backend={cfg.weight_sync.publish_backend!r} "
                         "must be auto, gloo or nccl")
     _check_publish_lag(cfg, problems)
+    problems.extend(budget_problems(cfg))
     _check_delta(cfg, problems)
     rd = cfg.weight_sync.relay_device
     if not (rd in ("auto", "cpu") or (rd.startswith("cuda:") and rd[5:].isdigit())):

@@ -76,6 +76,8 @@ class RunBooks:
                 "repacked": s.repacked if s else 0, "repack_rounds": s.repack_rounds if s else 0,
                 "trajectories_interrupted": s.interrupted if s else 0,
                 "protocol_errors": s.protocol_errors if s else 0,
+                "request_errors": s.request_errors if s else 0,
+                "prompts_too_long": s.prompts_too_long if s else 0,
                 "reward_worker_restarts": self.reward.restarts,
                 "engine_versions": ({e.name: e.version for e in self.manager.engines}
                                     if self.manager else {}),

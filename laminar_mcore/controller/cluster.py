@@ -124,6 +124,7 @@ class ClusterAPI:
             handle = EngineHandle(
                 f"node{node}-engine{i}",
                 SGLangClient(url, retries=0, timeout_s=10, incremental_stream=True,
+                             pause_timeout_s=self.cfg.rollout.pause_timeout_s,
                              api_key=engine_api_key(self.token)),
                 RelayClient(relay_url, self.token), puller,
                 capacity=self.cfg.rollout.max_running_requests)
@@ -388,7 +389,7 @@ class ClusterAPI:
             return error_response(404, "LMC-E405", f"no engine at {body['old_url']}")
         old = self.manager.replace_engine(engine, SGLangClient(
             body["new_url"], retries=0, timeout_s=10, incremental_stream=True,
-            api_key=engine.client.api_key))
+            pause_timeout_s=self.cfg.rollout.pause_timeout_s, api_key=engine.client.api_key))
         self._retire(old)
         for node in self.rollout_nodes:
             node["engines"] = [body["new_url"] if u == body["old_url"] else u

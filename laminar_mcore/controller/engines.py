@@ -78,6 +78,12 @@ class ManagerStats:
     # streams that could not be read as SGLang's protocol (their trajectories are discarded
     # with reason protocol_error; the engine stays in service)
     protocol_errors: int = 0
+    # requests a working engine refused (a prompt too long, an invalid sampling parameter):
+    # discarded with reason request_error:<code>, the engine stays in service
+    request_errors: int = 0
+    # prompts filtered before they were sent: longer than the engines' context with the
+    # response budget (discarded with reason prompt_too_long)
+    prompts_too_long: int = 0
     unhealthy: List[str] = field(default_factory=list)
     discarded: Dict[str, int] = field(default_factory=dict)
     engine_restarts: int = 0

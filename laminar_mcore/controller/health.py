@@ -97,6 +97,21 @@ class EngineHealth:
         if self._internal_errors >= self.MAX_INTERNAL_ERRORS_IN_A_ROW and self.error is None:
             self._fatal(f"{self._internal_errors} trajectories in a row (stream protocol)", exc)
 
+    async def _request_error(self, engine: EngineHandle, item: InFlight,
+                             exc: BaseException) -> None:
+        """A working engine refused one request (``RequestError``): count it
+        (``request_errors``), keep the engine in service, and stop the run when every
+        trajectory is refused so (a setting every request carries, e.g. a sampling parameter
+        the engines reject), naming the engine's words."""
+        self.stats.request_errors += 1
+        self._internal_errors += 1
+        if self.stats.request_errors <= 3:
+            logger.warning("engine %s refused %s: %s; the trajectory is discarded (the engine "
+                           "stays in service)", engine.name, item.rid, exc)
+        if self._internal_errors >= self.MAX_INTERNAL_ERRORS_IN_A_ROW and self.error is None:
+            self._fatal(f"{self._internal_errors} trajectories in a row refused by the engines "
+                        "(request errors: check rollout.sampling and the prompts)", exc)
+
     def _mark_unhealthy(self, engine: EngineHandle, epoch: Optional[int] = None) -> None:
         """Take ``engine`` out of service (``epoch``: the process the failure was seen on; a
         failure of a process already replaced says nothing of the new one)."""

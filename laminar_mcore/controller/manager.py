@@ -32,6 +32,7 @@ from typing import Callable, Dict, List, Optional, Set
 
 from ..config.schema import RolloutConfig
 from ..data.pools import InFlight
+from ..netutil import RequestError
 from ..rollout.client import EngineError, StreamProtocolError
 from .admission import Admission
 from .engines import EngineHandle, ManagerStats, RolloutData
@@ -75,6 +76,9 @@ class RolloutManager(Admission, EngineHealth, WeightPulls):
         self.interrupt = policy.interrupt
         self.poll_s, self.wake_s, self.relay_wait_s = poll_s, wake_s, relay_wait_s
         self.clock = clock
+        # the engines' context (prompt + generated tokens; launcher.served_context_length):
+        # a longer request is filtered before it is sent (None: nothing is)
+        self.context_length: Optional[int] = None
         # repack serves engines that wait for a long tail before they can pull: with a barrier
         # all engines wait for all anyway, and interrupting engines never wait
         self.repack = bool(cfg.repack) and not self.barrier and not self.interrupt
@@ -298,8 +302,22 @@ class RolloutManager(Admission, EngineHealth, WeightPulls):
             engine, how = await self._next_turn_engine(item, engine)
         while True:
             epoch = engine.epoch
+            too_long = self._too_long(item)
+            if too_long:  # every engine would refuse it: filtered, not sent
+                self._left(engine, item.rid)
+                self.stats.prompts_too_long += 1
+                raise Discard("prompt_too_long", too_long)
             try:
                 reason = await self._stream(engine, item, how)
+            except RequestError as exc:
+                # the engine refused this request (SGLang's 4xx error chunk): every engine
+                # would, so it is not retried, and the engine is not at fault
+                self._left(engine, item.rid)
+                item.interrupted_at = None
+                if self._stop.is_set():
+                    raise Stopped() from None
+                await self._request_error(engine, item, exc)
+                raise Discard(f"request_error:{exc.status or 'unknown'}", str(exc)) from None
             except StreamProtocolError as exc:
                 # one request's stream could not be read (a chunk that does not reconcile, a
                 # line over the limit): that trajectory is lost, the engine is not at fault
@@ -347,6 +365,20 @@ class RolloutManager(Admission, EngineHealth, WeightPulls):
             if item.multi_turn and engine.epoch == epoch:  # it keeps its place (and version)
                 engine.in_flight[item.rid] = item
             return reason
+
+    def _too_long(self, item: InFlight) -> str:
+        """Why the request ``_stream`` would send for ``item`` is over the engines' context
+        (``context_length``; SGLang's check, tokenizer_manager._validate_one_request), or ''."""
+        if self.context_length is None:
+            return ""
+        traj = item.traj
+        held = len(traj.response_ids)
+        prompt = len(traj.prompt_ids) + held
+        total = prompt + item.max_new_tokens - held
+        if prompt < self.context_length and total <= self.context_length:
+            return ""
+        return (f"{prompt} prompt tokens + {item.max_new_tokens - held} to generate = {total} > "
+                f"the engines' context ({self.context_length} tokens)")
 
     async def _stream(self, engine: EngineHandle, item: InFlight, how: str = "new") -> str:
         """One request: stream ``item`` from the tokens it holds on ``engine`` (``how`` it

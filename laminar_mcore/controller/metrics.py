@@ -82,6 +82,11 @@ def controller_metrics(ctrl) -> Iterable[Metric]:
         counter(p + "protocol_errors", "Engine streams that could not be read as "
                 "SGLang's protocol (their trajectories discarded, the engines kept)",
                 s.protocol_errors if s else 0),
+        counter(p + "request_errors", "Requests a working engine refused (4xx: their "
+                "trajectories discarded as request_error:<code>, the engines kept)",
+                s.request_errors if s else 0),
+        counter(p + "prompts_too_long", "Prompts filtered before they were sent: longer than "
+                "the engines' context with the response budget", s.prompts_too_long if s else 0),
         counter(p + "engine_restarts", "Engines restarted by their node's supervisor",
                 s.engine_restarts if s else 0),
         gauge(p + "engines_evicted", "Engines out of the run for good",

@@ -25,6 +25,8 @@ from ..relay.client import RelayError, WeightApplyError
 from .engines import EngineHandle
 from .episode import Discard, Stopped
 
+SLOW_PAUSE_S = 5.0  # a pause slower than this is logged (SGLang's abort loop: ~1 s a round)
+
 logger = logging.getLogger(__name__)
 
 
@@ -94,7 +96,13 @@ class WeightPulls:
                 # SGLang answers once every running request is aborted (their streams end with
                 # "abort" and resume after the update); a request that arrives while paused
                 # waits for continue_generation and runs on the new weights.
+                started = time.time()
                 await engine.client.pause_generation("abort")
+                took = time.time() - started
+                if took > SLOW_PAUSE_S:  # slow, not failed: only its budget's end fails it
+                    logger.info("engine %s took %.1f s to pause (%d requests aborted; "
+                                "rollout.pause_timeout_s bounds it)", engine.name, took,
+                                len(items))
             if engine.healthy and not self._stop.is_set():
                 await self._pull(engine)
         except EngineError as exc:

@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict
 from typing import Optional
 
+from ..config.budgets import join_timeout_s
 from ..config.schema import LaminarConfig
 from ..errors import within
 from ..netutil import engine_api_key
@@ -402,13 +403,13 @@ def run(cfg: LaminarConfig, token: str) -> dict:
         log(f"LAMINAR_CONTROLLER_URL={url}")
         log(f"[controller] mode={cfg.mode}; waiting for {cfg.cluster.rollout_nodes} rollout "
             f"node(s) and the trainer ranks (token in $LAMINAR_RUN_TOKEN)")
-        deadline = time.time() + cfg.cluster.join_timeout_s
+        deadline = time.time() + join_timeout_s(cfg)
         while len(controller.rollout_nodes) < cfg.cluster.rollout_nodes or controller.master_relay is None:
             if time.time() > deadline:
                 raise ControllerError(f"LMC-E204: only {len(controller.rollout_nodes)} of "
                                       f"{cfg.cluster.rollout_nodes} rollout nodes registered "
                                       f"within cluster.join_timeout_s="
-                                      f"{cfg.cluster.join_timeout_s}")
+                                      f"{join_timeout_s(cfg):g}")
             time.sleep(0.2)
         first_engine = controller.rollout_nodes[0]["engines"][0]
         initial = evaluate_engine(cfg, task, first_engine, engine_api_key(controller.token))

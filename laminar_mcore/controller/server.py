@@ -28,6 +28,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from aiohttp import web
 
+from ..config.budgets import raise_open_files_limit
 from ..config.schema import LaminarConfig
 from ..data.pools import ExperienceBuffer, PartialResponsePool, PromptPool
 from ..data.trace import TrajectoryTrace
@@ -36,6 +37,7 @@ from ..errors import within
 from ..metrics.prometheus import STALENESS_BUCKETS, Histogram, Scrape
 from ..netutil import read_query, token_middleware
 from ..reward import RewardService
+from ..rollout.launcher import served_context_length
 from .batches import TrainerAPI
 from .books import RunBooks
 from .cluster import ClusterAPI
@@ -164,6 +166,8 @@ class Controller(TrainerAPI, RunBooks, ClusterAPI, TrainerWatch):
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> str:
+        # thousands of streams: the soft RLIMIT_NOFILE raised to the hard one, or a refusal
+        self.open_files, self.open_files_needed = raise_open_files_limit(self.cfg)
         self._install_sigterm()
         self._thread = threading.Thread(target=self._run, name="laminar-controller", daemon=True)
         self._thread.start()
@@ -252,6 +256,8 @@ class Controller(TrainerAPI, RunBooks, ClusterAPI, TrainerWatch):
             batch_trajectories=self.batch_prompts * self.n_samples)
         self.manager.on_event = lambda kind, what, info: self._fault(kind, what, **info)
         self.manager.routed_experts = bool(self.cfg.algo.routing_replay)
+        self.manager.context_length = served_context_length(self.cfg.rollout,
+                                                            self.task.model_path)
         if self._initial_state:
             self.load_state_dict(self._initial_state)
         # every endpoint but /health and /metrics (read-only, as SGLang's; /metrics/targets

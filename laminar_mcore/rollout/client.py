@@ -5,8 +5,11 @@ Speaks SGLang 0.5.23 as its own source defines it (``srt/entrypoints/http_server
 ``begin_weight_update()`` ... ``end_weight_update()`` and flush the cache by default (SGLang's
 default, so no prompt KV of old weights survives an update); the version is read from
 ``/model_info`` and the load from ``/v1/loads``; streams are read as the server sends them
-(cumulative, SGLang's default, or ``--incremental-streaming-output``) and an error chunk is an
-``EngineError``. Every call names its endpoint in errors. Timeouts are explicit per call kind;
+(cumulative, SGLang's default, or ``--incremental-streaming-output``). A request the engine
+refuses (an error chunk or an abort with a 4xx code, an HTTP 4xx other than 401/403/404/429)
+raises ``RequestError``; anything else that fails (connection lost, 5xx, a stream cut off, a
+wrong key) an ``EngineError``, of which ``RequestError`` is the subclass that does not mean the
+engine is at fault. Every call names its endpoint in errors. Timeouts are explicit per call kind;
 retries apply only to idempotent reads (GETs). Weight updates never abort in-flight requests
 unless the caller asks.
 """
@@ -20,7 +23,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Sequence
 
 import aiohttp
 
-from ..netutil import EngineError
+from ..netutil import EngineError, RequestError, is_request_error
 
 
 class StreamProtocolError(EngineError):
@@ -37,6 +40,9 @@ MAX_STREAM_LINE_BYTES = 512 * 2**20
 # SGLang 0.5.23's health window (SGLANG_HEALTH_CHECK_TIMEOUT, 20 s) and a margin: a /health
 # probe is not answered sooner than 1 s, and a 503 only after the window.
 HEALTH_PROBE_TIMEOUT_S = 30.0
+# rollout.pause_timeout_s's default: SGLang 0.5.23's abort-mode pause loops "abort all, sleep
+# 1 s" (tokenizer_manager.pause_generation) until no request holds the update lock
+PAUSE_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -68,8 +74,13 @@ class SGLangClient:
                  weight_update_timeout_s: float = 600.0, retries: int = 2,
                  retry_backoff_s: float = 0.2, incremental_stream: bool = False,
                  stream_connections: int = 0, control_connections: int = 16,
-                 max_line_bytes: int = MAX_STREAM_LINE_BYTES):
-        """``incremental_stream``: the server runs with ``--incremental-streaming-output``
+                 max_line_bytes: int = MAX_STREAM_LINE_BYTES,
+                 pause_timeout_s: float = PAUSE_TIMEOUT_S):
+        """``pause_timeout_s``: the budget of ``pause_generation`` / ``continue_generation``
+        (``rollout.pause_timeout_s``), separate from ``timeout_s``: SGLang's abort-mode pause
+        re-checks once a second until every request is gone.
+
+        ``incremental_stream``: the server runs with ``--incremental-streaming-output``
         (each chunk carries only new tokens); otherwise chunks are cumulative.
 
         Connections: generation streams and control/weight calls use separate pools, so a
@@ -87,6 +98,7 @@ class SGLangClient:
         self.stream_connections = int(stream_connections)
         self.control_connections = int(control_connections)
         self.max_line_bytes = int(max_line_bytes)
+        self.pause_timeout_s = float(pause_timeout_s)
         self._session: Optional[aiohttp.ClientSession] = None  # control and weight calls
         self._stream_session: Optional[aiohttp.ClientSession] = None  # /generate streams
         self._live_streams: set = set()  # responses of the streams being read now
@@ -133,7 +145,8 @@ class SGLangClient:
                         timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                     text = await resp.text()
                     if resp.status >= 400:
-                        raise EngineError(endpoint, resp.status, f"LMC-E601: {_message(text)}")
+                        kind = RequestError if is_request_error(resp.status) else EngineError
+                        raise kind(endpoint, resp.status, f"LMC-E601: {_message(text)}")
                     if not expect_json:
                         return text
                     try:
@@ -183,8 +196,9 @@ class SGLangClient:
                     timeout=aiohttp.ClientTimeout(total=self.generate_timeout_s)) as resp:
                 self._live_streams.add(resp)
                 if resp.status >= 400:
-                    raise EngineError("/generate", resp.status,
-                                      f"LMC-E601: {_message(await resp.text())}")
+                    kind = RequestError if is_request_error(resp.status) else EngineError
+                    raise kind("/generate", resp.status,
+                               f"LMC-E601: {_message(await resp.text())}")
                 async for line in self._lines(resp.content):
                     if not line.startswith(b"data:"):
                         continue
@@ -201,10 +215,12 @@ class SGLangClient:
                         raise StreamProtocolError("/generate", None,
                                                   f"LMC-E602: a stream chunk is not an object: "
                                                   f"{data[:200]!r}")
-                    if "error" in chunk:
+                    if "error" in chunk:  # SGLang: HTTP 200, then this chunk and [DONE]
                         err = chunk["error"]
-                        raise EngineError("/generate", err.get("code") if isinstance(err, dict)
-                                          else None, f"LMC-E601: {_message(json.dumps(chunk))}")
+                        code = err.get("code") if isinstance(err, dict) else None
+                        kind = RequestError if is_request_error(code) else EngineError
+                        raise kind("/generate", code if isinstance(code, int) else None,
+                                   f"LMC-E601: {_message(json.dumps(chunk))}")
                     yield chunk
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise EngineError("/generate", None,
@@ -266,6 +282,12 @@ class SGLangClient:
         seen = 0
         async for chunk in self.generate_stream(input_ids, sampling_params, rid=rid, extra=extra):
             meta = chunk.get("meta_info") or {}
+            reason = meta.get("finish_reason")
+            if isinstance(reason, dict) and reason.get("type") == "abort" \
+                    and is_request_error(reason.get("status_code")):
+                # the scheduler refused this request (SGLang's set_finish_with_abort: 400)
+                raise RequestError("/generate", reason["status_code"],
+                                   f"LMC-E601: {reason.get('message') or 'aborted'}")
             ids, lps = self._reconcile(chunk, meta, seen)
             seen += len(ids)
             yield StreamChunk(ids, lps, meta)
@@ -384,10 +406,12 @@ class SGLangClient:
     async def pause_generation(self, mode: str = "abort") -> dict:
         if mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"pause mode must be abort, retract or in_place, not {mode!r}")
-        return await self._request("POST", "/pause_generation", {"mode": mode}, timeout=self.timeout_s)
+        return await self._request("POST", "/pause_generation", {"mode": mode},
+                                   timeout=self.pause_timeout_s)
 
     async def continue_generation(self) -> dict:
-        return await self._request("POST", "/continue_generation", {}, timeout=self.timeout_s)
+        return await self._request("POST", "/continue_generation", {},
+                                   timeout=self.pause_timeout_s)
 
     async def abort_request(self, rid: Optional[str] = None, *, abort_all: bool = False) -> dict:
         if rid is None and not abort_all:

@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from aiohttp import web
 
+from .engine_contract import contract_error
 from .engine_core import EngineCore, Request, RequestError, SamplingParams
 from .engine_http import (HTTPError, RWLock, auth_allowed, error_response, generate_result,
                           unauthorized, waiting_abort_result)
@@ -368,10 +369,23 @@ class CpuEngineServer(ControlRoutes, WeightUpdateRoutes):
 
     async def generate(self, request: web.Request):
         body = await self._json(request)
-        reqs, batch = self.parse_generate(body)
-        if body.get("stream"):
-            if len(reqs) > 1:
+        problem = contract_error(body)
+        if problem is not None:  # SGLang's schema gate (api_contract): 400, stream or not
+            raise HTTPError(400, problem)
+        try:
+            reqs, batch = self.parse_generate(body)
+            if body.get("stream") and len(reqs) > 1:
                 raise HTTPError(400, "stream=true takes a single prompt in the CPU engine")
+        except (RequestError, HTTPError) as exc:
+            if not body.get("stream"):
+                raise
+            # refused past the gate (SGLang: a ValueError of generate_request): a stream
+            # answers HTTP 200, one error chunk, [DONE]
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await response.write(_error_chunk(exc) + b"data: [DONE]\n\n")
+            return response
+        if body.get("stream"):
             return await self._stream(request, reqs[0], body)
         done: Dict[int, dict] = {}
         async with contextlib.aclosing(self.run_requests(reqs)) as events:
@@ -407,13 +421,18 @@ class CpuEngineServer(ControlRoutes, WeightUpdateRoutes):
                     sent = n
                     await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         except (RequestError, HTTPError) as exc:
-            code = exc.status if isinstance(exc, HTTPError) else 400
-            error = {"error": {"message": str(exc), "type": "invalid_request_error"
-                               if code == 400 else "service_unavailable",
-                               "code": code, "retryable": code == 503}}
-            await response.write(b"data: " + json.dumps(error).encode() + b"\n\n")
+            await response.write(_error_chunk(exc))
         await response.write(b"data: [DONE]\n\n")
         return response
+
+
+def _error_chunk(exc: Exception) -> bytes:
+    """SGLang's in-stream error chunk (``http_server.serve_generate_request``)."""
+    code = exc.status if isinstance(exc, HTTPError) else 400
+    error = {"error": {"message": str(exc), "type": "invalid_request_error"
+                       if code == 400 else "service_unavailable",
+                       "code": code, "retryable": code == 503}}
+    return b"data: " + json.dumps(error).encode() + b"\n\n"
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -25,6 +25,10 @@ from .engine_http import HTTPError
 logger = logging.getLogger("laminar_mcore.cpu_engine")
 
 
+# SGLang 0.5.23's abort-mode pause sleeps this long between "abort all" rounds while a request
+# still holds the model-update lock (tokenizer_manager.pause_generation)
+ABORT_RECHECK_S = 1.0
+
 class ControlRoutes:
     """Control and status handlers; the server provides ``core``, ``paused``, ``pause_cond``,
     ``model_update_lock``, ``server_status``, ``gracefully_exit``, ``last_receive``,
@@ -43,11 +47,15 @@ class ControlRoutes:
             raise HTTPError(400, f"mode must be abort, retract or in_place, not {str(mode)[:40]!r}")
         async with self.pause_cond:
             self.paused = True
-            await self._command("pause", mode)
-            if mode == "abort":  # SGLang waits until no request holds the reader lock
-                while self.model_update_lock.readers:
-                    await self._command("abort", None, True)
-                    await asyncio.sleep(0.01)
+            if mode == "abort":  # SGLang: abort all, re-check the update lock once a second
+                while True:
+                    # fire and forget, as SGLang's tokenizer manager sends it to the scheduler
+                    # (which it does not pause in this mode: new requests wait here)
+                    self.core.submit("abort", (None, True), lambda *_: None)
+                    if not self.model_update_lock.readers:
+                        break
+                    await asyncio.sleep(ABORT_RECHECK_S)
+            await self._command("pause", mode)  # (the status the engine reports)
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request):

@@ -19,6 +19,7 @@ import os
 import sys
 from typing import List, Mapping, Optional, Sequence
 
+from ..config.budgets import DEFAULT_START_TIMEOUT_S, engine_start_timeout_s  # noqa: F401
 from ..netutil import free_port  # noqa: F401  (re-exported)
 from ..relay.transports import PullSpec, transport_module
 from ..server_process import ServerProcess, ServerStartError
@@ -26,25 +27,9 @@ from ..server_process import ServerProcess, ServerStartError
 # an engine that exits or stays unhealthy while starting (the message has its log's tail)
 EngineStartError = ServerStartError
 
-# ``rollout.start_timeout_s`` when null, by backend: SGLang loads a big checkpoint (and captures
-# CUDA graphs) for many minutes; the CPU engine loads small models.
-DEFAULT_START_TIMEOUT_S = {"sglang": 1800.0, "cpu": 180.0}
 # What a probe of /health_generate waits beyond SGLang's health window: the window is polled
 # every second (an answer comes up to ~1 s after it) and a busy server answers late.
 HEALTH_MARGIN_S = 5.0
-
-
-def engine_start_timeout_s(rollout_cfg) -> float:
-    """How long an engine of ``rollout_cfg`` may take to start, first start and restarts
-    alike: ``rollout.start_timeout_s``, or when null 1800 s for sglang and 180 s for the CPU
-    engine."""
-    value = getattr(rollout_cfg, "start_timeout_s", None)
-    if value is None:
-        return DEFAULT_START_TIMEOUT_S.get(rollout_cfg.backend, DEFAULT_START_TIMEOUT_S["cpu"])
-    if float(value) <= 0:
-        raise ValueError(f"LMC-E103: rollout.start_timeout_s={value} must be > 0 (seconds), or "
-                         "null for the backend's default (1800 sglang, 180 cpu)")
-    return float(value)
 
 
 def engine_health_window_s(env: Optional[Mapping[str, str]] = None) -> float:
@@ -160,6 +145,42 @@ def engine_command_from_config(rollout_cfg, model_path: str, *, port: int,
                               startup_delay_s=float(getattr(rollout_cfg, "cpu_startup_delay_s",
                                                             0.0) or 0.0),
                               **common)
+
+
+# SGLang 0.5.23's keys for a model's context (utils/hf_transformers/common.py), in its order
+CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length",
+                       "max_position_embeddings")
+
+
+def served_context_length(rollout_cfg, model_path: Optional[str]) -> Optional[int]:
+    """The context (prompt + generated tokens) the run's engines serve, as SGLang 0.5.23
+    derives it: ``--context-length`` in ``rollout.extra_args`` (sglang), else the checkpoint's
+    config.json (``get_context_length``: the first of CONTEXT_LENGTH_KEYS, times the rope
+    scaling factor unless the scaling names its original length or is llama3's); None when
+    there is no config to read (then nothing is filtered before it is sent)."""
+    import json
+
+    args = list(getattr(rollout_cfg, "extra_args", None) or []) \
+        if getattr(rollout_cfg, "backend", "cpu") == "sglang" else []
+    for i, arg in enumerate(args):
+        if arg == "--context-length" and i + 1 < len(args):
+            return int(args[i + 1])
+        if arg.startswith("--context-length="):
+            return int(arg.split("=", 1)[1])
+    path = os.path.join(model_path or "", "config.json")
+    if not model_path or not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    config = config.get("text_config") or config if isinstance(config, dict) else {}
+    scaling = config.get("rope_scaling") or {}
+    factor = scaling.get("factor", 1) if isinstance(scaling, dict) else 1
+    if "original_max_position_embeddings" in scaling or scaling.get("rope_type") == "llama3":
+        factor = 1
+    for key in CONTEXT_LENGTH_KEYS:
+        if config.get(key) is not None:
+            return int(factor * config[key])
+    return 2048
 
 
 def engine_gpu_ids(rollout_cfg, index: int) -> List[int]:

@@ -16,6 +16,7 @@ import time
 import urllib.error
 from typing import Optional
 
+from ..config.budgets import join_timeout_s
 from ..config.schema import LaminarConfig
 from ..netutil import engine_api_key
 from .launcher import engine_process
@@ -46,7 +47,7 @@ def run(cfg: LaminarConfig, client) -> None:
         print(f"[rollout {name}] {msg}", flush=True)
 
     client.wait_for("the controller", client.health, lambda a: a.get("ok"),
-                    cfg.cluster.join_timeout_s)
+                    join_timeout_s(cfg))
     procs: list = []
     agent = None
     supervisor = None
@@ -71,7 +72,7 @@ def _run_relay_node(cfg, client, name, logs, log):
     from .supervisor import NodeSupervisor
 
     info = client.wait_for("the model path", client.cluster, lambda a: a.get("model_path"),
-                           cfg.cluster.join_timeout_s)
+                           join_timeout_s(cfg))
     supervisor = NodeSupervisor(cfg, client, info["model_path"], logs, name, log=log)
     supervisor.start()
     supervisor.register()
@@ -87,7 +88,7 @@ def _run_remote_node(cfg, client, name, logs, procs, log):
     from .pull_agent import PullAgent
 
     info = client.wait_for("the master relay", client.cluster,
-                           lambda a: a.get("master_relay"), cfg.cluster.join_timeout_s)
+                           lambda a: a.get("master_relay"), join_timeout_s(cfg))
     relay_url = info["master_relay"]["url"]
     engines = start_engines(cfg, info["model_path"], logs, procs, name,
                             api_key=engine_api_key(client.token))
@@ -134,7 +135,7 @@ def _watch(cfg, client, procs, log) -> None:
             unreachable_since = unreachable_since or time.time()
             refused = _refused(exc)
             patience = cfg.cluster.shutdown_grace_s if refused else max(
-                cfg.cluster.shutdown_grace_s, cfg.cluster.join_timeout_s)
+                cfg.cluster.shutdown_grace_s, join_timeout_s(cfg))
             if time.time() - unreachable_since > patience:
                 log("the controller is gone; stopping" if refused else
                     f"the controller has not answered for {patience:.0f} s "

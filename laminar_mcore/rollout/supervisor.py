@@ -43,6 +43,7 @@ import urllib.request
 from collections import deque
 from typing import Callable, Dict, List, Optional
 
+from ..config.budgets import join_timeout_s
 from ..config.plan import relay_model_bytes
 from ..netutil import engine_api_key
 from ..relay.launch import relay_process
@@ -167,7 +168,7 @@ class NodeSupervisor:
                               api_key=engine_api_key(self.client.token))
 
     def _start_relay(self) -> None:
-        role = self.client.relay_role(self.cfg.cluster.join_timeout_s)
+        role = self.client.relay_role(join_timeout_s(self.cfg))
         self.master = bool(role["master"])
         relay_cfg = RelayConfig(token=self.client.token, host=self.cfg.rollout.host,
                                 relay_id=self.name, master=self.master,

@@ -167,6 +167,7 @@ def run(cfg, token: str) -> dict:
     tells the controller it is done. Local rank 0 reports the node to the controller meanwhile
     (trainer/watch.py)."""
     from ..config import as_dict
+    from ..config.budgets import join_timeout_s
     from ..controller.client import ControllerClient, ControllerError, controller_url
     from .watch import NodeReporter
 
@@ -181,7 +182,7 @@ def run(cfg, token: str) -> dict:
     url = controller_url(cfg)
     client = ControllerClient(url, token)
     info = client.wait_for("the rollout nodes", client.cluster, lambda a: a.get("ready"),
-                           cfg.cluster.join_timeout_s)
+                           join_timeout_s(cfg))
     relay = info["master_relay"]
     # local rank 0 reports this node to the controller; a node lost stops the run (watch.py)
     reporter = NodeReporter(client, limit_s=cfg.trainer.collective_timeout_s / 2).start() \
