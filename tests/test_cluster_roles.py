@@ -1,7 +1,8 @@
 """The multi-node commands of the README, on loopback: the controller, rollout nodes (the first
 hosts the master relay, the second chains from it, a third -- where Mooncake's transfer engine
 runs -- has no relay and reads every version from the master through Mooncake) and a trainer
-started by torchrun, each its own process, finding each other through the controller address."""
+started by torchrun, each its own process, finding each other through the controller address;
+a rollout node joins the running job and another leaves it."""
 
 import json
 import os
@@ -26,66 +27,103 @@ def _start(args, cwd, log_name, env):
 
 
 def test_controller_rollout_nodes_and_torchrun_trainer_run_a_job(tmp_path):
+    """The README's commands as processes: the controller, two rollout nodes (one hosts the
+    master relay, one chains from it; a third without a relay, through Mooncake, where it
+    runs) and a torchrun trainer. The job is elastic: a node started while it trains
+    registers, pulls the newest version from its relay and generates trajectories the trainer
+    consumes; a node stopped with SIGTERM leaves (its trajectories finish or are handed back)
+    and exits 0, with no engine restarted, none lost, and the books balanced."""
     from laminar_mcore.relay.transports import mooncake
 
     remote = mooncake.available()
-    nodes = 3 if remote else 2
     port = free_port()
+    run = tmp_path / "out" / "cluster"
+    steps = 20  # long enough (about a second a step here) for a node to join, then one to leave
     # mode=sync: every engine moves to each version before generating with it, so every node's
     # engine pulls (training takes a fraction of a second here: in laminar mode an engine busy
     # with its trajectories may never get to pull before the run ends)
-    common = ["experiment=cpu_reverse", "mode=sync", "output_dir=out", "run_name=cluster", "cluster.controller_addr=127.0.0.1",
-              f"cluster.controller_port={port}", f"cluster.rollout_nodes={nodes}",
-              "rollout.num_engines=1", "trainer.total_steps=3", "trainer.train_batch_prompts=4",
+    common = ["experiment=cpu_reverse", "mode=sync", "output_dir=out", "run_name=cluster",
+              "cluster.controller_addr=127.0.0.1", f"cluster.controller_port={port}",
+              f"cluster.rollout_nodes={3 if remote else 2}", "rollout.num_engines=1",
+              f"trainer.total_steps={steps}", "trainer.train_batch_prompts=16",
               "data.num_eval=8", "data.warmup_steps=20", "cluster.shutdown_grace_s=20"]
     if remote:
         common.append("weight_sync.mooncake_protocol=tcp")
     env = dict(os.environ, PYTHONWARNINGS="ignore", LAMINAR_RUN_TOKEN=TOKEN, OMP_NUM_THREADS="1")
     launch = [sys.executable, "-m", "laminar_mcore.launch"]
-    procs = []
+    procs = {}
+
+    def log(name):
+        return (tmp_path / f"{name}.log").read_text()
+
+    def wait(what, check, timeout=300):
+        deadline = time.time() + timeout
+        while not check():
+            failed = {n: p.poll() for n, p in procs.items() if p.poll() not in (None, 0)}
+            ended = what != "the run ends" and procs["controller"].poll() is not None
+            assert not failed and not ended and time.time() < deadline, (what, failed, {
+                n: log(n)[-2000:] for n in procs})
+            time.sleep(0.5)
+
+    def steps_done():
+        path = run / "metrics.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return sum(json.loads(line)["kind"] == "train" for line in lines if line.strip())
+
     try:
-        procs.append(_start(launch + ["job=controller", *common], tmp_path, "controller.log", env))
-        procs.append(_start(launch + ["job=rollout", *common], tmp_path, "rollout0.log", env))
-        procs.append(_start(launch + ["job=rollout", *common], tmp_path, "rollout1.log", env))
+        procs["controller"] = _start(launch + ["job=controller", *common], tmp_path,
+                                     "controller.log", env)
+        for name in ("rollout0", "rollout1"):
+            procs[name] = _start(launch + ["job=rollout", *common], tmp_path, f"{name}.log", env)
         if remote:
-            procs.append(_start(launch + ["job=rollout", *common, "rollout.relay=remote"],
-                                tmp_path, "rollout2.log", env))
-        procs.append(_start([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-                             "--nproc-per-node=1", "--master-addr=127.0.0.1",
-                             f"--master-port={free_port()}", "--local-addr=127.0.0.1",
-                             "-m", "laminar_mcore.launch", "job=trainer", *common],
-                            tmp_path, "trainer.log", env))
-        deadline = time.time() + 420
-        while time.time() < deadline and any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs):
-                break
-            time.sleep(1)
-        codes = [p.poll() for p in procs]
-        names = ["controller.log", "rollout0.log", "rollout1.log"] + (
-            ["rollout2.log"] if remote else []) + ["trainer.log"]
-        logs = {n: (tmp_path / n).read_text()[-2500:] for n in names}
-        assert codes == [0] * len(names), (codes, logs)
+            procs["rollout2"] = _start(launch + ["job=rollout", *common, "rollout.relay=remote"],
+                                       tmp_path, "rollout2.log", env)
+        procs["trainer"] = _start([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+                                   "--nproc-per-node=1", "--master-addr=127.0.0.1",
+                                   f"--master-port={free_port()}", "--local-addr=127.0.0.1",
+                                   "-m", "laminar_mcore.launch", "job=trainer", *common],
+                                  tmp_path, "trainer.log", env)
+        wait("the first step", lambda: steps_done() >= 1)
+        procs["late"] = _start(launch + ["job=rollout", *common], tmp_path, "late.log", env)
+        wait("the late node registers", lambda: "registered:" in log("late"))
+        # the node that leaves: the one of the two that does not hold the master relay
+        leaver = next(n for n in ("rollout0", "rollout1")
+                      if "registered: master relay" not in log(n))
+        at = steps_done()
+        wait("a step with the late node", lambda: steps_done() >= at + 1)
+        procs[leaver].send_signal(signal.SIGTERM)
+        assert procs[leaver].wait(timeout=120) == 0, log(leaver)[-3000:]
+        wait("the run ends", lambda: all(p.poll() is not None for p in procs.values()))
+        codes = {n: p.poll() for n, p in procs.items()}
+        assert set(codes.values()) == {0}, (codes, {n: log(n)[-2500:] for n in procs})
     finally:
-        for p in procs:
+        for p in procs.values():
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-    summary = json.loads((tmp_path / "out" / "cluster" / "summary.json").read_text())
-    assert summary["steps"] == 3 and summary["final_version"] == 3 and summary["books_balance"]
-    assert summary["trajectories_consumed"] == 3 * 4 * 8
-    controller_log = (tmp_path / "controller.log").read_text()
-    assert f"{nodes} rollout node(s), {nodes} engines" in controller_log
-    rollout_logs = "".join((tmp_path / n).read_text() for n in names if n.startswith("rollout"))
-    assert rollout_logs.count("registered: master relay") == 1  # one master, one chained relay
-    assert rollout_logs.count("registered: no relay here") == (1 if remote else 0)
-    assert rollout_logs.count("the run is done; stopping") == nodes
-    # every node's engines pulled new weights: the second node's through its chained relay,
-    # the third's (no relay) through Mooncake from the master
-    assert sorted(summary["engine_versions"]) == [f"node{i}-engine0" for i in range(nodes)]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["final_version"] == steps
+    assert summary["books_balance"] and summary["trajectories_consumed"] == steps * 16 * 8
+    assert summary["trajectories_lost"] == 0 and summary["engine_restarts"] == 0
+    assert not summary["evicted_engines"] and len(summary["engines_left"]) == 1
+    nodes = 3 if remote else 2
+    assert f"{nodes} rollout node(s), {nodes} engines" in log("controller")
+    rollouts = [n for n in procs if n.startswith("rollout") or n == "late"]
+    assert sum(log(n).count("registered: master relay") for n in rollouts) == 1
+    assert sum(log(n).count("registered: no relay here") for n in rollouts) == int(remote)
+    assert "left the run:" in log(leaver) and "could not leave" not in log(leaver)
+    assert sum(log(n).count("the run is done; stopping") for n in rollouts) == nodes
+    # every engine still in the run pulled new weights: a chained relay's, Mooncake's (no
+    # relay) and the late node's, which also generated trajectories the trainer consumed
     versions = summary["engine_versions"]
+    assert len(versions) == nodes and summary["engines_left"][0] not in versions, versions
     assert all(v >= 1 for v in versions.values()) and max(versions.values()) >= 2, versions
-    records = [json.loads(l) for l in (tmp_path / "out" / "cluster" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3]
+    late = f"node{nodes}-engine0"  # the names of the nodes that registered first are 0..n-1
+    assert late in versions, versions
+    trace = [json.loads(line) for line in (run / "trajectories.jsonl").read_text().splitlines()]
+    assert any(late in r["engines"] for r in trace), "the late node's engine generated none"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, steps + 1))
 
 
 def test_cluster_roles_refuse_a_missing_token_or_port(tmp_path):

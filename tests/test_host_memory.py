@@ -19,7 +19,7 @@ from laminar_mcore.config import ConfigError, register_configs, typed, validate_
 from laminar_mcore.config.paths import conf_dir
 from laminar_mcore.config.plan import capacity_plan, format_plan, relay_model_bytes
 from laminar_mcore.config.schema import WeightSyncConfig
-from laminar_mcore.relay.chain import push_version
+from laminar_mcore.relay.chain import ReceiverBusy, push_version
 from laminar_mcore.relay.launch import relay_process
 from laminar_mcore.relay.server import RelayConfig, RelayServer
 from laminar_mcore.relay.store import ShmFull, StoreFull, VersionStore, shm_space
@@ -308,6 +308,24 @@ def test_a_relay_holds_at_most_relay_versions_and_a_push_waits_for_the_lease(tmp
         assert done.get("ok") is True
         assert _post(relay.url, "/pull", {"format": "shm"})["version"] == 3
         assert len(_own_segments(relay.proc.pid)) == 2
+    finally:
+        relay.stop()
+        source.close()
+    # weight_sync.relay_full_wait_s: how long the version waits before it is refused
+    relay = relay_process(RelayConfig(TOKEN, master=True, weight_sync=WeightSyncConfig(
+        relay_versions=2, relay_full_wait_s=1.0)), str(tmp_path / "relay1s.log")).start()
+    source = VersionStore()
+    try:
+        port = int(relay.wait_printed("LAMINAR_RELAY_DATA_PORT"))
+        versions = {}
+        for v in (1, 2, 3):  # pinned, as a forwarder pins what it pushes
+            versions[v] = _fill(source, v, float(v), owner="source")
+            source.pin(versions[v])
+        assert _push(port, source, versions[1])
+        assert _post(relay.url, "/pull", {"format": "shm"})["version"] == 1  # held
+        assert _push(port, source, versions[2])
+        with pytest.raises(ReceiverBusy, match=r"no lease or pin ended within 1 s"):
+            _push(port, source, versions[3])
     finally:
         relay.stop()
         source.close()

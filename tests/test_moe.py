@@ -251,6 +251,13 @@ def test_one_step_gives_the_same_weights_at_every_expert_layout(ep_run):
         assert set(exported) == set(expected), layout
         for name, tensor in exported.items():
             assert torch.equal(tensor, expected[name]), f"{layout} export {name}"
+    # R3 at the 235B recipe's shape of parallelism (TP2 x EP2, sequence parallel): replayed
+    # log-probs equal the engine's, and a replayed step is the same with full activation
+    # recompute (the recomputed forward takes the same micro-batch's routes again)
+    sp_gaps = [r["replay_gap"]["t2p1e2s"] for r in results if "t2p1e2s" in r.get("replay_gap", {})]
+    assert sp_gaps and max(sp_gaps) < 1e-4, sp_gaps
+    recompute = [r["replay_recompute_gap"]["t2p1e2s"] for r in results]
+    assert len(recompute) == 4 and max(recompute) < 1e-6, recompute
 
 
 def test_routing_replay_makes_the_trainer_match_the_engine_on_near_ties():

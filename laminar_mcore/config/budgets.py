@@ -53,6 +53,9 @@ def budget_problems(cfg) -> list:
             f"rollout.backend={cfg.rollout.backend}): a node registers only once its engines "
             "started, so the run would stop while they load; raise cluster.join_timeout_s (or "
             "set it to null: the start budget + 300 s)")
+    if not cfg.weight_sync.relay_full_wait_s > 0:
+        problems.append(f"LMC-E103: weight_sync.relay_full_wait_s="
+                        f"{cfg.weight_sync.relay_full_wait_s} must be > 0 (seconds)")
     pause = cfg.rollout.pause_timeout_s
     if not pause > 0:
         problems.append(f"LMC-E103: rollout.pause_timeout_s={pause} must be > 0 (seconds)")

@@ -259,10 +259,13 @@ class WeightSyncConfig:
     # (>= 2: the newest complete one, which pulls lease, and the one being received). A version
     # arriving while an older one is still leased by a slow pull (or pinned by a push down the
     # chain) waits until that lease is released or lapses (never cut short, never overwritten):
-    # a relay's push retries until then, a trainer's publish is refused at that relay after 30
-    # s (the next version is taken). One more lets a slow pull hold on without delaying
-    # anything, for one more model's worth of /dev/shm per rollout node (job=plan shows it).
+    # a relay's push retries until then, a trainer's publish is refused at that relay after
+    # relay_full_wait_s (the next version is taken). One more lets a slow pull hold on without
+    # delaying anything, for one more model's worth of /dev/shm per rollout node (job=plan).
     relay_versions: int = 2
+    # Seconds a version waits at a relay whose relay_versions are all held (by leases of slow
+    # pulls, or pins of pushes down the chain) before it is refused there (LMC-E501).
+    relay_full_wait_s: float = 30.0
     # Benchmark knob (bench.staleness): at step v publish the weights of step v - publish_lag
     # (the final weights go out at the end), so every trajectory is at least publish_lag
     # versions stale. 0: every version is published as it is made.

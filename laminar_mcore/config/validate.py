@@ -110,10 +110,6 @@ def validate_config(cfg: DictConfig) -> None:
             f"LMC-E111: trainer world size {world} is not divisible by expert_tp*ep*pp = "
             f"{p.expert_tp}*{p.ep}*{p.pp} (Megatron's expert grid); change parallel.ep/"
             "expert_tp or the trainer process count")
-    if cfg.algo.routing_replay and p.sequence_parallel:
-        problems.append("LMC-E113: algo.routing_replay=true with parallel.sequence_parallel=true "
-                        "is not supported yet (each TP rank routes only its slice of the "
-                        "tokens); set parallel.sequence_parallel=false")
     # estimator / policy loss / aggregation names and their combinations (torch-free)
     from ..algos.spec import algo_problems
 

@@ -84,6 +84,7 @@ class RunBooks:
                 "unhealthy_engines": list(s.unhealthy) if s else [],
                 "engine_restarts": s.engine_restarts if s else 0,
                 "evicted_engines": dict(s.evicted) if s else {},
+                "engines_left": sorted(s.left) if s else [],
                 "lost_engines": dict(s.lost) if s else {},
                 "relay_failovers": self.relay_failovers,
                 "trainer_restarts": self.trainer_restarts,

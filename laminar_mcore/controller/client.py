@@ -116,6 +116,12 @@ class ControllerClient:
             body["pull_agent"] = pull_agent
         return self._call("POST", "/register", body)[1]
 
+    def leave(self, engines: List[str], grace_s: float) -> dict:
+        """This node's ``engines`` leave the run gracefully (controller/elastic.py); answered
+        once they have (their trajectories finished, handed back or discarded)."""
+        return self._call("POST", "/leave", {"engines": list(engines), "grace_s": grace_s},
+                          timeout=grace_s + 60.0)[1]
+
     def cluster(self) -> dict:
         return self._call("GET", "/cluster", timeout=10)[1]
 

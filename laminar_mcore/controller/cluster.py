@@ -51,6 +51,8 @@ REGISTER = {"relay_url": Field("url", required=True, max_len=300),
             "publish": PUBLISH, "pull_agent": URL}
 REGISTER_RELAY = {"relay_url": Field("url", required=True, max_len=300),
                   "publish": Field("dict", required=True, fields=PUBLISH.fields)}
+LEAVE = {"engines": Field("list", required=True, max_len=4096, item=URL),
+         "grace_s": Field("number", low=0, high=86400)}
 ENGINE_DOWN = {"url": Field("url", required=True, max_len=300),
                "reason": Field("str", max_len=65536), "evict": Field("bool")}
 ENGINE_REPLACED = {"old_url": Field("url", required=True, max_len=300),
@@ -86,6 +88,7 @@ class ClusterAPI:
     def _init_cluster(self) -> None:
         self.master_relay: Optional[dict] = None
         self.rollout_nodes: List[dict] = []
+        self._nodes_registered = 0  # names stay unique when nodes leave and others join
         self._master_claimed = False
         # fault isolation: what failed and came back (books, metrics "fault" records)
         self.faults: List[dict] = []
@@ -104,6 +107,7 @@ class ClusterAPI:
         router.add_post("/engine_down", self._engine_down)
         router.add_post("/engine_replaced", self._engine_replaced)
         router.add_post("/relay_replaced", self._relay_replaced)
+        router.add_post("/leave", self._leave)
 
     # ------------------------------------------------------------------ engines
     def _add_node(self, relay_url: str, engine_urls: List[str],
@@ -113,7 +117,8 @@ class ClusterAPI:
         trajectories, through ``weight_sync.engine_transport``. ``pull_agent``: the URL of the
         node's pull agent when its engines pull from a relay on another node
         (``rollout.relay=remote``): pulls then run there, not here."""
-        node = len(self.rollout_nodes)
+        node = self._nodes_registered
+        self._nodes_registered += 1
         names = []
         for i, url in enumerate(engine_urls):
             if pull_agent:
@@ -443,9 +448,31 @@ class ClusterAPI:
                 return error_response(409, "LMC-E404", "a master relay is already registered")
             self.master_relay = {"url": body["relay_url"], "publish_host": str(publish["host"]),
                                  "publish_port": int(publish["port"])}
-        node = len(self.rollout_nodes)
+        node = self._nodes_registered
         names = self._add_node(body["relay_url"], body["engines"], body.get("pull_agent"))
         return web.json_response({"ok": True, "node": node, "engines": names})
+
+    async def _leave(self, request: web.Request):
+        """A rollout node stopped gracefully: its engines leave (controller/elastic.py), and
+        the node with them (its relay no longer counts for the master's election). The node
+        of the master relay cannot leave this way: trainers publish to it."""
+        body = await read_json(request, LEAVE)
+        urls = {u.rstrip("/") for u in body["engines"]}
+        engines = [e for e in self.manager.engines if e.client.base_url in urls]
+        node = next((n for n in self.rollout_nodes if urls & {u.rstrip("/") for u in
+                                                              n["engines"]}), None)
+        if node is not None and self.master_relay is not None and \
+                node["relay_url"].rstrip("/") == self.master_relay["url"].rstrip("/"):
+            return error_response(409, "LMC-E404", "the master relay's node cannot leave a "
+                                  "running job (trainers publish to it); stop it as a fault "
+                                  "(a failover follows) or leave another node")
+        grace = float(body.get("grace_s") or self.cfg.cluster.shutdown_grace_s)
+        ended = await self.manager.retire(engines, grace)
+        if node is not None:
+            self.rollout_nodes.remove(node)
+        logger.info("rollout node left: engines %s (%s)", ", ".join(e.name for e in engines),
+                    ended)
+        return web.json_response({"ok": True, "engines": [e.name for e in engines], **ended})
 
     async def _register_relay(self, request: web.Request):
         """A master relay, before its node's engines register (trainers may connect now)."""

@@ -55,6 +55,8 @@ class EngineHandle:
     # the old one never marks the new one down. ``evicted``: out of the run for good.
     epoch: int = 0
     restarting: bool = False
+    # leaving the run (its node stopped gracefully: controller/elastic.py): no new work, no pull
+    leaving: bool = False
     evicted: Optional[str] = None
     # Why the controller found it lost with no report from its supervisor (its process gone
     # or silent, the supervisor with it: a host that went away); None while it answers.
@@ -89,6 +91,7 @@ class ManagerStats:
     engine_restarts: int = 0
     evicted: Dict[str, str] = field(default_factory=dict)  # engine -> why
     lost: Dict[str, str] = field(default_factory=dict)  # engine -> why (EngineHandle.lost)
+    left: Dict[str, str] = field(default_factory=dict)  # engine -> its URL (left gracefully)
     # seconds of each completed pull (request to the new version applied), for /metrics
     pull_seconds: Histogram = field(default_factory=lambda: Histogram(SECONDS_BUCKETS))
 

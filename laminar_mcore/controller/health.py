@@ -178,7 +178,8 @@ class EngineHealth:
         while one may still come; the trajectory is placed on it. (With ``interrupt``, AReaL's
         mode, a trajectory spans versions anyway: any healthy engine that is not paused.)"""
         while not self._stop.is_set():
-            candidates = [e for e in self.engines if e.healthy and not e.paused and (
+            candidates = [e for e in self.engines if e.healthy and not e.paused
+                          and not e.leaving and (
                 self.interrupt or (e.version == item.traj.weight_version and not e.draining))]
             if candidates:
                 target = min(candidates, key=lambda e: len(e.in_flight))

@@ -35,6 +35,7 @@ from ..data.pools import InFlight
 from ..netutil import RequestError
 from ..rollout.client import EngineError, StreamProtocolError
 from .admission import Admission
+from .elastic import Elastic
 from .engines import EngineHandle, ManagerStats, RolloutData
 from .episode import Discard, Episode, Stopped
 from .health import EngineHealth
@@ -46,7 +47,7 @@ from .repack import Repacker
 logger = logging.getLogger(__name__)
 
 
-class RolloutManager(Admission, EngineHealth, WeightPulls):
+class RolloutManager(Admission, EngineHealth, WeightPulls, Elastic):
     def __init__(self, engines: List[EngineHandle], data: RolloutData, episode: Episode,
                  policy: ModePolicy, cfg: RolloutConfig, *, trainer_version: Callable[[], int],
                  batch_trajectories: int, poll_s: float = 0.05, wake_s: float = 1.0,
@@ -236,6 +237,11 @@ class RolloutManager(Admission, EngineHealth, WeightPulls):
         while not self._stop.is_set():
             if not engine.healthy or engine.epoch != epoch:
                 return
+            if engine.leaving:  # (controller/elastic.py) no new work, no pull: it ends
+                if not engine.in_flight:
+                    return
+                await self._sleep_until_woken(engine, self.wake_s)
+                continue
             now = self.clock()
             if not engine.in_flight and engine.idle_since is None:
                 engine.idle_since = now
@@ -361,7 +367,7 @@ class RolloutManager(Admission, EngineHealth, WeightPulls):
                     how = "resume"
                 continue
             if reason == "abort":
-                raise Discard("aborted")
+                raise Discard("engine_left" if engine.leaving else "aborted")
             if item.multi_turn and engine.epoch == epoch:  # it keeps its place (and version)
                 engine.in_flight[item.rid] = item
             return reason

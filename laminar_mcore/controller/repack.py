@@ -38,7 +38,8 @@ class Repacker:
 
     def tail_engines(self) -> List[EngineHandle]:
         return [e for e in self.engines
-                if e.healthy and e.draining and 0 < len(e.in_flight) <= self.limit(e)]
+                if e.healthy and e.draining and not e.leaving
+                and 0 < len(e.in_flight) <= self.limit(e)]
 
     def plan(self, kv_free: Optional[Dict[str, int]] = None) -> List[tuple]:
         """[(source, destination, [rids])]: per weight version, the engines that wait on a few

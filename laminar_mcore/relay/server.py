@@ -156,7 +156,8 @@ class RelayServer(PullService, MasterRelay):
         self.heartbeat_s = cfg.heartbeat_s
         self.metrics = RelayBooks(formats=TRANSPORTS)
         self.store = VersionStore(lease_ttl_s=cfg.lease_ttl_s, max_versions=ws.relay_versions,
-                                  model_bytes=cfg.model_bytes)
+                                  model_bytes=cfg.model_bytes,
+                                  full_wait_s=float(ws.relay_full_wait_s))
         # a listener runs under the store's lock right after ``latest`` became the version
         self.store.on_complete.append(lambda version: self.metrics.completed(self.store.latest))
         self.forwarder = Forwarder(self.store, cfg.chunk_bytes or None, self._downstream_failed,

@@ -11,6 +11,7 @@ pull agent in this process (rollout/pull_agent.py).
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 import urllib.error
@@ -51,14 +52,26 @@ def run(cfg: LaminarConfig, client) -> None:
     procs: list = []
     agent = None
     supervisor = None
+    held: list = []  # the supervisor as soon as it exists (stopped below)
+    previous = signal.signal(signal.SIGTERM, _leave_signal)
     try:
-        if cfg.rollout.relay == "remote":
-            agent = _run_remote_node(cfg, client, name, logs, procs, log)
-            _watch(cfg, client, procs, log)
-        else:
-            supervisor = _run_relay_node(cfg, client, name, logs, log)
-            _watch(cfg, client, [], log)
+        try:
+            if cfg.rollout.relay == "remote":
+                agent = _run_remote_node(cfg, client, name, logs, procs, log)
+                _watch(cfg, client, procs, log)
+            else:
+                supervisor = _run_relay_node(cfg, client, name, logs, log, held)
+                _watch(cfg, client, [], log)
+        except Leave:
+            if supervisor is None and held:
+                supervisor = held[0]
+                log("SIGTERM before this node registered: stopping")
+            elif supervisor is not None:
+                _leave(cfg, client, [e.url for e in supervisor.engines], log)
+            else:
+                _leave(cfg, client, [p.url for p in procs] if agent is not None else [], log)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         if agent is not None:
             agent.stop()
         if supervisor is not None:
@@ -67,13 +80,39 @@ def run(cfg: LaminarConfig, client) -> None:
             p.stop()
 
 
-def _run_relay_node(cfg, client, name, logs, log):
+class Leave(BaseException):
+    """SIGTERM: this node leaves the run gracefully (not an Exception: nothing swallows it)."""
+
+
+def _leave_signal(signum, frame):
+    raise Leave()
+
+
+def _leave(cfg, client, engine_urls, log) -> None:
+    """Ask the controller to retire this node's engines (their trajectories finish, or are
+    handed back, within ``cluster.shutdown_grace_s``: controller/elastic.py), then stop."""
+    if not engine_urls:
+        log("SIGTERM before this node registered: stopping")
+        return
+    log(f"SIGTERM: leaving the run ({len(engine_urls)} engines; their trajectories finish or "
+        f"are handed back within cluster.shutdown_grace_s={cfg.cluster.shutdown_grace_s:g})")
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM stops at once
+    try:
+        ended = client.leave(engine_urls, cfg.cluster.shutdown_grace_s)
+        log(f"left the run: {ended.get('finished', 0)} trajectories finished here, "
+            f"{ended.get('handed_back', 0)} handed back, {ended.get('discarded', 0)} discarded")
+    except (OSError, RuntimeError) as exc:  # ControllerError is a RuntimeError
+        log(f"could not leave gracefully ({exc}); stopping")
+
+
+def _run_relay_node(cfg, client, name, logs, log, held: list):
     """A relay and engines under a ``NodeSupervisor``: what dies is restarted."""
     from .supervisor import NodeSupervisor
 
     info = client.wait_for("the model path", client.cluster, lambda a: a.get("model_path"),
                            join_timeout_s(cfg))
     supervisor = NodeSupervisor(cfg, client, info["model_path"], logs, name, log=log)
+    held.append(supervisor)
     supervisor.start()
     supervisor.register()
     supervisor.watch()

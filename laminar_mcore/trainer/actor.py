@@ -96,10 +96,7 @@ class MegatronActor:
         self.routing_replay = bool(algo.routing_replay)
         if self.routing_replay and not self.moe:
             raise ValueError("LMC-E113: algo.routing_replay=true needs a mixture-of-experts model")
-        if self.routing_replay and (t.recompute != "none" or parallel.sequence_parallel):
-            raise ValueError("LMC-E113: algo.routing_replay=true is not supported with "
-                             "trainer.recompute or parallel.sequence_parallel yet; set them to "
-                             "none/false")
+        self.sequence_parallel = bool(parallel.sequence_parallel)
         skip = skip_zero_advantage_problem(algo, t)
         if skip:
             raise ValueError(skip)
@@ -207,12 +204,18 @@ class MegatronActor:
         model = self.model if model is None else model
         replays = self._ref_replays if model is self.ref_model else self._replays
 
+        if self.routing_replay:  # one FIFO of routes per schedule (see _replay)
+            for replay in replays:
+                replay.clear_indices()
+
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             mb.to(dev)
             if self.routing_replay:
                 self._replay(mb, replays)
             output = model(mb.tokens, mb.position_ids, **self._model_inputs(mb))
+            if self.routing_replay and not forward_only:
+                self._replay_backward(replays)
             return output, loss_func_factory(mb)
 
         return get_forward_backward_func()(
@@ -223,14 +226,32 @@ class MegatronActor:
 
     def _replay(self, mb: PackedMicroBatch, replays) -> None:
         """Route this micro-batch's tokens to the experts the engine chose (Megatron's router
-        replay, forward pass): each router takes its own layer's [T, top-k] slice."""
+        replay, forward pass): each router takes its own layer's [T, top-k] slice -- with
+        sequence parallelism, this TP rank's contiguous part of the sequence, the tokens its
+        router sees. Each micro-batch's routes also join the router's FIFO, from which an
+        activation recompute (``trainer.recompute``) in the backward pass takes them again,
+        micro-batch by micro-batch in forward order (1F1B keeps it)."""
+        from megatron.core import parallel_state as ps
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         routed = mb.extras["routed_experts"]
+        tp = ps.get_tensor_model_parallel_world_size()
+        if self.sequence_parallel and tp > 1:
+            n = routed.shape[0] // tp
+            rank = ps.get_tensor_model_parallel_rank()
+            routed = routed[rank * n:(rank + 1) * n]
         for replay in replays:
-            replay.clear_indices()
             replay.set_target_indices(routed[:, replay.layer_number - 1].to(device()))
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    @staticmethod
+    def _replay_backward(replays) -> None:
+        """After a training forward: what runs next of this micro-batch is its backward, whose
+        recomputed forward (if any) replays from the FIFO."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        for replay in replays:
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
 
     def _end_replay(self) -> None:
         for replay in self._replays + self._ref_replays:

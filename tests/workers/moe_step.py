@@ -7,6 +7,7 @@ updated full weights of its stage (experts gathered over EP) and the stage's exp
 publisher sends it (Hugging Face names, experts gathered layer by layer)."""
 
 import argparse
+import dataclasses
 import os
 import re
 
@@ -56,11 +57,12 @@ def main():
                                 max_tokens_per_microbatch=60, logprob_chunk_size=7)
         actor = MegatronActor(cfg, algo, trainer, ParallelConfig(sequence_parallel=sp),
                               full_state=full)
-        if args.replay and not sp:
+        if args.replay:
             # routing replay at this layout: the engine's routing of near-tie routers, replayed
-            # through the EP dispatcher and across pipeline stages
+            # through the EP dispatcher, across pipeline stages and, with sequence
+            # parallelism, each TP rank replaying its slice of the sequence
             ractor = MegatronActor(tcfg, AlgoConfig(routing_replay=True), trainer,
-                                   ParallelConfig(), full_state=tfull)
+                                   ParallelConfig(sequence_parallel=sp), full_state=tfull)
             mbs = ractor.distribute(tbatch if torch.distributed.get_rank() == 0 else None)
             ractor.compute_logprobs(mbs)
             if ps.is_pipeline_last_stage():
@@ -68,6 +70,19 @@ def main():
                         for mb in mbs if mb.loss_mask.sum() > 0]
                 result.setdefault("replay_gap", {})[layout] = max(gaps) if gaps else 0.0
             ractor = None
+            if sp:  # and through activation recompute: the same replayed step either way
+                trained = {}
+                for recompute in ("none", "full"):
+                    ractor = MegatronActor(tcfg, AlgoConfig(routing_replay=True),
+                                           dataclasses.replace(trainer, recompute=recompute),
+                                           ParallelConfig(sequence_parallel=True),
+                                           full_state=tfull)
+                    ractor.train_step(tbatch)
+                    trained[recompute] = stage_full_tensors(ractor.model.module, tcfg)
+                    ractor = None
+                result.setdefault("replay_recompute_gap", {})[layout] = max(
+                    float((trained["none"][n] - trained["full"][n]).abs().max())
+                    for n in trained["none"])
         result["stats"][layout] = actor.train_step(batch)
         weights = stage_full_tensors(actor.model.module, cfg)
         exported = {n: t.contiguous().clone() for n, t in iter_stage_hf_tensors(actor.model, cfg)}

@@ -1,0 +1,74 @@
+"""Elastic rollout capacity inside the rollout manager (controller/elastic.py), with real CPU
+engines: an engine added while trajectories run takes work at once; an engine retired with
+trajectories in flight hands them back -- aborted and continued, with their tokens, on an
+engine of the same version -- and leaves the run: nothing lost or discarded, no fault."""
+
+import asyncio
+import time
+
+import pytest
+
+from laminar_mcore.config.schema import RolloutConfig
+from laminar_mcore.models.hf import save_hf_checkpoint, tiny_hf_config
+from laminar_mcore.rollout.launcher import EngineProcess, cpu_engine_command
+
+from .test_rollout_manager import RecordingBuffer, _handle, _manager, _master_relay, _state
+
+pytestmark = pytest.mark.multiprocess
+
+
+def test_an_engine_joins_and_one_leaves_with_its_trajectories_handed_back(tmp_path):
+    cfg = tiny_hf_config("qwen2", max_position_embeddings=512)
+    save_hf_checkpoint(str(tmp_path / "m"), cfg, _state(cfg, 0))
+    relay = _master_relay(tmp_path)
+    engines = [EngineProcess(cpu_engine_command(str(tmp_path / "m"), seed=i,
+                                                incremental_streaming_output=True,
+                                                stream_interval=4),
+                             log_path=str(tmp_path / f"e{i}.log")) for i in range(2)]
+    rows = [{"prompt_ids": [i % 50 + 1, 7, 3], "answer": ""} for i in range(200)]
+    try:
+        for e in engines:
+            e.start()
+
+        async def scenario():
+            buffer = RecordingBuffer(group_size=4)
+            handles = [_handle(f"e{i}", e.url, relay.url, 8, timeout_s=10,
+                               incremental_stream=True) for i, e in enumerate(engines)]
+            manager = _manager(handles[:1], rows, buffer,
+                               {"max_new_tokens": 120, "temperature": 1.0, "ignore_eos": True},
+                               rollout=RolloutConfig(repack=False))
+            runner = asyncio.create_task(manager.run())
+            deadline = time.time() + 120
+            while len(handles[0].in_flight) < 8 or not any(
+                    i.traj.response_ids for i in handles[0].in_flight.values()):
+                assert time.time() < deadline
+                await asyncio.sleep(0.05)
+            manager.admitting = False  # (so that the new engine has room for what moves)
+            manager.add_engine(handles[1])  # joins while trajectories run
+            moving = set(handles[0].in_flight)
+            ended = await manager.retire([handles[0]], grace_s=0.0)  # leaves at once
+            manager.admitting = True
+            while len(buffer.seen) < 24:
+                assert time.time() < deadline and not runner.done(), manager.error
+                await asyncio.sleep(0.05)
+            manager.stop()
+            await runner
+            for h in handles:
+                await h.client.close()
+                await h.relay.close()
+            return manager, handles, buffer, ended, moving
+
+        manager, handles, buffer, ended, moving = asyncio.run(scenario())
+    finally:
+        for e in engines:
+            e.stop()
+        relay.stop()
+    assert ended == {"finished": 0, "handed_back": 8, "discarded": 0}, ended
+    assert manager.engines == [handles[1]] and "e0" in manager.stats.left
+    assert not buffer.discarded and not manager.stats.unhealthy and manager.error is None
+    moved = [t for t in buffer.seen
+             if [seg["engine"] for seg in t.metadata.get("segments", ())] == ["e0", "e1"]]
+    assert len(moved) == len(moving) == 8, [t.metadata.get("segments") for t in buffer.seen]
+    for t in moved:  # continued with its tokens, all of one version
+        assert len(t.response_ids) == 120 and t.versions_seen() == ["0"]
+    assert manager.stats.generated == buffer.consumed + buffer.buffered
