@@ -43,7 +43,7 @@ def test_every_endpoint_but_health_needs_the_token(controller):
     assert _call(url + "/health")[0] == 200
     for method, path in [("GET", "/batch"), ("POST", "/trained"), ("GET", "/state"),
                          ("POST", "/relay_role"), ("POST", "/register"), ("GET", "/cluster"),
-                         ("POST", "/done")]:
+                         ("POST", "/done"), ("POST", "/refused"), ("POST", "/leave")]:
         body = {} if method == "POST" else None
         assert _call(url + path, method, body)[0] == 401, path
         assert _call(url + path, method, body, token="wrong")[0] == 401, path
@@ -66,6 +66,10 @@ def test_malformed_requests_get_400_and_the_controller_keeps_serving(controller)
     assert client.batch(deadline_s=0.5, poll_s=0.2) is None  # no engines: no batch, no error
     client.trained(1, 1, {"loss": 0.5}, 0.0, 0.1)
     assert controller.trainer_version == 1
+    # a version the master relay refused: recorded, so barrier modes do not wait for it
+    assert _call(url + "/refused", "POST", {"version": "1"}, token=TOKEN)[0] == 400
+    client.refused(1, "weight_sync.relay_versions=2 versions hold this relay's buffers")
+    assert controller.manager.refused_versions == {1} and controller.manager.sync_target() == 0
     assert client.health()["ok"]
 
 

@@ -15,12 +15,15 @@ metrics, ``cfg`` and the run's counters. It never touches the engines.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 
 from aiohttp import web
 
 from ..netutil import Field, error_response, read_json, read_query
+
+logger = logging.getLogger(__name__)
 
 COUNT = Field("int", low=0)
 SECONDS = Field("number", low=0, high=1e7)
@@ -30,6 +33,8 @@ BATCH_QUERY = {"timeout": Field("number", low=0, high=3600)}
 TRAINED = {"step": Field("int", required=True, low=0), "version": Field("int", required=True, low=0),
            "stats": Field("dict", max_len=1024), "publish_blocked_s": SECONDS, "wait_s": SECONDS}
 DONE = {"steps": COUNT, "version": Field("int", required=True, low=0)}
+REFUSED = {"version": Field("int", required=True, low=0),
+           "reason": Field("str", max_len=2000)}
 
 
 class TrainerAPI:
@@ -39,6 +44,19 @@ class TrainerAPI:
         router.add_get("/batch", self._batch)
         router.add_post("/trained", self._trained)
         router.add_post("/done", self._done)
+        router.add_post("/refused", self._refused)
+
+    async def _refused(self, request: web.Request):
+        """A trainer stage lead: the master relay refused version ``version`` (all its
+        buffers held past weight_sync.relay_full_wait_s). No engine can get that version:
+        barrier modes generate with the newest the relays hold instead of waiting for it."""
+        body = await read_json(request, REFUSED)
+        self.manager.refused_versions.add(int(body["version"]))
+        logger.warning("the master relay refused version %d (%s): barrier modes generate with "
+                       "the newest version the relays hold", body["version"],
+                       body.get("reason") or "no reason given")
+        self.manager.notify()
+        return web.json_response({"ok": True})
 
     async def _done(self, request: web.Request):
         """Trainer rank 0: training finished (``{"steps", "version"}``)."""

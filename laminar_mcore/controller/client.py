@@ -78,6 +78,11 @@ class ControllerClient:
         self._call("POST", "/trained", {"step": step, "version": version, "stats": stats,
                                         "publish_blocked_s": publish_blocked_s, "wait_s": wait_s})
 
+    def refused(self, version: int, reason: str = "") -> None:
+        """A stage lead: the master relay refused ``version`` (barrier modes then generate
+        with the newest version the relays hold)."""
+        self._call("POST", "/refused", {"version": int(version), "reason": str(reason)[:2000]})
+
     def state(self) -> dict:
         """The controller's data module, for a training checkpoint."""
         return self._call("GET", "/state")[1]

@@ -80,6 +80,8 @@ class RolloutManager(Admission, EngineHealth, WeightPulls, Elastic):
         # the engines' context (prompt + generated tokens; launcher.served_context_length):
         # a longer request is filtered before it is sent (None: nothing is)
         self.context_length: Optional[int] = None
+        # versions the master relay refused (POST /refused): no engine can get them
+        self.refused_versions: Set[int] = set()
         # repack serves engines that wait for a long tail before they can pull: with a barrier
         # all engines wait for all anyway, and interrupting engines never wait
         self.repack = bool(cfg.repack) and not self.barrier and not self.interrupt
@@ -264,8 +266,9 @@ class RolloutManager(Admission, EngineHealth, WeightPulls, Elastic):
                 await self._pull(engine)
                 continue
             room = engine.capacity - len(engine.in_flight) - engine.resuming
-            # Baselines with a global barrier generate only with the trainer's current weights.
-            synced = not self.barrier or engine.version >= self.trainer_version()
+            # Baselines with a global barrier generate only with the trainer's current weights
+            # (or the newest the relays hold, when the relay refused the trainer's).
+            synced = not self.barrier or engine.version >= self.sync_target()
             if not engine.draining and synced and room >= self.prompts.n_samples and \
                     self.can_admit(self.prompts.n_samples):
                 self._start_group(engine)
@@ -371,6 +374,16 @@ class RolloutManager(Admission, EngineHealth, WeightPulls, Elastic):
             if item.multi_turn and engine.epoch == epoch:  # it keeps its place (and version)
                 engine.in_flight[item.rid] = item
             return reason
+
+    def sync_target(self) -> int:
+        """The version a barrier mode (sync, one_step) generates with: the trainer's, or, when
+        the master relay refused it (every buffer held past weight_sync.relay_full_wait_s),
+        the newest the relays hold -- waiting for a version no engine can get would stall the
+        run until trainer.batch_timeout_s."""
+        version = self.trainer_version()
+        if version in self.refused_versions:
+            return min(version, self.latest_relay_version)
+        return version
 
     def _too_long(self, item: InFlight) -> str:
         """Why the request ``_stream`` would send for ``item`` is over the engines' context

@@ -61,6 +61,7 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
                                     locate_master=lambda failed: _next_master(controller, failed),
                                     failover_timeout_s=ws.failover_timeout_s, token=token,
                                     delta=ws.delta, anchor_interval=ws.anchor_interval)
+        publisher.on_refused = controller.refused  # (stage leads: they talk to the relay)
         start = 0
         rank = dist.get_rank()
         # A restart of this world after a crash (torchrun counts them) resumes from the newest

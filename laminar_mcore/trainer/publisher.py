@@ -96,6 +96,9 @@ class WeightPublisher:
         # compared_elements, changed_elements and digests (bucket index -> digest)
         self.sent_stats: dict = {}
         self._accepted = False
+        # called (version, reason) when the master relay refuses a version (trainer/loop.py:
+        # the controller's POST /refused)
+        self.on_refused = None
         self._tally: dict = {}
         self.pg = None
         self.channel: Optional[Channel] = None
@@ -263,6 +266,11 @@ class WeightPublisher:
             print(f"[publish] stage {self.stage}: the master relay refused version "
                   f"{header['version']} ({reply.get('reason')}); the next one goes whole",
                   flush=True)
+            if self.on_refused is not None:  # (the controller: barrier modes must not wait)
+                try:
+                    self.on_refused(header["version"], str(reply.get("reason") or ""))
+                except Exception as exc:  # noqa: BLE001 - the publication goes on
+                    print(f"[publish] could not report the refusal: {exc}", flush=True)
 
     def _send(self, item, whole: bool = False) -> None:
         header, buffer = item
