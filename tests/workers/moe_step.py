@@ -70,12 +70,14 @@ def main():
                         for mb in mbs if mb.loss_mask.sum() > 0]
                 result.setdefault("replay_gap", {})[layout] = max(gaps) if gaps else 0.0
             ractor = None
-            if sp:  # and through activation recompute: the same replayed step either way
+            if sp or pp > 1:  # and through activation recompute: the same replayed step
+                # either way (with PP, 1F1B runs a micro-batch's forward before the backward
+                # of the one before it: the recompute must take that one's routes)
                 trained = {}
                 for recompute in ("none", "full"):
                     ractor = MegatronActor(tcfg, AlgoConfig(routing_replay=True),
                                            dataclasses.replace(trainer, recompute=recompute),
-                                           ParallelConfig(sequence_parallel=True),
+                                           ParallelConfig(sequence_parallel=sp),
                                            full_state=tfull)
                     ractor.train_step(tbatch)
                     trained[recompute] = stage_full_tensors(ractor.model.module, tcfg)
