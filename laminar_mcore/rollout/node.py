@@ -74,6 +74,8 @@ def run(cfg: LaminarConfig, client) -> None:
         signal.signal(signal.SIGTERM, previous)
         if agent is not None:
             agent.stop()
+        if supervisor is None and held:  # it failed before registering (or the controller
+            supervisor = held[0]         # was gone): what it started stops with it
         if supervisor is not None:
             supervisor.stop()
         for p in reversed(procs):
