@@ -102,7 +102,8 @@ def test_2048_streams_through_one_rollout_manager(tmp_path):
     from laminar_mcore.models.hf import save_hf_checkpoint, tiny_hf_config
     from laminar_mcore.rollout.launcher import EngineProcess, cpu_engine_command
 
-    from .test_rollout_manager import RecordingBuffer, _handle, _manager, _master_relay, _state
+    from .test_rollout_manager import (RecordingBuffer, _handle, _manager, _master_relay,
+                                      _state, _stop_manager)
 
     engines_n, per_engine = 4, 512
     cfg = typed(_compose(f"rollout.num_engines={engines_n}",
@@ -136,11 +137,7 @@ def test_2048_streams_through_one_rollout_manager(tmp_path):
                 assert time.time() < deadline and not runner.done(), manager.error
                 peak = max(peak, sum(len(h.in_flight) for h in handles))
                 await asyncio.sleep(0.02)
-            manager.stop()
-            await runner
-            for h in handles:
-                await h.client.close()
-                await h.relay.close()
+            await _stop_manager(manager, runner, handles)
             return manager, handles, buffer, peak
 
         manager, handles, buffer, peak = asyncio.run(run())

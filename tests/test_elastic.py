@@ -10,9 +10,9 @@ import pytest
 
 from laminar_mcore.config.schema import RolloutConfig
 from laminar_mcore.models.hf import save_hf_checkpoint, tiny_hf_config
-from laminar_mcore.rollout.launcher import EngineProcess, cpu_engine_command
 
-from .test_rollout_manager import RecordingBuffer, _handle, _manager, _master_relay, _state
+from .test_rollout_manager import (RecordingBuffer, _handle, _manager, _master_relay,
+                                  _incremental_engines, _state, _stop_manager)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -21,14 +21,10 @@ def test_an_engine_joins_and_one_leaves_with_its_trajectories_handed_back(tmp_pa
     cfg = tiny_hf_config("qwen2", max_position_embeddings=512)
     save_hf_checkpoint(str(tmp_path / "m"), cfg, _state(cfg, 0))
     relay = _master_relay(tmp_path)
-    engines = [EngineProcess(cpu_engine_command(str(tmp_path / "m"), seed=i,
-                                                incremental_streaming_output=True,
-                                                stream_interval=4),
-                             log_path=str(tmp_path / f"e{i}.log")) for i in range(2)]
+    procs = [relay]
     rows = [{"prompt_ids": [i % 50 + 1, 7, 3], "answer": ""} for i in range(200)]
     try:
-        for e in engines:
-            e.start()
+        engines = _incremental_engines(tmp_path, procs, n=2)
 
         async def scenario():
             buffer = RecordingBuffer(group_size=4)
@@ -51,18 +47,13 @@ def test_an_engine_joins_and_one_leaves_with_its_trajectories_handed_back(tmp_pa
             while len(buffer.seen) < 24:
                 assert time.time() < deadline and not runner.done(), manager.error
                 await asyncio.sleep(0.05)
-            manager.stop()
-            await runner
-            for h in handles:
-                await h.client.close()
-                await h.relay.close()
+            await _stop_manager(manager, runner, handles)
             return manager, handles, buffer, ended, moving
 
         manager, handles, buffer, ended, moving = asyncio.run(scenario())
     finally:
-        for e in engines:
-            e.stop()
-        relay.stop()
+        for p in procs:
+            p.stop()
     assert ended == {"finished": 0, "handed_back": 8, "discarded": 0}, ended
     assert manager.engines == [handles[1]] and "e0" in manager.stats.left
     assert not buffer.discarded and not manager.stats.unhealthy and manager.error is None

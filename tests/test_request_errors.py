@@ -25,7 +25,8 @@ from laminar_mcore.rollout.client import SGLangClient
 from laminar_mcore.rollout.engine_contract import contract_error
 from laminar_mcore.rollout.launcher import EngineProcess, cpu_engine_command, served_context_length
 
-from .test_rollout_manager import RecordingBuffer, _handle, _manager, _master_relay, _state
+from .test_rollout_manager import (RecordingBuffer, _handle, _manager, _master_relay,
+                                  _incremental_engines, _state, _stop_manager)
 from .test_rollout_scale import _manager_of
 from .test_sglang_conformance import api_types, sglang  # noqa: F401  (fixtures)
 
@@ -170,15 +171,11 @@ def test_bad_prompts_end_their_requests_and_every_engine_stays(tmp_path):
     cfg = tiny_hf_config("qwen2", max_position_embeddings=CONTEXT)
     save_hf_checkpoint(str(tmp_path / "m"), cfg, _state(cfg, 0))
     relay = _master_relay(tmp_path)
-    engines = [EngineProcess(cpu_engine_command(str(tmp_path / "m"), seed=i,
-                                                incremental_streaming_output=True,
-                                                stream_interval=4),
-                             log_path=str(tmp_path / f"e{i}.log")) for i in range(4)]
+    procs = [relay]
     rows = [{"prompt_ids": [1] * (70 if i % 3 == 0 else 3), "answer": "", "bad": i % 3 == 0}
             for i in range(60)]
     try:
-        for e in engines:
-            e.start()
+        engines = _incremental_engines(tmp_path, procs, n=4)
 
         async def run(filtered: bool):
             buffer = RecordingBuffer(group_size=4)
@@ -194,11 +191,7 @@ def test_bad_prompts_end_their_requests_and_every_engine_stays(tmp_path):
                 assert time.time() < deadline and not runner.done(), (buffer.discarded,
                                                                        manager.error)
                 await asyncio.sleep(0.05)
-            manager.stop()
-            await runner
-            for h in handles:
-                await h.client.close()
-                await h.relay.close()
+            await _stop_manager(manager, runner, handles)
             return manager, handles, buffer
 
         for filtered in (False, True):
@@ -217,9 +210,8 @@ def test_bad_prompts_end_their_requests_and_every_engine_stays(tmp_path):
                 assert manager.stats.request_errors == buffer.discarded[reason]
             assert all(len(t.prompt_ids) == 3 for t in buffer.seen)  # every good one kept
     finally:
-        for e in engines:
-            e.stop()
-        relay.stop()
+        for p in procs:
+            p.stop()
 
 
 def test_a_request_over_the_context_is_filtered_and_named():

@@ -101,6 +101,15 @@ def _manager(handles, rows, buffer, sampling, *, seed=None, length_fn=None, batc
                           trainer_version=lambda: 0, batch_trajectories=batch)
 
 
+async def _stop_manager(manager, runner, handles) -> None:
+    """Stop ``manager`` (its ``run`` task ``runner``) and close its engines' clients."""
+    manager.stop()
+    await runner
+    for h in handles:
+        await h.client.close()
+        await h.relay.close()
+
+
 def _incremental_engines(tmp_path, procs, n=2):
     """``n`` CPU engines on tmp_path/m streaming incrementally, as the engines of a run do."""
     engines = [EngineProcess(cpu_engine_command(str(tmp_path / "m"), seed=i, kv_capacity_tokens=8192,
@@ -170,11 +179,7 @@ def test_manager_pulls_between_trajectories_and_survives_an_engine(tmp_path):
             generated_at_kill = manager.stats.generated
             while manager.stats.generated < generated_at_kill + 8:
                 await asyncio.sleep(0.05)
-            manager.stop()
-            await runner
-            for h in handles:
-                await h.client.close()
-                await h.relay.close()
+            await _stop_manager(manager, runner, handles)
             return manager, handles, state
 
         manager, handles, new_state = asyncio.run(scenario())
@@ -234,11 +239,7 @@ def test_repack_moves_long_tail_trajectories_so_freed_engines_pull(tmp_path):
             while sum(len(t.response_ids) == long_len for t in seen) < 2:
                 assert time.time() < deadline + 120, "the long trajectories never finished"
                 await asyncio.sleep(0.05)
-            manager.stop()
-            await runner
-            for h in handles:
-                await h.client.close()
-                await h.relay.close()
+            await _stop_manager(manager, runner, handles)
             return manager, handles, longs_done_when_v1_seen
 
         manager, handles, longs_done_early = asyncio.run(scenario())
@@ -430,11 +431,7 @@ def test_areal_mode_interrupts_generation_for_each_new_version(tmp_path):
             while sum(len(t.response_ids) == long_len for t in seen) < 2:
                 assert time.time() < deadline + 120, "the long trajectories never finished"
                 await asyncio.sleep(0.05)
-            manager.stop()
-            await runner
-            for h in handles:
-                await h.client.close()
-                await h.relay.close()
+            await _stop_manager(manager, runner, handles)
             return manager, longs_done_at_pull
 
         manager, longs_done_at_pull = asyncio.run(scenario())

@@ -297,24 +297,15 @@ def build_episode(cfg, task, score) -> AgentEpisode:
                            asdict(cfg.rollout.sampling), seed=cfg.seed,
                            max_episode_s=cfg.rollout.max_episode_s)
     episode.sandbox = sandbox
-    context = _context_length(task.model_path)
+    from ..rollout.launcher import served_context_length  # (the engines' context, as SGLang's)
+
+    context = served_context_length(cfg.rollout, task.model_path)
     if context is not None and cfg.rollout.max_episode_tokens > context:
         raise ValueError(f"LMC-E707: rollout.max_episode_tokens={cfg.rollout.max_episode_tokens} "
                          f"is over the model's context ({context} positions, "
                          f"{task.model_path}): an episode would outgrow what the engines serve; "
                          "lower it")
     return episode
-
-
-def _context_length(model_path: Optional[str]) -> Optional[int]:
-    import json
-    import os
-
-    path = os.path.join(model_path or "", "config.json")
-    if not model_path or not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f).get("max_position_embeddings")
 
 
 async def evaluate(cfg, task, url: str, api_key: Optional[str] = None):
