@@ -218,13 +218,11 @@ def test_weight_updates_need_a_session_wait_for_running_requests_and_flush(engin
         with pytest.raises(EngineError) as twice:
             await c.begin_weight_update()
         task = await _start_long(c, "in-flight", n=150)
-        order = []  # the update waits for the running request: it ends after it
-        task.add_done_callback(lambda _: order.append("request"))
+        # The update, sent while the request runs, waits for it: the request's spans show one
+        # version (the engine's record; the order two replies reach the client proves nothing).
         update = asyncio.create_task(c.update_weights_from_tensor(payload, weight_version="v2"))
-        update.add_done_callback(lambda _: order.append("update"))
         unmixed = await task
         await update
-        waited = order == ["request", "update"]
         await c.end_weight_update()
         assert await c.get_weight_version() == "v2"
         after = await c.generate(prompt, {"max_new_tokens": 10, "sampling_seed": 3})
@@ -240,18 +238,17 @@ def test_weight_updates_need_a_session_wait_for_running_requests_and_flush(engin
         mixed = await task
         back = await c.update_weights_from_disk(paths[1], weight_version="v4")  # no session
         restored = await c.generate(prompt, {"max_new_tokens": 10, "sampling_seed": 3})
-        return (outside.value, twice.value, waited, unmixed, after, kept.value, mixed, back,
+        return (outside.value, twice.value, unmixed, after, kept.value, mixed, back,
                 restored)
 
     try:
-        outside, twice, waited, unmixed, after, kept, mixed, back, restored = run(
+        outside, twice, unmixed, after, kept, mixed, back, restored = run(
             _with_client(engine.url, go))
     finally:
         bucket.close()
     assert outside.status == 400 and outside.message == (
         "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()")
     assert twice.status == 400 and "already open" in twice.message
-    assert waited
     assert unmixed["meta_info"]["weight_versions"] == [{"version": "0", "start": 0, "end": 150}]
     assert after["meta_info"]["weight_version"] == "v2"
     assert kept.status == 400 and "cache was not flushed" in kept.message
