@@ -101,31 +101,10 @@ def test_train_job_runs_and_keeps_the_books(tmp_path, mode):
     assert (tmp_path / "out" / "e2e" / "timeline.png").exists()
 
 
-def test_train_job_resumes_with_its_data_module(tmp_path):
-    def run(*extra):
-        out = subprocess.run(
-            [sys.executable, "-m", "laminar_mcore.launch", "experiment=cpu_reverse", "output_dir=out",
-             "run_name=resume",
-             "trainer.train_batch_prompts=4", "data.num_eval=16", "data.warmup_steps=20",
-             "trainer.save_interval=2", *extra],
-            cwd=tmp_path, capture_output=True, text=True, timeout=600,
-            env=dict(os.environ, PYTHONWARNINGS="ignore"))
-        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-        return out, json.loads((tmp_path / "out" / "resume" / "summary.json").read_text())
-
-    _, first = run("trainer.total_steps=2")
-    ckpt = tmp_path / "out" / "resume" / "checkpoints" / "step_00000002"
-    state = json.loads((ckpt / "extra_state.json").read_text())
-    assert state["prompt_pool"]["issued"] > 0 and state["trainer_version"] == 2
-    out, second = run("trainer.total_steps=4", "trainer.resume=auto")
-    assert "resuming from" in out.stdout
-    assert second["steps"] == 4 and second["final_version"] == 4
-    assert second["trajectories_consumed"] == 4 * 4 * 8  # two steps before the restart, two after
-    assert second["books_balance"]
-
-
 def test_sync_run_resumed_at_step_k_matches_the_uninterrupted_run(tmp_path):
-    """mode=sync, fixed seed: losses of the steps after a resume equal the uninterrupted run's."""
+    """mode=sync, fixed seed: losses of the steps after a resume equal the uninterrupted run's;
+    the data module resumes with it (the prompt pool's position, the books of the steps before
+    the restart)."""
     metrics = tmp_path / "out" / "exact" / "metrics.jsonl"
 
     def run(*extra):
@@ -145,9 +124,14 @@ def test_sync_run_resumed_at_step_k_matches_the_uninterrupted_run(tmp_path):
     first_lines = metrics.read_text().splitlines()
     uninterrupted = train_records(first_lines)
     ckpts = tmp_path / "out" / "exact" / "checkpoints"
+    state = json.loads((ckpts / "step_00000002" / "extra_state.json").read_text())
+    assert state["prompt_pool"]["issued"] > 0 and state["trainer_version"] == 2
     shutil.rmtree(ckpts / "step_00000004")  # as if the run had died after step 3
     out = run("trainer.resume=auto")
-    assert "step_00000002" in out.stdout
+    assert "resuming from" in out.stdout and "step_00000002" in out.stdout
+    summary = json.loads((tmp_path / "out" / "exact" / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["final_version"] == 4 and summary["books_balance"]
+    assert summary["trajectories_consumed"] == 4 * 4 * 8  # two steps before the restart, two after
     resumed = train_records(metrics.read_text().splitlines()[len(first_lines):])
     assert sorted(resumed) == [3, 4]
     for step in (3, 4):

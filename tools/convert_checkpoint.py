@@ -103,10 +103,9 @@ def hf_to_mcore(args) -> None:
 
     import torch
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
-
     from laminar_mcore.parallel import destroy_trainer_parallel, init_trainer_parallel
     from laminar_mcore.trainer.checkpoint import write_model_meta
+    from laminar_mcore.trainer.dist_save import save_sharded
     from laminar_mcore.trainer.model import build_gpt_model, load_hf_checkpoint
 
     start = time.perf_counter()
@@ -121,7 +120,7 @@ def hf_to_mcore(args) -> None:
     if rank == 0:
         os.makedirs(model_dir, exist_ok=True)  # dist_checkpointing needs the directory
     dist.barrier()
-    dist_checkpointing.save(model.sharded_state_dict(), model_dir)
+    save_sharded(model.sharded_state_dict(), model_dir)
     total = torch.tensor([float(nbytes)])
     dist.all_reduce(total)
     if rank == 0:

@@ -223,7 +223,7 @@ def _optimizer_count(optimizer) -> int:
 def save_checkpoint(root: str, step: int, actor, extra_state: Optional[dict] = None,
                     keep: int = 3) -> str:
     """Collective: every trainer rank calls it. Returns the checkpoint directory."""
-    from megatron.core import dist_checkpointing
+    from .dist_save import save_sharded
 
     rank = dist.get_rank()
     final = os.path.join(root, f"step_{step:08d}")
@@ -237,12 +237,12 @@ def save_checkpoint(root: str, step: int, actor, extra_state: Optional[dict] = N
     model = _module(actor)
     metadata = _sharding_metadata(actor)
     model_sd = model.sharded_state_dict(metadata=metadata)
-    dist_checkpointing.save(model_sd, os.path.join(partial, "model"))
+    save_sharded(model_sd, os.path.join(partial, "model"))
     _prime_optimizer_state(actor.optimizer)
-    # A fresh model sharded state dict: dist_checkpointing.save applies its factories in place.
+    # A fresh model sharded state dict: the save applies its factories in place.
     optim_sd = actor.optimizer.sharded_state_dict(model.sharded_state_dict(metadata=metadata),
                                                   is_loading=False, metadata=metadata)
-    dist_checkpointing.save(optim_sd, os.path.join(partial, "optimizer"))
+    save_sharded(optim_sd, os.path.join(partial, "optimizer"))
     _save_rng(os.path.join(partial, "rng", _rank_key()))
     if rank == 0:
         with open(os.path.join(partial, "trainer_state.json"), "w") as f:

@@ -60,11 +60,13 @@ def main():
     if args.ckpt_save:
         from megatron.core import dist_checkpointing
 
+        from laminar_mcore.trainer.dist_save import save_sharded
+
         ckpt_dir = os.path.join(args.out, "ckpt")
         os.makedirs(ckpt_dir, exist_ok=True)  # dist_checkpointing needs an existing directory
         ps, model = setup(args.ckpt_save)
         load_full_state(model, hf_config, full)
-        dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir)
+        save_sharded(model.sharded_state_dict(), ckpt_dir)
         result["ckpt_loss"]["saved@" + args.ckpt_save] = lm_forward_backward(
             model, split_micro_batches(tokens, mask, 2), forward_only=True)
         for layout in args.ckpt_load.split(","):
