@@ -171,6 +171,8 @@ def test_an_interrupt_or_a_dead_role_stops_every_process(tmp_path, how):
 
     import psutil
 
+    from laminar_mcore.procname import TRAINER, process_name
+
     shm_before = _shm_names()
     proc = subprocess.Popen(
         [sys.executable, "-m", "laminar_mcore.launch", "experiment=cpu_reverse", "output_dir=out",
@@ -195,11 +197,11 @@ def test_an_interrupt_or_a_dead_role_stops_every_process(tmp_path, how):
         if how == "ctrl_c":
             os.killpg(proc.pid, signal.SIGINT)
         else:
-            # the trainer: the launcher's biggest spawned child (reward workers are small)
-            spawned = [p for p in psutil.Process(proc.pid).children()
-                       if "spawn_main" in " ".join(p.cmdline())]
-            assert spawned, [p.cmdline() for p in children]
-            max(spawned, key=lambda p: p.memory_info().rss).kill()
+            # the trainer: the launcher's child that named itself so (procname.py)
+            trainers = [p for p in psutil.Process(proc.pid).children()
+                        if process_name(p.pid) == TRAINER]
+            assert len(trainers) == 1, [(p.name(), p.cmdline()) for p in children]
+            trainers[0].kill()
         output, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

@@ -7,7 +7,7 @@
 * ``relay``: a relay that is not the master (needs ``cluster.rollout_nodes`` >= 2);
 * ``master_relay``: the relay the trainers publish to (its ``/health``, asked with the run
   token from the relay's environment, says ``master``);
-* ``trainer``: a trainer rank (a torchrun worker: its environment has ``TORCHELASTIC_RUN_ID``);
+* ``trainer``: a trainer rank (it names itself ``laminar-trainer``: ``procname.py``);
 * ``engine_hang``: an engine stopped with SIGSTOP (alive, but it answers nothing: its
   supervisor's ``/health_generate`` heartbeat must find it).
 
@@ -34,6 +34,7 @@ from typing import Dict, List, Optional, Sequence
 import psutil
 
 from ..netutil import TOKEN_ENV
+from ..procname import TRAINER, process_name
 
 KINDS = ("engine", "relay", "master_relay", "trainer")
 # the controller's ``fault`` record that says a kind has recovered
@@ -162,12 +163,8 @@ def find_victim(root_pid: int, kind: str, rng) -> Optional[psutil.Process]:
             if health is not None and bool(health.get("master")) == (kind == "master_relay"):
                 p.laminar_health = health
                 candidates.append(p)
-        elif kind == "trainer":
-            try:
-                if "TORCHELASTIC_RUN_ID" in p.environ() and "multiprocessing" in cmd:
-                    candidates.append(p)
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                pass
+        elif kind == "trainer" and process_name(p.pid) == TRAINER:
+            candidates.append(p)
     return rng.choice(candidates) if candidates else None
 
 

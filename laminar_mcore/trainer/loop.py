@@ -34,7 +34,9 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
     from ..weights.snapshots import snapshot_dir
     from .export import save_snapshot
     from .model import load_hf_checkpoint, resolve_dtype
+    from ..procname import TRAINER, set_process_name
 
+    set_process_name(TRAINER)  # what top, pgrep and the chaos harness see
     cfg = typed(cfg_dict)
     controller = ControllerClient(controller_url, token)
     if cfg.cluster.threads_per_process > 0:
