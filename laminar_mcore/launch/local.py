@@ -22,8 +22,10 @@ def launch_trainer_world(entrypoint: Callable, args: tuple, nproc: int,
 
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"laminar-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        rdzv_configs={"is_host": True}, max_restarts=max_restarts, monitor_interval=0.5,
+        # torchrun's own single-node default: a TCPStore on the agent, no dynamic rendezvous
+        # (whose bookkeeping walks the interpreter's stack, ~2 CPU-s per launch)
+        rdzv_backend="static", rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_configs={"rank": 0}, max_restarts=max_restarts, monitor_interval=0.5,
         start_method="spawn", logs_specs=None, local_addr="127.0.0.1",
     )
     return elastic_launch(config, entrypoint)(*args)
