@@ -23,6 +23,10 @@ def main():
     ap.add_argument("--optimizer", default="torch", choices=("torch", "te", "apex"),
                     help="the Adam Megatron picks: torch's (no TE/Apex), or the CPU twin of TE's "
                          "or Apex's FusedAdam selected as Megatron selects it")
+    ap.add_argument("--refused", default="",
+                    help="checkpoint roots whose newest checkpoint must be refused (comma-separated), "
+                         "tried before --resume; each message goes to the rank's 'refused'")
+    ap.add_argument("--no-train", action="store_true", help="stop after --refused and --resume")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if args.optimizer == "torch":
@@ -58,11 +62,19 @@ def run(args):
                           ParallelConfig(use_distributed_optimizer=not args.local_optimizer),
                           full_state=full, dtype=getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[args.dtype]))
     start, extra = 0, None
+    refused = {}
+    for root in filter(None, args.refused.split(",")):
+        try:
+            load_checkpoint(resolve_resume("auto", root), actor)
+        except RuntimeError as exc:  # refused before anything was loaded: the run goes on
+            refused[root] = str(exc)
+        else:
+            raise AssertionError(f"{root} was not refused")
     path = resolve_resume(args.resume, args.ckpt)
     if path:
         start, extra = load_checkpoint(path, actor)
     losses = {}
-    for step in range(start + 1, args.steps + 1):
+    for step in range(start + 1, start if args.no_train else args.steps + 1):
         batch = random_trajectories(3, 4, cfg.vocab_size, seed=100 + step, version=step - 1)
         stats = actor.train_step(batch)
         losses[step] = {"loss": stats["loss"], "grad_norm": stats["grad_norm"], "lr": stats["lr"]}
@@ -94,7 +106,7 @@ def run(args):
                                  "version": actor.version,
                                  "group_steps": [s if s is None or isinstance(s, int) else float(s)
                                                  for s in group_steps],
-                                 "optimizer_class": optimizer_class})
+                                 "optimizer_class": optimizer_class, "refused": refused})
     torch.distributed.destroy_process_group()
 
 
