@@ -99,7 +99,8 @@ def test_relay_metrics_count_publishes_pulls_and_chain_changes(tmp_path):
         assert m["laminar_relay_host_memory_bytes"] >= nbytes
         assert m["laminar_relay_pulls_total{format=shm}"] == 0
         assert m["laminar_relay_chain_relays"] == 2
-        assert m["laminar_relay_chain_rebuilds_total{reason=register}"] == 1
+        # r1 joined (once, or again after a registration the master answered too late)
+        assert m["laminar_relay_chain_rebuilds_total{reason=register}"] >= 1
         assert m["laminar_relay_downstream_changes_total"] == 1  # none -> r1
 
         # r1: received from the master, pulled once, the end of the chain
