@@ -9,6 +9,18 @@ import sys
 
 import pytest
 
+def _probe(code: str, opt_out_var: str, opt_out: bool):
+    """Run ``code`` in a fresh interpreter, ``opt_out_var=1`` set or not; its last line as JSON."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    env.pop(opt_out_var, None)
+    if opt_out:
+        env[opt_out_var] = "1"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 PROBE = ("import json, laminar_mcore, megatron.core.timers as t, wandb; "
          "print(json.dumps([t.wandb is None, wandb.__name__, hasattr(wandb, 'init')]))")
 
@@ -16,14 +28,7 @@ PROBE = ("import json, laminar_mcore, megatron.core.timers as t, wandb; "
 @pytest.mark.parametrize("opt_out", [False, True])
 def test_megatron_timers_skip_wandb_and_the_run_still_imports_it(opt_out):
     pytest.importorskip("wandb")
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    env.pop("LAMINAR_MEGATRON_WANDB", None)
-    if opt_out:
-        env["LAMINAR_MEGATRON_WANDB"] = "1"
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
-                         timeout=120, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    timers_without_wandb, name, usable = json.loads(out.stdout.strip().splitlines()[-1])
+    timers_without_wandb, name, usable = _probe(PROBE, "LAMINAR_MEGATRON_WANDB", opt_out)
     assert timers_without_wandb is (not opt_out)
     assert name == "wandb" and usable  # the real package, for trainer.loggers=[wandb]
 
@@ -49,14 +54,7 @@ def test_megatron_compiles_its_fusions_at_first_call_not_at_import(opt_out):
     """Megatron's import-time ``torch.compile`` (jit_fuser, the MoE router) is deferred to the
     function's first call: importing the trainer pulls in neither TorchDynamo nor Inductor;
     ``LAMINAR_MEGATRON_EAGER_COMPILE=1`` leaves Megatron's imports as they are."""
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    env.pop("LAMINAR_MEGATRON_EAGER_COMPILE", None)
-    if opt_out:
-        env["LAMINAR_MEGATRON_EAGER_COMPILE"] = "1"
-    out = subprocess.run([sys.executable, "-c", LAZY_PROBE], capture_output=True, text=True,
-                         timeout=120, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    seen = _probe(LAZY_PROBE, "LAMINAR_MEGATRON_EAGER_COMPILE", opt_out)
     assert seen["torch_compile_restored"]  # only Megatron's own modules ran with the lazy one
     assert seen == {"dynamo": opt_out, "jit_fuser_lazy": not opt_out, "torch_compile_restored": True,
                     "swiglu_lazy": not opt_out, "router_lazy": not opt_out}
