@@ -8,8 +8,10 @@ trajectories it is generating when its relay has a newer version: finish them fi
 trajectory comes from one version (Laminar), or interrupt them (AReaL's interruptible
 generation: pause with abort, take the new weights, resubmit each request with the tokens it
 has, so one trajectory may span versions and every token records its own). Laminar has no
-barrier and no bound; ``algo.max_staleness`` bounds it, and AReaL's eta. A new mode is one entry here (and its name in the schema's
-allowed values, which are read from this table).
+barrier and no bound; ``algo.max_staleness`` bounds the staleness it trains on (a guarantee:
+admission keeps it, a discard at consumption enforces it), and is AReaL's eta, which gates
+submission (an interrupted trajectory's tokens may span versions). A new mode is one entry here
+(and its name in the schema's allowed values, which are read from this table).
 """
 
 from __future__ import annotations
@@ -28,10 +30,15 @@ class ModePolicy:
     configurable_bound: bool = False
     # AReaL: on a new version, abort in-flight requests, pull, resubmit them with their prefix.
     interrupt: bool = False
+    # Laminar: the bound is on the staleness trained on (each trajectory comes from one
+    # version): engines lagging the bound pull before new work, and what is older than the
+    # bound at consumption is discarded ("stale"). AReaL's eta gates submission only.
+    bounds_consumption: bool = False
 
 
 MODES: Dict[str, ModePolicy] = {
-    "laminar": ModePolicy("laminar", barrier=False, bound=None, configurable_bound=True),
+    "laminar": ModePolicy("laminar", barrier=False, bound=None, configurable_bound=True,
+                          bounds_consumption=True),
     "one_step": ModePolicy("one_step", barrier=True, bound=1),
     "sync": ModePolicy("sync", barrier=True, bound=0),
     "areal": ModePolicy("areal", barrier=False, bound=None, configurable_bound=True,

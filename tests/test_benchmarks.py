@@ -103,6 +103,11 @@ def test_convergence_figures_read_time_and_samples_to_target_from_the_evals():
     assert f["laminar_train_wall_s"] == 60.0
     assert f["sync_generation_fraction"] == 0.5 and f["sync_trainer_wait_fraction"] == 0.25
     assert figures_from(results, 64, target=0.9)["laminar_time_speedup_vs_sync"] is None
+    # the curve: targets at 30% ... 100% of sync's gain (0.5 -> 0.8), whatever the headline's
+    assert abs(f["laminar_time_speedup_vs_sync_at_30"] - (0.09 / 0.2 * 40) / (0.09 / 0.28 * 20)) < 1e-9
+    assert abs(f["laminar_time_speedup_vs_sync_at_100"] - 120.0 / (40 + 0.019 / 0.029 * 20)) < 1e-9
+    assert all(f[f"laminar_time_speedup_vs_sync_at_{p}"] > 1 for p in (30, 50, 70, 90, 100))
+    assert abs(f["final_accuracy_gap_vs_sync"] - 0.01) < 1e-12
     # samples count the steps behind the weights evaluated (an eval of step 10 that ran on
     # version 14 measured 14 steps of training)
     results["laminar"]["evals"][2]["version"] = 14

@@ -83,17 +83,19 @@ def test_a_resume_restores_the_admission_budget_from_consumed_and_buffered(tmp_p
     from laminar_mcore.data.pools import InFlight
     from laminar_mcore.data.trajectory import Trajectory
 
-    def traj(group, k):
-        return Trajectory([1, 2], [3], [-0.5], 1, group, reward=1.0, uid=f"{group}-{k}")
+    def traj(group, k, version=3):
+        return Trajectory([1, 2], [3], [-0.5], version, group, reward=1.0, uid=f"{group}-{k}")
 
     state = {"prompt_pool": {"epoch": 0, "position": 6, "issued": 6},
-             "buffer": {"ready": [[traj("g0", 0).to_dict(), traj("g0", 1).to_dict()]],
+             # g2 is of version 1: 3 behind the trainer's 4, more than eta = 1 (stale)
+             "buffer": {"ready": [[traj("g0", 0).to_dict(), traj("g0", 1).to_dict()],
+                                  [traj("g2", 0, 1).to_dict(), traj("g2", 1, 1).to_dict()]],
                         "open": {"g1": [traj("g1", 0).to_dict()]},
                         "discarded": {}, "consumed": 8},
              # g1's other member was generating when the checkpoint was taken
-             "partial": [asdict(InFlight(Trajectory([1, 2], [3], [-0.1], 1, "g1", uid="g1-1"),
+             "partial": [asdict(InFlight(Trajectory([1, 2], [3], [-0.1], 3, "g1", uid="g1-1"),
                                          "node0-engine0", max_new_tokens=8))],
-             "trainer_version": 4, "generated": 11, "accepted": 14, "max_staleness_observed": 1}
+             "trainer_version": 4, "generated": 13, "accepted": 16, "max_staleness_observed": 1}
     cfg = LaminarConfig(algo=AlgoConfig(n_samples_per_prompt=2, max_staleness=1),
                         output_dir=str(tmp_path), run_name="resumed")
     task = TaskData(rows=[{"prompt": "ab", "answer": "ba"}] * 8, evals=[],
@@ -105,22 +107,24 @@ def test_a_resume_restores_the_admission_budget_from_consumed_and_buffered(tmp_p
         books = c.books()
         assert c.manager.accepted == 8 + 2  # consumed + the complete group still buffered
         assert books["trajectories_buffered"] == 2
-        assert books["discarded_reasons"] == {"restart": 1, "restart_group": 1}
+        assert books["discarded_reasons"] == {"restart": 1, "restart_group": 1, "stale": 2}
         assert books["trajectories_generated"] == (books["trajectories_consumed"]
                                                    + books["trajectories_buffered"]
-                                                   + books["trajectories_discarded"]) == 12
+                                                   + books["trajectories_discarded"]) == 14
         assert c.trainer_version == 4 and c.prompts.issued == 6
         # the trace names both: the one in flight at the save, and its buffered group member
         trace = read_trace(str(tmp_path / "resumed"))
         assert {(r["id"], r["outcome"], r["discard_reason"]) for r in trace} == {
-            ("g1-1", "discarded", "restart"), ("g1-0", "discarded", "restart_group")}
+            ("g1-1", "discarded", "restart"), ("g1-0", "discarded", "restart_group"),
+            ("g2-0", "discarded", "stale"), ("g2-1", "discarded", "stale")}
     finally:
         c.stop()
         metrics.close()
     # at the stop, what is still buffered is written too: the trace holds the whole books
     trace = read_trace(str(tmp_path / "resumed"))
     assert sorted((r["id"], r["outcome"]) for r in trace) == [
-        ("g0-0", "buffered"), ("g0-1", "buffered"), ("g1-0", "discarded"), ("g1-1", "discarded")]
+        ("g0-0", "buffered"), ("g0-1", "buffered"), ("g1-0", "discarded"), ("g1-1", "discarded"),
+        ("g2-0", "discarded"), ("g2-1", "discarded")]
 
 
 def test_metrics_are_prometheus_text_without_the_token_and_the_trace_records_each_trajectory(

@@ -29,6 +29,21 @@ def _tool(*args, timeout=600):
                           timeout=timeout, env=dict(os.environ, PYTHONWARNINGS="ignore"))
 
 
+def _refused(capsys, *args):
+    """The tool's ``main`` run in this process on input it must refuse before any process
+    starts or anything is loaded: exit status 2; returns what it printed on stderr."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("convert_checkpoint_tool", TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        tool.main(list(args))
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
 def _hf(tmp_path, case, name="hf", seed=3, shard=60_000):
     kwargs = dict(CASES[case][0])
     cfg = tiny_hf_config(kwargs.pop("family"), **kwargs)
@@ -41,8 +56,13 @@ def _hf(tmp_path, case, name="hf", seed=3, shard=60_000):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(set(CASES) - {"qwen2"}))  # qwen2: the logits test's
 def test_round_trip_is_bit_identical(tmp_path, case):
+    _round_trip(tmp_path, case)
+
+
+def _round_trip(tmp_path, case):
+    """HF -> torch_dist at the case's TP x PP -> HF, bit-identical; returns (config, HF dir)."""
     _, tp, pp = CASES[case]
     cfg, hf = _hf(tmp_path, case)
     out = _tool("hf-to-mcore", "--hf", hf, "--out", str(tmp_path / "mcore"), "--tp", str(tp),
@@ -58,6 +78,7 @@ def test_round_trip_is_bit_identical(tmp_path, case):
         assert torch.equal(original[name], restored[name]), name
     assert (tmp_path / "back" / "tokenizer_config.json").exists()
     assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == cfg.model_type
+    return cfg, hf
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +92,14 @@ def megatron_world():
 
 @pytest.mark.multiprocess
 def test_converted_checkpoint_gives_transformers_logits(tmp_path, megatron_world):
+    """qwen2's round trip at TP2 x PP2, and the checkpoint it wrote, loaded (resharded) into a
+    one-rank Megatron model, gives transformers' logits."""
     from megatron.core import dist_checkpointing
     from transformers import AutoModelForCausalLM
 
     from laminar_mcore.trainer.model import build_gpt_model
 
-    cfg, hf = _hf(tmp_path, "qwen2")
-    out = _tool("hf-to-mcore", "--hf", hf, "--out", str(tmp_path / "mcore"), "--tp", "2")
-    assert out.returncode == 0, out.stderr[-3000:]
+    cfg, hf = _round_trip(tmp_path, "qwen2")
     model = build_gpt_model(cfg)
     model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(),
                                                   str(tmp_path / "mcore" / "model")))
@@ -90,43 +111,46 @@ def test_converted_checkpoint_gives_transformers_logits(tmp_path, megatron_world
     assert (ours - theirs).abs().max().item() <= 1e-5
 
 
-def test_bad_inputs_fail_with_clear_errors(tmp_path):
+def test_bad_inputs_fail_with_clear_errors(tmp_path, capsys):
     cfg, hf = _hf(tmp_path, "qwen2")
+    # as users run it: a subprocess, its exit status and its stderr (the rest in this process)
     out = _tool("hf-to-mcore", "--hf", hf, "--out", str(tmp_path / "o"), "--tp", "3")
     assert out.returncode == 2 and "num_attention_heads=4 is not divisible by --tp 3" in out.stderr
-    out = _tool("hf-to-mcore", "--hf", hf, "--out", str(tmp_path / "o"), "--pp", "3")
-    assert out.returncode == 2 and "num_hidden_layers=4 is not divisible by --pp 3" in out.stderr
+    err = _refused(capsys, "hf-to-mcore", "--hf", hf, "--out", str(tmp_path / "o"), "--tp", "3")
+    assert "num_attention_heads=4 is not divisible by --tp 3" in err
+    err = _refused(capsys, "hf-to-mcore", "--hf", hf, "--out", str(tmp_path / "o"), "--pp", "3")
+    assert "num_hidden_layers=4 is not divisible by --pp 3" in err
 
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     shard = sorted(set(index["weight_map"].values()))[1]
     data = (tmp_path / "hf" / shard).read_bytes()
     (tmp_path / "hf" / shard).write_bytes(data[: len(data) // 2])
-    out = _tool("hf-to-mcore", "--hf", hf, "--out", str(tmp_path / "o"))
-    assert out.returncode == 2 and shard in out.stderr and "truncated" in out.stderr
+    err = _refused(capsys, "hf-to-mcore", "--hf", hf, "--out", str(tmp_path / "o"))
+    assert shard in err and "truncated" in err
     (tmp_path / "hf" / shard).unlink()
-    out = _tool("hf-to-mcore", "--hf", hf, "--out", str(tmp_path / "o"))
-    assert out.returncode == 2 and f"shard" in out.stderr and "missing" in out.stderr
+    err = _refused(capsys, "hf-to-mcore", "--hf", hf, "--out", str(tmp_path / "o"))
+    assert "shard" in err and "missing" in err
 
     _, hf2 = _hf(tmp_path, "qwen3", name="other")
     config = json.loads((tmp_path / "other" / "config.json").read_text())
     config["model_type"] = "gpt_neox"
     (tmp_path / "other" / "config.json").write_text(json.dumps(config))
-    out = _tool("hf-to-mcore", "--hf", hf2, "--out", str(tmp_path / "o"))
-    assert out.returncode == 2 and "no adapter for model_type 'gpt_neox'" in out.stderr
+    err = _refused(capsys, "hf-to-mcore", "--hf", hf2, "--out", str(tmp_path / "o"))
+    assert "no adapter for model_type 'gpt_neox'" in err
 
 
-def test_extra_tensors_and_foreign_checkpoints_are_refused(tmp_path):
+def test_extra_tensors_and_foreign_checkpoints_are_refused(tmp_path, capsys):
     from safetensors.torch import load_file, save_file
 
     cfg, hf = _hf(tmp_path, "qwen3", shard=10**9)
     state = load_file(os.path.join(hf, "model.safetensors"))
     state["model.layers.0.mlp.experts.0.up_proj.weight"] = torch.zeros(2, 2)
     save_file(state, os.path.join(hf, "model.safetensors"))
-    out = _tool("hf-to-mcore", "--hf", hf, "--out", str(tmp_path / "o"))
-    assert out.returncode == 2 and "experts.0.up_proj.weight" in out.stderr
+    err = _refused(capsys, "hf-to-mcore", "--hf", hf, "--out", str(tmp_path / "o"))
+    assert "experts.0.up_proj.weight" in err
 
-    out = _tool("mcore-to-hf", "--ckpt", str(tmp_path), "--out", str(tmp_path / "x"))
-    assert out.returncode == 2 and "laminar_checkpoint.json" in out.stderr
+    err = _refused(capsys, "mcore-to-hf", "--ckpt", str(tmp_path), "--out", str(tmp_path / "x"))
+    assert "laminar_checkpoint.json" in err
 
 
 @pytest.mark.multiprocess
@@ -191,12 +215,14 @@ def test_moe_round_trip_at_expert_parallel_layouts_is_bit_identical(tmp_path, la
         assert torch.equal(original[name], restored[name]), name
 
 
-def test_moe_layout_errors_name_the_fix(tmp_path):
+def test_moe_layout_errors_name_the_fix(tmp_path, capsys):
     cfg = tiny_hf_config("qwen3_moe")
     save_hf_checkpoint(tmp_path / "hf", cfg, initial_hf_state(type("M", (), {"path": None})(), cfg, 5))
-    out = _tool("hf-to-mcore", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "o"), "--ep", "3")
-    assert out.returncode == 2 and "num_experts=8 is not divisible by --ep 3" in out.stderr
+    err = _refused(capsys, "hf-to-mcore", "--hf", str(tmp_path / "hf"), "--out",
+                   str(tmp_path / "o"), "--ep", "3")
+    assert "num_experts=8 is not divisible by --ep 3" in err
     dense = tiny_hf_config("qwen2")
     save_hf_checkpoint(tmp_path / "d", dense, initial_hf_state(type("M", (), {"path": None})(), dense, 5))
-    out = _tool("hf-to-mcore", "--hf", str(tmp_path / "d"), "--out", str(tmp_path / "o"), "--ep", "2")
-    assert out.returncode == 2 and "--ep 2 needs a mixture-of-experts model" in out.stderr
+    err = _refused(capsys, "hf-to-mcore", "--hf", str(tmp_path / "d"), "--out",
+                   str(tmp_path / "o"), "--ep", "2")
+    assert "--ep 2 needs a mixture-of-experts model" in err

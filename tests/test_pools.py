@@ -185,16 +185,16 @@ def test_version_spans_of_a_resumed_trajectory_cover_its_tokens_once():
     assert t.versions_seen() == ["2", "3"]
 
 
-def _manager(prompts, partial, buffer, mode="laminar"):
+def _manager(prompts, partial, buffer, mode="laminar", eta=None, version=lambda: 0, batch=None):
     from laminar_mcore.config.schema import RolloutConfig
     from laminar_mcore.controller.episode import SingleTurn, TaskCodec
     from laminar_mcore.controller.manager import RolloutData, RolloutManager
     from laminar_mcore.modes import policy_for
 
     episode = SingleTurn(TaskCodec(lambda row: [1], lambda ids: ""), {}, None)
-    return RolloutManager([], RolloutData(prompts, partial, buffer), episode, policy_for(mode),
-                          RolloutConfig(), trainer_version=lambda: 0,
-                          batch_trajectories=prompts.n_samples)
+    return RolloutManager([], RolloutData(prompts, partial, buffer), episode,
+                          policy_for(mode, eta), RolloutConfig(), trainer_version=version,
+                          batch_trajectories=batch or prompts.n_samples)
 
 
 def test_a_dropped_group_gives_its_admission_capacity_back():
@@ -214,6 +214,58 @@ def test_a_dropped_group_gives_its_admission_capacity_back():
     assert manager.accepted == 0
     assert buffer.buffered == 0
     assert buffer.discarded == {"reward_error": 1, "reward_error_group": 2, "aborted": 1}
+
+
+def _versioned(group, k, version):
+    t = _traj(group, k)
+    t.weight_version = version
+    return t
+
+
+@pytest.mark.parametrize("mode", ["laminar", "areal"])
+def test_laminar_eta_bounds_the_staleness_trained_on(mode):
+    """mode=laminar, algo.max_staleness=1: once the trainer is at version v, nothing generated
+    by a version before v - 1 is ever handed to it -- groups held (complete or not) are
+    discarded as "stale" with their later members, each gives its admission capacity back --
+    and an engine whose version would be more than 1 behind when its work is trained on
+    (counting the full batches already waiting) starts none. mode=areal keeps AReaL's eta: it
+    gates submission only."""
+    from laminar_mcore.controller.engines import EngineHandle
+
+    version = [0]
+    buffer = ExperienceBuffer(group_size=2)
+    prompts = PromptPool([{"prompt": "a", "answer": "a"}] * 4, n_samples=2)
+    manager = _manager(prompts, PartialResponsePool(), buffer, mode=mode, eta=1,
+                       version=lambda: version[0], batch=4)  # a batch: two groups
+    manager.accepted = 8
+    for g, v in (("old", 0), ("old2", 0), ("new", 1)):
+        buffer.add(_versioned(g, 0, v))
+        buffer.add(_versioned(g, 1, v))
+    buffer.add(_versioned("open", 0, 0))  # its second member still generating
+    engine = EngineHandle("e0", None, None, None, capacity=8)
+    engine.version = 1
+    assert manager.fresh_enough(engine)  # trained at version >= 1 (one batch waits): 0 behind
+    version[0] = 2  # the trainer took a step
+    dropped = manager.drop_stale()
+    if mode == "areal":
+        assert dropped == 0 and buffer.discarded == {} and manager.accepted == 8
+        assert [t.group_id for t in buffer.take(2, 0)] == ["old", "old", "old2", "old2"]
+        return
+    assert dropped == 3 and manager.accepted == 8 - 3 * 2  # three groups' capacity came back
+    assert buffer.discarded == {"stale": 5} and buffer.buffered == 2
+    assert buffer.add(_versioned("open", 1, 0)) is False  # the late member of a stale group
+    assert buffer.add(_versioned("late", 0, 0)) is False  # a version-0 group finishing now
+    assert buffer.discarded == {"stale": 7} and manager.accepted == 8 - 4 * 2
+    assert [t.weight_version for t in buffer.take(1, 0)] == [1, 1]  # 1 behind: trained on
+    # version 2 with a full batch waiting: work started now is trained at version 3 at best
+    assert manager.fresh_enough(engine)  # 1 >= 2 + 0 - 1: nothing waits
+    buffer.add(_versioned("n1", 0, 2)), buffer.add(_versioned("n1", 1, 2))
+    buffer.add(_versioned("n2", 0, 2)), buffer.add(_versioned("n2", 1, 2))
+    assert not manager.fresh_enough(engine)  # 1 < 2 + 1 - 1: it pulls (or waits) first
+    engine.version = 2
+    assert manager.fresh_enough(engine)
+    generated = 13  # trajectories added in all
+    assert buffer.consumed + buffer.buffered + sum(buffer.discarded.values()) == generated
 
 
 def test_background_tasks_are_supervised():

@@ -20,56 +20,78 @@ def _mooncake_available() -> bool:
     return mooncake.available()
 
 
-@pytest.mark.parametrize("mode", ["laminar", "sync", "areal"])
+def _launch(tmp_path, *overrides):
+    out = subprocess.run(
+        [sys.executable, "-m", "laminar_mcore.launch", "experiment=cpu_reverse", "output_dir=out",
+         *overrides], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    return out
+
+
+# the sync run (tests/test_train_job.py's resume test is its uninterrupted run): evaluations
+# after training, on snapshots; generation waits for the trainer's first batch request
+SYNC = ["mode=sync", "trainer.train_batch_prompts=4", "data.num_eval=16", "rollout.num_engines=2", "trainer.eval_interval=2", "trainer.eval_offline=true",
+        "rollout.generate_before_trainer=false"]
+
+
+@pytest.mark.parametrize("mode", ["laminar", "areal"])
 def test_train_job_runs_and_keeps_the_books(tmp_path, mode):
     # The laminar run's engines take every version through Mooncake's transfer engine (TCP on
-    # loopback), as engines reading from a relay on another machine do; sync's through shm.
+    # loopback), as engines reading from a relay on another machine do; areal's through shm.
     transport = "mooncake" if mode == "laminar" and _mooncake_available() else "shm"
     extra = (["weight_sync.mooncake_protocol=tcp", "weight_sync.engine_transport=mooncake"]
              if transport == "mooncake" else [])
     if mode == "laminar":  # bf16 weights: published as deltas (weight_sync.delta=auto)
         extra.append("model.dtype=bf16")
-    if mode == "sync":  # evaluations after training, on snapshots; generation waits for the
-        # trainer's first batch request
-        extra += ["trainer.eval_offline=true", "rollout.generate_before_trainer=false"]
-    out = subprocess.run(
-        [sys.executable, "-m", "laminar_mcore.launch", "experiment=cpu_reverse", f"mode={mode}",
-         "output_dir=out",
-         "run_name=e2e", "trainer.total_steps=3", "trainer.train_batch_prompts=4",
-         "data.num_eval=16", "data.warmup_steps=20", "rollout.num_engines=2",
-         "trainer.eval_interval=2", *extra],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600,
-        env=dict(os.environ, PYTHONWARNINGS="ignore"))
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    summary = json.loads((tmp_path / "out" / "e2e" / "summary.json").read_text())
+    _launch(tmp_path, f"mode={mode}", "run_name=e2e", "trainer.total_steps=3",
+            "trainer.train_batch_prompts=4", "data.num_eval=16", "data.warmup_steps=20",
+            "rollout.num_engines=2", "trainer.eval_interval=2", *extra)
+    _check_books(tmp_path / "out" / "e2e", mode, 3, transport)
+
+
+def _check_books(run_dir, mode, steps, transport):
+    """What a finished train job of ``steps`` steps (evaluations every 2) leaves behind."""
+    summary = json.loads((run_dir / "summary.json").read_text())
     keys = {"initial_accuracy", "final_accuracy", "trajectories_generated", "trajectories_consumed",
-            "trajectories_buffered", "trajectories_discarded", "max_staleness_observed", "wall_seconds"}
+            "trajectories_buffered", "trajectories_discarded", "max_staleness_observed", "wall_seconds",
+            "staleness_trained"}
     assert keys <= set(summary)
-    assert summary["books_balance"] and summary["steps"] == 3 and summary["final_version"] == 3
+    assert summary["books_balance"] and summary["steps"] == steps
+    assert summary["final_version"] == steps
     assert summary["engine_transport"] == transport and summary["engine_pulls"] >= 1
-    assert summary["trajectories_consumed"] == 3 * 4 * 8
+    assert summary["trajectories_consumed"] == steps * 4 * 8
     assert summary["trajectories_generated"] == (summary["trajectories_consumed"]
                                                  + summary["trajectories_buffered"]
                                                  + summary["trajectories_discarded"])
     if mode == "sync":
         assert summary["max_staleness_observed"] == 0  # generate, train, sync: never stale
-    records = [json.loads(l) for l in (tmp_path / "out" / "e2e" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3]
+    trained_on = summary["staleness_trained"]  # the staleness of what was trained on
+    assert sum(trained_on["histogram"].values()) == summary["trajectories_consumed"]
+    assert trained_on["max"] == summary["max_staleness_observed"] == max(
+        int(k) for k in trained_on["histogram"])
+    assert ("staleness_trained_newest_token" in summary) == (mode == "areal")
+    records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, steps + 1))
     sent = [r for r in records if r["kind"] == "train" and "weights_sent_bytes" in r]
-    assert [r["weights_version_sent"] for r in sent] == [1, 2]  # the last one sent, each step
+    # the last one sent, each step
+    assert [r["weights_version_sent"] for r in sent] == list(range(1, steps))
     if mode == "laminar":  # version 1 whole (the first), version 2 a delta, pulled by engines
         assert sent[0]["weights_sent_bytes"] == sent[0]["weights_full_bytes"]
         assert sent[1]["weights_delta_buckets"] >= 1
         assert sent[1]["weights_sent_bytes"] < sent[1]["weights_full_bytes"] / 10
     else:  # fp32: auto leaves deltas off
         assert all(r["weights_sent_bytes"] == r["weights_full_bytes"] for r in sent)
-    # evaluated before, at step 2 (trainer.eval_interval) on weights of version >= 2, and after
+    # evaluated before, every 2 steps (trainer.eval_interval) on weights of that version or
+    # newer, and after
     evals = {r["step"]: r for r in records if r["kind"] == "eval"}
-    assert sorted(evals) == [0, 2, 3], evals
-    assert evals[2]["version"] >= 2 and evals[3]["version"] == 3 and evals[0]["wall_s"] == 0
+    expected = sorted({0, *range(2, steps, 2), steps})
+    assert sorted(evals) == expected, evals
+    assert evals[2]["version"] >= 2 and evals[steps]["version"] == steps
+    assert evals[0]["wall_s"] == 0
     trained = {r["version"]: r["time"] for r in records if r["kind"] == "train"}
     if mode == "sync":  # offline: step 2's own weights, from its snapshot, at its trained time
-        snapshot = tmp_path / "out" / "e2e" / "eval_snapshots" / "step_000002"
+        snapshot = run_dir / "eval_snapshots" / "step_000002"
         assert json.loads((snapshot / "laminar_snapshot.json").read_text()) == {
             "step": 2, "version": 2}
         assert evals[2]["version"] == 2 and evals[2]["offline"]
@@ -80,56 +102,53 @@ def test_train_job_runs_and_keeps_the_books(tmp_path, mode):
     assert 0 < summary["generation_fraction"] <= 1
     for r in evals.values():
         assert 0 <= r["accuracy"] <= 1 and 0 <= r["accuracy_greedy"] <= 1
-    assert [e["step"] for e in summary["evals"]] == [0, 2, 3]
+    assert [e["step"] for e in summary["evals"]] == expected
     if mode != "areal":  # AReaL's interruptible generation lets a trajectory span versions
         assert summary["trajectories_interrupted"] == 0
-    assert (tmp_path / "out" / "e2e" / "summary.png").exists()
-    assert any((tmp_path / "out" / "e2e" / "tensorboard").iterdir())
+    assert (run_dir / "summary.png").exists()
+    assert any((run_dir / "tensorboard").iterdir())
     # the trace: one record per consumed or discarded trajectory, read by the trace tool
     from laminar_mcore.data.trace import read_trace
     from laminar_mcore.tools.trace import main as trace_tool
 
-    trace = read_trace(str(tmp_path / "out" / "e2e"))
+    trace = read_trace(str(run_dir))
     consumed = [r for r in trace if r["outcome"] == "consumed"]
     assert len(consumed) == summary["trajectories_consumed"] == len({r["id"] for r in consumed})
     assert max(r["staleness"] for r in consumed) == summary["max_staleness_observed"]
     assert all(r["segments"] and r["engines"] and "consumed" in r["timings"] for r in consumed)
     if mode == "sync":  # rollout.generate_before_trainer=false
         assert min(r["timings"]["submitted"] for r in trace) >= summary["first_batch_request"]
-    figures = trace_tool([str(tmp_path / "out" / "e2e")])
+    figures = trace_tool([str(run_dir)])
     assert figures["consumed"] == summary["trajectories_consumed"]
-    assert (tmp_path / "out" / "e2e" / "timeline.png").exists()
+    assert (run_dir / "timeline.png").exists()
 
 
 def test_sync_run_resumed_at_step_k_matches_the_uninterrupted_run(tmp_path):
-    """mode=sync, fixed seed: losses of the steps after a resume equal the uninterrupted run's;
-    the data module resumes with it (the prompt pool's position, the books of the steps before
-    the restart)."""
-    metrics = tmp_path / "out" / "exact" / "metrics.jsonl"
+    """mode=sync, fixed seed: the uninterrupted run keeps the books (as the other modes' runs
+    above), and losses of the steps after a resume equal the uninterrupted run's; the data
+    module resumes with it (the prompt pool's position, the books of the steps before the
+    restart)."""
+    run_dir = tmp_path / "out" / "exact"
+    metrics = run_dir / "metrics.jsonl"
 
     def run(*extra):
-        out = subprocess.run(
-            [sys.executable, "-m", "laminar_mcore.launch", "experiment=cpu_reverse", "mode=sync",
-             "output_dir=out", "run_name=exact", "trainer.train_batch_prompts=4", "data.num_eval=8",
-             "trainer.save_interval=2", "trainer.total_steps=4", *extra],
-            cwd=tmp_path, capture_output=True, text=True, timeout=600,
-            env=dict(os.environ, PYTHONWARNINGS="ignore"))
-        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-        return out
+        return _launch(tmp_path, *SYNC, "run_name=exact", "trainer.save_interval=2",
+                       "trainer.total_steps=4", *extra)
 
     def train_records(lines):
         return {r["step"]: r for r in map(json.loads, lines) if r["kind"] == "train"}
 
     run()
+    _check_books(run_dir, "sync", 4, "shm")
     first_lines = metrics.read_text().splitlines()
     uninterrupted = train_records(first_lines)
-    ckpts = tmp_path / "out" / "exact" / "checkpoints"
+    ckpts = run_dir / "checkpoints"
     state = json.loads((ckpts / "step_00000002" / "extra_state.json").read_text())
     assert state["prompt_pool"]["issued"] > 0 and state["trainer_version"] == 2
     shutil.rmtree(ckpts / "step_00000004")  # as if the run had died after step 3
     out = run("trainer.resume=auto")
     assert "resuming from" in out.stdout and "step_00000002" in out.stdout
-    summary = json.loads((tmp_path / "out" / "exact" / "summary.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["final_version"] == 4 and summary["books_balance"]
     assert summary["trajectories_consumed"] == 4 * 4 * 8  # two steps before the restart, two after
     resumed = train_records(metrics.read_text().splitlines()[len(first_lines):])

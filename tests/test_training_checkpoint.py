@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from laminar_mcore.data.checkpoints import latest_complete, resolve_resume
-from laminar_mcore.testing.dist import run_torchrun
+from laminar_mcore.testing.dist import rank_output_path, run_torchrun
 
 from .conftest import WORKERS
 
@@ -39,7 +39,15 @@ def test_resume_matches_the_uninterrupted_run(tmp_path):
     # A later save that was interrupted: its directory exists, its completion marker does not.
     shutil.copytree(latest_complete(ckpt), os.path.join(ckpt, "step_00000004.partial"))
     os.makedirs(os.path.join(ckpt, "step_00000005"))
-    resumed = run_torchrun(SCRIPT, 2, common + ["--resume", "auto"], out_dir=str(out["resumed"]))
+    # Three resumes in one launch, each building its actor anew in the same world: at DP2 as
+    # saved; where Megatron picks TE's FusedAdam; at TP2 (below).
+    (tmp_path / "te").mkdir()
+    run_torchrun(SCRIPT, 2, common + [
+        "--resume", "auto", "--out", str(out["resumed"]), "--next",
+        *common, "--resume", "auto", "--optimizer", "te", "--out", str(tmp_path / "te"), "--next",
+        "--tp", "2", "--steps", "5", "--ckpt", anywhere, "--resume", "auto", "--sharding",
+        "fully_reshardable", "--refused", ckpt], out_dir=str(out["tp2"]))
+    resumed = _rank_results(out["resumed"])
     r = resumed[0]
     assert r["resumed_from"].endswith("step_00000003") and r["start"] == 3
     assert r["extra"] == {"prompt_pool_position": 9} and r["version"] == 5
@@ -62,10 +70,7 @@ def test_resume_matches_the_uninterrupted_run(tmp_path):
     # The same checkpoint resumed where Megatron picks TE's FusedAdam (its TE extension was
     # broken when the run started): the step saved by torch's Adam (a float) becomes the
     # group's int step, which TE's kernel binding requires.
-    (tmp_path / "te").mkdir()
-    te = run_torchrun(SCRIPT, 2, common + ["--resume", "auto", "--optimizer", "te"],
-                      out_dir=str(tmp_path / "te"))
-    for rank in te:
+    for rank in _rank_results(tmp_path / "te"):
         assert rank["start"] == 3 and rank["optimizer_class"] == ["TEFusedAdamTwin"]
         assert set(rank["group_steps"]) == {5}
         assert abs(rank["losses"]["4"]["loss"] - full[0]["losses"]["4"]["loss"]) <= 1e-5
@@ -76,9 +81,7 @@ def test_resume_matches_the_uninterrupted_run(tmp_path):
     # At TP2 the dp_reshardable checkpoint is refused (before anything is loaded: the same
     # process then resumes); saved fully_reshardable, the optimizer state reshards over TP as
     # well: TP1 x DP2 -> TP2.
-    tp2 = run_torchrun(SCRIPT, 2, ["--tp", "2", "--steps", "5", "--ckpt", anywhere, "--resume",
-                                   "auto", "--sharding", "fully_reshardable", "--refused", ckpt],
-                       out_dir=str(out["tp2"]))[0]
+    tp2 = _rank_results(out["tp2"])[0]
     assert "reshards over DP only" in tp2["refused"][ckpt]
     _assert_continues(full[0], wa, tp2, out["tp2"])
 
@@ -109,9 +112,12 @@ def test_moe_resume_at_ep2_matches_the_uninterrupted_run(tmp_path):
     full = run_torchrun(SCRIPT, 2, common + ["--ep", "2", "--ckpt", ckpt, "--save-at", "3",
                                              "--also-fully-reshardable", anywhere],
                         out_dir=str(out["full"]))
-    resumed = run_torchrun(SCRIPT, 2, common + ["--ep", "2", "--ckpt", ckpt, "--resume", "auto"],
-                           out_dir=str(out["resumed"]))
-    r = resumed[0]
+    # the resume, then (in the same world, its actor built anew) the refused ones at EP1
+    run_torchrun(SCRIPT, 2, common + [
+        "--ep", "2", "--ckpt", ckpt, "--resume", "auto", "--out", str(out["resumed"]), "--next",
+        *common, "--ep", "1", "--no-train", "--ckpt", str(tmp_path / "none"), "--refused",
+        f"{ckpt},{anywhere}"], out_dir=str(out["ep1"]))
+    r = _rank_results(out["resumed"])[0]
     assert r["start"] == 3 and r["version"] == 5
     for step in ("4", "5"):
         assert abs(full[0]["losses"][step]["loss"] - r["losses"][step]["loss"]) <= 1e-6, step
@@ -125,10 +131,7 @@ def test_moe_resume_at_ep2_matches_the_uninterrupted_run(tmp_path):
         assert ma.keys() == mb.keys()
         for key in ma:
             torch.testing.assert_close(ma[key], mb[key], atol=1e-7, rtol=1e-5, msg=key)
-    ep1 = run_torchrun(SCRIPT, 2, common + ["--ep", "1", "--no-train", "--ckpt",
-                                            str(tmp_path / "none"), "--refused", f"{ckpt},{anywhere}"],
-                       out_dir=str(out["ep1"]))
-    for rank in ep1:
+    for rank in _rank_results(out["ep1"]):
         assert re.search(r"ep=2 \(any DP size\)", rank["refused"][ckpt])
         assert re.search(r"2 chained optimizers .* this run has 1 \(ep=1\)",
                          rank["refused"][anywhere])
@@ -142,46 +145,61 @@ def test_resume_setting_is_checked(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("kind", ["te", "apex"])
-def test_resume_with_the_fused_adam_megatron_picks_on_gpu_machines(tmp_path, kind):
+def test_resume_with_the_fused_adam_megatron_picks_on_gpu_machines(tmp_path):
     """With Transformer Engine (or Apex) importable, Megatron's Adam is that package's FusedAdam,
     which keeps its step in the param groups and (TE) refuses any other state key. The DP2
     save/resume round trip with a CPU twin of that optimizer, selected as Megatron selects it,
-    equals the uninterrupted run bit for bit: losses, weights, moments and the groups' step."""
-    ckpt = str(tmp_path / "ckpt")
-    full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
-    full_dir.mkdir()
-    resumed_dir.mkdir()
-    common = ["--tp", "1", "--steps", "5", "--ckpt", ckpt, "--optimizer", kind]
-    full = run_torchrun(SCRIPT, 2, common + ["--save-at", "3"], out_dir=str(full_dir))
-    resumed = run_torchrun(SCRIPT, 2, common + ["--resume", "auto"], out_dir=str(resumed_dir))
-    twin = {"te": "TEFusedAdamTwin", "apex": "ApexFusedAdamTwin"}[kind]
-    for a, b in zip(full, resumed):
-        assert a["optimizer_class"] == b["optimizer_class"] == [twin]
-        assert b["start"] == 3 and b["version"] == 5
-        assert a["group_steps"] == b["group_steps"] and set(a["group_steps"]) == {5}
-        assert [b["losses"][s]["loss"] for s in ("4", "5")] == \
-            [a["losses"][s]["loss"] for s in ("4", "5")]
-    wa = load_file(full_dir / "final.safetensors")
-    wb = load_file(resumed_dir / "final.safetensors")
-    assert wa.keys() == wb.keys()
-    for name in wa:
-        assert torch.equal(wa[name], wb[name]), name
-    for rank in (0, 1):
-        ma = load_file(full_dir / f"adam_rank{rank}.safetensors")
-        mb = load_file(resumed_dir / f"adam_rank{rank}.safetensors")
-        assert ma.keys() == mb.keys() and not any(k.endswith(".step") for k in ma)
-        for key in ma:
-            assert torch.equal(ma[key], mb[key]), key
-    if kind == "te":  # the checkpoint resumed on torch's Adam: every parameter's own step
-        (tmp_path / "torch").mkdir()
-        back = run_torchrun(SCRIPT, 2, ["--tp", "1", "--steps", "5", "--ckpt", ckpt, "--resume",
-                                        "auto"], out_dir=str(tmp_path / "torch"))
-        assert back[0]["start"] == 3 and back[0]["optimizer_class"] == ["AdamW"]
+    equals the uninterrupted run bit for bit: losses, weights, moments and the groups' step; and
+    TE's checkpoint resumes on torch's Adam. (Both kinds' runs share one launch, their resumes
+    another: each run builds its actor anew in the same world.)"""
+    dirs = {}
+    full, resumed = [], []
+    for kind in ("te", "apex"):
+        ckpt = str(tmp_path / f"ckpt_{kind}")
+        dirs[kind] = (tmp_path / f"full_{kind}", tmp_path / f"resumed_{kind}")
+        for d in dirs[kind]:
+            d.mkdir()
+        common = ["--tp", "1", "--steps", "5", "--ckpt", ckpt, "--optimizer", kind]
+        full += [*common, "--save-at", "3", "--out", str(dirs[kind][0]), "--next"]
+        resumed += [*common, "--resume", "auto", "--out", str(dirs[kind][1]), "--next"]
+    (tmp_path / "torch").mkdir()  # TE's checkpoint resumed on torch's Adam: every parameter's own step
+    resumed += ["--tp", "1", "--steps", "5", "--ckpt", str(tmp_path / "ckpt_te"), "--resume",
+                "auto", "--out", str(tmp_path / "torch")]
+    # (run_torchrun adds --out of its own: the last run's)
+    run_torchrun(SCRIPT, 2, full[:-1], out_dir=str(dirs["apex"][0]))
+    run_torchrun(SCRIPT, 2, resumed, out_dir=str(tmp_path / "torch"))
+    for kind in ("te", "apex"):
+        full_dir, resumed_dir = dirs[kind]
+        twin = {"te": "TEFusedAdamTwin", "apex": "ApexFusedAdamTwin"}[kind]
+        for a, b in zip(_rank_results(full_dir), _rank_results(resumed_dir)):
+            assert a["optimizer_class"] == b["optimizer_class"] == [twin]
+            assert b["start"] == 3 and b["version"] == 5
+            assert a["group_steps"] == b["group_steps"] and set(a["group_steps"]) == {5}
+            assert [b["losses"][s]["loss"] for s in ("4", "5")] == \
+                [a["losses"][s]["loss"] for s in ("4", "5")]
+        wa = load_file(full_dir / "final.safetensors")
+        wb = load_file(resumed_dir / "final.safetensors")
+        assert wa.keys() == wb.keys()
+        for name in wa:
+            assert torch.equal(wa[name], wb[name]), name
         for rank in (0, 1):
-            steps = {k: v for k, v in load_file(tmp_path / "torch" / f"adam_rank{rank}"
-                                                ".safetensors").items() if k.endswith(".step")}
-            assert steps and all(v.item() == 5 for v in steps.values())
+            ma = load_file(full_dir / f"adam_rank{rank}.safetensors")
+            mb = load_file(resumed_dir / f"adam_rank{rank}.safetensors")
+            assert ma.keys() == mb.keys() and not any(k.endswith(".step") for k in ma)
+            for key in ma:
+                assert torch.equal(ma[key], mb[key]), key
+    back = _rank_results(tmp_path / "torch")
+    assert back[0]["start"] == 3 and back[0]["optimizer_class"] == ["AdamW"]
+    for rank in (0, 1):
+        steps = {k: v for k, v in load_file(tmp_path / "torch" / f"adam_rank{rank}"
+                                            ".safetensors").items() if k.endswith(".step")}
+        assert steps and all(v.item() == 5 for v in steps.values())
+
+
+def _rank_results(out_dir, nproc=2):
+    import json
+
+    return [json.loads(rank_output_path(out_dir, r).read_text()) for r in range(nproc)]
 
 
 def test_the_te_twin_refuses_a_step_in_parameter_state_as_te_does():

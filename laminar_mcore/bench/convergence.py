@@ -17,7 +17,12 @@ holds its step's version or a newer one). The ratios favour laminar above 1:
 
 * ``laminar_time_speedup_vs_sync``: sync's wall time to target over laminar's (also ``_vs_areal``,
   ``_vs_one_step``);
-* ``laminar_sample_efficiency_vs_sync``: sync's consumed samples to target over laminar's.
+* ``laminar_sample_efficiency_vs_sync``: sync's consumed samples to target over laminar's;
+* ``laminar_time_speedup_vs_sync_at_<pct>`` for pct in 30, 50, 70, 90 and 100: the same speedup
+  with the target at that share of sync's gain (100: sync's final accuracy), the curve the
+  headline is one point of (``--curve-plot`` draws it);
+* ``final_accuracy_gap_vs_sync``: laminar's final accuracy minus sync's (parity: within the
+  seeds' spread of 0).
 
 Where the time goes, per mode (steady state, from the first step to the last):
 ``<mode>_generation_fraction`` (the share of wall time with generation under way on any
@@ -112,13 +117,29 @@ def figures_from(results: Dict[str, dict], batch_samples: int,
         hit = reached["sync"]
         figures["laminar_sample_efficiency_vs_sync"] = (
             hit["steps"] / lam["steps"] if hit and lam and lam["steps"] > 0 else None)
+        figures["final_accuracy_gap_vs_sync"] = (results["laminar"]["final_accuracy"]
+                                                 - results["sync"]["final_accuracy"])
+        # the speedup as a curve over targets (each a share of sync's gain), not one point
+        for pct in CURVE:
+            target_at = default_target(results["sync"], pct / 100)
+            sync_hit = crossing(results["sync"]["evals"], target_at, steps_of=_steps)
+            lam_hit = crossing(results["laminar"]["evals"], target_at, steps_of=_steps)
+            figures[f"laminar_time_speedup_vs_sync_at_{pct}"] = (
+                sync_hit["wall_s"] / lam_hit["wall_s"]
+                if sync_hit and lam_hit and lam_hit["wall_s"] > 0 else None)
     return figures
+
+
+# the targets of the speedup curve, in % of sync's gain (laminar_time_speedup_vs_sync_at_<pct>)
+CURVE = (30, 50, 70, 90, 100)
 
 
 # the figures reported with their spread over seeds (<key>_median, _min, _max; <key> is the
 # median)
 SPREAD = ("laminar_time_speedup_vs_sync", "laminar_time_speedup_vs_one_step",
-          "laminar_time_speedup_vs_areal", "laminar_sample_efficiency_vs_sync")
+          "laminar_time_speedup_vs_areal", "laminar_sample_efficiency_vs_sync",
+          "final_accuracy_gap_vs_sync",
+          *(f"laminar_time_speedup_vs_sync_at_{pct}" for pct in CURVE))
 
 
 def over_seeds(per_seed: List[Dict[str, object]]) -> Dict[str, object]:
@@ -142,6 +163,39 @@ def over_seeds(per_seed: List[Dict[str, object]]) -> Dict[str, object]:
             out[f"{key}_min"], out[f"{key}_max"] = min(numbers), max(numbers)
             out[f"{key}_seeds"] = len(numbers)
     return out
+
+
+def plot_curve(figures: Dict[str, object], path: str) -> Optional[str]:
+    """laminar's time-to-target speedup over sync against the target (its share of sync's
+    gain): the median with the seeds' range; None without matplotlib or figures."""
+    points = [(pct, figures.get(f"laminar_time_speedup_vs_sync_at_{pct}"),
+               figures.get(f"laminar_time_speedup_vs_sync_at_{pct}_min"),
+               figures.get(f"laminar_time_speedup_vs_sync_at_{pct}_max")) for pct in CURVE]
+    points = [p for p in points if p[1] is not None]
+    if not points:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:  # noqa: BLE001
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    xs = [p[0] for p in points]
+    ax.plot(xs, [p[1] for p in points], "o-", label="median over seeds")
+    if all(p[2] is not None and p[3] is not None for p in points):
+        ax.fill_between(xs, [p[2] for p in points], [p[3] for p in points], alpha=0.2,
+                        label="range over seeds")
+    ax.axhline(1.0, color="grey", linestyle=":")
+    ax.set_xlabel("target (% of sync's gain in accuracy)")
+    ax.set_ylabel("laminar's time-to-target speedup vs sync")
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 class BusyWatch:
@@ -193,6 +247,8 @@ def main(argv=None) -> dict:
                     help="runs go to OUTPUT_DIR/convergence/<mode> (the warm-up cache is shared "
                          "with the demo's, OUTPUT_DIR/.cache, or $LAMINAR_CACHE_DIR)")
     ap.add_argument("--plot", default="outputs/convergence/convergence.png")
+    ap.add_argument("--curve-plot", default="outputs/convergence/speedup_curve.png",
+                    help="laminar's speedup vs sync against the target's share of sync's gain")
     ap.add_argument("--save-reference", action="store_true",
                     help="store the result as the figure make demo compares with "
                          "(laminar_mcore/bench/cpu_demo_reference.json)")
@@ -286,8 +342,12 @@ def main(argv=None) -> dict:
                                           f"{figures[key + '_max']:.2f})"
                                           if args.seeds > 1 and key + "_min" in figures
                                           else ""))
+    curve = plot_curve(figures, args.curve_plot) if args.curve_plot and "sync" in modes \
+        and "laminar" in modes else None
     if path:
         lines["plot"] = path
+    if curve:
+        lines["curve"] = curve
     if args.save_reference:
         from .reference import save
 

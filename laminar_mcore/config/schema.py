@@ -105,7 +105,8 @@ class AlgoConfig:
     clip_cov_ub: float = 5.0  # clip_cov: upper bound of the covariance of the cut tokens
     kl_cov_ratio: float = 0.0002  # kl_cov: fraction of tokens given the |log ratio| penalty
     kl_cov_coef: float = 0.1  # kl_cov: coefficient of that penalty (verl's ppo_kl_coef)
-    # AReaL's admission control eta; null: unbounded, as in Laminar.
+    # eta: mode=laminar trains on nothing more than eta versions stale (older is discarded as
+    # "stale"); mode=areal: AReaL's admission control. null: unbounded, as in Laminar.
     max_staleness: Optional[int] = None
     n_samples_per_prompt: int = 8  # GRPO group size: trajectories per prompt
     # MoE routing replay (R3): engines return the experts they routed each token to (SGLang's

@@ -3,13 +3,14 @@
 AReaL's staleness admission control, ``(eta + v + 1) * B >= admitted + n`` (``can_admit``; off
 by default as in Laminar), gated by ``rollout.generate_before_trainer`` and
 ``rollout.max_buffered_batches``; the one-step/sync baselines' global barrier
-(``_barrier_ready``); and the books of what ends unusable (``_discard``): a group with a lost
+(``_barrier_ready``); Laminar's bound on the staleness trained on (``fresh_enough`` before work
+starts, ``drop_stale`` at consumption); and the books of what ends unusable (``_discard``): a group with a lost
 member is dropped whole and its admission capacity given back, so a bounded run admits a
 replacement instead of waiting for a group that cannot come.
 
 Mixed into ``RolloutManager`` (controller/manager.py), which provides ``engines``, ``buffer``,
 ``prompts``, ``stats``, ``batch``, ``max_staleness``, ``max_buffered``, ``admitting``,
-``barrier``, ``accepted``, ``trainer_version`` and ``notify``. It never starts or stops anything.
+``barrier``, ``consume_bound``, ``accepted``, ``trainer_version`` and ``notify``. It never starts or stops anything.
 """
 
 from __future__ import annotations
@@ -36,6 +37,32 @@ class Admission:
             return True
         v = self.trainer_version()
         return self.accepted + n <= (self.max_staleness + v + 1) * self.batch
+
+    def fresh_enough(self, engine) -> bool:
+        """Laminar with ``algo.max_staleness=eta`` (the bound on the staleness trained on): work
+        started now is trained on no sooner than after the full batches already waiting, so an
+        engine whose version would by then be more than eta behind the trainer's starts none
+        (it pulls first, or waits until its relay holds a version recent enough)."""
+        if self.consume_bound is None:
+            return True
+        ahead = self.buffer.ready_groups * self.prompts.n_samples // max(self.batch, 1)
+        return engine.version >= self.trainer_version() + ahead - self.consume_bound
+
+    def drop_stale(self) -> int:
+        """The trainer's version moved: groups now more than eta behind it are discarded as
+        "stale" (the buffer gives their admission capacity back, ``_stale_group``); the
+        groups dropped. A no-op without Laminar's bound."""
+        if self.consume_bound is None:
+            return 0
+        dropped = self.buffer.drop_older_than(self.trainer_version() - self.consume_bound)
+        if dropped:
+            self.notify()
+        return dropped
+
+    def _stale_group(self, group_id: str) -> None:
+        """``buffer.on_stale``: a group too old to train on gives its admission capacity back
+        (none of it was consumed), so a replacement can start."""
+        self.accepted = max(self.accepted - self.prompts.n_samples, 0)
 
     def _barrier_ready(self) -> bool:
         """One-step / sync baselines: nobody pulls until every healthy engine is idle."""

@@ -91,6 +91,8 @@ class TrainerAPI:
             record = {"uid": t.uid, "version": t.weight_version,
                       "staleness": self.trainer_version - t.weight_version,
                       "reward": t.reward, "tokens": len(t.response_ids)}
+            if seen:  # by its newest token too (areal: an interrupted one's tokens span versions)
+                record["staleness_newest"] = self.trainer_version - max(int(v) for v in seen)
             record.update({k: t.metadata[k] for k in AGENT_COUNTS if k in t.metadata})
             self.consumed.append(record)
         self.max_staleness_observed = max([self.max_staleness_observed] + staleness)
@@ -114,6 +116,7 @@ class TrainerAPI:
         body = await read_json(request, TRAINED)
         step, version = body["step"], body["version"]
         self.trainer_version = max(self.trainer_version, version)
+        self.manager.drop_stale()  # laminar: what is now more than eta behind is never trained
         self.manager.notify()  # barrier modes follow the trainer; admission grows with it
         self.trainer_wait_s += float(body.get("wait_s", 0.0))
         now = time.time()

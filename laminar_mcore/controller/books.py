@@ -2,7 +2,9 @@
 
 The books balance: generated = consumed + buffered + discarded (with reasons), and
 ``trajectories_lost`` counts what neither ended nor is in flight (0 unless a trajectory
-vanished). Utilisation is measured over the steady state: from the end of the first step to
+vanished). ``staleness_trained`` is the staleness of what the trainer consumed (max, mean,
+histogram); in ``areal`` mode, whose trajectories' tokens may span versions, that is by each
+one's oldest token, and ``staleness_trained_newest_token`` by its newest. Utilisation is measured over the steady state: from the end of the first step to
 the end of the last (start-up and shutdown excluded in every mode).
 
 Mixed into ``Controller`` (controller/server.py), which provides the manager, the pools, the
@@ -12,6 +14,7 @@ episode, the step marks and the run's counters. It reads; it never changes the r
 from __future__ import annotations
 
 import time
+from typing import Dict, Iterable
 
 
 class RunBooks:
@@ -72,6 +75,8 @@ class RunBooks:
                     - sum(self.buffer.discarded.values())) if s else 0),
                 "discarded_reasons": dict(self.buffer.discarded),
                 "max_staleness_observed": self.max_staleness_observed,
+                # what was trained on: trainer version - generating version, at consumption
+                "staleness_trained": staleness_stats(c["staleness"] for c in self.consumed),
                 "engine_pulls": s.pulls if s else 0, "resumed": s.resumed if s else 0,
                 "repacked": s.repacked if s else 0, "repack_rounds": s.repack_rounds if s else 0,
                 "trajectories_interrupted": s.interrupted if s else 0,
@@ -90,4 +95,19 @@ class RunBooks:
                 "trainer_restarts": self.trainer_restarts,
                 **self.episode.books(self.consumed),
                 "faults": len(self.faults),
-                "trajectories_mixed_versions": self.mixed_version_consumed}
+                "trajectories_mixed_versions": self.mixed_version_consumed,
+                **({"staleness_trained_newest_token": staleness_stats(
+                    c.get("staleness_newest", c["staleness"]) for c in self.consumed)}
+                   if self.mode == "areal" else {})}
+
+
+def staleness_stats(values: Iterable[int]) -> dict:
+    """``{"max", "mean", "histogram": {staleness: trajectories}}`` (max and mean None when
+    nothing was consumed)."""
+    values = list(values)
+    histogram: Dict[str, int] = {}
+    for v in sorted(values):
+        histogram[str(v)] = histogram.get(str(v), 0) + 1
+    return {"max": max(values) if values else None,
+            "mean": round(sum(values) / len(values), 4) if values else None,
+            "histogram": histogram}

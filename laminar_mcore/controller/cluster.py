@@ -432,6 +432,7 @@ class ClusterAPI:
         """Trainer rank 0: the trainer world (re)started from a checkpoint and published."""
         body = await read_json(request, RESUMED)
         self.trainer_version = max(self.trainer_version, int(body["version"]))
+        self.manager.drop_stale()
         self.manager.notify()
         restarts = int(body.get("restarts", 0))
         if restarts:

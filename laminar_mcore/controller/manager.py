@@ -73,6 +73,8 @@ class RolloutManager(Admission, EngineHealth, WeightPulls, Elastic):
         self.trainer_version = trainer_version
         self.batch = batch_trajectories
         self.max_staleness = policy.bound
+        # Laminar: eta bounds the staleness trained on (controller/admission.py)
+        self.consume_bound = policy.bound if policy.bounds_consumption else None
         self.barrier = policy.barrier
         self.interrupt = policy.interrupt
         self.poll_s, self.wake_s, self.relay_wait_s = poll_s, wake_s, relay_wait_s
@@ -90,6 +92,7 @@ class RolloutManager(Admission, EngineHealth, WeightPulls, Elastic):
         # routed to; the trajectory keeps them, request by request
         self.routed_experts = False
         self.stats = ManagerStats()
+        self.buffer.on_stale.append(self._stale_group)
         self._stop = asyncio.Event()
         self.repacker = Repacker(engines, self.stats, cfg.repack_interval_s,
                                  cfg.repack_max_requests, poll_s=poll_s,
@@ -270,7 +273,7 @@ class RolloutManager(Admission, EngineHealth, WeightPulls, Elastic):
             # (or the newest the relays hold, when the relay refused the trainer's).
             synced = not self.barrier or engine.version >= self.sync_target()
             if not engine.draining and synced and room >= self.prompts.n_samples and \
-                    self.can_admit(self.prompts.n_samples):
+                    self.can_admit(self.prompts.n_samples) and self.fresh_enough(engine):
                 self._start_group(engine)
                 continue
             await self._sleep_until_woken(engine, self.wake_s)

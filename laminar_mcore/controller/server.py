@@ -395,3 +395,4 @@ class Controller(TrainerAPI, RunBooks, ClusterAPI, TrainerWatch):
         # The admission budget resumes from what can still be trained on: consumed and
         # buffered trajectories, not those lost in flight at the save.
         self.manager.accepted = self.buffer.consumed + self.buffer.buffered
+        self.manager.drop_stale()  # (laminar's bound: what the trainer can no longer take)

@@ -1,7 +1,9 @@
-"""Worker (under torchrun): train, checkpoint, and resume a Megatron actor exactly."""
+"""Worker (under torchrun): train, checkpoint, and resume a Megatron actor exactly (one run, or
+several one after the other in the same world, separated by ``--next``)."""
 
 import argparse
 import os
+import sys
 
 import torch
 
@@ -28,14 +30,23 @@ def main():
                          "tried before --resume; each message goes to the rank's 'refused'")
     ap.add_argument("--no-train", action="store_true", help="stop after --refused and --resume")
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    if args.optimizer == "torch":
-        run(args)
-    else:
-        from laminar_mcore.testing.fused_adam import megatron_selects
-
-        with megatron_selects(args.optimizer):
+    # "--next" separates runs done one after the other in this world (each its own arguments)
+    argv, runs = sys.argv[1:], [[]]
+    for arg in argv:
+        if arg == "--next":
+            runs.append([])
+        else:
+            runs[-1].append(arg)
+    for run_argv in runs:
+        args = ap.parse_args(run_argv)
+        if args.optimizer == "torch":
             run(args)
+        else:
+            from laminar_mcore.testing.fused_adam import megatron_selects
+
+            with megatron_selects(args.optimizer):
+                run(args)
+    torch.distributed.destroy_process_group()
 
 
 def run(args):
@@ -107,7 +118,6 @@ def run(args):
                                  "group_steps": [s if s is None or isinstance(s, int) else float(s)
                                                  for s in group_steps],
                                  "optimizer_class": optimizer_class, "refused": refused})
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
