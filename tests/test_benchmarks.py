@@ -177,6 +177,9 @@ def test_demo_prints_the_stored_speedup_with_its_spread_not_one_runs_ratio(tmp_p
                           "laminar_time_speedup_vs_sync": 1.6,
                           "laminar_time_speedup_vs_sync_min": 1.3,
                           "laminar_time_speedup_vs_sync_max": 2.1,
+                          "laminar_time_speedup_vs_sync_at_30": 1.2,
+                          "laminar_time_speedup_vs_sync_at_90": 1.9,
+                          "laminar_time_speedup_vs_sync_at_100": None,
                           "sync_generation_fraction": 0.72},
               "modes": {"sync": {"final_accuracy": 0.8, "trainer_tokens_per_s": 500.0,
                                  "evals": evals}}}
@@ -190,6 +193,8 @@ def test_demo_prints_the_stored_speedup_with_its_spread_not_one_runs_ratio(tmp_p
     assert "1.60x sooner than sync (median; range 1.30-2.10)" in text
     assert "2 CPU cores, x86_64, Python 3.11" in text and "3 seeds" in text
     assert out["stored_speedup_median"] == 1.6 and out["stored_speedup_min"] == 1.3
+    assert "30%: 1.20x, 90%: 1.90x" in text  # the curve's stored medians (100% not reached)
+    assert out["stored_speedup_curve"] == {30: 1.2, 90: 1.9}
     assert "time_speedup_vs_sync" not in out  # one run against a stored one is no measurement
     assert abs(out["time_speedup_vs_stored_sync"] - 2.0) < 1e-9  # 0.6 crossed at 20 s vs 10 s
     # another configuration: nothing to compare with, and the user is told how to measure

@@ -336,12 +336,12 @@ def main(argv=None) -> dict:
                        f"waiting {figures[f'{mode}_trainer_wait_fraction']:.0%}")
     for key in SPREAD:
         if key in figures:
+            fmt = "{:+.3f}" if key == "final_accuracy_gap_vs_sync" else "{:.2f}x"
             lines[key] = "n/a" if figures[key] is None else (
-                f"{figures[key]:.2f}x" + (f" (median of {figures[key + '_seeds']} seeds; "
-                                          f"{figures[key + '_min']:.2f}-"
-                                          f"{figures[key + '_max']:.2f})"
-                                          if args.seeds > 1 and key + "_min" in figures
-                                          else ""))
+                fmt.format(figures[key]) + (
+                    f" (median of {figures[key + '_seeds']} seeds; "
+                    f"{fmt.format(figures[key + '_min'])} to {fmt.format(figures[key + '_max'])})"
+                    if args.seeds > 1 and key + "_min" in figures else ""))
     curve = plot_curve(figures, args.curve_plot) if args.curve_plot and "sync" in modes \
         and "laminar" in modes else None
     if path:

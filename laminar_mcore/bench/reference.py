@@ -104,4 +104,10 @@ def compare(cfg, summary: dict, out_dir: str, log=print, path: str = PATH) -> Op
             f"{f[key + '_max']:.2f}); sync spends {f.get('sync_generation_fraction', 0):.0%} "
             "of its time generating. Measure it on this machine: "
             "python -m laminar_mcore.bench.convergence")
+        curve = [(pct, f.get(f"{key}_at_{pct}")) for pct in (30, 50, 70, 90, 100)]
+        curve = [(pct, v) for pct, v in curve if v is not None]
+        if curve:  # the speedup over targets, not one chosen point (bench.convergence)
+            out["stored_speedup_curve"] = dict(curve)
+            log("[demo] the same at other targets (% of sync's gain: median speedup): "
+                + ", ".join(f"{pct}%: {v:.2f}x" for pct, v in curve))
     return out
