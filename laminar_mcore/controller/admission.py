@@ -15,9 +15,13 @@ Mixed into ``RolloutManager`` (controller/manager.py), which provides ``engines`
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 from ..data.trajectory import Trajectory
+from ..netutil import EngineError
+
+logger = logging.getLogger(__name__)
 
 
 class Admission:
@@ -50,14 +54,34 @@ class Admission:
 
     def drop_stale(self) -> int:
         """The trainer's version moved: groups now more than eta behind it are discarded as
-        "stale" (the buffer gives their admission capacity back, ``_stale_group``); the
-        groups dropped. A no-op without Laminar's bound."""
+        "stale" (the buffer gives their admission capacity back, ``_stale_group``), and their
+        members still generating are aborted, so the engine drains and pulls instead of
+        finishing work nobody can train on; returns the groups dropped from the buffer. A
+        no-op without Laminar's bound."""
         if self.consume_bound is None:
             return 0
-        dropped = self.buffer.drop_older_than(self.trainer_version() - self.consume_bound)
+        oldest = self.trainer_version() - self.consume_bound
+        dropped = self.buffer.drop_older_than(oldest)
+        for engine in self.engines:
+            for item in list(engine.in_flight.values()):
+                if item.traj.weight_version >= oldest or item.stale:
+                    continue
+                item.stale = True
+                self.buffer.drop_stale_group(item.group_id)
+                if item.generating and item.migrate_to is None:
+                    self._spawn(self._abort_stale(engine, item), f"abort stale {item.rid}",
+                                lambda what, exc: logger.warning("%s: %s", what, exc))
         if dropped:
             self.notify()
         return dropped
+
+    async def _abort_stale(self, engine, item) -> None:
+        """Abort ``item``'s request (``generate`` then discards it as "stale"); if the engine
+        does not answer, the request ends on its own and is discarded when it finishes."""
+        try:
+            await engine.client.abort_request(item.rid)
+        except EngineError as exc:
+            logger.info("could not abort stale %s on %s: %s", item.rid, engine.name, exc)
 
     def _stale_group(self, group_id: str) -> None:
         """``buffer.on_stale``: a group too old to train on gives its admission capacity back

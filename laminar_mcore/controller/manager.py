@@ -314,6 +314,10 @@ class RolloutManager(Admission, EngineHealth, WeightPulls, Elastic):
             engine, how = await self._next_turn_engine(item, engine)
         while True:
             epoch = engine.epoch
+            if item.stale:  # laminar's bound: too old to train on (controller/admission.py)
+                if engine is not None:
+                    self._left(engine, item.rid)
+                raise Discard("stale")
             too_long = self._too_long(item)
             if too_long:  # every engine would refuse it: filtered, not sent
                 self._left(engine, item.rid)
@@ -346,6 +350,8 @@ class RolloutManager(Admission, EngineHealth, WeightPulls, Elastic):
                     raise Stopped() from None
                 logger.warning("engine %s failed on %s: %s", engine.name, item.rid, exc)
                 self._mark_unhealthy(engine, epoch)
+                if item.stale:  # nobody can train on it: not resumed anywhere
+                    raise Discard("stale") from None
                 engine = await self._engine_of_version(item)
                 self.stats.resumed += 1
                 how = "resume"
@@ -360,6 +366,8 @@ class RolloutManager(Admission, EngineHealth, WeightPulls, Elastic):
                 continue
             item.interrupted_at = None  # (it may have finished before the pause reached it)
             target, item.migrate_to = self._engine(item.migrate_to), None
+            if reason == "abort" and item.stale:  # aborted (or moved) when it fell too far behind
+                raise Discard("stale")
             if reason == "abort" and target is not None:
                 if target.healthy and target.version == item.traj.weight_version:
                     item.engine = target.name
@@ -373,7 +381,8 @@ class RolloutManager(Admission, EngineHealth, WeightPulls, Elastic):
                     how = "resume"
                 continue
             if reason == "abort":
-                raise Discard("engine_left" if engine.leaving else "aborted")
+                raise Discard("stale" if item.stale else
+                              "engine_left" if engine.leaving else "aborted")
             if item.multi_turn and engine.epoch == epoch:  # it keeps its place (and version)
                 engine.in_flight[item.rid] = item
             return reason

@@ -118,6 +118,9 @@ class InFlight:
     # the engine does not pull another version until the episode ends (one version per episode)
     multi_turn: bool = False
     generating: bool = False  # a request of it runs on its engine now (else: between turns)
+    # laminar's bound: its version fell more than eta behind the trainer's while it ran; it
+    # is aborted and discarded as "stale" (it could never be trained on)
+    stale: bool = False
 
     @property
     def rid(self) -> str:
@@ -258,6 +261,13 @@ class ExperienceBuffer:
                 self._open.pop(members[0].group_id, None)
                 self._drop_stale(members[0].group_id, members)
             return len(stale)
+
+    def drop_stale_group(self, group_id: str) -> None:
+        """``group_id`` (members still generating) is too old to train on: the members held
+        now and those that finish later are discarded as "stale" (once)."""
+        with self.cond:
+            if group_id not in self._dropped:
+                self._drop_stale(group_id, self._open.pop(group_id, []))
 
     def _drop_stale(self, group_id: str, held: List[Trajectory]) -> None:
         """(under the lock) ``group_id`` is too old to train on: ``held`` (its members held
