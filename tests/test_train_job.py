@@ -29,9 +29,13 @@ def _launch(tmp_path, *overrides):
     return out
 
 
-# the sync run (tests/test_train_job.py's resume test is its uninterrupted run): evaluations
-# after training, on snapshots; generation waits for the trainer's first batch request
-SYNC = ["mode=sync", "trainer.train_batch_prompts=4", "data.num_eval=16", "rollout.num_engines=2", "trainer.eval_interval=2", "trainer.eval_offline=true",
+# the sync run (the resume test's uninterrupted run): evaluations after training, on
+# snapshots; generation waits for the trainer's first batch request. The snapshot is taken at
+# step 3, not at step 2, whose checkpoint the resume starts from: a snapshot written before that
+# checkpoint delays the controller's state past the moment the engines start step 3's
+# generation, whose prompts the resumed run would then skip.
+SYNC = ["mode=sync", "trainer.train_batch_prompts=4", "data.num_eval=16", "rollout.num_engines=2",
+        "trainer.eval_interval=3", "trainer.eval_offline=true",
         "rollout.generate_before_trainer=false"]
 
 
@@ -50,8 +54,9 @@ def test_train_job_runs_and_keeps_the_books(tmp_path, mode):
     _check_books(tmp_path / "out" / "e2e", mode, 3, transport)
 
 
-def _check_books(run_dir, mode, steps, transport):
-    """What a finished train job of ``steps`` steps (evaluations every 2) leaves behind."""
+def _check_books(run_dir, mode, steps, transport, every=2):
+    """What a finished train job of ``steps`` steps (evaluations every ``every``) leaves
+    behind."""
     summary = json.loads((run_dir / "summary.json").read_text())
     keys = {"initial_accuracy", "final_accuracy", "trajectories_generated", "trajectories_consumed",
             "trajectories_buffered", "trajectories_discarded", "max_staleness_observed", "wall_seconds",
@@ -82,21 +87,21 @@ def _check_books(run_dir, mode, steps, transport):
         assert sent[1]["weights_sent_bytes"] < sent[1]["weights_full_bytes"] / 10
     else:  # fp32: auto leaves deltas off
         assert all(r["weights_sent_bytes"] == r["weights_full_bytes"] for r in sent)
-    # evaluated before, every 2 steps (trainer.eval_interval) on weights of that version or
+    # evaluated before, every ``every`` steps (trainer.eval_interval) on weights of that version or
     # newer, and after
     evals = {r["step"]: r for r in records if r["kind"] == "eval"}
-    expected = sorted({0, *range(2, steps, 2), steps})
+    expected = sorted({0, *range(every, steps, every), steps})
     assert sorted(evals) == expected, evals
-    assert evals[2]["version"] >= 2 and evals[steps]["version"] == steps
+    assert evals[every]["version"] >= every and evals[steps]["version"] == steps
     assert evals[0]["wall_s"] == 0
     trained = {r["version"]: r["time"] for r in records if r["kind"] == "train"}
-    if mode == "sync":  # offline: step 2's own weights, from its snapshot, at its trained time
-        snapshot = run_dir / "eval_snapshots" / "step_000002"
+    if mode == "sync":  # offline: that step's own weights, from its snapshot, at its trained time
+        snapshot = run_dir / "eval_snapshots" / f"step_{every:06d}"
         assert json.loads((snapshot / "laminar_snapshot.json").read_text()) == {
-            "step": 2, "version": 2}
-        assert evals[2]["version"] == 2 and evals[2]["offline"]
-        assert evals[2]["wall_s"] == pytest.approx(
-            trained[2] - summary["first_batch_request"], abs=0.05)
+            "step": every, "version": every}
+        assert evals[every]["version"] == every and evals[every]["offline"]
+        assert evals[every]["wall_s"] == pytest.approx(
+            trained[every] - summary["first_batch_request"], abs=0.05)
     # the share of time with generation under way (any engine) is at least the engines' mean
     assert 1 - summary["engine_idle_fraction"] <= summary["generation_fraction"] + 1e-9
     assert 0 < summary["generation_fraction"] <= 1
@@ -139,7 +144,7 @@ def test_sync_run_resumed_at_step_k_matches_the_uninterrupted_run(tmp_path):
         return {r["step"]: r for r in map(json.loads, lines) if r["kind"] == "train"}
 
     run()
-    _check_books(run_dir, "sync", 4, "shm")
+    _check_books(run_dir, "sync", 4, "shm", every=3)
     first_lines = metrics.read_text().splitlines()
     uninterrupted = train_records(first_lines)
     ckpts = run_dir / "checkpoints"
