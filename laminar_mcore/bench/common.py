@@ -18,6 +18,11 @@ def report(figures: Dict[str, object], json_path: Optional[str], lines: Dict[str
             json.dump(figures, f, indent=2)
 
 
+# the targets of bench.convergence's speedup curve, in % of sync's gain
+# (laminar_time_speedup_vs_sync_at_<pct>; make demo prints the stored ones)
+CURVE = (30, 50, 70, 90, 100)
+
+
 def crossing(evals: List[dict], target: float,
              steps_of: Callable[[dict], float] = lambda e: e["step"]) -> Optional[dict]:
     """When the accuracy first crossed ``target``, interpolated linearly between the last

@@ -52,7 +52,7 @@ import statistics
 import time
 from typing import Dict, List, Optional
 
-from .common import crossing, plot_accuracy, report
+from .common import CURVE, crossing, plot_accuracy, report
 
 MODES = ("sync", "one_step", "areal", "laminar")
 
@@ -128,10 +128,6 @@ def figures_from(results: Dict[str, dict], batch_samples: int,
                 sync_hit["wall_s"] / lam_hit["wall_s"]
                 if sync_hit and lam_hit and lam_hit["wall_s"] > 0 else None)
     return figures
-
-
-# the targets of the speedup curve, in % of sync's gain (laminar_time_speedup_vs_sync_at_<pct>)
-CURVE = (30, 50, 70, 90, 100)
 
 
 # the figures reported with their spread over seeds (<key>_median, _min, _max; <key> is the

@@ -59,7 +59,7 @@ def load(path: str = PATH) -> Optional[dict]:
 
 def compare(cfg, summary: dict, out_dir: str, log=print, path: str = PATH) -> Optional[dict]:
     """Print this run beside the stored sync run of the same configuration and plot both."""
-    from .common import crossing, plot_accuracy
+    from .common import CURVE, crossing, plot_accuracy
 
     ref = load(path)
     if ref is None or ref["config"] != fingerprint(cfg) or "sync" not in ref["modes"]:
@@ -104,7 +104,7 @@ def compare(cfg, summary: dict, out_dir: str, log=print, path: str = PATH) -> Op
             f"{f[key + '_max']:.2f}); sync spends {f.get('sync_generation_fraction', 0):.0%} "
             "of its time generating. Measure it on this machine: "
             "python -m laminar_mcore.bench.convergence")
-        curve = [(pct, f.get(f"{key}_at_{pct}")) for pct in (30, 50, 70, 90, 100)]
+        curve = [(pct, f.get(f"{key}_at_{pct}")) for pct in CURVE]
         curve = [(pct, v) for pct, v in curve if v is not None]
         if curve:  # the speedup over targets, not one chosen point (bench.convergence)
             out["stored_speedup_curve"] = dict(curve)

@@ -14,7 +14,8 @@ episode, the step marks and the run's counters. It reads; it never changes the r
 from __future__ import annotations
 
 import time
-from typing import Dict, Iterable
+from collections import Counter
+from typing import Iterable
 
 
 class RunBooks:
@@ -105,9 +106,7 @@ def staleness_stats(values: Iterable[int]) -> dict:
     """``{"max", "mean", "histogram": {staleness: trajectories}}`` (max and mean None when
     nothing was consumed)."""
     values = list(values)
-    histogram: Dict[str, int] = {}
-    for v in sorted(values):
-        histogram[str(v)] = histogram.get(str(v), 0) + 1
+    histogram = {str(v): n for v, n in sorted(Counter(values).items())}
     return {"max": max(values) if values else None,
             "mean": round(sum(values) / len(values), 4) if values else None,
             "histogram": histogram}

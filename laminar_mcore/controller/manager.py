@@ -315,8 +315,7 @@ class RolloutManager(Admission, EngineHealth, WeightPulls, Elastic):
         while True:
             epoch = engine.epoch
             if item.stale:  # laminar's bound: too old to train on (controller/admission.py)
-                if engine is not None:
-                    self._left(engine, item.rid)
+                self._left(engine, item.rid)
                 raise Discard("stale")
             too_long = self._too_long(item)
             if too_long:  # every engine would refuse it: filtered, not sent
@@ -381,8 +380,7 @@ class RolloutManager(Admission, EngineHealth, WeightPulls, Elastic):
                     how = "resume"
                 continue
             if reason == "abort":
-                raise Discard("stale" if item.stale else
-                              "engine_left" if engine.leaving else "aborted")
+                raise Discard("engine_left" if engine.leaving else "aborted")
             if item.multi_turn and engine.epoch == epoch:  # it keeps its place (and version)
                 engine.in_flight[item.rid] = item
             return reason

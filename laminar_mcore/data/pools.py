@@ -205,8 +205,8 @@ class ExperienceBuffer:
         """Keep ``traj`` until its group is complete; a member of a dropped group is counted
         as discarded instead (returns False), never left waiting for a group that cannot come."""
         with self.cond:
-            if traj.group_id not in self._dropped and traj.weight_version < self.min_version:
-                self._drop_stale(traj.group_id, self._open.pop(traj.group_id, []))
+            if traj.weight_version < self.min_version:
+                self.drop_stale_group(traj.group_id)
             if traj.group_id in self._dropped:
                 self.discard(1, self._dropped[traj.group_id], [traj])
                 return False
