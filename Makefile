@@ -36,6 +36,7 @@ ibverbs:
 # The tool sandbox of agent jobs is bubblewrap (agents/bubblewrap.py). Installed where this
 # can (root with apt-get); without it an agent job refuses to start, naming the fix, and the
 # sandbox tests fail saying so (rollout.sandbox=unsafe-local runs tools with no isolation).
+# Started by root, bwrap runs as its own unprivileged system user, laminar-sandbox, made here.
 bubblewrap:
 	@if ! command -v bwrap >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -44,6 +45,11 @@ bubblewrap:
 	    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1; } || \
 	    echo "note: could not install bubblewrap; agent jobs and the sandbox tests need it"; \
 	  else echo "note: bwrap is missing (apt-get install bubblewrap); agent jobs and the sandbox tests need it"; fi; \
+	fi
+	@if [ "$$(id -u)" = 0 ] && ! id laminar-sandbox >/dev/null 2>&1; then \
+	  echo "creating the system user laminar-sandbox, the tool sandbox's host user"; \
+	  useradd --system --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin laminar-sandbox || \
+	  echo "note: could not create laminar-sandbox; the tool sandbox runs as nobody"; \
 	fi
 
 demo: $(STAMP)

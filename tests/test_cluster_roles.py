@@ -6,6 +6,7 @@ a rollout node joins the running job and another leaves it."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from laminar_mcore.netutil import free_port
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 TOKEN = "test-token-0123456789"
+SLOW_START_S = 8  # an engine's start, beyond the old join budget (scaled: 600 s -> 6 s)
 
 
 def _start(args, cwd, log_name, env):
@@ -32,7 +34,12 @@ def test_controller_rollout_nodes_and_torchrun_trainer_run_a_job(tmp_path):
     runs) and a torchrun trainer. The job is elastic: a node started while it trains
     registers, pulls the newest version from its relay and generates trajectories the trainer
     consumes; a node stopped with SIGTERM leaves (its trajectories finish or are handed back)
-    and exits 0, with no engine restarted, none lost, and the books balanced."""
+    and exits 0, with no engine restarted, none lost, and the books balanced.
+
+    The engines start slowly, as SGLang's do at scale, scaled down 100x: 8 s against a start
+    budget of 18 s (1,800 s), longer than the 6 s (600 s) every role used to wait for the
+    others; the join budget left to its default (the start budget + a margin) lets every
+    role wait for them."""
     from laminar_mcore.relay.transports import mooncake
 
     remote = mooncake.available()
@@ -46,7 +53,8 @@ def test_controller_rollout_nodes_and_torchrun_trainer_run_a_job(tmp_path):
               "cluster.controller_addr=127.0.0.1", f"cluster.controller_port={port}",
               f"cluster.rollout_nodes={3 if remote else 2}", "rollout.num_engines=1",
               f"trainer.total_steps={steps}", "trainer.train_batch_prompts=16",
-              "data.num_eval=8", "data.warmup_steps=20", "cluster.shutdown_grace_s=20"]
+              "data.num_eval=8", "data.warmup_steps=20", "cluster.shutdown_grace_s=20",
+              f"rollout.cpu_startup_delay_s={SLOW_START_S}", "rollout.start_timeout_s=18"]
     if remote:
         common.append("weight_sync.mooncake_protocol=tcp")
     env = dict(os.environ, PYTHONWARNINGS="ignore", LAMINAR_RUN_TOKEN=TOKEN, OMP_NUM_THREADS="1")
@@ -109,6 +117,9 @@ def test_controller_rollout_nodes_and_torchrun_trainer_run_a_job(tmp_path):
     nodes = 3 if remote else 2
     assert f"{nodes} rollout node(s), {nodes} engines" in log("controller")
     rollouts = [n for n in procs if n.startswith("rollout") or n == "late"]
+    # every node's engines took their slow start, and every role waited for them
+    took = [float(t) for n in rollouts for t in re.findall(r"started in ([\d.]+) s", log(n))]
+    assert len(took) == nodes + 1 and min(took) >= SLOW_START_S, took
     assert sum(log(n).count("registered: master relay") for n in rollouts) == 1
     assert sum(log(n).count("registered: no relay here") for n in rollouts) == int(remote)
     assert "left the run:" in log(leaver) and "could not leave" not in log(leaver)

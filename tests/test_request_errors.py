@@ -114,8 +114,11 @@ def test_the_client_tells_a_refused_request_from_an_engine_failure(engine, sglan
         assert field in block, field
     assert re.search(r'yield b"data: \[DONE\]\\n\\n"', block)
 
-    async def stand_in(code):
+    async def stand_in(code, http=False):
         async def generate(request):
+            if http:  # the status line itself (a proxy, an auth layer, a wrong route)
+                return web.json_response({"error": {"message": "no", "code": code}},
+                                         status=code)
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             out = {"error": {"message": "The input (70 tokens) is longer than the model's "
@@ -145,22 +148,30 @@ def test_the_client_tells_a_refused_request_from_an_engine_failure(engine, sglan
 
     async def go():
         out = {"cpu_long": await raised(proc.url, [1] * 70)}
-        for code in (400, 422, 500, 503, 429):
-            runner, url = await stand_in(code)
-            try:
-                out[code] = await raised(url, [1, 2])
-            finally:
-                await runner.cleanup()
+        for code in (400, 422, 500, 503, 429, 401, 403, 404):
+            for http in (False, True):
+                runner, url = await stand_in(code, http)
+                try:
+                    out[code, http] = await raised(url, [1, 2])
+                finally:
+                    await runner.cleanup()
         out["refused_connection"] = await raised("http://127.0.0.1:9", [1])
         return out
 
     out = asyncio.run(go())
     assert isinstance(out["cpu_long"], RequestError) and out["cpu_long"].status == 400
     assert "longer than the model's context length" in str(out["cpu_long"])
-    for code in (400, 422):
-        assert isinstance(out[code], RequestError) and out[code].status == code
-    for code in (500, 503, 429, "refused_connection"):  # the engine's (or "retry later")
-        assert isinstance(out[code], EngineError) and not isinstance(out[code], RequestError)
+    for http in (False, True):  # in SGLang's error chunk, or as the HTTP status
+        for code in (400, 422):
+            assert isinstance(out[code, http], RequestError), (code, http, out[code, http])
+            assert out[code, http].status == code
+        # the engine's: a failure, "retry later", or a misconfigured engine (auth, route)
+        for code in (500, 503, 429, 401, 403, 404):
+            err = out[code, http]
+            assert isinstance(err, EngineError) and not isinstance(err, RequestError), \
+                (code, http, err)
+    err = out["refused_connection"]
+    assert isinstance(err, EngineError) and not isinstance(err, RequestError)
 
 
 def test_bad_prompts_end_their_requests_and_every_engine_stays(tmp_path):

@@ -8,6 +8,7 @@ bwrap, naming the fix, and ``rollout.sandbox=unsafe-local`` says so in the books
 import asyncio
 import os
 import pathlib
+import pwd
 import select
 import shutil
 import socket
@@ -24,7 +25,7 @@ from laminar_mcore.config import register_configs
 from laminar_mcore.config.paths import conf_dir
 from laminar_mcore.config.sections import typed
 
-from .test_sandbox import _wait_gone, no_leftovers  # noqa: F401
+from .test_sandbox import _sandbox_processes, _wait_gone, no_leftovers  # noqa: F401
 
 register_configs()
 
@@ -225,6 +226,40 @@ def test_two_calls_do_not_see_each_other(no_leftovers, host):
     sleeper, looker = run(both())
     assert sleeper.ok and looker.ok, (sleeper, looker)
     assert sleeper.output.split()[0] not in looker.output
+
+
+def test_the_sandbox_runs_as_its_own_unprivileged_host_user(no_leftovers, host):
+    """Started by root, every process of a call (bwrap and the code) belongs on the host to the
+    dedicated system user laminar-sandbox (which make setup creates): not root, whom Linux
+    exempts from RLIMIT_NPROC, and not nobody, whose limit other daemons share."""
+    if os.geteuid() != 0:
+        pytest.skip("started by another user, bwrap runs as that user")
+    try:
+        entry = pwd.getpwnam(bubblewrap.SANDBOX_USER)
+    except KeyError:
+        pytest.fail(f"no {bubblewrap.SANDBOX_USER} user: make setup creates it "
+                    f"({bubblewrap.CREATE_USER})")
+    before = _sandbox_processes()
+
+    async def watch():
+        call = asyncio.ensure_future(run_python("import time\ntime.sleep(2)"))
+        ids = {}
+        while not call.done():
+            for pid in _sandbox_processes() - before:
+                try:
+                    status = pathlib.Path(f"/proc/{pid}/status").read_text().splitlines()
+                except OSError:
+                    continue
+                ids[pid] = {tuple(line.split()[1:]) for line in status
+                            if line.startswith(("Uid:", "Gid:"))}
+            await asyncio.sleep(0.05)
+        return await call, ids
+
+    r, ids = run(watch())
+    assert r.ok and len(ids) >= 2, (r, ids)  # bwrap and the interpreter, at least
+    want = {(str(entry.pw_uid),) * 4, (str(entry.pw_gid),) * 4}  # real, effective, saved, fs
+    assert all(v == want for v in ids.values()), (want, ids)
+    _contained(r, host)
 
 
 # -- no bubblewrap, no agent job -------------------------------------------------------------

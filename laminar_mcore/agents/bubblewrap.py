@@ -10,11 +10,15 @@ system's library directories. Nothing else of the host is there: not the project
 run's output directory, ``/root``, ``/home``, ``/etc`` or ``/dev/shm``. The root of the sandbox
 is read-only.
 
-The host user: started by root, ``bwrap`` itself runs as ``HOST_UID``/``HOST_GID`` (nobody):
-inside a user namespace root's uid 65534 would still be host uid 0, which Linux exempts from
-``RLIMIT_NPROC``; as nobody the sandbox is unprivileged on the host as well, and the limit bounds
-a fork storm (counted over every process of that user, so calls running at once share it).
-Started by another user, ``bwrap`` runs as that user (unprivileged user namespaces needed).
+The host user: started by root, ``bwrap`` itself runs as the dedicated system user
+``SANDBOX_USER`` (``laminar-sandbox``: no home, no shell, no files; ``make setup`` creates it
+where it runs as root, or ``useradd --system --no-create-home --shell /usr/sbin/nologin
+laminar-sandbox``). Inside a user namespace root's uid 65534 would still be host uid 0, which
+Linux exempts from ``RLIMIT_NPROC``; as its own user the sandbox is unprivileged on the host as
+well, and the limit bounds a fork storm, counted over the sandbox's processes only (calls
+running at once share it). Without that user it falls back to nobody (65534), which other
+daemons may share, and says so once. Started by another user, ``bwrap`` runs as that user
+(unprivileged user namespaces needed).
 
 The interpreter: the caller's own (a venv's base interpreter, resolved), unless the sandbox's host user
 cannot reach it (a Python under ``/root`` when started as root): then ``/usr/bin/python3``.
@@ -23,15 +27,22 @@ cannot reach it (a Python under ``/root`` when started as root): then ``/usr/bin
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import pwd
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+logger = logging.getLogger(__name__)
+
 SANDBOXES = ("bubblewrap", "unsafe-local")
-HOST_UID = HOST_GID = 65534  # nobody / nogroup: bwrap's host user when the caller is root
+SANDBOX_USER = "laminar-sandbox"  # bwrap's host user when the caller is root
+HOST_UID = HOST_GID = 65534  # nobody / nogroup: the fallback without SANDBOX_USER
+CREATE_USER = (f"useradd --system --no-create-home --home-dir /nonexistent "
+               f"--shell /usr/sbin/nologin {SANDBOX_USER}")
 INSIDE_ID = "65534"
 LIB_DIRS = ("/lib", "/lib64", "/lib32", "/libx32", "/usr/lib", "/usr/lib64", "/usr/lib32",
             "/usr/libx32")
@@ -54,8 +65,19 @@ class Interpreter:
 
 
 def host_ids() -> Optional[Tuple[int, int]]:
-    """(uid, gid) bwrap is started as: nobody when the caller is root, else None (its own)."""
-    return (HOST_UID, HOST_GID) if os.geteuid() == 0 else None
+    """(uid, gid) bwrap is started as when the caller is root: ``SANDBOX_USER``'s, or nobody's
+    where that user does not exist; None (its own) for any other caller."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        entry = pwd.getpwnam(SANDBOX_USER)
+    except KeyError:
+        return HOST_UID, HOST_GID
+    if entry.pw_uid == 0 or entry.pw_gid == 0:  # a misconfigured "sandbox" user is root
+        raise SandboxUnavailable(
+            f"LMC-E710: the tool sandbox's host user {SANDBOX_USER} has uid {entry.pw_uid}, gid "
+            f"{entry.pw_gid}: it must be unprivileged; recreate it ({CREATE_USER})")
+    return entry.pw_uid, entry.pw_gid
 
 
 def reachable(path: str, ids: Optional[Tuple[int, int]]) -> bool:
@@ -173,6 +195,10 @@ def check() -> Setup:
                 "it (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap), "
                 "or set rollout.sandbox=unsafe-local (no isolation at all: only for code you "
                 "trust)")
+        if ids == (HOST_UID, HOST_GID):
+            logger.warning("the tool sandbox runs as nobody on the host (uid %d), which other "
+                           "daemons may share, so its process limit is shared too: create its "
+                           "own user (%s; make setup does, as root)", HOST_UID, CREATE_USER)
         setup = Setup(os.path.abspath(found), interpreter(ids))
         try:
             out = subprocess.run(argv(setup, 1 << 20) + ["-I", "-S", "-c",

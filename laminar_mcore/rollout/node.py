@@ -115,11 +115,14 @@ def _run_relay_node(cfg, client, name, logs, log, held: list):
                            join_timeout_s(cfg))
     supervisor = NodeSupervisor(cfg, client, info["model_path"], logs, name, log=log)
     held.append(supervisor)
+    started = time.time()
     supervisor.start()
+    took = time.time() - started
     supervisor.register()
     supervisor.watch()
     log(f"registered: {'master ' if supervisor.master else ''}relay {supervisor.relay.url}, "
-        f"{len(supervisor.engines)} {cfg.rollout.backend} engines (supervised)")
+        f"{len(supervisor.engines)} {cfg.rollout.backend} engines (supervised; started in "
+        f"{took:.1f} s)")
     return supervisor
 
 
@@ -131,15 +134,17 @@ def _run_remote_node(cfg, client, name, logs, procs, log):
     info = client.wait_for("the master relay", client.cluster,
                            lambda a: a.get("master_relay"), join_timeout_s(cfg))
     relay_url = info["master_relay"]["url"]
+    started = time.time()
     engines = start_engines(cfg, info["model_path"], logs, procs, name,
                             api_key=engine_api_key(client.token))
+    took = time.time() - started
     agent = PullAgent(relay_url, [e.url for e in engines],
                       [engine_pull_spec(cfg.rollout, i, cfg.weight_sync)
                        for i in range(len(engines))], client.token, host=cfg.rollout.host)
     agent.start()
     client.register(relay_url, [e.url for e in engines], pull_agent=agent.url)
     log(f"registered: no relay here, {len(engines)} {cfg.rollout.backend} engines pulling from "
-        f"{relay_url} through Mooncake (pull agent {agent.url})")
+        f"{relay_url} through Mooncake (pull agent {agent.url}; started in {took:.1f} s)")
     return agent
 
 
