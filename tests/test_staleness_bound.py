@@ -19,7 +19,8 @@ def test_eta_bounds_the_staleness_laminar_trains_on(tmp_path, eta, lag):
     out = subprocess.run(
         [sys.executable, "-m", "laminar_mcore.launch", "experiment=cpu_demo", "mode=laminar",
          "output_dir=out", "run_name=eta", f"algo.max_staleness={eta}",
-         f"weight_sync.publish_lag={lag}", "trainer.total_steps=6", "data.warmup_steps=0",
+         f"weight_sync.publish_lag={lag}", "trainer.total_steps=6", "trainer.lr_warmup_steps=0",
+         "data.warmup_steps=0",
          "data.num_eval=8", "trainer.eval_interval=0"],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
         env=dict(os.environ, PYTHONWARNINGS="ignore"))

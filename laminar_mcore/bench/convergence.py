@@ -70,12 +70,63 @@ def _steps(evaluation: dict) -> int:
 TARGET_FRACTION = 0.8
 
 
+# The convergence criterion. A run's final accuracy is the mean of the evaluations in its last
+# quarter (at least PLATEAU_EVALS of them): one evaluation of 256 prompts is noisy (+-0.025 at
+# 80%). A mode has plateaued when those evaluations rise by less than PLATEAU_RISE along their
+# least-squares line across the quarter, judged on its curve averaged over the seeds.
+PLATEAU_EVALS = 3
+PLATEAU_RISE = 0.03
+
+
+def _last_quarter(evals: List[dict]) -> List[dict]:
+    ordered = sorted(evals, key=lambda e: e["step"])
+    if not ordered:
+        return []
+    last = ordered[-1]["step"]
+    quarter = [e for e in ordered if e["step"] >= 0.75 * last and e["step"] > 0]
+    return quarter if len(quarter) >= PLATEAU_EVALS else ordered[-PLATEAU_EVALS:]
+
+
+def final_accuracy(summary: dict) -> float:
+    """The mean accuracy of the run's last quarter of evaluations (``PLATEAU_EVALS`` at least;
+    the run's own final figure where it has no evaluations)."""
+    tail = _last_quarter(summary.get("evals") or [])
+    if not tail:
+        return float(summary["final_accuracy"])
+    return sum(e["accuracy"] for e in tail) / len(tail)
+
+
+def plateau_rise(evals: List[dict]) -> Optional[float]:
+    """How much the last quarter's evaluations rise across the quarter along their
+    least-squares line (accuracy; None with fewer than 2 evaluations)."""
+    tail = _last_quarter(evals)
+    if len(tail) < 2:
+        return None
+    xs, ys = [float(e["step"]) for e in tail], [float(e["accuracy"]) for e in tail]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        return None
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return slope * max(0.25 * max(xs), xs[-1] - xs[0])
+
+
+def mean_curve(runs: List[dict]) -> List[dict]:
+    """One mode's evaluations averaged over seeds, step by step (steps every seed has)."""
+    by_step: Dict[int, List[float]] = {}
+    for run in runs:
+        for e in run.get("evals") or []:
+            by_step.setdefault(int(e["step"]), []).append(float(e["accuracy"]))
+    return [{"step": step, "accuracy": sum(v) / len(v)} for step, v in sorted(by_step.items())
+            if len(v) == len(runs)]
+
+
 def default_target(sync: dict, fraction: float = TARGET_FRACTION) -> float:
     """``fraction`` of the way from sync's starting accuracy (its step-0 evaluation) to its
-    final one."""
+    final one (``final_accuracy``: its last quarter's mean)."""
     start = min(sync["evals"], key=lambda e: e["step"])["accuracy"] if sync.get("evals") \
         else sync["initial_accuracy"]
-    return start + fraction * (sync["final_accuracy"] - start)
+    return start + fraction * (final_accuracy(sync) - start)
 
 
 def figures_from(results: Dict[str, dict], batch_samples: int,
@@ -94,7 +145,9 @@ def figures_from(results: Dict[str, dict], batch_samples: int,
         figures[f"{mode}_time_to_target_s"] = hit["wall_s"] if hit else None
         figures[f"{mode}_samples_to_target"] = (round(hit["steps"] * batch_samples) if hit
                                                 else None)
-        figures[f"{mode}_final_accuracy"] = s["final_accuracy"]
+        figures[f"{mode}_final_accuracy"] = final_accuracy(s)
+        figures[f"{mode}_last_accuracy"] = s["final_accuracy"]
+        figures[f"{mode}_plateau_rise"] = plateau_rise(s.get("evals") or [])
         figures[f"{mode}_final_accuracy_greedy"] = s.get("final_accuracy_greedy")
         figures[f"{mode}_tokens_per_s"] = s["trainer_tokens_per_s"]
         figures[f"{mode}_engine_idle_fraction"] = s["engine_idle_fraction"]
@@ -117,8 +170,8 @@ def figures_from(results: Dict[str, dict], batch_samples: int,
         hit = reached["sync"]
         figures["laminar_sample_efficiency_vs_sync"] = (
             hit["steps"] / lam["steps"] if hit and lam and lam["steps"] > 0 else None)
-        figures["final_accuracy_gap_vs_sync"] = (results["laminar"]["final_accuracy"]
-                                                 - results["sync"]["final_accuracy"])
+        figures["final_accuracy_gap_vs_sync"] = (final_accuracy(results["laminar"])
+                                                 - final_accuracy(results["sync"]))
         # the speedup as a curve over targets (each a share of sync's gain), not one point
         for pct in CURVE:
             target_at = default_target(results["sync"], pct / 100)
@@ -154,7 +207,8 @@ def over_seeds(per_seed: List[Dict[str, object]]) -> Dict[str, object]:
             out[key] = values[0] if all(v == values[0] for v in values) else None
             continue
         out[key] = statistics.median(numbers)
-        if key in SPREAD or key.endswith(("_time_to_target_s", "_generation_fraction")):
+        if key in SPREAD or key.endswith(("_time_to_target_s", "_generation_fraction",
+                                          "_final_accuracy")):
             out[f"{key}_median"] = out[key]
             out[f"{key}_min"], out[f"{key}_max"] = min(numbers), max(numbers)
             out[f"{key}_seeds"] = len(numbers)
@@ -192,6 +246,19 @@ def plot_curve(figures: Dict[str, object], path: str) -> Optional[str]:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plateau_figures(all_runs: Dict[str, List[dict]]) -> Dict[str, object]:
+    """Per mode, on its curve averaged over the seeds: ``<mode>_plateau_rise_mean_curve`` and
+    ``<mode>_plateaued`` (the criterion above); ``all_modes_plateaued``."""
+    out: Dict[str, object] = {}
+    for mode, runs in all_runs.items():
+        rise = plateau_rise(mean_curve(runs)) if runs else None
+        out[f"{mode}_plateau_rise_mean_curve"] = rise
+        out[f"{mode}_plateaued"] = rise is not None and rise < PLATEAU_RISE
+    out["all_modes_plateaued"] = all(out[f"{m}_plateaued"] for m in all_runs)
+    out["plateau_rise_criterion"] = PLATEAU_RISE
+    return out
 
 
 class BusyWatch:
@@ -278,6 +345,7 @@ def main(argv=None) -> dict:
     started = time.time()
     per_seed: List[Dict[str, object]] = []
     first_runs: Dict[str, dict] = {}  # the plot and the stored reference: the first seed's
+    all_runs: Dict[str, List[dict]] = {m: [] for m in modes}  # every seed's, for the plateau
     first = None
     for i in range(args.seeds):
         results: Dict[str, dict] = {}
@@ -295,6 +363,7 @@ def main(argv=None) -> dict:
             print(f"[convergence] seed {cfg.seed}, {mode}: {cfg.trainer.total_steps} steps",
                   flush=True)
             results[mode] = run_train(cfg)
+            all_runs[mode].append(results[mode])
         batch_samples = cfg.trainer.train_batch_prompts * cfg.algo.n_samples_per_prompt
         per_seed.append(figures_from(results, batch_samples, args.target,
                                      args.target_fraction))
@@ -305,6 +374,11 @@ def main(argv=None) -> dict:
                   "nothing; give --target or more --steps", flush=True)
         first_runs = first_runs or results
     figures = over_seeds(per_seed)
+    figures.update(plateau_figures(all_runs))
+    if "sync" in modes and "laminar" in modes:
+        figures["laminar_final_within_sync_spread"] = (
+            figures["sync_final_accuracy_min"] <= figures["laminar_final_accuracy"]
+            <= figures["sync_final_accuracy_max"]) if args.seeds > 1 else None
     figures["steps"] = cfg.trainer.total_steps
     figures["first_seed"] = first
     figures.update(watch.result())
@@ -326,7 +400,10 @@ def main(argv=None) -> dict:
         t = figures[f"{mode}_time_to_target_s"]
         n = figures[f"{mode}_samples_to_target"]
         lines[mode] = (f"{'not reached' if t is None else f'{t:.0f} s, {n} samples'} to target; "
-                       f"final accuracy {figures[f'{mode}_final_accuracy']:.3f}, "
+                       f"final accuracy {figures[f'{mode}_final_accuracy']:.3f} ("
+                       f"{'plateaued' if figures[f'{mode}_plateaued'] else 'still rising'}: "
+                       f"{figures[f'{mode}_plateau_rise_mean_curve']:+.3f} over the last "
+                       "quarter), "
                        f"{figures[f'{mode}_tokens_per_s']:.0f} tokens/s, engines generating "
                        f"{figures[f'{mode}_generation_fraction']:.0%} of the time, trainer "
                        f"waiting {figures[f'{mode}_trainer_wait_fraction']:.0%}")
@@ -338,6 +415,13 @@ def main(argv=None) -> dict:
                     f" (median of {figures[key + '_seeds']} seeds; "
                     f"{fmt.format(figures[key + '_min'])} to {fmt.format(figures[key + '_max'])})"
                     if args.seeds > 1 and key + "_min" in figures else ""))
+    within = figures.get("laminar_final_within_sync_spread")
+    lines["plateau"] = (
+        f"{'every' if figures['all_modes_plateaued'] else 'not every'} mode plateaued "
+        "(criterion: the last quarter's evaluations, averaged over the seeds, rise by less "
+        f"than {PLATEAU_RISE} along their least-squares line)" + (
+            f"; laminar's final accuracy is {'' if within else 'not '}within sync's range "
+            "over the seeds" if within is not None else ""))
     curve = plot_curve(figures, args.curve_plot) if args.curve_plot and "sync" in modes \
         and "laminar" in modes else None
     if path:

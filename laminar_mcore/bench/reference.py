@@ -29,6 +29,8 @@ def fingerprint(cfg) -> Dict[str, object]:
             "long_fraction": d.long_fraction, "num_train": d.num_train, "num_eval": d.num_eval,
             "warmup_steps": d.warmup_steps, "seed": cfg.seed, "total_steps": t.total_steps,
             "train_batch_prompts": t.train_batch_prompts, "lr": t.lr,
+            "min_lr": t.min_lr, "lr_decay_style": t.lr_decay_style,
+            "lr_warmup_steps": t.lr_warmup_steps,
             "eval_interval": t.eval_interval, "n_samples_per_prompt": a.n_samples_per_prompt,
             "max_staleness": a.max_staleness, "num_engines": r.num_engines,
             "skip_zero_advantage": t.skip_zero_advantage, "eval_offline": t.eval_offline,

@@ -257,6 +257,10 @@ def validate_config(cfg: DictConfig) -> None:
     if tr.lr <= 0 or tr.min_lr < 0 or tr.min_lr > tr.lr:
         problems.append(f"LMC-E103: trainer.lr={tr.lr} must be > 0 and trainer.min_lr={tr.min_lr} "
                         "in [0, lr]")
+    if tr.lr_warmup_steps < 0 or (tr.lr_warmup_steps and tr.lr_warmup_steps >= tr.total_steps):
+        problems.append(f"LMC-E103: trainer.lr_warmup_steps={tr.lr_warmup_steps} must be >= 0 "
+                        f"and below trainer.total_steps={tr.total_steps} (the schedule warms up, "
+                        "then decays over the run); lower it, or set it to 0 for a short run")
     if cfg.algo.eps_clip <= 0 or (cfg.algo.eps_clip_high is not None and cfg.algo.eps_clip_high <= 0):
         problems.append("LMC-E103: algo.eps_clip and algo.eps_clip_high must be > 0")
     if cfg.algo.dual_clip is not None and cfg.algo.dual_clip <= 1:
