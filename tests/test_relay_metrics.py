@@ -99,9 +99,15 @@ def test_relay_metrics_count_publishes_pulls_and_chain_changes(tmp_path):
         assert m["laminar_relay_host_memory_bytes"] >= nbytes
         assert m["laminar_relay_pulls_total{format=shm}"] == 0
         assert m["laminar_relay_chain_relays"] == 2
-        # r1 joined (once, or again after a registration the master answered too late)
+        # r1 joined (once, or again after a registration the master answered too late). Under
+        # heavy load the master may also have lost it once (a probe timed out) and taken it back
+        # when it registered again: each such loss is a fault, a recovery and two downstream
+        # changes (r1 -> none -> r1), counted exactly
         assert m["laminar_relay_chain_rebuilds_total{reason=register}"] >= 1
-        assert m["laminar_relay_downstream_changes_total"] == 1  # none -> r1
+        lost = m.get("laminar_relay_faults_total{kind=relay_lost}", 0)
+        assert m.get("laminar_relay_recoveries_total{kind=rechained}", 0) == lost
+        assert m["laminar_relay_downstream_changes_total"] == 1 + 2 * lost  # none -> r1 (...)
+        before = m
 
         # r1: received from the master, pulled once, the end of the chain
         _, r = _scrape(r1.url)
@@ -136,15 +142,19 @@ def test_relay_metrics_count_publishes_pulls_and_chain_changes(tmp_path):
         # the chain loses r1 before the master counts the fault, rebuilds and recovers: wait
         # for the last of them
         wait_until(lambda: _scrape(master.url)[1].get(
-            "laminar_relay_recoveries_total{kind=rechained}") == 1, timeout=30,
+            "laminar_relay_recoveries_total{kind=rechained}") == lost + 1, timeout=30,
             what="the chain rebuilt without r1")
         assert _get(master.url, "/chain")["chain"] == ["master"]
         _, m = _scrape(master.url)
-        assert m["laminar_relay_faults_total{kind=relay_lost}"] == 1
-        assert m["laminar_relay_recoveries_total{kind=rechained}"] == 1
-        assert m["laminar_relay_chain_rebuilds_total{reason=failure}"] == 1
+
+        def grew(key):
+            return m.get(key, 0) - before.get(key, 0)
+
+        assert grew("laminar_relay_faults_total{kind=relay_lost}") == 1
+        assert grew("laminar_relay_recoveries_total{kind=rechained}") == 1
+        assert grew("laminar_relay_chain_rebuilds_total{reason=failure}") == 1
         assert m["laminar_relay_chain_relays"] == 1
-        assert m["laminar_relay_downstream_changes_total"] == 2  # r1 -> none
+        assert grew("laminar_relay_downstream_changes_total") == 1  # r1 -> none
         assert m["laminar_relay_faults_total{kind=version_failed}"] == 0
     finally:
         if publishes is not None:
