@@ -24,6 +24,12 @@ holds its step's version or a newer one). The ratios favour laminar above 1:
 * ``final_accuracy_gap_vs_sync``: laminar's final accuracy minus sync's (parity: within the
   seeds' spread of 0).
 
+A run's final accuracy is the mean of its last quarter's evaluations (``final_accuracy``; one
+evaluation is noisy), and the benchmark says whether every mode ran to its plateau
+(``<mode>_plateaued``, ``all_modes_plateaued``: the convergence criterion below) and whether
+laminar's final accuracy lies within sync's range over the seeds
+(``laminar_final_within_sync_spread``).
+
 Where the time goes, per mode (steady state, from the first step to the last):
 ``<mode>_generation_fraction`` (the share of wall time with generation under way on any
 engine; ``sync_generation_fraction`` is the share of a synchronous run spent generating, 83%
