@@ -109,11 +109,9 @@ def plateau_rise(evals: List[dict]) -> Optional[float]:
     if len(tail) < 2:
         return None
     xs, ys = [float(e["step"]) for e in tail], [float(e["accuracy"]) for e in tail]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    if sxx == 0:
+    if len(set(xs)) < 2:
         return None
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    slope = statistics.linear_regression(xs, ys).slope
     return slope * max(0.25 * max(xs), xs[-1] - xs[0])
 
 
@@ -176,8 +174,8 @@ def figures_from(results: Dict[str, dict], batch_samples: int,
         hit = reached["sync"]
         figures["laminar_sample_efficiency_vs_sync"] = (
             hit["steps"] / lam["steps"] if hit and lam and lam["steps"] > 0 else None)
-        figures["final_accuracy_gap_vs_sync"] = (final_accuracy(results["laminar"])
-                                                 - final_accuracy(results["sync"]))
+        figures["final_accuracy_gap_vs_sync"] = (figures["laminar_final_accuracy"]
+                                                 - figures["sync_final_accuracy"])
         # the speedup as a curve over targets (each a share of sync's gain), not one point
         for pct in CURVE:
             target_at = default_target(results["sync"], pct / 100)
@@ -350,8 +348,7 @@ def main(argv=None) -> dict:
     watch = BusyWatch()
     started = time.time()
     per_seed: List[Dict[str, object]] = []
-    first_runs: Dict[str, dict] = {}  # the plot and the stored reference: the first seed's
-    all_runs: Dict[str, List[dict]] = {m: [] for m in modes}  # every seed's, for the plateau
+    all_runs: Dict[str, List[dict]] = {m: [] for m in modes}  # every seed's summaries
     first = None
     for i in range(args.seeds):
         results: Dict[str, dict] = {}
@@ -378,7 +375,7 @@ def main(argv=None) -> dict:
             print(f"[convergence] warning: seed {cfg.seed}: sync did not improve on its starting "
                   "accuracy, so the default target is reached at once and the ratios say "
                   "nothing; give --target or more --steps", flush=True)
-        first_runs = first_runs or results
+    first_runs = {m: runs[0] for m, runs in all_runs.items()}  # the plot, the stored reference
     figures = over_seeds(per_seed)
     figures.update(plateau_figures(all_runs))
     if "sync" in modes and "laminar" in modes:
