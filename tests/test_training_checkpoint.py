@@ -86,6 +86,49 @@ def test_resume_matches_the_uninterrupted_run(tmp_path):
     _assert_continues(full[0], wa, tp2, out["tp2"])
 
 
+@pytest.mark.multiprocess
+def test_bf16_resume_matches_the_uninterrupted_run(tmp_path):
+    """What every checkpoint save on a GPU hit: a bf16 model (Qwen2 with its QKV bias, Qwen3
+    with its QK norms) under the distributed optimizer at DP2, saved in both formats and
+    resumed: the next two steps equal the uninterrupted run bit for bit -- losses, weights,
+    Adam's moments. (Before every parameter was cast, the norms stayed fp32, the no-weight-decay
+    group mixed dtypes and the save asserted.)"""
+    runs = [(family, sharding) for family in ("qwen2", "qwen3")
+            for sharding in ("dp_reshardable", "fully_reshardable")]
+    full, resumed = [], []
+    for family, sharding in runs:
+        common = ["--tp", "1", "--steps", "5", "--dtype", "bf16", "--family", family,
+                  "--sharding", sharding, "--ckpt", str(tmp_path / f"ckpt_{family}_{sharding}")]
+        for kind, extra, argv in (("full", ["--save-at", "3"], full),
+                                  ("resumed", ["--resume", "auto"], resumed)):
+            out = tmp_path / f"{kind}_{family}_{sharding}"
+            out.mkdir()
+            argv += [*common, *extra, "--out", str(out), "--next"]
+    # (run_torchrun adds --out of its own: the last run's)
+    last = runs[-1]
+    run_torchrun(SCRIPT, 2, full[:-3], out_dir=str(tmp_path / f"full_{last[0]}_{last[1]}"))
+    run_torchrun(SCRIPT, 2, resumed[:-3], out_dir=str(tmp_path / f"resumed_{last[0]}_{last[1]}"))
+    for family, sharding in runs:
+        full_dir = tmp_path / f"full_{family}_{sharding}"
+        resumed_dir = tmp_path / f"resumed_{family}_{sharding}"
+        for a, b in zip(_rank_results(full_dir), _rank_results(resumed_dir)):
+            assert b["resumed_from"].endswith("step_00000003") and b["start"] == 3
+            assert [b["losses"][s]["loss"] for s in ("4", "5")] == \
+                [a["losses"][s]["loss"] for s in ("4", "5")], (family, sharding)
+        wa = load_file(full_dir / "final.safetensors")
+        wb = load_file(resumed_dir / "final.safetensors")
+        assert {t.dtype for t in wa.values()} == {torch.bfloat16}
+        assert any("layernorm" in name or "norm" in name for name in wa)
+        for name in wa:
+            assert torch.equal(wa[name], wb[name]), (family, sharding, name)
+        for rank in (0, 1):
+            ma = load_file(full_dir / f"adam_rank{rank}.safetensors")
+            mb = load_file(resumed_dir / f"adam_rank{rank}.safetensors")
+            assert ma.keys() == mb.keys() and any(k.endswith("exp_avg_sq") for k in ma)
+            for key in ma:
+                assert torch.equal(ma[key], mb[key]), (family, sharding, key)
+
+
 def _assert_continues(full, full_weights, resumed, resumed_dir):
     """A run resumed at another layout from step 3 continues the uninterrupted one (1e-5)."""
     assert resumed["start"] == 3 and resumed["version"] == 5

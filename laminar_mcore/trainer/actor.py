@@ -43,7 +43,8 @@ from ..data.trajectory import Trajectory
 from ..parallel import apply_cpu_compat, device
 from .batch_plan import plan_batch, skip_zero_advantage
 from .logprobs import megatron_vocab_parallel_logprobs
-from .model import build_gpt_model, load_full_state, memory_config, te_available
+from .model import (build_gpt_model, check_parameter_dtypes, load_full_state, memory_config,
+                    te_available)
 from .packing import PackedMicroBatch, pack_routed_experts, pack_trajectories
 from .step_stats import MISMATCH_EDGES, mismatch_summary, mismatch_terms, reduce_step_stats
 
@@ -120,6 +121,7 @@ class MegatronActor:
         if algo.kl_coef > 0:
             self.ref_model = _frozen_copy(model, hf_config, build, offload=algo.ref_offload)
             self._ref_replays = _router_replays(self.ref_model)
+        check_parameter_dtypes(model)  # before Megatron groups them (LMC-E333)
         self.model = DistributedDataParallel(
             model.config,
             DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,

@@ -46,6 +46,51 @@ def te_available() -> bool:
     return torch.cuda.is_available() and te_importable()
 
 
+# The CUDA extensions behind Megatron's fusion flags (Apex builds them; PyPI has no Apex):
+# ``masked_softmax_fusion`` -> the local attention's fused softmax
+# (``megatron/core/fusions/fused_softmax.py``), ``gradient_accumulation_fusion`` -> the weight-
+# gradient GEMM of Megatron's own ``ColumnParallelLinear`` (``tensor_parallel/layers.py``), which
+# is ``GPTModel``'s output layer even when Transformer Engine builds every other layer.
+SOFTMAX_EXTENSIONS = ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda",
+                      "scaled_softmax_cuda")
+WGRAD_EXTENSION = "fused_weight_gradient_mlp_cuda"
+
+
+def module_findable(name: str) -> bool:
+    """Whether ``import name`` would find a module (without importing it)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def fusion_flags(*, on_gpu: bool, use_te: bool, packed: bool = True, findable=None) -> dict:
+    """Megatron's fusion flags from the facts that decide them, as NVIDIA's Megatron-Bridge
+    probes them (``can_enable_masked_softmax_fusion``, ``can_enable_gradient_accumulation_fusion``):
+    a flag is on only where the kernel that serves it exists.
+
+    - ``bias_activation_fusion``: Megatron's jit-fused bias-SwiGLU (torch's own compiler) on GPUs;
+    - ``masked_softmax_fusion``: never with packed sequences -- the local spec declares a causal
+      mask, and the fused causal kernel ignores the block-diagonal mask of packed sequences (they
+      would attend to each other); otherwise only where Apex's softmax extensions are findable;
+    - ``gradient_accumulation_fusion``: Transformer Engine for its layers *and* Apex's
+      ``fused_weight_gradient_mlp_cuda`` for the output layer (Megatron raises without it);
+    - ``apply_rope_fusion``: Transformer Engine's fused RoPE (THD without it syncs the host in
+      every layer).
+
+    ``findable`` (module name -> bool) defaults to :func:`module_findable`; tests pass their own."""
+    findable = module_findable if findable is None else findable
+    softmax = all(findable(m) for m in SOFTMAX_EXTENSIONS)
+    return dict(
+        bias_activation_fusion=bool(on_gpu),
+        masked_softmax_fusion=bool(on_gpu and softmax and not packed),
+        gradient_accumulation_fusion=bool(on_gpu and use_te and findable(WGRAD_EXTENSION)),
+        apply_rope_fusion=bool(on_gpu and use_te),
+    )
+
+
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -94,13 +139,8 @@ def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, use_te=
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=not on_gpu,
-        # Fusions need CUDA kernels: Megatron's jit bias-SwiGLU and masked softmax on any GPU;
-        # fused RoPE (THD without it syncs the host in every layer) and the weight-gradient
-        # accumulation fusion come from Transformer Engine. On CPU the plain torch path is used.
-        bias_activation_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
-        gradient_accumulation_fusion=bool(on_gpu and use_te),
-        apply_rope_fusion=bool(on_gpu and use_te),
+        # each fusion only where its kernel exists (fusion_flags); on CPU the plain torch path
+        **fusion_flags(on_gpu=on_gpu, use_te=use_te),
         persist_layer_norm=False,
         variable_seq_lengths=True,  # packed micro-batches differ in length under PP
         moe_token_dispatcher_type="alltoall",  # the one Megatron allows with variable lengths
@@ -147,9 +187,51 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32,
         **adapter.gpt_model_kwargs(hf_config),
     )
     apply_cpu_compat()  # rebinds megatron modules that building the model imported
+    cast_parameters(model, dtype)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def cast_parameters(model, dtype: torch.dtype) -> None:
+    """One dtype for every parameter, as Megatron-LM's and verl's ``Float16Module`` casts a
+    half-precision model: the local spec's norms (``torch.nn.RMSNorm`` built without a dtype)
+    would otherwise stay fp32 in a bf16 model. Parameters keep their identity and attributes
+    (TP layout, sequence-parallel marks); only their data is cast."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
+def check_parameter_dtypes(model) -> None:
+    """Refuse a model whose optimizer parameter groups would mix dtypes (LMC-E333).
+
+    Megatron's optimizer groups parameters by weight decay (biases and 1-D tensors such as norms
+    go without) and by expert or dense; the distributed optimizer records each parameter's place
+    in buffer order but regroups a group's shards fp32 first, so in a group of mixed dtypes its
+    checkpoint looks state up by the wrong order: every format's save asserts, or saves one
+    layer's Adam state under another's name."""
+    from ..models.moe import is_expert_param
+
+    groups: Dict[Tuple[bool, bool], Dict[torch.dtype, list]] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        no_decay = name.endswith(".bias") or p.dim() == 1
+        groups.setdefault((no_decay, is_expert_param(name)), {}).setdefault(
+            p.dtype, []).append(name)
+    for (no_decay, expert), by_dtype in groups.items():
+        if len(by_dtype) > 1:
+            what = "; ".join(f"{str(d).replace('torch.', '')}: {', '.join(n[:4])}"
+                             f"{f' and {len(n) - 4} more' if len(n) > 4 else ''}"
+                             for d, n in sorted(by_dtype.items(), key=lambda kv: str(kv[0])))
+            group = ("no-weight-decay" if no_decay else "weight-decay") + (
+                " expert" if expert else "")
+            raise AdapterError(
+                f"LMC-E333: the optimizer's {group} parameter group mixes dtypes ({what}); "
+                "the distributed optimizer's checkpoints need one dtype per group. Build the "
+                "model with build_gpt_model(dtype=...), which casts every parameter, or cast "
+                "the parameters named here before the optimizer is built")
 
 
 def _expert_layout(model) -> Tuple[int, int]:

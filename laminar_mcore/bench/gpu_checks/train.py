@@ -124,7 +124,7 @@ def _tiny_actor(b: Bench, algo=None, **kw):
     cfg = tiny_hf_config("qwen2")
     full = get_adapter(cfg).hf_to_mcore(cfg, initial_hf_state(type("M", (), {"path": None})(),
                                                               cfg, 3))
-    dtype = torch.bfloat16 if b.cuda else torch.float32
+    dtype = torch.bfloat16  # the GPU's dtype in the rehearsal too (fp32 hid a mixed group)
     actor = MegatronActor(cfg, algo or AlgoConfig(eps_clip_high=0.28),
                           TrainerConfig(lr=1e-3, total_steps=10, max_tokens_per_microbatch=64),
                           full_state=full, dtype=dtype, **kw)
