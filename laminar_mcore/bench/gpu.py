@@ -22,7 +22,9 @@ Checks, each printed as pass/fail with its figure:
    and the engine GPU's peak memory, at most two buckets (SGLang's classes when importable, a
    stand-in of the same format otherwise);
 7. ``plan``: the capacity plan's activation bytes per token and layer against a measured
-   Qwen2.5-7B-shaped layer;
+   Qwen2.5-7B-shaped layer at 16,384 tokens in eight packed sequences (the attention the run
+   uses: Transformer Engine's, else ``trainer.attention``'s varlen/SDPA kernels), and no
+   ``[s, s]`` score tensor kept;
 8. ``moe``: a tiny Qwen3-MoE built as the trainer builds it on this machine (Transformer
    Engine's grouped-GEMM experts when TE is installed on a GPU, Megatron's SequentialMLP
    otherwise): its log-probs against the CPU engine's forward of the same weights, the export's
@@ -79,60 +81,71 @@ from .gpu_checks.transfer import check_cuda_ipc, check_publish, check_staging
 
 # ---------------------------------------------------------------------- 7. plan vs measured
 def check_plan(b: Bench) -> Tuple[bool, str]:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
     from ..config.plan import _activation_bytes_per_token_layer, arch_of_hf_config
     from ..models.hf import build_hf_config, tiny_hf_config
-    from ..trainer.model import build_gpt_model
+    from ..trainer.attention import choose_kernel
+    from ..trainer.model import build_gpt_model, te_available
 
-    if b.cuda:
+    if b.cuda:  # the 7B recipe's micro-batch: 16,384 tokens, eight packed sequences
         cfg = build_hf_config("qwen2", hidden_act="silu", num_hidden_layers=1, **QWEN2_5_7B)
-        tokens, dtype = 2048, torch.bfloat16
+        tokens, seqs, dtype = 16384, 8, torch.bfloat16
     else:
-        cfg, tokens, dtype = tiny_hf_config("qwen2", num_hidden_layers=1), 64, torch.float32
+        cfg, tokens, seqs, dtype = tiny_hf_config("qwen2", num_hidden_layers=1), 256, 4, \
+            torch.float32
     model = build_gpt_model(cfg, dtype=dtype)
     layer = model.decoder.layers[0]
     h = cfg.hidden_size
     x = torch.randn(tokens, 1, h, device=b.device, dtype=dtype, requires_grad=True)
     seen, saved = set(), {"linear": 0, "scores": 0}
     seen.update((p.untyped_storage().data_ptr(), p.device.type) for p in model.parameters())
+    longest = tokens // seqs
 
     def pack(t):  # every tensor autograd keeps for backward, counted once per storage
         key = (t.untyped_storage().data_ptr(), t.device.type)
         if key not in seen and t.data_ptr() != x.data_ptr():
             seen.add(key)
-            # [.., s, s]: the unfused attention's scores/probabilities/mask, which flash
-            # attention (Transformer Engine, what the plan assumes) never stores
-            kind = "scores" if t.dim() >= 2 and tuple(t.shape[-2:]) == (tokens, tokens) else "linear"
-            saved[kind] += t.untyped_storage().nbytes()
+            # [.., s, s]: an unfused attention's scores/probabilities/mask, which flash
+            # attention (what the plan assumes) never stores
+            square = t.dim() >= 2 and t.shape[-1] == t.shape[-2] and t.shape[-1] >= longest
+            saved["scores" if square else "linear"] += t.untyped_storage().nbytes()
         return t
 
-    rope = model.rotary_pos_emb(tokens)
-    mask = torch.triu(torch.ones(tokens, tokens, dtype=torch.bool, device=b.device), 1)
+    cu = torch.arange(0, tokens + 1, longest, dtype=torch.int32, device=b.device)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=longest, max_seqlen_kv=longest)
+    rope = model.rotary_pos_emb(longest, packed_seq=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x, attention_mask=mask.view(1, 1, tokens, tokens), rotary_pos_emb=rope)
+        layer(x, attention_mask=None, rotary_pos_emb=rope, packed_seq_params=params)
     planned = _activation_bytes_per_token_layer(arch_of_hf_config(cfg), 1, False) * tokens
     planned *= (torch.finfo(dtype).bits // 8) / 2  # the plan counts bf16 bytes
     measured = saved["linear"]
     ratio = measured / planned
     x = None
+    te = te_available()
+    kernel = "Transformer Engine" if te else choose_kernel(device_type=b.device.type, dtype=dtype)
     b.figures.update({"plan_activation_bytes_per_token_layer": planned / tokens,
                       "measured_activation_bytes_per_token_layer": measured / tokens,
                       "measured_unfused_attention_bytes": saved["scores"],
-                      "plan_activation_ratio": ratio})
+                      "plan_activation_ratio": ratio, "plan_attention": kernel,
+                      "plan_tokens": tokens})
     # On CPU the SwiGLU and RoPE run unfused (bias_activation_fusion needs CUDA) and keep a few
     # more f-wide tensors: the rehearsal checks the logic, the GPU the figure.
     low, high = (0.7, 1.3) if b.cuda else (0.5, 2.5)
-    te = any(type(m).__module__.startswith("transformer_engine") for m in layer.modules())
-    b.exercised("activation_bytes_vs_plan", f"one layer of hidden size {h}, {tokens} tokens, "
-                f"{'Transformer Engine' if te else 'local'} layers, ratio band {low}-{high}")
-    b.covered("flash_attention", saved["scores"] == 0, "no [s, s] scores kept",
-              f"unfused attention keeps {saved['scores']} bytes of scores ("
-              + ("no GPU (CPU rehearsal)" if not b.cuda else "Transformer Engine not used") + ")")
+    b.exercised("activation_bytes_vs_plan", f"one layer of hidden size {h}, {tokens} tokens in "
+                f"{seqs} packed sequences, {'Transformer Engine' if te else 'local'} layers, "
+                f"ratio band {low}-{high}")
+    b.covered("flash_attention", saved["scores"] == 0,
+              f"no [s, s] scores kept ({kernel} attention over packed sequences)",
+              f"{kernel} attention kept {saved['scores']} bytes of [s, s] scores")
     b.covered("fused_swiglu_rope", b.cuda, "bias_activation_fusion on CUDA",
               "no GPU (CPU rehearsal: unfused, so the wider ratio band)")
-    return low <= ratio <= high, (f"{tokens} tokens, one layer: {measured / 2**20:.1f} MiB saved for "
-                                 f"backward vs the plan's {planned / 2**20:.1f} MiB: ratio "
-                                 f"{ratio:.2f} (plus {saved['scores'] / 2**20:.1f} MiB of unfused "
-                                 "attention scores, which flash attention does not keep)")
+    ok = low <= ratio <= high and saved["scores"] == 0
+    return ok, (f"{tokens} tokens in {seqs} sequences, one layer, {kernel} attention: "
+                f"{measured / 2**20:.1f} MiB saved for backward vs the plan's "
+                f"{planned / 2**20:.1f} MiB: ratio {ratio:.2f}; [s, s] scores kept: "
+                f"{saved['scores'] / 2**20:.1f} MiB")
 
 
 # ---------------------------------------------------------------------- 8. moe

@@ -12,7 +12,8 @@ size):
 * weights ``2p`` (bf16; fp32 runs: ``4p``), gradients ``4p`` (Megatron's DDP reduces in fp32),
   optimizer ``12p / DP`` with the distributed optimizer (fp32 main params + Adam's two moments,
   sharded over DP; ``12p`` without it; fp32 runs keep no separate main copy: ``8p``);
-* activations per token and layer, bf16, flash attention (Transformer Engine): the TP-split
+* activations per token and layer, bf16, flash attention (Transformer Engine's, or without it
+  ``trainer.attention``'s varlen/SDPA kernels over the packed sequences): the TP-split
   tensors (QKV, attention output, the SwiGLU MLP's ``2f`` and ``f`` intermediates) are divided
   by TP; the five ``h``-wide tensors around the norms and residuals are divided by TP only with
   sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation", with

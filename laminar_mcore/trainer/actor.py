@@ -194,10 +194,10 @@ class MegatronActor:
         return out
 
     # ------------------------------------------------------------------ forward passes
-    def _model_inputs(self, mb: PackedMicroBatch):
-        if self.use_te:
-            return dict(attention_mask=None, packed_seq_params=mb.packed_seq_params())
-        return dict(attention_mask=mb.attention_mask())
+    @staticmethod
+    def _model_inputs(mb: PackedMicroBatch):
+        # THD: Transformer Engine's attention, or trainer.attention's packed kernels without it
+        return dict(attention_mask=None, packed_seq_params=mb.packed_seq_params())
 
     def _run_schedule(self, micro_batches, loss_func_factory, forward_only: bool, model=None):
         from megatron.core.pipeline_parallel import get_forward_backward_func

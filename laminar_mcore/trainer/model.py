@@ -150,6 +150,17 @@ def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, use_te=
     return TransformerConfig(**kwargs)
 
 
+def layer_spec(adapter, use_te: bool, config):
+    """The adapter's layer spec; without Transformer Engine its core attention takes packed
+    sequences in O(T) memory (``trainer.attention``) instead of a dense T x T mask."""
+    spec = adapter.layer_spec(use_te, config)
+    if use_te:
+        return spec
+    from .attention import with_packed_attention
+
+    return with_packed_attention(spec)
+
+
 def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32,
                     use_te: Optional[bool] = None, **config_overrides):
     """This rank's pipeline stage of the model (call after ``init_trainer_parallel``)."""
@@ -180,7 +191,7 @@ def build_gpt_model(hf_config, *, dtype: torch.dtype = torch.float32,
                            f"ep={config.expert_model_parallel_size}")
     model = GPTModel(
         config=config,
-        transformer_layer_spec=adapter.layer_spec(use_te, config),
+        transformer_layer_spec=layer_spec(adapter, use_te, config),
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=True,

@@ -1,0 +1,143 @@
+"""Attention over packed sequences without Transformer Engine (trainer.attention): equal to
+Megatron's dense-mask path (log-probs and gradients, GQA, several sequences per row), O(T)
+memory (no [T, T] tensor kept for backward, bytes per token flat as T grows), and the kernel
+choice made from facts (device, dtype, torch's varlen signature)."""
+
+import pytest
+import torch
+
+from laminar_mcore.models import get_adapter
+from laminar_mcore.models.hf import initial_hf_state, tiny_hf_config
+from laminar_mcore.testing.synthetic import random_trajectories
+from laminar_mcore.trainer import attention
+from laminar_mcore.trainer.packing import pack_trajectories
+
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    from laminar_mcore.parallel import destroy_trainer_parallel, init_trainer_parallel
+
+    init_trainer_parallel(tp=1, pp=1, seed=0)
+    yield
+    destroy_trainer_parallel()
+
+
+def _model(family, **overrides):
+    from laminar_mcore.trainer.model import build_gpt_model, load_full_state
+
+    cfg = tiny_hf_config(family, **overrides)
+    model = build_gpt_model(cfg)
+    load_full_state(model, cfg, get_adapter(cfg).hf_to_mcore(
+        cfg, initial_hf_state(type("M", (), {"path": None})(), cfg, 4)))
+    return cfg, model
+
+
+def _logprobs_and_grads(model, packed, **inputs):
+    from laminar_mcore.trainer.logprobs import vocab_parallel_logprobs
+
+    model.zero_grad(set_to_none=True)
+    logits = model(packed.tokens, packed.position_ids, **inputs)
+    lp, _ = vocab_parallel_logprobs(logits[0], packed.labels[0])
+    w = torch.linspace(-1, 1, lp.numel())
+    (lp * w * packed.loss_mask[0]).sum().backward()
+    return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2)),   # GQA, QKV bias
+    ("qwen3", dict(num_attention_heads=4, num_key_value_heads=1)),   # MQA, QK norms
+])
+def test_packed_attention_equals_the_dense_mask_path(family, overrides, megatron_world):
+    cfg, model = _model(family, **overrides)
+    assert type(model.decoder.layers[0].self_attention.core_attention).__name__ == \
+        "PackedDotProductAttention"
+    trajs = random_trajectories(5, 2, cfg.vocab_size, seed=3)  # ten sequences in one row
+    packed = pack_trajectories(trajs, [0.5] * 10, list(range(10)), tp=2)
+    assert len(packed.cu_seqlens) == 11 and packed.num_tokens > 60
+    lp_thd, g_thd = _logprobs_and_grads(model, packed, attention_mask=None,
+                                        packed_seq_params=packed.packed_seq_params())
+    lp_mask, g_mask = _logprobs_and_grads(model, packed, attention_mask=packed.attention_mask())
+    real = packed.seq_ids[0] >= 0
+    torch.testing.assert_close(lp_thd[real], lp_mask[real], atol=2e-5, rtol=0)
+    assert g_thd.keys() == g_mask.keys()
+    for name in g_thd:
+        torch.testing.assert_close(g_thd[name], g_mask[name], atol=2e-5, rtol=1e-4, msg=name)
+    # not vacuous: the sequences' boundaries matter (one causal row attends across them)
+    lp_causal, _ = _logprobs_and_grads(model, packed, attention_mask=None)
+    assert (lp_causal[real] - lp_mask[real]).abs().max() > 1e-2
+
+
+def _saved_bytes(model, tokens, lengths):
+    """Bytes autograd keeps for backward in one layer: every tensor, and those shaped [.., T, T]."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    layer = model.decoder.layers[0]
+    h = layer.config.hidden_size
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    x = torch.randn(tokens, 1, h, requires_grad=True)
+    seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {"all": 0, "square": 0}
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in seen and t.data_ptr() != x.data_ptr():
+            seen.add(key)
+            saved["all"] += t.untyped_storage().nbytes()
+            if t.dim() >= 2 and t.shape[-1] == t.shape[-2] and t.shape[-1] >= max(lengths):
+                saved["square"] += t.untyped_storage().nbytes()
+        return t
+
+    rope = model.rotary_pos_emb(max(lengths), packed_seq=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, attention_mask=None, rotary_pos_emb=rope, packed_seq_params=params)
+    return saved
+
+
+def test_activation_memory_grows_linearly_with_tokens(megatron_world):
+    """Packed rows of 512-token sequences: 4x the tokens keep 4x the bytes (no T^2 term), and
+    no [.., T, T] tensor is kept. The dense-mask path would keep heads * T^2 scores."""
+    cfg, model = _model("qwen2", num_hidden_layers=1)
+    small = _saved_bytes(model, 1024, [512, 512])
+    large = _saved_bytes(model, 4096, [512] * 8)
+    assert small["square"] == large["square"] == 0
+    assert large["all"] / small["all"] == pytest.approx(4.0, rel=0.05)
+    per_token = large["all"] / 4096
+    dense_scores = cfg.num_attention_heads * 4096 * 4  # one fp32 score row per token and head
+    assert per_token < dense_scores / 4  # far below what the dense path would add
+
+
+def _fake_varlen(kind):
+    def new(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+            window_size=(-1, -1), enable_gqa=False):
+        pass
+
+    def old(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False,
+            return_aux=None, scale=None):
+        pass
+
+    def unusable(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k):
+        pass
+
+    return {"new": new, "old": old, "unusable": unusable}[kind]
+
+
+@pytest.mark.parametrize("device,dtype,varlen,expected", [
+    ("cuda", torch.bfloat16, "new", "varlen"),
+    ("cuda", torch.float16, "old", "varlen"),
+    ("cuda", torch.float32, "new", "sdpa"),     # flash kernels take half precision only
+    ("cuda", torch.bfloat16, "unusable", "sdpa"),  # no causal mode in this torch's varlen
+    ("cpu", torch.bfloat16, "new", "sdpa"),     # varlen_attn has no CPU kernel
+])
+def test_the_kernel_is_chosen_from_the_facts(device, dtype, varlen, expected):
+    fn = _fake_varlen(varlen)
+    assert attention.choose_kernel(device_type=device, dtype=dtype, varlen=fn) == expected
+    causal = attention.varlen_causal_kwargs(fn)
+    assert causal == {"new": {"window_size": (-1, 0)}, "old": {"is_causal": True},
+                      "unusable": None}[varlen]
+
+
+def test_this_torch_has_a_varlen_attention_with_a_causal_mode():
+    """The torch pinned here (and 2.11 on the GPU machines) offers the one-call kernel."""
+    assert attention.varlen_causal_kwargs(attention._varlen_fn()) is not None
