@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # pytest-xdist workers for `make test`, each taking whole test files (0: one process)
 TEST_WORKERS ?= 2
 
-.PHONY: demo test docs setup clean ibverbs bubblewrap
+.PHONY: demo test docs setup clean ibverbs bubblewrap gpu-wheels
 
 setup: $(STAMP)
 
@@ -51,6 +51,37 @@ bubblewrap:
 	  useradd --system --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin laminar-sandbox || \
 	  echo "note: could not create laminar-sandbox; the tool sandbox runs as nobody"; \
 	fi
+
+# The wheels tools/gpu_check.sh installs on an offline GPU machine (docs/gpu.md): Python 3.12,
+# manylinux x86_64, only what a CUDA image with torch lacks. Run where there is internet; a
+# wheel already in $(GPU_WHEELS) is not fetched again. Fails if they come to over 40 MB.
+GPU_WHEELS ?= gpu-wheels
+GPU_WHEEL_PINS ?= megatron-core==0.19.2 hydra-core==1.3.8 omegaconf==2.3.1 zstandard==0.25.0 \
+	transformers==5.23.0
+GPU_WHEEL_SDISTS ?= antlr4-python3-runtime==4.9.3
+# more wheels where a GPU machine's own are too old (e.g. huggingface-hub for transformers)
+GPU_WHEEL_EXTRA ?=
+GPU_WHEELS_MAX_BYTES ?= 40000000
+GPU_PIP ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m pip --disable-pip-version-check -q
+
+gpu-wheels:
+	@set -e; mkdir -p $(GPU_WHEELS); \
+	for pin in $(GPU_WHEEL_PINS) $(GPU_WHEEL_EXTRA) $(GPU_WHEEL_SDISTS); do \
+	  stem=$$(echo "$${pin%%==*}" | tr 'A-Z.-' 'a-z__')-$${pin##*==}-; \
+	  if ls $(GPU_WHEELS)/$$stem*.whl >/dev/null 2>&1; then echo "have $$pin"; continue; fi; \
+	  echo "fetching $$pin"; \
+	  case " $(GPU_WHEEL_SDISTS) " in \
+	    *" $$pin "*) $(GPU_PIP) wheel --no-deps --no-binary=:all: -w $(GPU_WHEELS) "$$pin";; \
+	    *) $(GPU_PIP) download --no-deps --only-binary=:all: --implementation cp \
+	         --python-version 3.12 --abi cp312 --platform manylinux2014_x86_64 \
+	         --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+	         -d $(GPU_WHEELS) "$$pin";; \
+	  esac; \
+	  ls $(GPU_WHEELS)/$$stem*.whl >/dev/null 2>&1 || { echo "error: no wheel $$stem*.whl"; exit 1; }; \
+	done; \
+	ls -l $(GPU_WHEELS)/*.whl | awk '{printf "%10d  %s\n", $$5, $$9; t += $$5} \
+	  END {printf "%10d  total (limit $(GPU_WHEELS_MAX_BYTES))\n", t; exit t > $(GPU_WHEELS_MAX_BYTES)}' \
+	  || { echo "error: the wheels in $(GPU_WHEELS)/ are over $(GPU_WHEELS_MAX_BYTES) bytes"; exit 1; }
 
 demo: $(STAMP)
 	PYTHONWARNINGS=ignore $(PY) -m laminar_mcore.launch
