@@ -27,12 +27,16 @@ def _run(*args, env=None):
 @pytest.mark.multiprocess
 def test_cpu_rehearsal_runs_every_check_without_hydra_or_sglang(tmp_path):
     out = tmp_path / "gpu.json"
-    proc = _run("--cpu-rehearsal", "--json", str(out), env={"TRITON_INTERPRET": "1"})
+    proc = _run("--cpu-rehearsal", "--pytest", "--json", str(out), env={"TRITON_INTERPRET": "1"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     figures = json.loads(out.read_text())
-    names = ("kernels", "train_step", "checkpoint", "publish", "staging", "cuda_ipc", "plan")
+    names = ("kernels", "train_step", "checkpoint", "publish", "staging", "cuda_ipc", "plan",
+             "loop")
     assert all(figures[f"{n}_passed"] for n in names) and figures["all_passed"]
     assert figures["mode"] == "cpu_rehearsal" and figures["cuda_ipc_peak_buckets"] == 2
+    # --pytest: the tests that compute on the GPU where there is one (pytest -m gpu)
+    assert figures["pytest_passed"] and " passed" in figures["pytest_summary"]
+    assert "[PASS] pytest -m gpu" in proc.stdout
     assert figures["checkpoint_adam_err"] == 0.0 and figures["train_step_weight_change"] > 0
     assert figures["world_backend"] == "gloo" and figures["cuda_ipc_classes"] == "stand-in"
     for n in names:
@@ -40,7 +44,8 @@ def test_cpu_rehearsal_runs_every_check_without_hydra_or_sglang(tmp_path):
     _assert_coverage(figures, proc.stdout)
 
 
-CHECKS = ("kernels", "train_step", "checkpoint", "publish", "staging", "cuda_ipc", "plan", "moe")
+CHECKS = ("kernels", "train_step", "checkpoint", "publish", "staging", "cuda_ipc", "plan", "moe",
+          "loop")
 
 
 def _entry(entries, what):
@@ -101,6 +106,18 @@ def _assert_coverage(figures, stdout):
     assert "bytes equal" in _entry(figures["staging_exercised"], "publish_channel")
     assert "no GPU" in _entry(figures["staging_not_exercised"], "nccl_publish_channel")
     assert "EP=1" in _entry(figures["moe_not_exercised"], "moe_all_to_all")
+    # the plan measured packed attention that keeps no [s, s] scores
+    assert figures["measured_unfused_attention_bytes"] == 0 and figures["plan_attention"] == "sdpa"
+    # the whole loop (the launcher's processes import Hydra; this one still does not): bf16,
+    # saved, resumed from the checkpoint before the last, engines at the trained version
+    assert figures["loop_trainer"].startswith("model on cpu in bfloat16, attention sdpa")
+    steps = figures["loop_steps"]
+    assert figures["loop_books_balance"] and figures["loop_final_version"] == steps
+    assert figures["loop_resumed_steps"] == list(range(steps // 2 + 1, steps + 1))
+    assert set(figures["loop_final_engine_versions"].values()) == {steps}
+    assert len(figures["loop_final_engine_versions"]) == 2
+    assert figures["loop_trainer_tokens_per_s"] > 0 and figures["loop_weights_sent_bytes_max"] > 0
+    assert "issue 49" in _entry(figures["loop_not_exercised"], "nccl_publish_channel")
 
 
 @pytest.mark.multiprocess

@@ -2,6 +2,7 @@
 
     python -m laminar_mcore.bench.gpu --json out.json          # on a GPU machine
     python -m laminar_mcore.bench.gpu --cpu-rehearsal          # the same logic on CPU (make test)
+    tools/gpu_check.sh WHEELS OUTDIR                            # on an offline GPU machine
 
 Checks, each printed as pass/fail with its figure:
 
@@ -29,7 +30,14 @@ Checks, each printed as pass/fail with its figure:
    Engine's grouped-GEMM experts when TE is installed on a GPU, Megatron's SequentialMLP
    otherwise): its log-probs against the CPU engine's forward of the same weights, the export's
    Hugging Face tensors (experts under their per-expert names) equal to the source, and a
-   decoupled-PPO step with routing replay whose recomputed log-probs match the engine's.
+   decoupled-PPO step with routing replay whose recomputed log-probs match the engine's;
+9. ``loop``: the demo's train job (``python -m laminar_mcore.launch``: the trainer on the GPU in
+   bf16, a relay, two CPU engines, the controller) for 10 steps (4 in the rehearsal), saved,
+   its last checkpoint removed and resumed: the books balanced, the engines at the trained
+   version, the trainer's tokens/s, the engine mismatch and the publish figures
+   (``gpu_checks/loop.py``; the one check whose child processes import Hydra and aiohttp).
+
+``--pytest`` then runs the tests that compute on the GPU (``pytest -m gpu``) from the source tree.
 
 Each check also says what it exercised and what it did not, computed from the run (world size,
 device, which classes ran, whether a second process opened what was exported): two lists of
@@ -75,6 +83,7 @@ from typing import Dict, Tuple
 import torch
 
 from .gpu_checks.common import QWEN2_5_7B, Bench
+from .gpu_checks.loop import check_loop
 from .gpu_checks.train import check_checkpoint, check_kernels, check_train_step
 from .gpu_checks.transfer import check_cuda_ipc, check_publish, check_staging
 
@@ -198,7 +207,7 @@ def check_moe(b: Bench) -> Tuple[bool, str]:
 CHECKS = [("kernels", check_kernels), ("train_step", check_train_step),
           ("checkpoint", check_checkpoint), ("publish", check_publish),
           ("staging", check_staging), ("cuda_ipc", check_cuda_ipc), ("plan", check_plan),
-          ("moe", check_moe)]
+          ("moe", check_moe), ("loop", check_loop)]
 NEEDS = {"checkpoint": "train_step", "cuda_ipc": "publish"}
 
 
@@ -213,6 +222,35 @@ def _versions() -> Dict[str, str]:
     out["cuda"] = str(torch.version.cuda)
     out["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     return out
+
+
+def _run_gpu_tests(b: Bench) -> bool:
+    """``pytest -m gpu`` over this source tree's tests (kernels, packed attention, the GPU
+    decisions): on a GPU machine they compute on it. Its summary line goes into the figures."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    tests = os.path.join(root, "tests")
+    if not os.path.isdir(tests):
+        print("[FAIL] pytest: no tests/ beside this package (run from a source checkout)",
+              flush=True)
+        b.figures.update({"pytest_passed": False, "pytest_summary": "no tests/ folder"})
+        return False
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "-m", "gpu", tests], cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    out = proc.stdout + proc.stderr
+    print(out[-6000:], flush=True)
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    summary = next((ln.strip("= ") for ln in reversed(lines)
+                    if " passed" in ln or " failed" in ln or " error" in ln), lines[-1] if lines
+                   else "no output")
+    ok = proc.returncode == 0
+    b.figures.update({"pytest_passed": ok, "pytest_summary": summary})
+    print(f"[{'PASS' if ok else 'FAIL'}] pytest -m gpu ({time.perf_counter() - t0:.1f} s): "
+          f"{summary}", flush=True)
+    return ok
 
 
 def _report_coverage(b: Bench, name: str) -> None:
@@ -230,6 +268,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-rehearsal", action="store_true",
                     help="run every check's logic on CPU (gloo, Triton interpreter, shm twin)")
     ap.add_argument("--only", default="", help="comma-separated check names")
+    ap.add_argument("--pytest", action="store_true",
+                    help="also run the tests that compute on the GPU (pytest -m gpu) from this "
+                         "source tree")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() and not args.cpu_rehearsal:
         print("bench.gpu: no GPU on this machine (torch.cuda.is_available() is False); run it on "
@@ -279,6 +320,8 @@ def main(argv=None) -> int:
             _report_coverage(b, name)
     finally:
         destroy_trainer_parallel()
+    if args.pytest:
+        passed["pytest"] = _run_gpu_tests(b)
     b.figures["all_passed"] = all(passed.values())
     missed = [f"[{name}] {entry}" for name, (_, nots) in b.coverage.items() for entry in nots]
     b.figures["coverage"] = {

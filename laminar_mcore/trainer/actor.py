@@ -149,6 +149,18 @@ class MegatronActor:
         self._dp_ranks = [None] * dist.get_world_size()
         dist.all_gather_object(self._dp_ranks, ps.get_data_parallel_rank())
 
+    def describe(self) -> str:
+        """Where and how this rank trains, in one line (the job's log; bench.gpu's loop)."""
+        from .attention import choose_kernel
+
+        param = next(self.model.parameters())
+        inner = type(self.optimizer.chained_optimizers[0].optimizer)
+        attn = "transformer_engine" if self.use_te else choose_kernel(
+            device_type=param.device.type, dtype=param.dtype)
+        return (f"model on {param.device} in {str(param.dtype).replace('torch.', '')}, "
+                f"attention {attn}, optimizer {inner.__module__}.{inner.__qualname__}, "
+                f"world {dist.get_world_size()} ({dist.get_backend()})")
+
     # ------------------------------------------------------------------ batch distribution
     def _plan(self, trajectories: Sequence[Trajectory]):
         return plan_batch(trajectories, self.algo, self.trainer,

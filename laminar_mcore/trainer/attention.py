@@ -8,8 +8,9 @@ THD layout (``PackedSeqParams`` with ``cu_seqlens``; RoPE then restarts at every
 the engine) and runs one of two kernels, neither of which materialises scores:
 
 - ``varlen``: torch's ``torch.nn.attention.varlen.varlen_attn`` (flash attention over the whole
-  packed row in one call) on CUDA in bf16/fp16, where the torch version has it with a causal
-  mode (``window_size=(-1, 0)`` or ``is_causal``);
+  packed row in one call) on CUDA in bf16/fp16, where the torch version has it with a scale and
+  a causal mode (2.10+: ``window_size=(-1, 0)``; GQA by ``enable_gqa`` from 2.12, by repeating
+  the K/V heads before);
 - ``sdpa``: ``scaled_dot_product_attention`` per sequence with ``is_causal`` (flash or memory-
   efficient kernels on GPUs, the flash CPU kernel on CPU), GQA through ``enable_gqa``.
 
@@ -46,7 +47,9 @@ def varlen_causal_kwargs(fn: Optional[Callable]) -> Optional[dict]:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return None
-    if "window_size" in params:
+    if "scale" not in params:  # torch 2.9's first version: no scale, so no QK-layer scaling
+        return None
+    if "window_size" in params:  # torch 2.10+
         return {"window_size": (-1, 0)}
     if "is_causal" in params:
         return {"is_causal": True}

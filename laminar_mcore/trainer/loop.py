@@ -51,6 +51,8 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
         reader = SafetensorsReader(model_path)
         actor = MegatronActor(hf_config, algo, trainer, p, dtype=resolve_dtype(cfg.model.dtype),
                               init_weights=lambda model: load_hf_checkpoint(model, hf_config, reader))
+        if dist.get_rank() == 0:
+            print(f"[trainer] {actor.describe()}", flush=True)
         ws = cfg.weight_sync
         # The master relay may have changed since this world was started (elected or
         # restarted after a failure): the controller knows the current one.
