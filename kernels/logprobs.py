@@ -11,7 +11,9 @@ Two implementations with one signature, ``(logits, targets, vocab_start, group, 
 * ``logprobs_entropy_torch``: the same algorithm chunked over tokens in plain torch, so memory
   is bounded by ``chunk_size x vocab/tp`` fp32 (the CPU path and the reference).
 
-``logprobs_entropy`` dispatches: Triton on CUDA tensors, torch otherwise.
+``logprobs_entropy`` dispatches: Triton on CUDA tensors, torch otherwise. The Triton entry
+points (``logprobs_entropy_triton``, ``local_stats_triton``) refuse host tensors unless Triton's
+interpreter runs the kernels (``_device.check_devices``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ try:  # Triton is a dependency, but keep the torch path importable without it.
     import triton.language as tl
 except ImportError:  # pragma: no cover
     triton = None
+
+from ._device import check_devices, is_interpreted
 
 DEFAULT_CHUNK = None  # None: as many tokens as fit CHUNK_BYTES of fp32 logits
 CHUNK_BYTES = 32 * 2**20
@@ -163,17 +167,35 @@ def _block_v(v_local: int) -> int:
     return min(4096, triton.next_power_of_2(max(v_local, 16)))
 
 
+_INTERPRETED = triton is not None and is_interpreted(_stats_kernel)
+
+
+def _local_stats(logits, targets, vocab_start):
+    """One ``_stats_kernel`` pass over contiguous [n, v_local] logits: this slice's max, sum of
+    exponentials, sum of exp*logit (both relative to that max) and target logit, fp32 [n]."""
+    n, v_local = logits.shape
+    m_loc = torch.empty(n, dtype=torch.float32, device=logits.device)
+    s_loc, t_loc, target = torch.empty_like(m_loc), torch.empty_like(m_loc), torch.empty_like(m_loc)
+    if n:
+        _stats_kernel[(n,)](logits, logits.stride(0), targets, vocab_start, v_local,
+                            m_loc, s_loc, t_loc, target, BLOCK_V=_block_v(v_local))
+    return m_loc, s_loc, t_loc, target
+
+
+def local_stats_triton(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int = 0):
+    """(max, sum exp, sum exp*z, target logit) of one vocabulary slice [n, v_local], fp32 [n]
+    each: what a tensor-parallel rank contributes before the exchange (no autograd)."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    check_devices("local_stats_triton", _INTERPRETED, logits=logits, targets=targets)
+    return _local_stats(logits.contiguous(), targets.contiguous(), vocab_start)
+
+
 class _TritonLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, group, chunk):
         logits = logits.contiguous()
-        n, v_local = logits.shape
-        m_loc = torch.empty(n, dtype=torch.float32, device=logits.device)
-        s_loc, t_loc, target = torch.empty_like(m_loc), torch.empty_like(m_loc), torch.empty_like(m_loc)
-        if n:
-            _stats_kernel[(n,)](logits, logits.stride(0), targets, vocab_start, v_local,
-                                m_loc, s_loc, t_loc, target, BLOCK_V=_block_v(v_local))
-        log_z, mean_z, target = _global_stats(m_loc, s_loc, t_loc, target, group)
+        log_z, mean_z, target = _global_stats(*_local_stats(logits, targets, vocab_start), group)
         ctx.save_for_backward(logits, targets, log_z, mean_z)
         ctx.vocab_start = vocab_start
         return target - log_z, log_z - mean_z
@@ -197,6 +219,7 @@ def logprobs_entropy_triton(logits: torch.Tensor, targets: torch.Tensor, vocab_s
     """Triton path (``chunk_size`` is unused: rows are streamed one program each)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
+    check_devices("logprobs_entropy_triton", _INTERPRETED, logits=logits, targets=targets)
     shape = targets.shape
     flat = logits.reshape(-1, logits.shape[-1])
     lp, ent = _TritonLogProbs.apply(flat, targets.reshape(-1).contiguous(), vocab_start, group,

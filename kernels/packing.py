@@ -4,7 +4,8 @@ Each sequence b keeps its first ``lengths[b]`` positions and is padded with zero
 of ``multiple`` (TP, x 2*CP with context parallelism); ``cu_seqlens_padded`` marks where each
 begins. ``pack`` and ``unpack`` are each other's adjoints, so each one's backward is the other.
 Triton kernels on CUDA (one program per sequence and block of positions), torch elsewhere; both
-have the same signatures.
+have the same signatures. ``pack_triton``/``unpack_triton`` refuse host tensors unless Triton's
+interpreter runs the kernel (``_device.check_devices``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover
     triton = None
+
+from ._device import check_devices, is_interpreted
 
 
 def cu_seqlens(lengths: torch.Tensor, multiple: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -82,6 +85,9 @@ if triton is not None:
                 tl.store(dst_ptr + batch_off, x, mask=in_batch)
 
 
+_INTERPRETED = triton is not None and is_interpreted(_copy_kernel)
+
+
 def _launch(src, dst, lengths, cu_pad, max_len, feat, pack: bool, span: int):
     if len(lengths) == 0 or span == 0:
         return
@@ -93,6 +99,7 @@ def _launch(src, dst, lengths, cu_pad, max_len, feat, pack: bool, span: int):
 
 
 def pack_triton(padded: torch.Tensor, lengths: torch.Tensor, multiple: int = 1) -> torch.Tensor:
+    check_devices("pack_triton", _INTERPRETED, padded=padded, lengths=lengths)
     _, cu_pad = cu_seqlens(lengths, multiple)
     feat_shape = tuple(padded.shape[2:])
     feat = 1
@@ -107,6 +114,7 @@ def pack_triton(padded: torch.Tensor, lengths: torch.Tensor, multiple: int = 1) 
 
 def unpack_triton(packed: torch.Tensor, lengths: torch.Tensor, max_len: int,
                   multiple: int = 1) -> torch.Tensor:
+    check_devices("unpack_triton", _INTERPRETED, packed=packed, lengths=lengths)
     _, cu_pad = cu_seqlens(lengths, multiple)
     feat_shape = tuple(packed.shape[1:])
     feat = 1

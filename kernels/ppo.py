@@ -5,7 +5,8 @@ dual_clip) -> terms`` with ``terms = mask * w * max(-A u, -A clip(u))`` (dual cl
 ``c |A|`` for A < 0), ``u = exp(logprobs - prox)``; differentiable w.r.t. ``logprobs``. The
 Triton kernel computes the terms and their derivative in one elementwise pass; the torch
 reference is the same formula. Weights (the capped pi_prox / pi_behav, token or sequence level)
-come from ``laminar_mcore.algos.ppo``, which needs segment reductions.
+come from ``laminar_mcore.algos.ppo``, which needs segment reductions. ``ppo_terms_triton``
+refuses host tensors unless Triton's interpreter runs the kernel (``_device.check_devices``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover
     triton = None
+
+from ._device import check_devices, is_interpreted
 
 
 def ppo_terms_torch(logprobs, prox_logprobs, weights, advantages, loss_mask,
@@ -62,6 +65,9 @@ if triton is not None:
         tl.store(dout_ptr + offs, tl.where(keep, d * w, 0.0), mask=valid)
 
 
+_INTERPRETED = triton is not None and is_interpreted(_ppo_kernel)
+
+
 class _TritonPPO(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logprobs, prox, weights, adv, mask, eps_low, eps_high, dual):
@@ -90,6 +96,8 @@ def ppo_terms_triton(logprobs, prox_logprobs, weights, advantages, loss_mask,
                      dual_clip: Optional[float] = None) -> torch.Tensor:
     if triton is None:
         raise RuntimeError("triton is not installed")
+    check_devices("ppo_terms_triton", _INTERPRETED, logprobs=logprobs, prox_logprobs=prox_logprobs,
+                  weights=weights, advantages=advantages, loss_mask=loss_mask)
     eps_high = eps_clip if eps_clip_high is None else eps_clip_high
     return _TritonPPO.apply(logprobs, prox_logprobs.detach(), weights.detach(),
                             advantages.detach(), loss_mask.detach(), float(eps_clip),

@@ -14,6 +14,12 @@ try:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Strict device mode (tests/test_kernel_devices.py): the kernel tests' device is the one
+    # LAMINAR_KERNEL_STRICT_DEVICE names, while a tensor created without device= lands on
+    # "meta", which the kernels' entry points refuse (kernels/_device.py) -- as a compiled
+    # kernel on a GPU machine refuses host memory.
+    if os.environ.get("LAMINAR_KERNEL_STRICT_DEVICE"):
+        torch.set_default_device("meta")
     # `make test` runs files side by side in pytest-xdist workers: each worker computes on its
     # share of the cores (two workers with a thread per core each would oversubscribe them,
     # and OpenMP's spinning threads then slow both down several times over)
@@ -48,6 +54,18 @@ def repo_root():
 @pytest.fixture
 def python():
     return sys.executable
+
+
+@pytest.fixture
+def kernel_device():
+    """Where kernel tests put every tensor they hand to a kernel: the GPU when there is one
+    (compiled Triton), else the CPU (Triton's interpreter); strict mode's declared device."""
+    import torch
+
+    strict = os.environ.get("LAMINAR_KERNEL_STRICT_DEVICE")
+    if strict:
+        return torch.device(strict)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def wait_until(predicate, timeout=60.0, what="condition"):

@@ -47,8 +47,11 @@ def test_loss_benchmark_writes_its_keys(tmp_path):
     out = tmp_path / "loss.json"
     main(["--tokens", "1024", "--vocab", "50000", "--json", str(out)])
     figures = json.loads(out.read_text())
-    assert {"peak_bytes", "naive_peak_bytes", "ratio"} <= set(figures)
+    assert {"peak_bytes", "naive_peak_bytes", "ratio", "seconds", "naive_seconds", "repeats",
+            "dtype"} <= set(figures)
     assert figures["naive_peak_bytes"] > 2 * figures["peak_bytes"]  # a 200 MB log_softmax
+    assert figures["seconds"] > 0 and figures["naive_seconds"] > 0 and figures["repeats"] >= 1
+    assert figures["dtype"] == ("bfloat16" if figures["device"] == "cuda" else "float32")
 
 
 @pytest.mark.multiprocess

@@ -1,5 +1,9 @@
 """Triton kernels (run by Triton's interpreter on CPU) against their torch references, forward
-and backward, with non-power-of-two vocabularies, masked tokens and tensor-parallel slices."""
+and backward, with non-power-of-two vocabularies, masked tokens and tensor-parallel slices.
+
+Every tensor handed to a kernel is made on the ``kernel_device`` fixture (the GPU when there is
+one: compiled kernels cannot read host memory); tests/test_kernel_devices.py runs this file in
+strict device mode on CPU machines to catch a tensor created without ``device=``."""
 
 import os
 
@@ -10,17 +14,18 @@ from laminar_mcore.kernels import logprobs as klp
 from laminar_mcore.kernels import packing as kpack
 from laminar_mcore.kernels import ppo as kppo
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
+    reason="Triton kernels need a GPU or TRITON_INTERPRET=1")]
 
 
 @pytest.mark.parametrize("tokens,vocab", [(7, 50), (13, 1000), (5, 4099)])
-def test_logprobs_entropy_kernel_matches_the_reference(tokens, vocab):
-    g = torch.Generator().manual_seed(vocab)
-    logits = torch.randn(tokens, vocab, generator=g) * 3
-    targets = torch.randint(0, vocab, (tokens,), generator=g)
-    w1, w2 = torch.randn(tokens, generator=g), torch.randn(tokens, generator=g)
+def test_logprobs_entropy_kernel_matches_the_reference(tokens, vocab, kernel_device):
+    dev = kernel_device
+    g = torch.Generator(device=dev).manual_seed(vocab)
+    logits = torch.randn(tokens, vocab, generator=g, device=dev) * 3
+    targets = torch.randint(0, vocab, (tokens,), generator=g, device=dev)
+    w1, w2 = (torch.randn(tokens, generator=g, device=dev) for _ in range(2))
     results = []
     for fn in (klp.logprobs_entropy_triton, klp.logprobs_entropy_torch):
         x = logits.clone().requires_grad_()
@@ -35,19 +40,14 @@ def test_logprobs_entropy_kernel_matches_the_reference(tokens, vocab):
     torch.testing.assert_close(lp_t.double(), full.gather(-1, targets[:, None])[:, 0], atol=1e-5, rtol=0)
 
 
-def test_vocab_slices_combine_like_tensor_parallel_ranks():
+def test_vocab_slices_combine_like_tensor_parallel_ranks(kernel_device):
     """Two vocab slices, combined the way the TP exchange between kernel passes combines them."""
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(9, 301, generator=g) * 2
-    targets = torch.randint(0, 301, (9,), generator=g)
+    dev = kernel_device
+    g = torch.Generator(device=dev).manual_seed(0)
+    logits = torch.randn(9, 301, generator=g, device=dev) * 2
+    targets = torch.randint(0, 301, (9,), generator=g, device=dev)
     parts = [(logits[:, :150], 0), (logits[:, 150:], 150)]
-    stats = []
-    for part, start in parts:
-        n, v = part.shape
-        m, s, t, tgt = (torch.empty(n) for _ in range(4))
-        klp._stats_kernel[(n,)](part.contiguous(), v, targets, start, v, m, s, t, tgt,
-                                BLOCK_V=klp._block_v(v))
-        stats.append((m, s, t, tgt))
+    stats = [klp.local_stats_triton(part, targets, start) for part, start in parts]
     m = torch.maximum(stats[0][0], stats[1][0])
     s = sum(st[1] * torch.exp(st[0] - m) for st in stats)
     target = stats[0][3] + stats[1][3]
@@ -56,14 +56,15 @@ def test_vocab_slices_combine_like_tensor_parallel_ranks():
 
 
 @pytest.mark.parametrize("dual_clip", [None, 3.0])
-def test_ppo_terms_kernel_matches_the_reference(dual_clip):
-    g = torch.Generator().manual_seed(1)
+def test_ppo_terms_kernel_matches_the_reference(dual_clip, kernel_device):
+    dev = kernel_device
+    g = torch.Generator(device=dev).manual_seed(1)
     n = 1500
-    prox = -torch.rand(n, generator=g) * 3
-    lp = prox + torch.randn(n, generator=g) * 0.4
-    weights = torch.rand(n, generator=g) * 2
-    adv = torch.randn(n, generator=g)
-    mask = (torch.rand(n, generator=g) > 0.3).float()
+    prox = -torch.rand(n, generator=g, device=dev) * 3
+    lp = prox + torch.randn(n, generator=g, device=dev) * 0.4
+    weights = torch.rand(n, generator=g, device=dev) * 2
+    adv = torch.randn(n, generator=g, device=dev)
+    mask = (torch.rand(n, generator=g, device=dev) > 0.3).float()
     out = []
     for fn in (kppo.ppo_terms_triton, kppo.ppo_terms_torch):
         x = lp.clone().requires_grad_()
@@ -76,15 +77,17 @@ def test_ppo_terms_kernel_matches_the_reference(dual_clip):
 
 
 @pytest.mark.parametrize("multiple,feat", [(1, ()), (2, (3,)), (4, (2, 5))])
-def test_pack_and_unpack_kernels_match_the_reference(multiple, feat):
-    g = torch.Generator().manual_seed(multiple)
-    lengths = torch.tensor([5, 1, 9, 3])
-    padded = torch.randn((4, 10) + feat, generator=g)
+def test_pack_and_unpack_kernels_match_the_reference(multiple, feat, kernel_device):
+    dev = kernel_device
+    g = torch.Generator(device=dev).manual_seed(multiple)
+    lengths = torch.tensor([5, 1, 9, 3], device=dev)
+    padded = torch.randn((4, 10) + feat, generator=g, device=dev)
     results = []
     for use_triton in (True, False):
         x = padded.clone().requires_grad_()
         packed = kpack.pack(x, lengths, multiple, use_triton=use_triton)
-        weight = torch.randn(packed.shape, generator=torch.Generator().manual_seed(7))
+        weight = torch.randn(packed.shape, generator=torch.Generator(device=dev).manual_seed(7),
+                             device=dev)
         (packed * weight).sum().backward()
         back = kpack.unpack(packed.detach(), lengths, 10, multiple, use_triton=use_triton)
         results.append((packed.detach(), x.grad, back))
@@ -94,38 +97,40 @@ def test_pack_and_unpack_kernels_match_the_reference(multiple, feat):
     _, cu_pad = kpack.cu_seqlens(lengths, multiple)
     assert packed.shape[0] == int(cu_pad[-1]) and int(cu_pad[-1]) % multiple == 0
     assert torch.equal(packed[int(cu_pad[2]):int(cu_pad[2]) + 9], padded[2, :9])
-    mask = (torch.arange(10)[None, :] < lengths[:, None]).view((4, 10) + (1,) * len(feat))
+    mask = (torch.arange(10, device=dev)[None, :] < lengths[:, None]).view((4, 10) + (1,) * len(feat))
     assert torch.equal(back, padded * mask)  # round trip keeps real tokens, zeros the rest
     assert torch.equal(grad == 0, ~mask.expand_as(grad))  # padding gets no gradient
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="int32 offsets wrap only in compiled kernels (Triton's interpreter "
-                           "computes in int64); bench.gpu checks the same at (16384, 152064)")
-def test_kernel_offsets_past_2_pow_31_elements():
+def test_kernel_offsets_past_2_pow_31_elements(kernel_device):
     """Rows whose start lies past 2**31 elements (e.g. 16k tokens x 152k vocab): int32
     ``row * stride`` would wrap and read another row. A strided view keeps the memory small."""
+    dev = kernel_device
+    if dev.type != "cuda":
+        pytest.skip("int32 offsets wrap only in compiled kernels (Triton's interpreter computes "
+                    "in int64); bench.gpu checks the same at (16384, 152064)")
     vocab, stride, n = 1000, 2**20, 2**11 + 2  # row 2048 starts at element 2**31
-    storage = torch.zeros(stride * n, dtype=torch.bfloat16, device="cuda")
+    storage = torch.zeros(stride * n, dtype=torch.bfloat16, device=dev)
     logits = storage.as_strided((n, vocab), (stride, 1))
-    g = torch.Generator(device="cuda").manual_seed(0)
-    logits[-2:] = (torch.randn(2, vocab, generator=g, device="cuda") * 3).to(torch.bfloat16)
-    targets = torch.arange(n, device="cuda") % vocab
+    g = torch.Generator(device=dev).manual_seed(0)
+    logits[-2:] = (torch.randn(2, vocab, generator=g, device=dev) * 3).to(torch.bfloat16)
+    targets = torch.arange(n, device=dev) % vocab
     with torch.no_grad():
         lp, _ = klp.logprobs_entropy_triton(logits, targets, 0, None, None)
     ref = torch.log_softmax(logits[-2:].float(), -1).gather(-1, targets[-2:, None])[:, 0]
     torch.testing.assert_close(lp[-2:].float(), ref, atol=1e-4, rtol=0)
 
 
-def test_the_trainers_float64_pack_is_exact_in_the_kernel():
+def test_the_trainers_float64_pack_is_exact_in_the_kernel(kernel_device):
     """pack_trajectories packs token ids and float32 columns as one float64 batch; the Triton
     kernel (what GPUs run) moves them bit for bit like the torch reference."""
-    g = torch.Generator().manual_seed(3)
-    lengths = torch.tensor([5, 1, 9, 4])
-    padded = torch.zeros(4, 9, 5, dtype=torch.float64)
+    dev = kernel_device
+    g = torch.Generator(device=dev).manual_seed(3)
+    lengths = torch.tensor([5, 1, 9, 4], device=dev)
+    padded = torch.zeros(4, 9, 5, dtype=torch.float64, device=dev)
     for b, n in enumerate(lengths.tolist()):
-        padded[b, :n, :2] = torch.randint(0, 151_000, (n, 2), generator=g).double()
-        padded[b, :n, 2:] = torch.randn(n, 3, generator=g).float().double()
+        padded[b, :n, :2] = torch.randint(0, 151_000, (n, 2), generator=g, device=dev).double()
+        padded[b, :n, 2:] = torch.randn(n, 3, generator=g, device=dev).float().double()
     out_t = kpack.pack(padded, lengths, 4, use_triton=True)
     out_r = kpack.pack(padded, lengths, 4, use_triton=False)
     assert torch.equal(out_t, out_r) and out_t.dtype == torch.float64

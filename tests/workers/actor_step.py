@@ -35,16 +35,20 @@ def vocab_parallel_check(ps):
            "entropy": (ent.double() - rent).abs().max().item(),
            "grad": (part.grad.double() - ref.grad.chunk(tp, dim=-1)[rank]).abs().max().item()}
     if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
-        # The Triton kernels, with the TP exchange between their passes.
+        # The Triton kernels, with the TP exchange between their passes, on this rank's device
+        # (compiled kernels cannot read host memory); compared on the CPU.
         from laminar_mcore.kernels.logprobs import logprobs_entropy_triton
+        from laminar_mcore.parallel import device
 
-        tpart = full.chunk(tp, dim=-1)[rank].clone().requires_grad_()
-        tlp, tent = logprobs_entropy_triton(tpart, targets, rank * tpart.shape[-1],
+        dev = device() if os.environ.get("TRITON_INTERPRET") != "1" else torch.device("cpu")
+        tpart = full.chunk(tp, dim=-1)[rank].clone().to(dev).requires_grad_()
+        tlp, tent = logprobs_entropy_triton(tpart, targets.to(dev), rank * tpart.shape[-1],
                                             ps.get_tensor_model_parallel_group())
-        (tlp * w1 + tent * w2).sum().backward()
+        (tlp * w1.to(dev) + tent * w2.to(dev)).sum().backward()
+        tlp, tent, tgrad = tlp.detach().cpu(), tent.detach().cpu(), tpart.grad.cpu()
         out["triton_lp"] = (tlp.double() - rlp).abs().max().item()
         out["triton_entropy"] = (tent.double() - rent).abs().max().item()
-        out["triton_grad"] = (tpart.grad.double() - ref.grad.chunk(tp, dim=-1)[rank]).abs().max().item()
+        out["triton_grad"] = (tgrad.double() - ref.grad.chunk(tp, dim=-1)[rank]).abs().max().item()
     return out
 
 
