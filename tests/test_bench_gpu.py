@@ -117,7 +117,8 @@ def _assert_coverage(figures, stdout):
     assert set(figures["loop_final_engine_versions"].values()) == {steps}
     assert len(figures["loop_final_engine_versions"]) == 2
     assert figures["loop_trainer_tokens_per_s"] > 0 and figures["loop_weights_sent_bytes_max"] > 0
-    assert "issue 49" in _entry(figures["loop_not_exercised"], "nccl_publish_channel")
+    assert figures["loop_publish_channel"] == "shm"  # publish_backend=auto, nothing forced
+    assert "shared memory" in _entry(figures["loop_not_exercised"], "nccl_publish_channel")
 
 
 @pytest.mark.multiprocess

@@ -32,8 +32,8 @@ pytestmark = pytest.mark.multiprocess
 TOKEN = "run-token"
 
 
-def _relay(tmp_path, name, mooncake_protocol=None, **kw):
-    ws = WeightSyncConfig(mooncake_protocol=mooncake_protocol)
+def _relay(tmp_path, name, mooncake_protocol=None, publish_backend="auto", **kw):
+    ws = WeightSyncConfig(mooncake_protocol=mooncake_protocol, publish_backend=publish_backend)
     return relay_process(RelayConfig(TOKEN, relay_id=name, heartbeat_s=0.2, weight_sync=ws, **kw),
                          str(tmp_path / f"{name}.log")).start()
 
@@ -115,6 +115,9 @@ def test_tp2_pp2_publish_reaches_the_end_of_the_chain_bit_exact(chain, tmp_path)
     asyncio.run(_lease_and_check(r2.url, references, seen))
     leads = [r for r in results if r["lead"]]
     assert len(leads) == 2  # one sender per pipeline stage
+    # the relay is on the trainer's host: each lead copied its buckets into the relay's
+    # shared memory (weight_sync.publish_backend=auto), and the versions arrived bit for bit
+    assert {lead["backend"] for lead in leads} == {"shm"}
     for lead in leads:
         assert [s["version"] for s in lead["stats"]] == [1, 2, 3]
         assert all(s["buckets"] > 1 for s in lead["stats"])  # bucketed (40 kB buckets)

@@ -7,6 +7,10 @@ In one run: a one-process trainer publishes a Megatron-Core model to a chain of 
 end-to-end GB/s until the last relay holds the version, the GB/s of an engine pulling it from
 its relay (the CPU engine, ``update_weights_from_tensor``), and, for calibration, one host copy
 of the same bytes (memcpy) and a raw gloo broadcast of them to as many processes as relays.
+The trainer -> master relay channel is then measured alone, side by side: the same-host
+shared-memory channel (``publish_gb_per_s_same_host``, what ``publish_backend=auto`` picks with
+the relay on the trainer's host) against gloo (``publish_gb_per_s_gloo``, forced), each to a
+master relay of its own: the seconds from a publish's export to the relay's "end" answer.
 The first two publishes allocate every host and shared-memory buffer (a relay keeps the newest
 version and the one arriving); the next ``--repeats`` reuse them and are measured, and the
 trainer-blocked, chain and host-copy figures are medians (the machines are noisy).
@@ -214,6 +218,30 @@ def main(argv=None) -> dict:
                 publisher.wait()
             publisher.close()
             blocked_s, chain_s = statistics.median(blocked), statistics.median(chains)
+            # the trainer -> master relay channel alone, side by side: the same-host shared-memory
+            # channel (what auto picks here) against gloo (forced), each to a master of its own
+            send_s = {}
+            for backend in ("shm", "gloo"):
+                alone = relay_process(RelayConfig(
+                    token, master=True, chunk_bytes=chunk, relay_id=f"{backend}-master",
+                    weight_sync=WeightSyncConfig(publish_backend=backend)),
+                    os.path.join(tmp, f"{backend}-master.log")).start()
+                procs.append(alone)
+                sender = WeightPublisher(
+                    model, cfg, relay_host="127.0.0.1",
+                    publish_port=int(alone.wait_printed("LAMINAR_RELAY_PUBLISH_PORT")),
+                    bucket_bytes=args.bucket_mb * 2**20, chunk_bytes=chunk, token=token)
+                assert sender.backend == backend, (sender.backend, backend)
+                sends = []
+                for version in range(1, final_version + 1):
+                    sender.publish(version)
+                    t0 = time.perf_counter()
+                    sender.wait()  # the buckets are at the relay (its "end" answered)
+                    if version > 2:
+                        sends.append(time.perf_counter() - t0)
+                sender.close()
+                alone.stop()
+                send_s[backend] = statistics.median(sends)
 
             src = torch.ones(nbytes, dtype=torch.uint8)
             dst = torch.empty_like(src)
@@ -265,6 +293,9 @@ def main(argv=None) -> dict:
         "chain_s": chain_s, "chain_gbps": gb / chain_s, "pull_s": pull_s, "pull_gbps": gb / pull_s,
         "gloo_broadcast_gbps": gb / gloo_s, "memcpy_gbps": gb / host_copy_s,
         "chain_vs_gloo": (gb / chain_s) / (gb / gloo_s), "bit_exact": bool(bit_exact),
+        "publish_gb_per_s_same_host": gb / send_s["shm"],
+        "publish_gb_per_s_gloo": gb / send_s["gloo"],
+        "publish_same_host_vs_gloo": send_s["gloo"] / send_s["shm"],
         "mooncake_read_gbps": gb / mc["read_s"] if mc else None,
         "mooncake_pull_gbps": gb / mc["pull_s"] if mc else None,
         "mooncake_pull_vs_shm_pull": pull_s / mc["pull_s"] if mc else None,
@@ -278,6 +309,10 @@ def main(argv=None) -> dict:
         "pull_gbps": f"{figures['pull_gbps']:.2f} GB/s into a CPU engine",
         "gloo_broadcast_gbps": f"{figures['gloo_broadcast_gbps']:.2f} GB/s to {args.relays} processes",
         "memcpy_gbps": f"{figures['memcpy_gbps']:.2f} GB/s",
+        "publish_gb_per_s_same_host": f"{figures['publish_gb_per_s_same_host']:.2f} GB/s trainer -> "
+                                      f"master relay through shared memory "
+                                      f"({figures['publish_same_host_vs_gloo']:.1f}x gloo's "
+                                      f"{figures['publish_gb_per_s_gloo']:.2f} GB/s)",
         "bit_exact": str(bit_exact),
     })
     if mc:

@@ -36,7 +36,9 @@ size):
 
 Rollout nodes: ``num_engines x engine_tp`` GPUs; each engine GPU holds its weight shard, the KV
 cache up to ``mem_fraction_static`` of the GPU, and at most two of the relay's buckets while it
-pulls; the relay's GPU (``weight_sync.relay_device``).
+pulls; the relay's GPU (``weight_sync.relay_device``), one no engine holds or none: the GPU map
+(``config/gpu_map.py``, ``gpu_map`` in the plan: ``job=train`` on one node, a trainer node and a
+rollout node, each role's ``CUDA_VISIBLE_DEVICES``).
 
 Host memory (``cluster.host_memory_gb`` per node; 0: not checked): a rollout node's relay keeps
 ``weight_sync.relay_versions`` copies of the model at the rollout dtype in ``/dev/shm``, which
@@ -54,6 +56,7 @@ import math
 from typing import Dict
 
 from .budgets import controller_open_files, controller_streams
+from .gpu_map import format_gpu_maps, plan_gpu_maps
 
 # The CUDA context (~0.5 GB with the kernels of torch, Transformer Engine and NCCL loaded) and
 # NCCL's communicators: each keeps NCCL_BUFFSIZE (4 MiB) per channel and peer, and a trainer rank
@@ -255,11 +258,10 @@ def capacity_plan(cfg, digits: int = 2) -> dict:
     relay_buckets_gb = 2 * cfg.weight_sync.bucket_mb * 2**20 / GB
     static_gb = r.mem_fraction_static * mem
     kv_gb = static_gb - engine_weights_gb
-    relay_device = cfg.weight_sync.relay_device
-    if relay_device == "auto":
-        relay_device = f"cuda:{gpus - 1}" if gpus > 0 else "cpu"
-    relay_index = int(relay_device.split(":")[1]) if relay_device.startswith("cuda:") else None
-    relay_shares = relay_index is not None and relay_index < engine_gpus
+    # the GPU map (config/gpu_map.py): a rollout node's relay on a GPU no engine holds, or none
+    gpu_maps = plan_gpu_maps(cfg)
+    relay_device = (gpu_maps["rollout_node"].get("rollout_nodes") or [{}])[0].get("relay")
+    relay_device = f"cuda:{relay_device}" if relay_device not in (None, "no relay") else "cpu"
 
     # -------------------------------------------------------------- host memory
     stage_bytes = [(dense_per_layer * layers_per_stage + counts["expert_total"] / pp
@@ -307,6 +309,9 @@ def capacity_plan(cfg, digits: int = 2) -> dict:
                     f"rollout.num_engines={r.num_engines} x rollout.engine_tp={r.engine_tp} = "
                     f"{engine_gpus} GPUs per rollout node, cluster.gpus_per_node={gpus}: lower "
                     "rollout.num_engines (engines per rollout node)")
+            refused = gpu_maps["rollout_node"].get("refused")
+            if refused and engine_gpus <= gpus:  # the relay's GPU (the engines': above)
+                problems.append(refused)
             if kv_gb < 0.1 * mem:
                 problems.append(
                     f"LMC-E122: an engine GPU holds {engine_weights_gb:.1f} GB of weights, leaving "
@@ -331,7 +336,7 @@ def capacity_plan(cfg, digits: int = 2) -> dict:
         "engine_weights_gb_per_gpu": round(engine_weights_gb, 2),
         "engine_kv_gb_per_gpu": round(max(kv_gb, 0.0), 2),
         "relay_buckets_gb_per_engine_gpu": round(relay_buckets_gb, 2),
-        "relay_device": relay_device, "relay_shares_an_engine_gpu": bool(relay_shares),
+        "relay_device": relay_device, "relay_shares_an_engine_gpu": False, "gpu_map": gpu_maps,
         "relay_shm_gb_per_rollout_node": round(cfg.weight_sync.relay_versions * model_gb, 1),
         "pinned_publish_gb_per_trainer_node": round(pinned_gb, 1),
         "reference_model": "offloaded" if ref_offload else "held" if reference else "none",
@@ -422,8 +427,7 @@ def format_plan(plan: dict) -> str:
         f"engines (TP{plan['engine_tp']}): {plan['engine_weights_gb_per_gpu']:.1f} GB weights + "
         f"{plan['engine_kv_gb_per_gpu']:.1f} GB KV per GPU, + at most "
         f"{plan['relay_buckets_gb_per_engine_gpu']:.2f} GB of relay buckets while pulling; relay "
-        f"on {plan['relay_device']}"
-        + (" (shared with an engine)" if plan["relay_shares_an_engine_gpu"] else ""),
+        f"on {plan['relay_device']}", *format_gpu_maps(plan["gpu_map"]),
         f"  host: relay /dev/shm {plan['relay_shm_gb_per_rollout_node']:.0f} GB per rollout node "
         f"({plan['relay_versions']} versions)"
         + (f" of {plan['shm_gb']:g} GB" if plan["host_memory_gb"] else "") + "; "

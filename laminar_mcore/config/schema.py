@@ -234,12 +234,14 @@ class WeightSyncConfig:
     # over NCCL): larger chunks mean fewer round trips, more staging memory on one GPU.
     chunk_mb: int = 64
     chain_chunks: Optional[int] = None  # null: from Laminar's T(p, k) model
-    # Trainer -> master relay transport: auto (NCCL when the relay's machine has a GPU, else
-    # gloo), nccl or gloo. The relay announces it; trainers follow.
+    # Trainer -> master relay channel: auto (decided per trainer from both ends: shm, the
+    # trainer writing into the relay's shared memory, on one host; NCCL across hosts when both
+    # have a GPU; else gloo), or forced: shm, nccl, gloo (never NCCL on one GPU: refused).
     publish_backend: str = "auto"
-    # The GPU a relay keeps its CUDA context and NCCL publish staging on: auto (the machine's
-    # last GPU; engines are placed from GPU 0 up), cpu (none: gloo publishes only), or cuda:N.
-    # Leave it a GPU no engine uses when one is free (job=plan shows the map).
+    # The GPU an NCCL publish session stages on (the relay makes no CUDA context until such a
+    # session forms): auto (a GPU of the node that no trainer or engine holds, if one is left;
+    # else none), cpu (none: no NCCL), or cuda:N (the node's GPU N, which no other role may
+    # hold). job=plan shows the GPU map.
     relay_device: str = "auto"
     # Relays also serve cross-node pulls through Mooncake's transfer engine: null (off), tcp or
     # rdma; mooncake_device names the RDMA NIC(s), e.g. mlx5_0 (empty: auto-discover).
@@ -303,9 +305,9 @@ class ClusterConfig:
     shutdown_grace_s: float = 60.0  # a rollout node stops this long after its controller went
     # CPU threads per process on a shared machine; 0: leave torch's default.
     threads_per_process: int = 1
-    # The GPUs of one node, for the capacity plan (job=plan) and the check that refuses a run
-    # that does not fit before anything starts. 0: no GPU (CPU runs: only host memory is
-    # checked, when host_memory_gb > 0).
+    # The GPUs of one node, for the capacity plan (job=plan), the GPU map (each role started on
+    # a node gets GPUs of its own) and the checks that refuse a run that does not fit before
+    # anything starts. 0: no GPU (CPU runs: only host memory is checked, when host_memory_gb > 0).
     gpus_per_node: int = 8
     gpu_memory_gb: float = 80.0  # one GPU's memory (GB), for job=plan and that check
     # One node's RAM (GB), for job=plan and the same check: a rollout node's relay versions in

@@ -207,10 +207,10 @@ def validate_config(cfg: DictConfig) -> None:
     if cfg.weight_sync.bucket_mb < 1 or cfg.weight_sync.chunk_mb < 1:
         problems.append(f"LMC-E103: weight_sync.bucket_mb={cfg.weight_sync.bucket_mb} and "
                         f"weight_sync.chunk_mb={cfg.weight_sync.chunk_mb} must be >= 1")
-    if cfg.weight_sync.publish_backend not in ("auto", "gloo", "nccl"):
+    if cfg.weight_sync.publish_backend not in ("auto", "gloo", "nccl", "shm"):
         problems.append("LMC-E102: "
                         f"weight_sync.publish_backend={cfg.weight_sync.publish_backend!r} "
-                        "must be auto, gloo or nccl")
+                        "must be auto, gloo, nccl or shm")
     _check_publish_lag(cfg, problems)
     problems.extend(budget_problems(cfg))
     _check_delta(cfg, problems)
@@ -291,6 +291,14 @@ def validate_config(cfg: DictConfig) -> None:
 
         problems += [within("does not fit (job=plan shows the whole plan)", msg)
                      for msg in capacity_plan(cfg)["problems"]]
+    if not problems and cl.gpus_per_node > 0:
+        # the roles this job starts on one node, each on GPUs of its own (config/gpu_map.py)
+        from .gpu_map import GpuMapError, config_gpu_map
+
+        try:
+            config_gpu_map(cfg)
+        except GpuMapError as exc:
+            problems.append(str(exc))
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
 

@@ -34,9 +34,14 @@ def main(cfg: DictConfig) -> None:
 
         run_smoke(cfg)
     elif cfg.job == "train":
+        from ..config.gpu_map import GpuMapError
         from .train import run_train
 
-        summary = run_train(cfg)
+        try:
+            summary = run_train(cfg)
+        except GpuMapError as exc:  # this machine's GPUs cannot hold the roles apart
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(2)
         from ..bench.reference import compare  # the stored sync run of the same job, if any
 
         compare(cfg, summary, f"{cfg.output_dir}/{cfg.run_name}")

@@ -2,22 +2,28 @@
 
 Owns process start and teardown for single-machine runs: each trainer process gets
 ``RANK``/``WORLD_SIZE``/``MASTER_*`` from torchrun, a loopback rendezvous on a free port, and
-its share of the CPU threads. An error in any process stops all of them.
+its share of the CPU threads, and, on a GPU machine, the trainers' GPUs of the GPU map
+(``CUDA_VISIBLE_DEVICES``, set in each process before anything touches CUDA). An error in any
+process stops all of them.
 """
 
 from __future__ import annotations
 
+import os
 import uuid
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from ..netutil import free_port
 
 
 def launch_trainer_world(entrypoint: Callable, args: tuple, nproc: int,
-                         log_dir: str | None = None, max_restarts: int = 0) -> Dict[int, Any]:
+                         log_dir: str | None = None, max_restarts: int = 0,
+                         env: Optional[Mapping[str, str]] = None) -> Dict[int, Any]:
     """Run ``entrypoint(*args)`` in ``nproc`` processes; return each rank's return value. A
     process that fails restarts the whole world, up to ``max_restarts`` times (the processes
-    see ``TORCHELASTIC_RESTART_COUNT``; trainer/loop.py then resumes from a checkpoint)."""
+    see ``TORCHELASTIC_RESTART_COUNT``; trainer/loop.py then resumes from a checkpoint).
+    ``env``: variables every process sets before it runs ``entrypoint`` (the GPU map's
+    ``CUDA_VISIBLE_DEVICES``), the launcher's own environment untouched."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
@@ -28,7 +34,16 @@ def launch_trainer_world(entrypoint: Callable, args: tuple, nproc: int,
         rdzv_configs={"rank": 0}, max_restarts=max_restarts, monitor_interval=0.5,
         start_method="spawn", logs_specs=None, local_addr="127.0.0.1",
     )
+    if env:
+        return elastic_launch(config, with_env)(dict(env), entrypoint, *args)
     return elastic_launch(config, entrypoint)(*args)
+
+
+def with_env(env: Mapping[str, str], entrypoint: Callable, *args):
+    """In a trainer process: set ``env`` (before CUDA starts: it reads CUDA_VISIBLE_DEVICES
+    once), then run ``entrypoint(*args)``."""
+    os.environ.update(env)
+    return entrypoint(*args)
 
 
 def trainer_nproc(cfg) -> int:
@@ -40,4 +55,4 @@ def trainer_nproc(cfg) -> int:
     return t.nproc_per_node
 
 
-__all__: List[str] = ["launch_trainer_world", "trainer_nproc", "free_port"]
+__all__: List[str] = ["launch_trainer_world", "trainer_nproc", "free_port", "with_env"]

@@ -21,6 +21,7 @@ from ..netutil import engine_api_key
 
 
 def run_train(cfg) -> dict:
+    from ..config.gpu_map import machine_gpu_map
     from ..controller.client import ControllerClient
     from ..controller.role import Progress, evaluate_engine, finish_run, load_task, resume_state
     from ..controller.server import Controller
@@ -38,6 +39,11 @@ def run_train(cfg) -> dict:
         print(msg, flush=True)
 
     nproc = trainer_nproc(cfg)
+    # each role's GPUs on this machine (config/gpu_map.py; GpuMapError before anything starts
+    # if they cannot be disjoint); None without GPUs: no process is masked
+    gmap = machine_gpu_map(cfg, "train")
+    if gmap is not None:
+        log(f"[train] GPU map ({gmap.source}): {gmap.describe()}")
     task = load_task(cfg, out_dir, log)
     token = secrets.token_hex(16)
     nodes: list = []
@@ -51,7 +57,8 @@ def run_train(cfg) -> dict:
         # cluster.rollout_nodes supervised rollout nodes on this machine: the first hosts the
         # master relay, the others chain from it (rollout/supervisor.py)
         for k in range(cfg.cluster.rollout_nodes):
-            node = NodeSupervisor(cfg, client, task.model_path, logs, f"node{k}", log=log)
+            node = NodeSupervisor(cfg, client, task.model_path, logs, f"node{k}", log=log,
+                                  gpus=gmap.node(k) if gmap is not None else None)
             nodes.append(node)
             node.start()
         engines = [e for node in nodes for e in node.engines]
@@ -72,7 +79,8 @@ def run_train(cfg) -> dict:
                 _trainer_entry, (as_dict(cfg), task.model_path, controller_url, token,
                                  nodes[0].relay.host, nodes[0].publish_port,
                                  os.path.join(out_dir, "checkpoints")),
-                nproc, max_restarts=cfg.trainer.max_restarts)
+                nproc, max_restarts=cfg.trainer.max_restarts,
+                env=gmap.trainer_env() if gmap is not None else None)
         finally:
             progress.close()
         return finish_run(controller, results[0], initial, t_start, out_dir, log)

@@ -27,6 +27,14 @@ def backend() -> str:
     return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
+def local_device_index(environ=None) -> int:
+    """This rank's CUDA device among those it sees: ``LOCAL_RANK % device_count()``. Under a
+    mask of the node's trainer GPUs (the local launcher's GPU map) rank r takes the r-th; under
+    a per-rank mask (SLURM ``--gpus-per-task``, Kubernetes) it sees one device, index 0."""
+    environ = os.environ if environ is None else environ
+    return int(environ.get("LOCAL_RANK", 0) or 0) % max(torch.cuda.device_count(), 1)
+
+
 def device() -> torch.device:
     """Where this rank's model lives: its CUDA device, or the CPU."""
     if torch.cuda.is_available():
@@ -76,7 +84,7 @@ def init_trainer_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 123
     apply_cpu_compat()
     if not dist.is_initialized():
         if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(local_device_index())
         timeout = datetime.timedelta(seconds=timeout_s)
         if "RANK" in os.environ:  # under torchrun
             dist.init_process_group(backend=backend(), timeout=timeout)

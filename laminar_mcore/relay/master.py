@@ -33,7 +33,8 @@ from typing import Dict, List, Optional
 import torch
 from aiohttp import web
 
-from ..weights.transport import Channel, resolve_backend, stage_group
+from ..weights.transport import (abort_group, choose_channel, gpu_uuid, host_identity,
+                                 open_channel, resolve_backend)
 from .publish_receiver import receive_publishes
 from .client import probe_relay
 from ..netutil import error_response, read_json, read_query
@@ -87,31 +88,46 @@ class MasterRelay:
         """Open the publish port: a trainer stage lead that proves the run token gets a session
         of its own -- its own store and group (relay/rendezvous.py); nothing else reaches it."""
         self.rendezvous = PublishRendezvous(
-            self.host, self.publish_port, self.token, self.trainer_stages, self.publish_backend,
+            self.host, self.publish_port, self.token, self.trainer_stages, self._choose_channel,
             self._start_session, self.stop_event).start()
         self.publish_port = self.rendezvous.port
         self.publish_ready.set()
         print(f"LAMINAR_RELAY_PUBLISH_PORT={self.publish_port}", flush=True)
 
-    def _start_session(self, stage: int, session: int, store) -> None:
+    def _choose_channel(self, hello: dict):
+        """This session's channel from both ends' facts (``weights.transport.choose_channel``):
+        the trainer's in its join, this relay's host and the GPU it would stage NCCL on."""
+        relay = {"host": host_identity(),
+                 "gpu": gpu_uuid(torch.device(self.relay_device)) if self.relay_device else None}
+        backend, why = choose_channel(self.publish_backend or "auto",
+                                      {"host": hello.get("host"), "gpu": hello.get("gpu")}, relay)
+        logger.info("publish channel for stage %s: %s (%s)", hello.get("stage"), backend, why)
+        return backend, why
+
+    def _start_session(self, stage: int, session: int, store, backend: str) -> None:
         """Every trainer process that joins for ``stage`` (the first, or one restarted after a
         crash) gets a new session: its own group and receiver."""
-        t = threading.Thread(target=self._receive_stage, args=(store, stage, session),
+        t = threading.Thread(target=self._receive_stage, args=(store, stage, session, backend),
                              name=f"laminar-relay-publish-{stage}-s{session}", daemon=True)
         t.start()
         self.publish_threads.append(t)
 
-    def _receive_stage(self, store, stage: int, session: int) -> None:
-        """One trainer stage's publish stream, over that stage's own two-rank group."""
+    def _receive_stage(self, store, stage: int, session: int, backend: str) -> None:
+        """One trainer stage's publish stream, over that stage's own two-rank group(s)."""
+        channel = None
         try:
-            # the relay waits for the trainer's next publish, however long a step takes
-            pg = stage_group(store, stage, 0, self.publish_backend, datetime.timedelta(days=30),
-                             session=session)
+            device = torch.device(self.relay_device) if backend == "nccl" else None
+            if device is not None:  # the CUDA context is made now, on the NCCL session's GPU
+                torch.cuda.set_device(device)
+            # the relay waits for the trainer's next publish, however long a step takes: over
+            # gloo (headers), never inside an NCCL collective, whose data group times out
+            channel = open_channel(
+                store, stage, 0, backend, session=session,
+                wait_timeout=datetime.timedelta(days=30),
+                data_timeout=datetime.timedelta(seconds=self.cfg.weight_sync.publish_timeout_s),
+                chunk_bytes=8 * 2**20, device=device)
             logger.info("publish group of trainer stage %d formed (%s, session %d)", stage,
-                        self.publish_backend, session)
-            channel = Channel(pg, 1, self.publish_backend, 8 * 2**20,
-                              device=torch.device(self.relay_device)
-                              if self.publish_backend == "nccl" else None)
+                        backend, session)
             receive_publishes(channel, self.store, self.stop_event,
                               lambda v: logger.info("version %d complete", v),
                               on_bucket=self.metrics.bucket)
@@ -119,6 +135,9 @@ class MasterRelay:
             if not self.stop_event.is_set():
                 logger.warning("publish stream from stage %d (session %d) ended: %s", stage,
                                session, exc)
+            if channel is not None:
+                for pg in channel.groups():
+                    abort_group(pg)
 
     # ------------------------------------------------------------------ chain management
     def _downstream_failed(self, data_addr: str) -> None:

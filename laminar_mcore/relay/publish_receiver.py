@@ -1,6 +1,7 @@
 """The master relay's receiving end of the trainer's publish stream: versions from one trainer
-stage lead, over that stage's ``weights.transport.Channel`` (torch.distributed: NCCL or gloo),
-into the relay's ``VersionStore`` -- buckets whole or as deltas rebuilt here, digest checked.
+stage lead, over that stage's ``weights.transport.Channel`` (torch.distributed: NCCL or gloo;
+on one host the lead copies each bucket straight into the store's shared memory), into the
+relay's ``VersionStore`` -- buckets whole or as deltas rebuilt here, digest checked.
 
 Owns the per-version protocol with the lead (accept or refuse, which buckets to send again
 whole) and what a broken stream leaves behind (the version it was sending is failed, never
@@ -96,22 +97,15 @@ def _receive_bucket(channel, store: VersionStore, sv: Optional[StoredVersion], h
     payload_bytes = int(header.get("payload_bytes", nbytes))
     delta = header.get("encoding") == "delta"
     key = (int(header["stage"]), int(header["index"]))
+    if header.get("via") == "shm":
+        return _receive_shm_bucket(channel, store, sv, header, key, nbytes, note)
     if sv is None or sv.failed or int(header["version"]) != sv.version:
         _drain(channel, payload_bytes, chunk)
         return None if sv is None or sv.failed else sv
-    payload = None
-    if delta:  # the delta first, then a buffer for the rebuilt bucket
-        raw = torch.empty(payload_bytes, dtype=torch.uint8)
-        for start in range(0, payload_bytes, chunk):  # in the sender's chunks
-            channel.recv_into(raw[start:min(payload_bytes, start + chunk)])
-        payload = memoryview(raw.numpy())
+    # the delta first, then a buffer for the rebuilt bucket
+    payload = memoryview(_recv_delta(channel, payload_bytes, chunk).numpy()) if delta else None
     try:
-        if header.get("resend") and key in sv.buckets:
-            bucket = sv.buckets[key]
-        else:
-            bucket = store.add_bucket(sv, key, nbytes, metas_from_dicts(header["metas"]),
-                                      bool(header["last_of_stage"]), digest=header.get("digest"),
-                                      delta=payload, base_version=header.get("base_version"))
+        bucket = _slot(store, sv, key, header, payload)
     except VersionError:  # no room for it in /dev/shm: the version is refused, drain
         if not delta:
             _drain(channel, nbytes, chunk)
@@ -129,6 +123,53 @@ def _receive_bucket(channel, store: VersionStore, sv: Optional[StoredVersion], h
         store.progress(sv, bucket, end)
     note("resent" if header.get("resend") else "full", nbytes, nbytes)
     return sv
+
+
+def _receive_shm_bucket(channel, store: VersionStore, sv: Optional[StoredVersion], header: dict,
+                        key, nbytes: int, note) -> Optional[StoredVersion]:
+    """The same-host channel: a delta (if the lead encoded one: what this relay forwards down
+    its chain) comes over the channel; then this relay answers with the shared-memory file of
+    the bucket's slot (None: not kept) and the lead copies the whole bucket into it and says
+    so. Nothing is rebuilt here: the bytes are the trainer's."""
+    chunk = int(header["chunk_bytes"])
+    payload_bytes = int(header.get("payload_bytes", nbytes))
+    delta = bytes(_recv_delta(channel, payload_bytes, chunk).numpy()) \
+        if header.get("encoding") == "delta" else None
+    if sv is None or sv.failed or int(header["version"]) != sv.version:
+        channel.send_header({"path": None})
+        return None if sv is None or sv.failed else sv
+    try:
+        bucket = _slot(store, sv, key, header, delta)
+    except VersionError:  # no room for it in /dev/shm: the version is refused
+        channel.send_header({"path": None})
+        return None
+    channel.send_header({"path": bucket.shm.path})
+    done = channel.recv_header()
+    if done.get("type") != "written" or done.get("nbytes") != nbytes:
+        raise ConnectionError(f"the stage lead did not write bucket {key} of version "
+                              f"{sv.version} ({done})")
+    store.progress(sv, bucket, nbytes)
+    note("resent" if header.get("resend") else "delta" if delta is not None else "full",
+         nbytes, payload_bytes if delta is not None else nbytes)
+    return sv
+
+
+def _recv_delta(channel, nbytes: int, chunk: int) -> torch.Tensor:
+    """A delta payload of ``nbytes``, in the sender's chunks."""
+    raw = torch.empty(nbytes, dtype=torch.uint8)
+    for start in range(0, nbytes, chunk):
+        channel.recv_into(raw[start:min(nbytes, start + chunk)])
+    return raw
+
+
+def _slot(store: VersionStore, sv: StoredVersion, key, header: dict, delta):
+    """The bucket ``header`` fills: its slot already (a resend) or a new one in the store."""
+    if header.get("resend") and key in sv.buckets:
+        return sv.buckets[key]
+    return store.add_bucket(sv, key, int(header["nbytes"]), metas_from_dicts(header["metas"]),
+                            bool(header["last_of_stage"]), digest=header.get("digest"),
+                            delta=delta, base_version=header.get("base_version")
+                            if delta is not None else None)
 
 
 def _drain(channel, nbytes: int, chunk: int) -> None:

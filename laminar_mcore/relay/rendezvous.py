@@ -62,10 +62,13 @@ def _mac(token: str, message: str) -> str:
     return hmac.new(token.encode(), message.encode(), hashlib.sha256).hexdigest()
 
 
-def join_proof(token: str, relay_nonce: str, stage: int, trainer_nonce: str) -> str:
-    """The trainer's proof: HMAC-SHA256 under the token of the relay's nonce, the stage and
-    the trainer's nonce."""
-    return _mac(token, f"laminar-publish-join/{relay_nonce}/{stage}/{trainer_nonce}")
+def join_proof(token: str, relay_nonce: str, stage: int, trainer_nonce: str,
+               host: Optional[str] = None, gpu: Optional[str] = None) -> str:
+    """The trainer's proof: HMAC-SHA256 under the token of the relay's nonce, the stage, the
+    trainer's nonce and, when it sends them, its host and GPU (so nobody on the way can change
+    the facts the channel is decided from)."""
+    facts = "" if host is None and gpu is None else f"/{host or ''}/{gpu or ''}"
+    return _mac(token, f"laminar-publish-join/{relay_nonce}/{stage}/{trainer_nonce}{facts}")
 
 
 def relay_proof(token: str, relay_nonce: str, trainer_nonce: str, session: int) -> str:
@@ -123,14 +126,17 @@ def _seconds(value: Any, default: float) -> datetime.timedelta:
 
 # ---------------------------------------------------------------------- relay side
 class PublishRendezvous:
-    """The master relay's publish port. ``on_session(stage, session, store)`` is called for
-    each authenticated join, with the session's store (the relay forms rank 0 of the
-    session's group on it)."""
+    """The master relay's publish port. ``on_session(stage, session, store, backend)`` is
+    called for each authenticated join, with the session's store (the relay forms rank 0 of the
+    session's group on it) and the channel ``choose(hello)`` decided for it from the trainer's
+    facts in its join (``host``, ``gpu``: ``weights.transport.choose_channel``); a ValueError
+    from ``choose`` refuses the join with its message. ``choose`` may be a backend's name."""
 
-    def __init__(self, host: str, port: int, token: str, stages: int, backend: str,
-                 on_session: Callable[[int, int, "dist.Store"], None],
+    def __init__(self, host: str, port: int, token: str, stages: int, choose,
+                 on_session: Callable[[int, int, "dist.Store", str], None],
                  stop: threading.Event):
-        self.token, self.stages, self.backend = token, stages, backend
+        self.token, self.stages = token, stages
+        self.choose = choose if callable(choose) else (lambda hello, name=choose: (name, ""))
         self.on_session, self.stop = on_session, stop
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -224,8 +230,10 @@ class PublishRendezvous:
                 and isinstance(stage, int) and not isinstance(stage, bool)
                 and isinstance(theirs, str) and 16 <= len(theirs) <= 128
                 and isinstance(proof, str)
+                and all(isinstance(hello.get(k), (str, type(None))) for k in ("host", "gpu"))
                 and hmac.compare_digest(proof.encode(), join_proof(
-                    self.token, nonce, stage, theirs).encode())):
+                    self.token, nonce, stage, theirs, hello.get("host"),
+                    hello.get("gpu")).encode())):
             send_frame(conn, {"accept": False, "reason": AUTH_FAILED})
             raise RendezvousRefused("LMC-E503: no valid proof of the run's token")
         if not 0 <= stage < self.stages:
@@ -233,13 +241,18 @@ class PublishRendezvous:
                       "stages (--trainer-stages: the trainer's pipeline-parallel size)")
             send_frame(conn, {"accept": False, "reason": reason})
             raise RendezvousRefused(reason)
+        try:
+            backend, why = self.choose(hello)
+        except ValueError as exc:  # a forced backend that cannot work here: say why
+            send_frame(conn, {"accept": False, "reason": str(exc)})
+            raise RendezvousRefused(str(exc)) from None
         with self._lock:
             self.sessions[stage] += 1
             session = self.sessions[stage]
         store = dist.HashStore()
         store.set_timeout(datetime.timedelta(days=30))
-        self.on_session(stage, session, store)
-        send_frame(conn, {"accept": True, "backend": self.backend, "session": session,
+        self.on_session(stage, session, store, backend)
+        send_frame(conn, {"accept": True, "backend": backend, "why": why, "session": session,
                           "proof": relay_proof(self.token, nonce, theirs, session)})
         conn.settimeout(None)  # the session's store lives as long as its group
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -416,16 +429,19 @@ class PublishSession:
     store: RemoteStore
     backend: str
     number: int
+    why: str = ""  # the relay's reason for the backend
 
     def close(self) -> None:
         self.store.close()
 
 
 def join_publish_session(host: str, port: int, token: str, stage: int,
-                         timeout_s: float) -> PublishSession:
+                         timeout_s: float, facts: Optional[dict] = None) -> PublishSession:
     """Join stage ``stage``'s publish group at the master relay ``host:port``: prove the run
-    token, check the relay's proof, and return the session. Raises ``RendezvousRefused``
-    when either side does not prove the token, OSError when the relay cannot be reached."""
+    token, check the relay's proof, and return the session. ``facts``: this trainer's ``host``
+    identity and ``gpu`` UUID, from which the relay decides the channel. Raises
+    ``RendezvousRefused`` when either side does not prove the token (or the relay refuses the
+    channel), OSError when the relay cannot be reached."""
     if not token:
         raise RendezvousRefused("LMC-E200: publishing needs the run's token (LAMINAR_RUN_TOKEN)")
     sock = socket.create_connection((host, port), timeout=timeout_s)
@@ -440,8 +456,10 @@ def join_publish_session(host: str, port: int, token: str, stage: int,
                 or not isinstance(challenge.get("nonce"), str):
             raise RendezvousRefused(f"LMC-E504: {host}:{port} is not a master relay's publish port")
         mine = secrets.token_hex(16)
-        send_frame(sock, {"type": "join", "stage": int(stage), "nonce": mine,
-                          "proof": join_proof(token, challenge["nonce"], int(stage), mine)})
+        host_id, gpu = (facts or {}).get("host"), (facts or {}).get("gpu")
+        hello = {"type": "join", "stage": int(stage), "nonce": mine, "host": host_id, "gpu": gpu,
+                 "proof": join_proof(token, challenge["nonce"], int(stage), mine, host_id, gpu)}
+        send_frame(sock, hello)
         try:
             reply = _recv_small(sock, MAX_HELLO)  # the relay has proved nothing yet
         except ValueError:
@@ -461,7 +479,8 @@ def join_publish_session(host: str, port: int, token: str, stage: int,
                                     "run's token: not publishing to it")
         backend = str(reply.get("backend"))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        return PublishSession(RemoteStore(sock, timeout_s, f"{host}:{port}"), backend, session)
+        return PublishSession(RemoteStore(sock, timeout_s, f"{host}:{port}"), backend, session,
+                              str(reply.get("why") or ""))
     except BaseException:
         sock.close()
         raise

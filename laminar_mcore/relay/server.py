@@ -148,11 +148,11 @@ class RelayServer(PullService, MasterRelay):
         self.master_url = cfg.master_url
         self.trainer_stages = cfg.trainer_stages
         self.publish_port = cfg.publish_port
-        # the trainer -> master relay backend: NCCL where this relay has a GPU (auto), else gloo
+        # the trainer -> master relay backend as configured (auto: each session decides from
+        # both ends, weights.transport.choose_channel); the GPU an NCCL session would stage on,
+        # where no CUDA context is made until such a session forms
         self.publish_backend = resolve_backend(ws.publish_backend) if cfg.master else None
         self.relay_device = resolve_relay_device(ws.relay_device)
-        if self.relay_device is not None:  # its CUDA context and NCCL staging live there
-            torch.cuda.set_device(torch.device(self.relay_device))
         self.heartbeat_s = cfg.heartbeat_s
         self.metrics = RelayBooks(formats=TRANSPORTS)
         self.store = VersionStore(lease_ttl_s=cfg.lease_ttl_s, max_versions=ws.relay_versions,
@@ -387,11 +387,15 @@ def main(argv=None) -> None:
                     help="chunk size of chain pushes; 0: from Laminar's T(p, k) model")
     ap.add_argument("--chain-chunks", type=int, default=None, help="a fixed chunk count k")
     ap.add_argument("--heartbeat-s", type=float, default=0.5)
-    ap.add_argument("--publish-backend", choices=["auto", "gloo", "nccl"], default="auto",
-                    help="trainer -> master relay transport: auto = NCCL if this machine has a GPU")
+    ap.add_argument("--publish-backend", choices=["auto", "gloo", "nccl", "shm"],
+                    default="auto",
+                    help="trainer -> master relay channel: auto = decided per trainer from both "
+                         "ends (shared memory on one host, NCCL across hosts with GPUs, else "
+                         "gloo); a forced one that cannot work is refused with the reason")
     ap.add_argument("--relay-device", default="auto",
-                    help="the GPU for the relay's CUDA context and NCCL publish staging: auto "
-                         "(the last GPU), cpu, or cuda:N (weight_sync.relay_device)")
+                    help="the GPU an NCCL publish session stages on (its CUDA context is made "
+                         "only then): auto (the last GPU), cpu, or cuda:N "
+                         "(weight_sync.relay_device)")
     ap.add_argument("--mooncake-protocol", choices=["tcp", "rdma"], default=None,
                     help="also serve cross-node pulls through Mooncake's transfer engine")
     ap.add_argument("--mooncake-device", default="",

@@ -119,9 +119,11 @@ def cpu_engine_command(model_path: str, *, port: int = 0, host: str = "127.0.0.1
 
 def engine_command_from_config(rollout_cfg, model_path: str, *, port: int,
                                api_key: Optional[str] = None, index: int = 0,
-                               seed: Optional[int] = None,
-                               routed_experts: bool = False) -> List[str]:
-    """The command for engine ``index`` of ``cfg.rollout`` (backend cpu or sglang). Engines of
+                               seed: Optional[int] = None, routed_experts: bool = False,
+                               base_gpu_id: Optional[int] = None) -> List[str]:
+    """The command for engine ``index`` of ``cfg.rollout`` (backend cpu or sglang); SGLang's
+    ``--base-gpu-id`` is ``base_gpu_id`` (0 under a mask of the engine's own GPUs: the GPU
+    map), by default the first of ``engine_gpu_ids``. Engines of
     a run start at version 0, stream incrementally every ``rollout.stream_interval`` tokens
     (the controller's clients read them so: ``Controller._handle``) and, with a run ``seed``
     and ``rollout.deterministic_inference``, honour per-trajectory sampling seeds."""
@@ -134,7 +136,8 @@ def engine_command_from_config(rollout_cfg, model_path: str, *, port: int,
                   weight_version="0", routed_experts=routed_experts)
     if rollout_cfg.backend == "sglang":
         return sglang_command(model_path, port=port, host=rollout_cfg.host, tp=rollout_cfg.engine_tp,
-                              base_gpu_id=engine_gpu_ids(rollout_cfg, index)[0],
+                              base_gpu_id=engine_gpu_ids(rollout_cfg, index)[0]
+                              if base_gpu_id is None else base_gpu_id,
                               mem_fraction_static=rollout_cfg.mem_fraction_static, api_key=api_key,
                               max_running_requests=rollout_cfg.max_running_requests,
                               extra_args=list(rollout_cfg.extra_args), **common)
@@ -184,8 +187,10 @@ def served_context_length(rollout_cfg, model_path: Optional[str]) -> Optional[in
 
 
 def engine_gpu_ids(rollout_cfg, index: int) -> List[int]:
-    """The GPUs of SGLang engine ``index`` on its node: engines take ``rollout.engine_tp``
-    consecutive GPUs each (engine i starts at GPU i * engine_tp), TP rank r on the r-th."""
+    """The GPUs of SGLang engine ``index`` of a rollout node as its relay numbers them (where the
+    relay's CUDA-IPC exporter places its buckets): ``rollout.engine_tp`` consecutive GPUs each
+    (engine i starts at i * engine_tp), TP rank r on the r-th. Under the GPU map the relay sees
+    its engines' GPUs first, in engine order (config/gpu_map.py); without one, the node's."""
     tp = int(rollout_cfg.engine_tp)
     return list(range(index * tp, (index + 1) * tp))
 
@@ -215,18 +220,22 @@ def engine_pull_spec(rollout_cfg, index: int, weight_sync=None) -> PullSpec:
 
 
 def engine_process(cfg, model_path: str, log_path: str, index: int,
-                   api_key: Optional[str] = None) -> "EngineProcess":
+                   api_key: Optional[str] = None,
+                   visible: Optional[str] = None) -> "EngineProcess":
     """Engine ``index`` of a rollout node of run ``cfg`` (not started): the CPU engine picks
     its own port, SGLang gets a free one. ``start()`` waits for ``/ready`` for at most
     ``rollout.start_timeout_s`` (``engine_start_timeout_s``). ``api_key`` (a run's:
     ``netutil.engine_api_key`` of its token) never goes on the command line, which every user
     of the machine can read: the CPU engine takes it from its environment, SGLang from a
-    ``--config`` file only its owner can read, next to the log."""
+    ``--config`` file only its owner can read, next to the log. ``visible``: its
+    ``CUDA_VISIBLE_DEVICES`` (the GPU map's mask of its own GPUs, '' for none; SGLang's
+    ``--base-gpu-id`` is then 0); None: the launcher's environment, unchanged."""
     port = 0 if cfg.rollout.backend == "cpu" else free_port()
     command = engine_command_from_config(cfg.rollout, model_path, port=port, index=index,
                                          seed=cfg.seed,
-                                         routed_experts=bool(cfg.algo.routing_replay))
-    env = {}
+                                         routed_experts=bool(cfg.algo.routing_replay),
+                                         base_gpu_id=None if visible is None else 0)
+    env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
     if api_key and cfg.rollout.backend == "cpu":
         env["LAMINAR_ENGINE_API_KEY"] = api_key
     elif api_key:

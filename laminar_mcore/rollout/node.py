@@ -18,18 +18,21 @@ import urllib.error
 from typing import Optional
 
 from ..config.budgets import join_timeout_s
+from ..config.gpu_map import GpuMapError, NodeGpus, machine_gpu_map
 from ..config.schema import LaminarConfig
 from ..netutil import engine_api_key
 from .launcher import engine_process
 
 
 def start_engines(cfg: LaminarConfig, model_path: str, logs: str, procs: list,
-                  name: str = "master", api_key: Optional[str] = None) -> list:
-    """``rollout.num_engines`` engines of this node (appended to ``procs`` as they start)."""
+                  name: str = "master", api_key: Optional[str] = None,
+                  gpus: Optional[NodeGpus] = None) -> list:
+    """``rollout.num_engines`` engines of this node (appended to ``procs`` as they start);
+    ``gpus``: this node's GPU map (each engine's ``CUDA_VISIBLE_DEVICES``), None: no GPUs."""
     engines = []
     for i in range(cfg.rollout.num_engines):
         engine = engine_process(cfg, model_path, os.path.join(logs, f"engine-{name}-{i}.log"), i,
-                                api_key=api_key)
+                                api_key=api_key, visible=gpus.engines[i] if gpus else None)
         procs.append(engine.start())
         engines.append(engine)
     return engines
@@ -47,6 +50,13 @@ def run(cfg: LaminarConfig, client) -> None:
     def log(msg: str) -> None:
         print(f"[rollout {name}] {msg}", flush=True)
 
+    try:  # this node's GPUs for its engines and relay (config/gpu_map.py); None: no GPUs
+        gmap = machine_gpu_map(cfg, "rollout")
+    except GpuMapError as exc:
+        raise NodeError(str(exc)) from None
+    gpus = gmap.node(0) if gmap is not None else None
+    if gmap is not None:
+        log(f"GPU map ({gmap.source}): {gmap.describe()}")
     client.wait_for("the controller", client.health, lambda a: a.get("ok"),
                     join_timeout_s(cfg))
     procs: list = []
@@ -57,10 +67,10 @@ def run(cfg: LaminarConfig, client) -> None:
     try:
         try:
             if cfg.rollout.relay == "remote":
-                agent = _run_remote_node(cfg, client, name, logs, procs, log)
+                agent = _run_remote_node(cfg, client, name, logs, procs, log, gpus)
                 _watch(cfg, client, procs, log)
             else:
-                supervisor = _run_relay_node(cfg, client, name, logs, log, held)
+                supervisor = _run_relay_node(cfg, client, name, logs, log, held, gpus)
                 _watch(cfg, client, [], log)
         except Leave:
             if supervisor is None and held:
@@ -107,13 +117,13 @@ def _leave(cfg, client, engine_urls, log) -> None:
         log(f"could not leave gracefully ({exc}); stopping")
 
 
-def _run_relay_node(cfg, client, name, logs, log, held: list):
+def _run_relay_node(cfg, client, name, logs, log, held: list, gpus=None):
     """A relay and engines under a ``NodeSupervisor``: what dies is restarted."""
     from .supervisor import NodeSupervisor
 
     info = client.wait_for("the model path", client.cluster, lambda a: a.get("model_path"),
                            join_timeout_s(cfg))
-    supervisor = NodeSupervisor(cfg, client, info["model_path"], logs, name, log=log)
+    supervisor = NodeSupervisor(cfg, client, info["model_path"], logs, name, log=log, gpus=gpus)
     held.append(supervisor)
     started = time.time()
     supervisor.start()
@@ -126,7 +136,7 @@ def _run_relay_node(cfg, client, name, logs, log, held: list):
     return supervisor
 
 
-def _run_remote_node(cfg, client, name, logs, procs, log):
+def _run_remote_node(cfg, client, name, logs, procs, log, gpus=None):
     """Engines only; versions come from the master relay through the pull agent."""
     from .launcher import engine_pull_spec
     from .pull_agent import PullAgent
@@ -136,7 +146,7 @@ def _run_remote_node(cfg, client, name, logs, procs, log):
     relay_url = info["master_relay"]["url"]
     started = time.time()
     engines = start_engines(cfg, info["model_path"], logs, procs, name,
-                            api_key=engine_api_key(client.token))
+                            api_key=engine_api_key(client.token), gpus=gpus)
     took = time.time() - started
     agent = PullAgent(relay_url, [e.url for e in engines],
                       [engine_pull_spec(cfg.rollout, i, cfg.weight_sync)

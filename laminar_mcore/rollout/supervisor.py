@@ -44,6 +44,7 @@ from collections import deque
 from typing import Callable, Dict, List, Optional
 
 from ..config.budgets import join_timeout_s
+from ..config.gpu_map import NodeGpus
 from ..config.plan import relay_model_bytes
 from ..netutil import engine_api_key
 from ..relay.launch import relay_process
@@ -56,14 +57,17 @@ from .launcher import (EngineProcess, engine_health_window_s, engine_heartbeat_t
 
 class NodeSupervisor:
     def __init__(self, cfg, client, model_path: str, logs: str, name: str,
-                 log: Callable[[str], None] = print):
-        """``client``: a ``ControllerClient`` of the run's controller."""
+                 log: Callable[[str], None] = print, gpus: Optional[NodeGpus] = None):
+        """``client``: a ``ControllerClient`` of the run's controller; ``gpus``: this node's
+        share of the GPU map (config/gpu_map.py: each engine's and the relay's
+        ``CUDA_VISIBLE_DEVICES``, the relay's device); None: no GPUs, nothing is masked."""
         self.cfg = cfg
         self.client = client
         self.model_path = model_path
         self.logs = logs
         self.name = name
         self.log = log
+        self.gpus = gpus
         self.relay = None
         self.master = False
         self.publish_port: Optional[int] = None
@@ -165,19 +169,30 @@ class NodeSupervisor:
     def _new_engine(self, index: int) -> EngineProcess:
         return engine_process(self.cfg, self.model_path,
                               os.path.join(self.logs, f"engine-{self.name}-{index}.log"), index,
-                              api_key=engine_api_key(self.client.token))
+                              api_key=engine_api_key(self.client.token),
+                              visible=self.gpus.engines[index] if self.gpus else None)
+
+    def _relay_process(self, master: bool, master_url: Optional[str]) -> ServerProcess:
+        """This node's relay (not started); under the GPU map it sees its engines' GPUs and
+        its own (last), and stages on that one or, without one, on the host."""
+        ws = self.cfg.weight_sync
+        if self.gpus is not None:
+            ws = self.gpus.relay_weight_sync(ws)
+        relay_cfg = RelayConfig(token=self.client.token, host=self.cfg.rollout.host,
+                                relay_id=self.name, master=master,
+                                master_url=None if master else master_url,
+                                trainer_stages=self.cfg.parallel.pp, weight_sync=ws,
+                                # /dev/shm checked at start-up for relay_versions of these
+                                model_bytes=relay_model_bytes(self.cfg))
+        relay = relay_process(relay_cfg, os.path.join(self.logs, f"relay-{self.name}.log"))
+        if self.gpus is not None:
+            relay.env.update(self.gpus.relay_env())
+        return relay
 
     def _start_relay(self) -> None:
         role = self.client.relay_role(join_timeout_s(self.cfg))
         self.master = bool(role["master"])
-        relay_cfg = RelayConfig(token=self.client.token, host=self.cfg.rollout.host,
-                                relay_id=self.name, master=self.master,
-                                master_url=None if self.master else role["master_url"],
-                                trainer_stages=self.cfg.parallel.pp,
-                                weight_sync=self.cfg.weight_sync,
-                                # /dev/shm checked at start-up for relay_versions of these
-                                model_bytes=relay_model_bytes(self.cfg))
-        relay = relay_process(relay_cfg, os.path.join(self.logs, f"relay-{self.name}.log"))
+        relay = self._relay_process(self.master, role.get("master_url"))
         self._start(relay)
         self.publish_port = int(relay.wait_printed("LAMINAR_RELAY_PUBLISH_PORT")) \
             if self.master else None

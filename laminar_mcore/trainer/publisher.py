@@ -39,7 +39,8 @@ from ..netutil import TOKEN_ENV
 from ..relay.rendezvous import PublishSession, RendezvousRefused, join_publish_session
 from ..weights.bucket import BucketPacker
 from ..weights.delta import DeltaEncoder, delta_enabled, digest, unit_for
-from ..weights.transport import Channel, stage_group
+from ..weights.transport import (Channel, abort_group, gpu_uuid, host_identity, open_channel,
+                                 write_shm)
 from .export import export_roles, iter_stage_hf_tensors
 
 
@@ -106,6 +107,11 @@ class WeightPublisher:
         self.master: Optional[Tuple[str, int]] = None
         self.failovers = 0
         self.error: Optional[BaseException] = None
+        # this rank's GPU, captured here: current_device() is per thread, and a failover runs
+        # on the sender thread (where it would be GPU 0)
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if torch.cuda.is_available() else None
+        self.facts = {"host": host_identity(), "gpu": gpu_uuid(self.device)}
         self._queue: "queue.Queue" = queue.Queue()
         self._idle = threading.Event()
         self._idle.set()
@@ -123,7 +129,8 @@ class WeightPublisher:
         same relay)."""
         timeout = datetime.timedelta(seconds=self.timeout_s)
         try:
-            session = join_publish_session(host, port, self.token, self.stage, self.timeout_s)
+            session = join_publish_session(host, port, self.token, self.stage, self.timeout_s,
+                                           facts=self.facts)
         except RendezvousRefused as exc:
             raise PublishError(within(f"stage {self.stage}", exc, "LMC-E504")) from None
         except OSError as exc:
@@ -136,9 +143,14 @@ class WeightPublisher:
             raise RuntimeError("LMC-E321: the master relay publishes over NCCL but this trainer "
                                "has no GPU: start the relay with --publish-backend gloo "
                                "(weight_sync.publish_backend=gloo)")
+        if self.channel is not None:  # a failover: the lost master's groups go first
+            for pg in self.channel.groups():
+                abort_group(pg)
         try:
-            pg = stage_group(session.store, self.stage, 1, backend, timeout,
-                             session=session.number)
+            channel = open_channel(session.store, self.stage, 1, backend,
+                                   session=session.number, wait_timeout=timeout,
+                                   data_timeout=timeout, chunk_bytes=self.chunk_bytes,
+                                   device=self.device)
         except RuntimeError as exc:
             session.close()
             self._old_sessions.append(session)  # (torch may still hold its store)
@@ -152,8 +164,12 @@ class WeightPublisher:
             self.session.close()
             self._old_sessions.append(self.session)
         self.session = session
-        self.backend, self.pg, self.master = backend, pg, (host, port)
-        self.channel = Channel(pg, 0, backend, self.chunk_bytes)
+        self.backend, self.pg, self.master = backend, channel.pg, (host, port)
+        self.channel = channel
+        if self.backend != getattr(self, "_said_backend", None):
+            self._said_backend = self.backend
+            print(f"[publish] stage {self.stage}: channel {backend} to {host}:{port}"
+                  f"{f' ({session.why})' if session.why else ''}", flush=True)
 
     def wait(self) -> None:
         """Block until the previous publish has been sent (raises if the send failed)."""
@@ -281,10 +297,11 @@ class WeightPublisher:
                                                                               buffer)
         bucket_digest = digest(buffer)
         self._tally["digests"][header["index"]] = bucket_digest
+        shm = self.backend == "shm"
         header = dict(header, encoding=encoding, digest=bucket_digest,
                       payload_bytes=len(payload) if payload is not None else header["nbytes"],
                       base_version=self.encoder.against if payload is not None else None,
-                      resend=whole)
+                      resend=whole, **({"via": "shm"} if shm else {}))
         self._tally["encode_s"] += time.perf_counter() - start
         if not whole and self.encoder.last_changed is not None:
             self._tally["compared_elements"] += header["nbytes"] // self.encoder.unit
@@ -293,12 +310,26 @@ class WeightPublisher:
         self._tally["full_bytes"] += 0 if whole else header["nbytes"]
         self._tally["buckets"] += 0 if whole else 1
         self._tally["sent_bytes"] += header["payload_bytes"]
+        full = buffer
         if payload is not None:
             self._tally["delta_buckets"] += 1
             buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        for off in range(0, header["payload_bytes"], self.chunk_bytes):  # as the relay reads
-            end = min(header["payload_bytes"], off + self.chunk_bytes)
-            self.channel.send(buffer[off:end])
+        if shm and payload is None:
+            buffer = buffer[:0]  # the bytes go through shared memory alone
+        for off in range(0, buffer.numel(), self.chunk_bytes):  # as the relay reads
+            self.channel.send(buffer[off:min(buffer.numel(), off + self.chunk_bytes)])
+        if shm:
+            self._write_shm(header, full)
+
+    def _write_shm(self, header: dict, full: torch.Tensor) -> None:
+        """The same host: the relay answers with the shared-memory file of the bucket's slot
+        and this rank copies the whole bucket into it (one copy from its pinned buffer). A
+        delta, sent before, is what the relay forwards down its chain."""
+        path = self.channel.recv_header().get("path")
+        if path is None:  # the relay does not keep it (refused, or no room)
+            return
+        write_shm(path, full[:header["nbytes"]])
+        self.channel.send_header({"type": "written", "nbytes": header["nbytes"]})
 
     def _end_version(self, items) -> None:
         """End this stage's part of the version; buckets the relay could not rebuild from

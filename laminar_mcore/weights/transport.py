@@ -2,52 +2,199 @@
 pipeline stage and session (rank 0 the master relay, rank 1 the stage's lead), formed on the
 store of an authenticated publish session (``relay/rendezvous.py``), outside the trainer's world.
 
-The relay chooses the backend and tells it in its answer to the join; trainers follow, so the
-two ends never disagree: NCCL where the relay has a GPU (``--publish-backend auto`` or ``nccl``), gloo
-otherwise. Payloads live in host buffers at both ends (the trainer's pinned export buckets, the
-relay's shared-memory version store); with NCCL each chunk goes through a device staging
-buffer of one chunk on either side (host -> GPU -> NCCL -> GPU -> host), with gloo it is sent
-straight from and received straight into host memory. Both backends run this same code.
+The channel is decided from both ends (:func:`choose_channel`): the trainer's join carries its
+host identity (host name, boot id, the ``/dev/shm`` mount) and its GPU's UUID, and the relay
+answers per session:
+
+- ``shm`` -- the same host: the stage lead copies each bucket from its pinned buffer straight
+  into the relay's shared-memory store (one copy, no sockets); only headers cross a gloo group;
+- ``nccl`` -- different hosts, both with a GPU: chunks staged through a device buffer of one
+  chunk on either side (host -> GPU -> NCCL -> GPU -> host), on the channel's own stream;
+- ``gloo`` -- otherwise, straight from and into host memory.
+
+Never NCCL with both ends on one GPU (NCCL does not support two ranks of a communicator on one
+device: it may hang); ``weight_sync.publish_backend`` can force a backend, and forcing that is
+refused with the reason. Headers -- and so the relay's wait for the next version, however long
+a training step takes -- always travel over a gloo group, never inside an NCCL collective; the
+NCCL data group has a timeout of the publish's own (seconds to minutes) and is built so that an
+error aborts its communicator only (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` for that group), never
+the trainer or the relay process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
-from typing import Optional
+import os
+import re
+import socket
+import threading
+from typing import Optional, Tuple
 
 import torch
 
+from .bucket import SHM_DIR
+
 PUBLISH_GROUP_PREFIX = "laminar-publish"
-BACKENDS = ("auto", "gloo", "nccl")
+BACKENDS = ("auto", "gloo", "nccl", "shm")
+NCCL_ABORT_COMM_ONLY = "2"  # torch's ErrorHandlingMode CleanUpOnly: abort the communicator
+_ENV_LOCK = threading.Lock()
 
 
-def resolve_backend(requested: str) -> str:
-    """``auto``: NCCL when this process sees a GPU, else gloo. ``nccl`` without a GPU fails."""
+def host_identity() -> str:
+    """This machine as a publish peer sees it: host name, boot id and the ``/dev/shm`` mount
+    (two containers or network namespaces with private ``/dev/shm`` mounts are different hosts
+    for the shared-memory channel, though they share a kernel)."""
+    boot = ""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        pass
+    try:
+        st = os.stat(SHM_DIR)
+        shm = f"{st.st_dev}:{st.st_ino}"
+    except OSError:
+        shm = ""
+    return f"{socket.gethostname()}|{boot}|{shm}"
+
+
+def gpu_uuid(device: Optional[torch.device]) -> Optional[str]:
+    """The UUID of ``device`` (a CUDA device), or None (no GPU)."""
+    if device is None or device.type != "cuda":
+        return None
+    try:
+        return str(torch.cuda.get_device_properties(device).uuid)
+    except Exception:  # noqa: BLE001 - an old driver without UUIDs: compare by nothing
+        return None
+
+
+def choose_channel(requested: str, trainer: dict, relay: dict) -> Tuple[str, str]:
+    """(backend, why) for one publish session. ``trainer``/``relay``: ``host`` (its
+    :func:`host_identity`), ``gpu`` (the UUID of its GPU, None without one); the relay's
+    ``gpu`` is the one it would stage NCCL on. Raises ValueError (LMC-E321/E323/E324) for a
+    forced backend that cannot work, saying why."""
     if requested not in BACKENDS:
         raise ValueError("LMC-E102: "
                          f"publish backend {requested!r} is not one of {', '.join(BACKENDS)}")
-    if requested == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
+    same_host = bool(trainer.get("host")) and trainer.get("host") == relay.get("host")
+    same_gpu = bool(trainer.get("gpu")) and trainer.get("gpu") == relay.get("gpu")
+    if requested == "gloo":
+        return "gloo", "forced (weight_sync.publish_backend=gloo)"
+    if requested == "shm":
+        if not same_host:
+            raise ValueError("LMC-E324: publish backend shm needs the trainer on the relay's "
+                             "host (the same /dev/shm); they are on different hosts: use auto")
+        return "shm", "forced (weight_sync.publish_backend=shm)"
+    if requested == "nccl":
+        if not trainer.get("gpu") or not relay.get("gpu"):
+            raise ValueError("LMC-E321: publish backend nccl needs a GPU at both ends (the "
+                             f"trainer {'has' if trainer.get('gpu') else 'has no'} GPU, the "
+                             f"relay {'has' if relay.get('gpu') else 'has no'} GPU); use auto")
+        if same_gpu:
+            raise ValueError("LMC-E323: publish backend nccl with the trainer and the relay on "
+                             f"one GPU ({trainer['gpu']}): NCCL does not support two ranks of a "
+                             "communicator on one device (it may hang). Use auto (shared "
+                             "memory on one host) or give the relay another GPU "
+                             "(weight_sync.relay_device)")
+        return "nccl", "forced (weight_sync.publish_backend=nccl)"
+    if same_host:
+        return "shm", "same host: the trainer writes into the relay's shared memory"
+    if trainer.get("gpu") and relay.get("gpu"):
+        return "nccl", "different hosts, both with a GPU"
+    return "gloo", "different hosts, " + ("the trainer has no GPU" if not trainer.get("gpu")
+                                          else "the relay has no GPU")
+
+
+def resolve_backend(requested: str) -> str:
+    """The relay's configured backend, checked at its start (each session then decides with
+    :func:`choose_channel`). ``nccl`` without a GPU on the relay's machine fails."""
+    if requested not in BACKENDS:
+        raise ValueError("LMC-E102: "
+                         f"publish backend {requested!r} is not one of {', '.join(BACKENDS)}")
+    if requested in ("auto", "shm", "gloo"):
+        return requested
     if requested == "nccl" and not torch.cuda.is_available():
         raise ValueError("LMC-E321: publish backend nccl needs a GPU on the relay's machine; use "
                          "--publish-backend gloo (weight_sync.publish_backend=gloo) on CPU machines")
     return requested
 
 
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    """``name=value`` in this process's environment while a process group is built (torch
+    reads ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` in ``ProcessGroupNCCL``'s constructor)."""
+    with _ENV_LOCK:
+        before = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = before
+
+
 def stage_group(store, stage: int, rank: int, backend: str, timeout: datetime.timedelta,
-                session: int = 1):
+                session: int = 1, suffix: str = ""):
     """The two-rank publish group of pipeline stage ``stage``'s session ``session`` (each
     trainer process that joins -- the first, or one restarted after a crash -- gets the next
-    number from the relay): rank 0 relay, rank 1 trainer."""
+    number from the relay): rank 0 relay, rank 1 trainer. An NCCL group aborts only its
+    communicator on an error or timeout (never the process)."""
     import torch.distributed as dist
 
-    prefixed = dist.PrefixStore(f"{PUBLISH_GROUP_PREFIX}-stage{stage}-s{session}", store)
+    prefixed = dist.PrefixStore(f"{PUBLISH_GROUP_PREFIX}-stage{stage}-s{session}{suffix}", store)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, 2, options)
+        with _env("TORCH_NCCL_ASYNC_ERROR_HANDLING", NCCL_ABORT_COMM_ONLY):
+            return dist.ProcessGroupNCCL(prefixed, rank, 2, options)
     return dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+
+
+def open_channel(store, stage: int, rank: int, backend: str, *, session: int,
+                 wait_timeout: datetime.timedelta, data_timeout: datetime.timedelta,
+                 chunk_bytes: int, device: Optional[torch.device] = None) -> "Channel":
+    """Both ends' channel of one session: headers over a gloo group with ``wait_timeout`` (the
+    relay waits there for the next version); NCCL's bytes over a group of their own with
+    ``data_timeout`` (a publish under way); gloo and shm carry everything on the gloo group."""
+    ctrl = stage_group(store, stage, rank, "gloo", wait_timeout, session=session)
+    data = ctrl if backend != "nccl" else stage_group(store, stage, rank, "nccl", data_timeout,
+                                                      session=session, suffix="-data")
+    return Channel(data, 1 - rank, backend, chunk_bytes, device=device, ctrl=ctrl)
+
+
+def abort_group(pg) -> None:
+    """Tear a publish group down before reconnecting (NCCL: abort its communicator, so a
+    half-finished operation cannot hang the next one)."""
+    for name in ("abort", "_abort", "shutdown"):
+        fn = getattr(pg, name, None)
+        if callable(fn):
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - it is being thrown away
+                pass
+            return
+
+
+_RELAY_SEGMENT = re.compile(r"^laminar-relay-\d+-[0-9a-f]{12}$")
+
+
+def write_shm(path: str, host: torch.Tensor) -> None:
+    """The same-host channel's one copy: ``host`` (a contiguous uint8 tensor, the stage lead's
+    pinned bucket) into the relay's shared-memory bucket file ``path``, mapped for this copy
+    only (a mapping kept open would keep a dropped version's memory alive). Only the relay's
+    own segments under ``/dev/shm`` are written."""
+    if os.path.dirname(path) != SHM_DIR or not _RELAY_SEGMENT.match(os.path.basename(path)):
+        raise ValueError(f"LMC-E324: {path!r} is not a relay's shared-memory bucket")
+    if os.path.getsize(path) < host.numel():
+        raise ValueError(f"LMC-E324: the relay's bucket {path} holds "
+                         f"{os.path.getsize(path)} bytes, fewer than the {host.numel()} sent")
+    target = torch.from_file(path, shared=True, size=host.numel(), dtype=torch.uint8)
+    target.copy_(host)
+    del target
 
 
 class Channel:
@@ -58,8 +205,12 @@ class Channel:
     on the default stream (and training never waits for the publish)."""
 
     def __init__(self, pg, peer: int, backend: str, chunk_bytes: int,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, ctrl=None):
+        """``ctrl``: the gloo group headers go over (None: ``pg``). ``device``: the GPU an NCCL
+        channel stages on, captured by the caller on its own thread (``current_device()`` is
+        per thread: a failover on the sender thread would otherwise stage on GPU 0)."""
         self.pg, self.peer, self.backend = pg, peer, backend
+        self.ctrl = ctrl if ctrl is not None else pg
         self.device = None
         self.staging = None
         self.stream = None
@@ -104,14 +255,29 @@ class Channel:
         if self.stream is not None:
             self.stream.synchronize()
 
+    def _ctrl_send(self, host: torch.Tensor) -> None:
+        if self.ctrl is self.pg:
+            self.send(host)
+        else:
+            self.ctrl.send([host], self.peer, 0).wait()
+
+    def _ctrl_recv(self, host: torch.Tensor) -> None:
+        if self.ctrl is self.pg:
+            self.recv_into(host)
+        else:
+            self.ctrl.recv([host], self.peer, 0).wait()
+
     def send_header(self, header: dict) -> None:
         data = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
-        self.send(torch.tensor([data.numel()], dtype=torch.int64).view(torch.uint8))
-        self.send(data)
+        self._ctrl_send(torch.tensor([data.numel()], dtype=torch.int64).view(torch.uint8))
+        self._ctrl_send(data)
 
     def recv_header(self) -> dict:
         length = torch.zeros(1, dtype=torch.int64)
-        self.recv_into(length.view(torch.uint8))
+        self._ctrl_recv(length.view(torch.uint8))
         raw = torch.empty(int(length.item()), dtype=torch.uint8)
-        self.recv_into(raw)
+        self._ctrl_recv(raw)
         return json.loads(bytes(raw.numpy()))
+
+    def groups(self) -> list:
+        return [self.pg] if self.ctrl is self.pg else [self.pg, self.ctrl]

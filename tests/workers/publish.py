@@ -42,7 +42,8 @@ def main():
         publisher.wait()
     publisher.close()
     write_rank_result(args.out, {"rank": int(os.environ["RANK"]), "lead": publisher.is_lead,
-                                 "stats": stats, "host_buffer_bytes": publisher.pinned_bytes()})
+                                 "stats": stats, "host_buffer_bytes": publisher.pinned_bytes(),
+                                 "backend": publisher.backend})
     torch.distributed.destroy_process_group()
 
 

@@ -4,9 +4,9 @@ the GPU in bf16, a relay, two CPU engines and the real controller, each a proces
 newest checkpoint removed, as if the run had died before it) and resumed from the one before.
 
 The job runs in child processes, so this check alone needs Hydra, OmegaConf and aiohttp (the
-launcher's); the bench process itself still imports none of them. Until the publish channel is
-chosen from both ends (issue 49) the trainer -> relay channel is gloo with the relay on the host:
-NCCL between two ranks on one GPU may hang (NCCL's user guide)."""
+launcher's); the bench process itself still imports none of them. Nothing is forced: the
+trainer -> relay channel is what ``weight_sync.publish_backend=auto`` decides from both ends
+(on one host, shared memory; never NCCL with both ends on one GPU)."""
 
 from __future__ import annotations
 
@@ -50,8 +50,7 @@ def check_loop(b: Bench) -> Tuple[bool, str]:
     common = ["experiment=cpu_demo", "output_dir=out", "run_name=loop", "model.dtype=bf16",
               "rollout.num_engines=2", f"trainer.total_steps={steps}",
               f"trainer.save_interval={every}", f"trainer.eval_interval={steps}",
-              "trainer.lr_warmup_steps=1", "data.warmup_steps=20", "data.num_eval=32",
-              "weight_sync.publish_backend=gloo", "weight_sync.relay_device=cpu"]
+              "trainer.lr_warmup_steps=1", "data.warmup_steps=20", "data.num_eval=32"]
     timeout = 240.0 if b.cuda else 420.0
     logs: Dict[str, str] = {}
     try:
@@ -76,13 +75,15 @@ def check_loop(b: Bench) -> Tuple[bool, str]:
     trainer = next((line.split("[trainer] ", 1)[1] for line in logs["first"].splitlines()
                     if "[trainer] model on " in line), "")
     on_gpu = "model on cuda" in trainer and "bfloat16" in trainer
+    channel = next((line.split("channel ", 1)[1].split()[0] for line in logs["first"].splitlines()
+                    if "[publish] stage 0: channel " in line), "")
     mismatch = [r["mismatch_mean"] for r in first + resumed if r.get("mismatch_tokens")]
     p99 = [r["mismatch_p99"] for r in first + resumed if r.get("mismatch_tokens")]
     blocked = [r["publish_blocked_s"] for r in first + resumed if "publish_blocked_s" in r]
     sent = [r["weights_sent_bytes"] for r in first + resumed if "weights_sent_bytes" in r]
     engines = summary.get("final_engine_versions") or {}
     b.figures.update({
-        "loop_trainer": trainer, "loop_steps": steps, "loop_saved": saved, "loop_resumed_steps": resumed_steps,
+        "loop_trainer": trainer, "loop_publish_channel": channel, "loop_steps": steps, "loop_saved": saved, "loop_resumed_steps": resumed_steps,
         "loop_final_version": summary.get("final_version"),
         "loop_final_engine_versions": engines, "loop_engines_agree": summary.get("engines_agree"),
         "loop_books_balance": summary.get("books_balance"),
@@ -92,7 +93,8 @@ def check_loop(b: Bench) -> Tuple[bool, str]:
         "loop_publish_blocked_s_mean": sum(blocked) / len(blocked) if blocked else None,
         "loop_weights_sent_bytes_max": max(sent) if sent else None,
         "loop_first_run_s": first_s, "loop_resumed_run_s": resumed_s})
-    ok = ("bfloat16" in trainer and on_gpu == b.cuda and summary.get("books_balance") is True and summary.get("final_version") == steps
+    ok = ("bfloat16" in trainer and on_gpu == b.cuda and channel == "shm"
+          and summary.get("books_balance") is True and summary.get("final_version") == steps
           and resumed_steps == list(range(every + 1, steps + 1))
           and len(engines) == 2 and set(engines.values()) == {steps}
           and bool(mismatch) and max(p99) < 0.5)
@@ -101,8 +103,10 @@ def check_loop(b: Bench) -> Tuple[bool, str]:
     b.exercised("checkpoint_resume", f"saved every {every} steps, the last removed, resumed "
                 f"from step {every}: steps {resumed_steps}")
     b.exercised("engines_at_trained_version", f"engines at {sorted(set(engines.values()))}")
-    b.not_exercised("nccl_publish_channel", "gloo with the relay on the host: one GPU cannot "
-                    "hold both ends of an NCCL pair (issue 49)")
+    b.exercised("publish_channel", f"{channel or 'none found'} (publish_backend=auto, the "
+                "relay on the trainer's host)")
+    b.not_exercised("nccl_publish_channel", "one host: auto publishes through shared memory "
+                    "(NCCL is for a relay on another host)")
     if not on_gpu:
         b.not_exercised("trainer_on_gpu", "no GPU (CPU rehearsal)")
     return ok, (f"{steps} steps, resumed at {every}: books "
