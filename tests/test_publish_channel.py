@@ -138,3 +138,11 @@ def test_the_nccl_data_group_aborts_its_communicator_only(monkeypatch):
     transport.stage_group(dist.HashStore(), 0, 1, "nccl", datetime.timedelta(seconds=42))
     assert seen == {"mode": "2", "timeout": datetime.timedelta(seconds=42)}
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+
+
+def test_an_nccl_channel_takes_its_gpu_from_the_caller_never_from_the_thread():
+    """``torch.cuda.current_device()`` is per thread: a failover reconnects on the publisher's
+    sender thread, where it is GPU 0. An NCCL channel therefore refuses to be built without
+    the device the stage lead captured on its training thread (WeightPublisher.device)."""
+    with pytest.raises(ValueError, match="captured on the thread"):
+        transport.Channel(object(), 0, "nccl", 1024, device=None)

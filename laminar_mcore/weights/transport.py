@@ -226,7 +226,10 @@ class Channel:
         self.staging = None
         self.stream = None
         if backend == "nccl":
-            self.device = device or torch.device("cuda", torch.cuda.current_device())
+            if device is None:  # never current_device() here: it may be another thread's
+                raise ValueError("an NCCL publish channel needs its GPU, captured on the thread "
+                                 "that owns it (torch.cuda.current_device() is per thread)")
+            self.device = device
             self.staging = torch.empty(max(int(chunk_bytes), 1), dtype=torch.uint8,
                                        device=self.device)
             self.stream = torch.cuda.Stream(device=self.device)

@@ -129,7 +129,8 @@ def _publish_channel(b: Bench, backend: str, chunk: int) -> Tuple[bool, str]:
     relay = _Peer("transfer:_relay_main", backend, store.port, chunk, 1 if backend == "nccl" else None)
     try:
         pg = stage_group(store, 0, 1, backend, timeout)  # rank 1: the stage's lead
-        channel = Channel(pg, 0, backend, chunk)
+        channel = Channel(pg, 0, backend, chunk,
+                          device=b.device if backend == "nccl" else None)
         channel.send_header({"type": "bucket", "nbytes": nbytes, "chunk_bytes": chunk})
         t0 = time.perf_counter()
         for off in range(0, nbytes, chunk):
@@ -164,7 +165,8 @@ def _relay_main(conn, backend: str, port: int, chunk: int, device) -> None:
         timeout = datetime.timedelta(seconds=300)
         store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timeout)
         pg = stage_group(store, 0, 0, backend, timeout)  # rank 0: the relay
-        channel = Channel(pg, 1, backend, chunk)
+        channel = Channel(pg, 1, backend, chunk,
+                          device=torch.device("cuda", device) if device is not None else None)
         header = channel.recv_header()
         host = torch.empty(header["nbytes"], dtype=torch.uint8)
         for off in range(0, header["nbytes"], header["chunk_bytes"]):
