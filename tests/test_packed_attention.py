@@ -58,14 +58,16 @@ def test_packed_attention_equals_the_dense_mask_path(family, overrides, megatron
     trajs = random_trajectories(5, 2, cfg.vocab_size, seed=3)  # ten sequences in one row
     packed = pack_trajectories(trajs, [0.5] * 10, list(range(10)), tp=2).to(device())
     assert len(packed.cu_seqlens) == 11 and packed.num_tokens > 60
-    lp_thd, g_thd = _logprobs_and_grads(model, packed, attention_mask=None,
-                                        packed_seq_params=packed.packed_seq_params())
     lp_mask, g_mask = _logprobs_and_grads(model, packed, attention_mask=packed.attention_mask())
     real = packed.seq_ids[0] >= 0
-    torch.testing.assert_close(lp_thd[real], lp_mask[real], atol=TOL, rtol=0)
-    assert g_thd.keys() == g_mask.keys()
-    for name in g_thd:
-        torch.testing.assert_close(g_thd[name], g_mask[name], atol=TOL, rtol=1e-4, msg=name)
+    # the row as the trainer passes it without TE (sbhd: RoPE over the row's positions, one
+    # op) and in THD (RoPE restarting at every sequence, as Transformer Engine takes it)
+    for params in (packed.local_packed_seq_params(), packed.packed_seq_params()):
+        lp, g = _logprobs_and_grads(model, packed, attention_mask=None, packed_seq_params=params)
+        torch.testing.assert_close(lp[real], lp_mask[real], atol=TOL, rtol=0)
+        assert g.keys() == g_mask.keys()
+        for name in g:
+            torch.testing.assert_close(g[name], g_mask[name], atol=TOL, rtol=1e-4, msg=name)
     # not vacuous: the sequences' boundaries matter (one causal row attends across them)
     lp_causal, _ = _logprobs_and_grads(model, packed, attention_mask=None)
     assert (lp_causal[real] - lp_mask[real]).abs().max() > 1e-2
@@ -79,8 +81,8 @@ def _saved_bytes(model, tokens, lengths):
     h = layer.config.hidden_size
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
                       device=device())
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                             max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    params = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=tokens, max_seqlen_kv=tokens)  # as the trainer's
     x = torch.randn(tokens, 1, h, device=device(), requires_grad=True)
     seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = {"all": 0, "square": 0}
@@ -94,7 +96,7 @@ def _saved_bytes(model, tokens, lengths):
                 saved["square"] += t.untyped_storage().nbytes()
         return t
 
-    rope = model.rotary_pos_emb(max(lengths), packed_seq=True)
+    rope = model.rotary_pos_emb(tokens)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         layer(x, attention_mask=None, rotary_pos_emb=rope, packed_seq_params=params)
     return saved

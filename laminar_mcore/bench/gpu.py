@@ -122,9 +122,15 @@ def check_plan(b: Bench) -> Tuple[bool, str]:
         return t
 
     cu = torch.arange(0, tokens + 1, longest, dtype=torch.int32, device=b.device)
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                             max_seqlen_q=longest, max_seqlen_kv=longest)
-    rope = model.rotary_pos_emb(longest, packed_seq=True)
+    te = te_available()
+    if te:  # THD, as the trainer passes it to Transformer Engine's attention
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                 max_seqlen_q=longest, max_seqlen_kv=longest)
+        rope = model.rotary_pos_emb(longest, packed_seq=True)
+    else:  # the row in sbhd with its boundaries, as the trainer passes it without TE
+        params = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                 max_seqlen_q=tokens, max_seqlen_kv=tokens)
+        rope = model.rotary_pos_emb(tokens)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         layer(x, attention_mask=None, rotary_pos_emb=rope, packed_seq_params=params)
     planned = _activation_bytes_per_token_layer(arch_of_hf_config(cfg), 1, False) * tokens
@@ -132,7 +138,6 @@ def check_plan(b: Bench) -> Tuple[bool, str]:
     measured = saved["linear"]
     ratio = measured / planned
     x = None
-    te = te_available()
     kernel = "Transformer Engine" if te else choose_kernel(device_type=b.device.type, dtype=dtype)
     b.figures.update({"plan_activation_bytes_per_token_layer": planned / tokens,
                       "measured_activation_bytes_per_token_layer": measured / tokens,

@@ -206,10 +206,11 @@ class MegatronActor:
         return out
 
     # ------------------------------------------------------------------ forward passes
-    @staticmethod
-    def _model_inputs(mb: PackedMicroBatch):
-        # THD: Transformer Engine's attention, or trainer.attention's packed kernels without it
-        return dict(attention_mask=None, packed_seq_params=mb.packed_seq_params())
+    def _model_inputs(self, mb: PackedMicroBatch):
+        # Transformer Engine's attention takes THD; without TE, trainer.attention's packed
+        # kernels take the row in sbhd with its boundaries (RoPE in one op, not per sequence)
+        return dict(attention_mask=None, packed_seq_params=mb.packed_seq_params()
+                    if self.use_te else mb.local_packed_seq_params())
 
     def _run_schedule(self, micro_batches, loss_func_factory, forward_only: bool, model=None):
         from megatron.core.pipeline_parallel import get_forward_backward_func

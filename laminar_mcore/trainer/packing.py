@@ -52,6 +52,19 @@ class PackedMicroBatch:
             cu_seqlens_q_padded=self.cu_seqlens_padded, cu_seqlens_kv_padded=self.cu_seqlens_padded,
             max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
 
+    def local_packed_seq_params(self):
+        """Megatron ``PackedSeqParams`` for the local spec's packed attention
+        (``trainer.attention``): the row stays in ``sbhd`` layout, so RoPE is applied in one
+        vectorised op over the row's positions (attention within a sequence depends only on
+        relative positions), and the core attention takes the boundaries from ``cu_seqlens``."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        return PackedSeqParams(
+            qkv_format="sbhd", cu_seqlens_q=self.cu_seqlens_padded,
+            cu_seqlens_kv=self.cu_seqlens_padded, cu_seqlens_q_padded=self.cu_seqlens_padded,
+            cu_seqlens_kv_padded=self.cu_seqlens_padded, max_seqlen_q=self.num_tokens,
+            max_seqlen_kv=self.num_tokens)
+
     def attention_mask(self) -> torch.Tensor:
         """[1, 1, T, T] bool, True where attention is *not* allowed (Megatron's convention)."""
         dev = self.tokens.device  # built where the batch is (the model's device)
