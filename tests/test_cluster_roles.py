@@ -45,7 +45,7 @@ def test_controller_rollout_nodes_and_torchrun_trainer_run_a_job(tmp_path):
     remote = mooncake.available()
     port = free_port()
     run = tmp_path / "out" / "cluster"
-    steps = 20  # long enough (about a second a step here) for a node to join, then one to leave
+    steps = 30  # long enough (under a second a step here) for a node to join, then one to leave
     # mode=sync: every engine moves to each version before generating with it, so every node's
     # engine pulls (training takes a fraction of a second here: in laminar mode an engine busy
     # with its trajectories may never get to pull before the run ends)

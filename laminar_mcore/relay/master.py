@@ -97,10 +97,14 @@ class MasterRelay:
     def _choose_channel(self, hello: dict):
         """This session's channel from both ends' facts (``weights.transport.choose_channel``):
         the trainer's in its join, this relay's host and the GPU it would stage NCCL on."""
-        relay = {"host": host_identity(),
-                 "gpu": gpu_uuid(torch.device(self.relay_device)) if self.relay_device else None}
-        backend, why = choose_channel(self.publish_backend or "auto",
-                                      {"host": hello.get("host"), "gpu": hello.get("gpu")}, relay)
+        requested = self.publish_backend or "auto"
+        relay = {"host": host_identity(), "gpu": None}
+        # the relay's GPU matters only where NCCL may be chosen: no CUDA call otherwise
+        if self.relay_device and (requested == "nccl" or (
+                requested == "auto" and hello.get("host") != relay["host"])):
+            relay["gpu"] = gpu_uuid(torch.device(self.relay_device))
+        backend, why = choose_channel(requested, {"host": hello.get("host"),
+                                                  "gpu": hello.get("gpu")}, relay)
         logger.info("publish channel for stage %s: %s (%s)", hello.get("stage"), backend, why)
         return backend, why
 
