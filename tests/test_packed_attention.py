@@ -143,6 +143,22 @@ def test_varlen_equals_per_sequence_sdpa_on_the_gpu(heads, groups):
         torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)
 
 
+def test_dropout_runs_on_the_kernel_that_has_it():
+    """torch's varlen attention has no dropout: asked for with dropout, the per-sequence SDPA
+    runs instead (here on CPU, where varlen could not run at all)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=7, max_seqlen_kv=7)
+    q, k, v = (torch.randn(12, 2, 8) for _ in range(3))
+    torch.manual_seed(0)
+    out = attention.packed_attention(q, k, v, params, scale=0.3, dropout_p=0.5, kernel="varlen")
+    torch.manual_seed(0)
+    ref = attention.packed_attention(q, k, v, params, scale=0.3, dropout_p=0.5, kernel="sdpa")
+    assert torch.equal(out, ref)
+
+
 def _fake_varlen(kind):
     def new(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
             window_size=(-1, -1), enable_gqa=False):

@@ -29,6 +29,8 @@ GPU_A, GPU_B = "GPU-aaaa", "GPU-bbbb"
     ({"host": "a|1|x", "gpu": None}, {"host": "b|2|y", "gpu": GPU_B}, "gloo"),
     ({"host": "a|1|x", "gpu": GPU_A}, {"host": "b|2|y", "gpu": None}, "gloo"),
     ({"host": None, "gpu": None}, {"host": HERE, "gpu": None}, "gloo"),    # an old trainer
+    # containers on one machine with private /dev/shm that share a GPU: never NCCL on it
+    ({"host": "a|1|x", "gpu": GPU_A}, {"host": "b|1|y", "gpu": GPU_A}, "gloo"),
     # one kernel, private /dev/shm mounts (containers, the tests' network namespaces)
     ({"host": HERE.rsplit("|", 1)[0] + "|0:0", "gpu": None}, {"host": HERE, "gpu": None}, "gloo"),
 ])
@@ -146,3 +148,46 @@ def test_an_nccl_channel_takes_its_gpu_from_the_caller_never_from_the_thread():
     the device the stage lead captured on its training thread (WeightPublisher.device)."""
     with pytest.raises(ValueError, match="captured on the thread"):
         transport.Channel(object(), 0, "nccl", 1024, device=None)
+
+
+def test_the_relays_answer_is_covered_by_its_proof():
+    """The backend the relay chose is inside its proof: nobody on the way can make the two
+    ends build different groups."""
+    from laminar_mcore.relay.rendezvous import relay_proof
+
+    assert relay_proof(TOKEN, "r" * 32, "t" * 32, 1, "shm") != \
+        relay_proof(TOKEN, "r" * 32, "t" * 32, 1, "gloo")
+
+
+def test_a_failed_nccl_operation_raises_instead_of_leaving_stale_bytes():
+    """With the communicator-only abort, torch records the error on the operation's work
+    object and raises nothing: the channel asks it (torch's Work stands in: no NCCL here)."""
+    class Work:
+        def __init__(self, err):
+            self.err = err
+
+        def exception(self):
+            return self.err
+
+    transport._raise_if_failed(Work(None))
+    with pytest.raises(ConnectionError, match="NCCL operation failed: watchdog timeout"):
+        transport._raise_if_failed(Work(RuntimeError("watchdog timeout")))
+
+
+def test_over_nccl_a_whole_bucket_is_checked_against_the_trainers_digest():
+    from types import SimpleNamespace
+
+    from laminar_mcore.relay.publish_receiver import _intact
+    from laminar_mcore.weights.delta import digest
+
+    bucket = ShmBucket(64, prefix="laminar-relay")
+    try:
+        bucket.buffer.copy_(torch.arange(64, dtype=torch.uint8))
+        good = {"nbytes": 64, "digest": digest(bucket.buffer), "index": 0, "version": 1}
+        stale = dict(good, digest=digest(torch.zeros(64, dtype=torch.uint8)))
+        nccl, gloo = SimpleNamespace(backend="nccl"), SimpleNamespace(backend="gloo")
+        stored = SimpleNamespace(shm=bucket)  # the store's slot of the bucket
+        assert _intact(nccl, stored, good) and not _intact(nccl, stored, stale)
+        assert _intact(gloo, stored, stale)  # gloo's and shm's bytes are the sender's or raise
+    finally:
+        bucket.close()

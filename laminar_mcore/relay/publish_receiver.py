@@ -12,13 +12,17 @@ trainer code: it moves flattened buckets only.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Callable, Optional
 
 import torch
 
 from ..weights.bucket import metas_from_dicts
+from ..weights.delta import digest as bucket_digest
 from .store import StoredVersion, VersionError, VersionStore
+
+logger = logging.getLogger("laminar_mcore.relay")
 
 
 def receive_publishes(channel, store: VersionStore, stop: threading.Event,
@@ -120,9 +124,27 @@ def _receive_bucket(channel, store: VersionStore, sv: Optional[StoredVersion], h
     for start in range(0, nbytes, chunk):
         end = min(nbytes, start + chunk)
         channel.recv_into(bucket.shm.buffer[start:end])
+        if end == nbytes and not _intact(channel, bucket, header):
+            need.append(key[1])  # sent again whole at the end round
+            note("fallback", nbytes, nbytes)
+            return sv
         store.progress(sv, bucket, end)
     note("resent" if header.get("resend") else "full", nbytes, nbytes)
     return sv
+
+
+def _intact(channel, bucket, header: dict) -> bool:
+    """Over NCCL, whose aborted operations leave stale bytes instead of raising (the publish
+    group aborts its communicator only), a whole bucket is checked against the trainer's
+    digest before its last chunk counts; over gloo and shared memory the bytes are the
+    sender's or an error was raised."""
+    if getattr(channel, "backend", None) != "nccl" or not header.get("digest"):
+        return True
+    if bucket_digest(bucket.shm.buffer[:int(header["nbytes"])]) == header["digest"]:
+        return True
+    logger.warning("bucket %s of version %s arrived with a digest that differs from the "
+                   "trainer's; asking for it again", header.get("index"), header.get("version"))
+    return False
 
 
 def _receive_shm_bucket(channel, store: VersionStore, sv: Optional[StoredVersion], header: dict,

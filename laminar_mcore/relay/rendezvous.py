@@ -71,9 +71,11 @@ def join_proof(token: str, relay_nonce: str, stage: int, trainer_nonce: str,
     return _mac(token, f"laminar-publish-join/{relay_nonce}/{stage}/{trainer_nonce}{facts}")
 
 
-def relay_proof(token: str, relay_nonce: str, trainer_nonce: str, session: int) -> str:
-    """The relay's proof, over the trainer's nonce (so it cannot be replayed)."""
-    return _mac(token, f"laminar-publish-relay/{trainer_nonce}/{relay_nonce}/{session}")
+def relay_proof(token: str, relay_nonce: str, trainer_nonce: str, session: int,
+                backend: str = "") -> str:
+    """The relay's proof, over the trainer's nonce (so it cannot be replayed) and the channel
+    it chose (so nobody on the way can make the two ends build different groups)."""
+    return _mac(token, f"laminar-publish-relay/{trainer_nonce}/{relay_nonce}/{session}/{backend}")
 
 
 def _recv_small(sock: socket.socket, limit: int, deadline: Optional[float] = None) -> Any:
@@ -253,7 +255,7 @@ class PublishRendezvous:
         store.set_timeout(datetime.timedelta(days=30))
         self.on_session(stage, session, store, backend)
         send_frame(conn, {"accept": True, "backend": backend, "why": why, "session": session,
-                          "proof": relay_proof(self.token, nonce, theirs, session)})
+                          "proof": relay_proof(self.token, nonce, theirs, session, backend)})
         conn.settimeout(None)  # the session's store lives as long as its group
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         return store
@@ -474,7 +476,8 @@ def join_publish_session(host: str, port: int, token: str, stage: int,
         proof = reply.get("proof")
         if not isinstance(session, int) or not isinstance(proof, str) or \
                 not hmac.compare_digest(proof.encode(), relay_proof(
-                    token, challenge["nonce"], mine, session).encode()):
+                    token, challenge["nonce"], mine, session,
+                    str(reply.get("backend"))).encode()):
             raise RendezvousRefused(f"LMC-E503: the relay at {host}:{port} did not prove the "
                                     "run's token: not publishing to it")
         backend = str(reply.get("backend"))

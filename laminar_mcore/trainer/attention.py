@@ -89,6 +89,8 @@ def packed_attention(query, key, value, params, *, scale: float, dropout_p: floa
     [T, groups, d] -> [T, heads, d]."""
     heads, groups = query.shape[1], key.shape[1]
     kernel = kernel or choose_kernel(device_type=query.device.type, dtype=query.dtype)
+    if kernel == "varlen" and dropout_p > 0:
+        kernel = "sdpa"  # torch's varlen attention has no dropout
     if kernel == "varlen":
         fn = _varlen_fn()
         cu = (params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None

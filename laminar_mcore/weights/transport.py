@@ -101,6 +101,8 @@ def choose_channel(requested: str, trainer: dict, relay: dict) -> Tuple[str, str
         return "nccl", "forced (weight_sync.publish_backend=nccl)"
     if same_host:
         return "shm", "same host: the trainer writes into the relay's shared memory"
+    if same_gpu:  # two hosts (e.g. containers with private /dev/shm) that share a GPU
+        return "gloo", "different hosts on one GPU (never NCCL on one device)"
     if trainer.get("gpu") and relay.get("gpu"):
         return "nccl", "different hosts, both with a GPU"
     return "gloo", "different hosts, " + ("the trainer has no GPU" if not trainer.get("gpu")
@@ -179,6 +181,16 @@ def abort_group(pg) -> None:
             return
 
 
+def _raise_if_failed(work) -> None:
+    """Raise the error torch recorded on an NCCL operation's ``work``: with asynchronous error
+    handling set to abort the communicator only, a failed or timed-out operation raises nothing
+    by itself (its kernel just ends), and the bytes it left would pass for data."""
+    exc = getattr(work, "exception", None)
+    err = exc() if callable(exc) else None
+    if err is not None:
+        raise ConnectionError(f"the publish group's NCCL operation failed: {err}")
+
+
 _RELAY_SEGMENT = re.compile(r"^laminar-relay-\d+-[0-9a-f]{12}$")
 
 
@@ -251,8 +263,15 @@ class Channel:
             self._copied.record(self.stream)
             # The send runs on NCCL's stream after this stream's copy; wait() makes this
             # stream's next copy into ``staged`` wait for the send.
-            self.pg.send([staged], self.peer, 0).wait()
+            work = self.pg.send([staged], self.peer, 0)
+            work.wait()
             self._copied.synchronize()  # ``host`` may be reused: only this stream's copy waited
+            self._last_work = work
+
+    def _check_sent(self) -> None:
+        work, self._last_work = getattr(self, "_last_work", None), None
+        if work is not None:
+            _raise_if_failed(work)
 
     def recv_into(self, host: torch.Tensor) -> None:
         """Receive exactly ``host.numel()`` bytes into a contiguous host uint8 view."""
@@ -261,13 +280,16 @@ class Channel:
             return
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             staged = self._ensure(host.numel())
-            self.pg.recv([staged], self.peer, 0).wait()
+            work = self.pg.recv([staged], self.peer, 0)
+            work.wait()
             host.copy_(staged)  # device -> pageable host: returns once the bytes are there
+            _raise_if_failed(work)  # an aborted communicator leaves stale bytes, not an error
 
     def flush(self) -> None:
         """Wait for everything sent so far to leave this process (NCCL sends are async)."""
         if self.stream is not None:
             self.stream.synchronize()
+            self._check_sent()
 
     def _ctrl_send(self, host: torch.Tensor) -> None:
         if self.ctrl is self.pg:
