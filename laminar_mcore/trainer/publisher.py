@@ -104,6 +104,7 @@ class WeightPublisher:
         self.pg = None
         self.channel: Optional[Channel] = None
         self.backend: Optional[str] = None
+        self._said_backend: Optional[str] = None  # the channel last printed
         self.master: Optional[Tuple[str, int]] = None
         self.failovers = 0
         self.error: Optional[BaseException] = None
@@ -166,7 +167,7 @@ class WeightPublisher:
         self.session = session
         self.backend, self.pg, self.master = backend, channel.pg, (host, port)
         self.channel = channel
-        if self.backend != getattr(self, "_said_backend", None):
+        if self.backend != self._said_backend:
             self._said_backend = self.backend
             print(f"[publish] stage {self.stage}: channel {backend} to {host}:{port}"
                   f"{f' ({session.why})' if session.why else ''}", flush=True)

@@ -201,9 +201,10 @@ def write_shm(path: str, host: torch.Tensor) -> None:
     own segments under ``/dev/shm`` are written."""
     if os.path.dirname(path) != SHM_DIR or not _RELAY_SEGMENT.match(os.path.basename(path)):
         raise ValueError(f"LMC-E324: {path!r} is not a relay's shared-memory bucket")
-    if os.path.getsize(path) < host.numel():
-        raise ValueError(f"LMC-E324: the relay's bucket {path} holds "
-                         f"{os.path.getsize(path)} bytes, fewer than the {host.numel()} sent")
+    size = os.path.getsize(path)
+    if size < host.numel():
+        raise ValueError(f"LMC-E324: the relay's bucket {path} holds {size} bytes, fewer than "
+                         f"the {host.numel()} sent")
     import mmap
 
     fd = os.open(path, os.O_RDWR)
@@ -234,6 +235,7 @@ class Channel:
         per thread: a failover on the sender thread would otherwise stage on GPU 0)."""
         self.pg, self.peer, self.backend = pg, peer, backend
         self.ctrl = ctrl if ctrl is not None else pg
+        self._last_work = None  # the newest NCCL send, checked at flush
         self.device = None
         self.staging = None
         self.stream = None
@@ -269,7 +271,7 @@ class Channel:
             self._last_work = work
 
     def _check_sent(self) -> None:
-        work, self._last_work = getattr(self, "_last_work", None), None
+        work, self._last_work = self._last_work, None
         if work is not None:
             _raise_if_failed(work)
 
