@@ -355,3 +355,37 @@ def test_validate_config_checks_the_algo_keys():
     with pytest.raises(ConfigError) as err:
         validate_config(bad)
     assert "extra greedy" in str(err.value) and "set algo.loss_agg_mode=seq-mean" in str(err.value)
+
+
+def test_demo_aggregation_does_not_scale_an_update_by_the_zero_advantage_tokens_beside_it():
+    """The CPU demo's loss (conf/experiment/cpu_demo.yaml): with token-mean, the same two
+    learning trajectories give a smaller loss (and gradient) when the zero-advantage
+    trajectories sharing their batch are long: the long tail, which laminar's completion-order
+    batches get in clumps, dilutes the step. Dr. GRPO's seq-mean-token-sum-norm divides by the
+    batch's trajectories times a constant, so the step is the same whatever their length."""
+    from hydra import compose, initialize_config_dir
+
+    from laminar_mcore.algos import agg_loss
+    from laminar_mcore.config import register_configs
+    from laminar_mcore.config.paths import conf_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=conf_dir(), version_base=None):
+        algo = compose(config_name="config", overrides=["experiment=cpu_demo"]).algo
+    assert algo.loss_agg_mode == "seq-mean-token-sum-norm" and algo.loss_scale_factor == 8
+
+    def batch(tail_len):
+        learning = [torch.tensor([0.5, -0.25, 1.0]), torch.tensor([-1.0, 0.75])]
+        tail = [torch.zeros(tail_len), torch.zeros(tail_len)]  # zero advantage: loss 0
+        seqs = learning + tail
+        terms = torch.cat(seqs).requires_grad_()
+        ids = torch.cat([torch.full((len(s),), i) for i, s in enumerate(seqs)])
+        return terms, torch.ones_like(terms, dtype=torch.bool), ids
+
+    def loss(mode, tail_len):
+        terms, mask, ids = batch(tail_len)
+        return float(agg_loss(terms, mask, ids, mode, loss_scale_factor=8))
+
+    short, long_ = loss("token-mean", 3), loss("token-mean", 150)
+    assert short / long_ == pytest.approx((5 + 300) / (5 + 6), rel=1e-6)  # diluted by the tail
+    assert loss(algo.loss_agg_mode, 3) == loss(algo.loss_agg_mode, 150) == pytest.approx(1 / 32)

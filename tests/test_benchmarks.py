@@ -184,6 +184,26 @@ def test_convergence_over_seeds_reports_medians_and_spreads():
     assert over_seeds([{"x": None}, {"x": None}])["x"] is None
 
 
+def test_convergence_reads_one_runs_loss_tokens_per_step(tmp_path):
+    """``<mode>_loss_tokens_cv``: sd over mean of the loss tokens of this run's steps; the
+    earlier runs appended to the same metrics.jsonl (another seed) and the evaluations are
+    left out."""
+    import statistics
+
+    from laminar_mcore.bench.convergence import loss_tokens_cv
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"kind": "train", "time": 10.0, "global_tokens": 9000},  # the previous seed's run
+            {"kind": "eval", "time": 101.0, "accuracy": 0.5},
+            *({"kind": "train", "time": 100.0 + i, "global_tokens": n}
+              for i, n in enumerate((300, 500, 1300, 400)))]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    mine = [300, 500, 1300, 400]
+    assert loss_tokens_cv(str(path), 100.0) == pytest.approx(
+        statistics.pstdev(mine) / statistics.fmean(mine))
+    assert loss_tokens_cv(str(path), 1000.0) is None  # no step of this run: no figure
+
+
 def test_crossing_interpolates_between_evaluations():
     """The time to target is where the accuracy crossed it, between the last evaluation below
     and the first at or above (in wall time), not the next evaluation's time."""

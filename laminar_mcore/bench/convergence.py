@@ -35,7 +35,11 @@ Where the time goes, per mode (steady state, from the first step to the last):
 engine; ``sync_generation_fraction`` is the share of a synchronous run spent generating, 83%
 in Laminar's workloads) and ``<mode>_trainer_wait_fraction`` (the trainer's share waiting for
 a batch). The demo evaluates after training (``trainer.eval_offline``), so evaluations are in
-neither.
+neither. ``<mode>_loss_tokens_cv``: how much the loss tokens of a step (``global_tokens``, the
+zero-advantage trajectories' included) vary from step to step, their standard deviation over
+their mean: a mode whose batches fill in completion order gets the long tail in clumps, and a
+loss normalised by those tokens (``algo.loss_agg_mode=token-mean``) then scales each step's
+update by what else shared its batch (docs/modes.md, "Parity").
 
 Times and samples to target are where the accuracy crossed it, interpolated linearly between
 the evaluations on either side (not rounded up to the next ``trainer.eval_interval``).
@@ -53,6 +57,7 @@ against wall time, one curve per mode) goes to ``--plot``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -133,6 +138,21 @@ def default_target(sync: dict, fraction: float = TARGET_FRACTION) -> float:
     return start + fraction * (final_accuracy(sync) - start)
 
 
+def loss_tokens_cv(metrics_path: str, since: float) -> Optional[float]:
+    """Standard deviation over mean of the loss tokens per step (``global_tokens`` of the
+    ``train`` records in ``metrics_path`` logged at or after ``since``: one run's steps)."""
+    tokens = []
+    with open(metrics_path) as f:
+        for line in f:
+            row = json.loads(line)
+            if row.get("kind") == "train" and row.get("time", 0) >= since and \
+                    isinstance(row.get("global_tokens"), (int, float)):
+                tokens.append(float(row["global_tokens"]))
+    if len(tokens) < 2 or not statistics.fmean(tokens) > 0:
+        return None
+    return statistics.pstdev(tokens) / statistics.fmean(tokens)
+
+
 def figures_from(results: Dict[str, dict], batch_samples: int,
                  target: Optional[float] = None,
                  fraction: float = TARGET_FRACTION) -> Dict[str, object]:
@@ -163,6 +183,7 @@ def figures_from(results: Dict[str, dict], batch_samples: int,
         figures[f"{mode}_train_wall_s"] = max((e["wall_s"] for e in s["evals"]
                                                if e.get("wall_s") is not None), default=None)
         figures[f"{mode}_max_staleness"] = s["max_staleness_observed"]
+        figures[f"{mode}_loss_tokens_cv"] = s.get("loss_tokens_cv")
     lam = reached.get("laminar")
     for other in ("sync", "areal", "one_step"):
         if other not in results or "laminar" not in results:
@@ -365,7 +386,10 @@ def main(argv=None) -> dict:
             validate_config(cfg)
             print(f"[convergence] seed {cfg.seed}, {mode}: {cfg.trainer.total_steps} steps",
                   flush=True)
+            since = time.time()
             results[mode] = run_train(cfg)
+            results[mode]["loss_tokens_cv"] = loss_tokens_cv(
+                os.path.join(cfg.output_dir, cfg.run_name, "metrics.jsonl"), since)
             all_runs[mode].append(results[mode])
         batch_samples = cfg.trainer.train_batch_prompts * cfg.algo.n_samples_per_prompt
         per_seed.append(figures_from(results, batch_samples, args.target,
@@ -409,7 +433,10 @@ def main(argv=None) -> dict:
                        "quarter), "
                        f"{figures[f'{mode}_tokens_per_s']:.0f} tokens/s, engines generating "
                        f"{figures[f'{mode}_generation_fraction']:.0%} of the time, trainer "
-                       f"waiting {figures[f'{mode}_trainer_wait_fraction']:.0%}")
+                       f"waiting {figures[f'{mode}_trainer_wait_fraction']:.0%}"
+                       + ("" if figures.get(f"{mode}_loss_tokens_cv") is None else
+                          f", loss tokens per step vary {figures[f'{mode}_loss_tokens_cv']:.2f}"
+                          " (sd/mean)"))
     for key in SPREAD:
         if key in figures:
             fmt = "{:+.3f}" if key == "final_accuracy_gap_vs_sync" else "{:.2f}x"
