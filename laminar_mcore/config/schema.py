@@ -394,6 +394,9 @@ class TrainerConfig:
     # machines, a filesystem the trainer nodes write and the rollout nodes read), so that
     # evaluating costs the run's clock only the save: a time to target is training time alone.
     eval_offline: bool = False
+    # false: the evaluations between the first and the last are sampled only (greedy, about
+    # half of an evaluation's time, is then measured before and after training)
+    eval_greedy: bool = True
     resume: str = "none"  # none | auto | a checkpoint directory
     # Optimizer checkpoint format (Megatron's distrib_optim_sharding_type): dp_reshardable
     # (each rank writes its shard; resume at any DP size) or fully_reshardable (gathered in

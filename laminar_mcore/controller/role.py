@@ -130,12 +130,14 @@ def evaluate_engine(cfg: LaminarConfig, task: TaskData, url: str,
 
 
 async def _evaluate_engine(cfg: LaminarConfig, task: TaskData, url: str,
-                           api_key: Optional[str] = None) -> EvalResult:
+                           api_key: Optional[str] = None, greedy: bool = True) -> EvalResult:
+    """``greedy``: also at temperature 0 (an intermediate evaluation: ``trainer.eval_greedy``;
+    an agent plugin evaluates as it does)."""
     plugin = episode_plugin(cfg)
     if plugin is not None:
         return await plugin.evaluate(cfg, task, url, api_key)
     return await evaluate(url, task.evals, task.codec, asdict(cfg.rollout.sampling),
-                          cfg.data.reward_fn, api_key=api_key,
+                          cfg.data.reward_fn, api_key=api_key, greedy=greedy,
                           max_new_tokens_fn=task.eval_max_new_tokens)
 
 
@@ -312,7 +314,8 @@ def evaluate_snapshots(controller: Controller, handles: list, out_dir: str, log,
             try:
                 async with SGLangClient(url, api_key=key) as ec:
                     await ec.update_weights_from_disk(path, weight_version=str(version))
-                result = await _evaluate_engine(cfg, task, url, key)
+                result = await _evaluate_engine(cfg, task, url, key,
+                                                greedy=cfg.trainer.eval_greedy)
             except Exception as exc:  # noqa: BLE001 - as a live one, it must not fail the run
                 log(f"[train] evaluating the step-{step} snapshot on {handle.name} failed: "
                     f"{exc!r}")

@@ -337,6 +337,7 @@ class Controller(TrainerAPI, RunBooks, ClusterAPI, TrainerWatch):
                 result = await evaluate(engine.client.base_url, self.task.evals,
                                         self.task.codec, asdict(self.cfg.rollout.sampling),
                                         self.cfg.data.reward_fn, api_key=engine.client.api_key,
+                                        greedy=self.cfg.trainer.eval_greedy,
                                         max_new_tokens_fn=self.task.eval_max_new_tokens)
             self.metrics.log("eval", step=step, **result.record(),
                              wall_s=self.version_wall_s(result.version), engine=engine.name)
