@@ -88,9 +88,14 @@ def test_placement_candidates_are_the_same_sweep_for_every_system():
     from laminar_mcore.sim.placement import best, candidate_trainer_gpus
 
     cost = CostModel("7B")
-    assert candidate_trainer_gpus("laminar", 256, cost) == [64, 128, 192]
-    assert candidate_trainer_gpus("areal", 256, cost) == [64, 128, 192]
-    assert candidate_trainer_gpus("sync", 256, cost) == [256, 64, 128, 192]  # + colocated
+    assert candidate_trainer_gpus("laminar", 256, cost, 3) == [64, 128, 192]
+    assert candidate_trainer_gpus("sync", 256, cost, 3) == [256, 64, 128, 192]  # + colocated
+    # the report's 5 splits (whole machines at 1/6 .. 5/6 of 32), and the paper's Table 2
+    # split where it gives one (laminar 192, one-step 40, AReaL 128: already a candidate)
+    assert candidate_trainer_gpus("laminar", 256, cost) == [40, 88, 128, 168, 216, 192]
+    assert candidate_trainer_gpus("areal", 256, cost) == [40, 88, 128, 168, 216]
+    assert candidate_trainer_gpus("sync", 256, cost) == [256, 40, 88, 128, 168, 216]
+    assert candidate_trainer_gpus("laminar", 128, cost) == [24, 40, 64, 88, 104]
     runs = [{"tokens_per_s": 10, "staleness": {"5": 1}, "trainer_gpus": 8},
             {"tokens_per_s": 7, "staleness": {"2": 1}, "trainer_gpus": 16}]
     assert best(runs, 4)["trainer_gpus"] == 16  # the fastest within the staleness limit
@@ -108,14 +113,18 @@ def test_a_training_step_lasts_as_long_as_its_busiest_data_parallel_rank():
     tail, rest = 16384 + 180, [1400] * 511
     seqs = [tail] + rest
     longest = group_s(cost.sequence_flops(tail))
-    assert cost.train_step_s(seqs, 192) == pytest.approx(longest)  # 5 sequences per rank
-    assert cost.train_step_s(seqs, 384) == pytest.approx(longest)  # more GPUs: no faster
-    small = cost.train_step_s(seqs, 8)  # 4 ranks of ~128 sequences: balanced
+    step = cost.train_step_compute_s  # the compute; train_step_s adds the step's own costs
+    assert step(seqs, 192) == pytest.approx(longest)  # 5 sequences per rank
+    assert step(seqs, 384) == pytest.approx(longest)  # more GPUs: no faster
+    small = step(seqs, 8)  # 4 ranks of ~128 sequences: balanced
     total = sum(cost.sequence_flops(n) for n in seqs)
     assert group_s(total / 4) <= small <= group_s(total / 4) * 1.01
     # never faster than the linear model the sweep's bound uses; equal when balanced and short
     assert small >= cost.train_s(sum(seqs), 8)
-    even = cost.train_step_s([1000] * 64, 8)
+    for g in (8, 192, 384):
+        assert cost.train_step_s(seqs, g) == pytest.approx(step(seqs, g) +
+                                                           cost.step_overhead_s(g))
+    even = step([1000] * 64, 8)
     assert even == pytest.approx(group_s(16 * cost.sequence_flops(1000)))
     assert even == pytest.approx(cost.train_s(64_000, 8) * (1 + 3584 * 28 * 1000 / 7.62e9),
                                  rel=1e-3)  # + causal attention
@@ -124,12 +133,13 @@ def test_a_training_step_lasts_as_long_as_its_busiest_data_parallel_rank():
 def test_the_sweeps_bound_is_never_beaten():
     """Every split the sweep may skip is skipped on a bound no run of it beats: each system
     at every candidate split, measured as the sweep measures (one iteration after one)."""
+    from laminar_mcore.sim.costs import cost_for
     from laminar_mcore.sim.placement import candidate_trainer_gpus, throughput_bound
 
     w = Workload(batch_prompts=32)
-    cost = CostModel("7B")
-    for mode in ("sync", "one_step", "stream", "areal", "laminar"):
-        for t in candidate_trainer_gpus(mode, 64, cost):
+    for mode in ("sync", "one_step", "stream", "areal", "areal_eta4", "laminar"):
+        cost = cost_for("7B", mode)  # the paper's engine TP for the system
+        for t in candidate_trainer_gpus(mode, 64, cost, 3):
             r = simulate(SimConfig(model="7B", mode=mode, gpus=64, iterations=2, warmup=1,
                                    split_trainer_gpus=t, workload=w))
             bound = throughput_bound(mode, cost, 64, t, w)

@@ -38,18 +38,22 @@ from ..modes import policy_for
 from ..data.pools import ExperienceBuffer, InFlight, PartialResponsePool, PromptGroup, PromptPool
 from ..data.trajectory import Trajectory
 from .clock import run_virtual
-from .costs import CONCURRENCY_PER_REPLICA, MINIBATCH_STEPS, CostModel
+from .costs import CONCURRENCY_PER_REPLICA, CostModel, cost_for
 from .engine import CpuShare, SimEngine, SimEngineClient, TokenCount
 from .faults import FailureRecord, fail_machine
 from .network import Network
 from .relays import RelayTier, SimPuller
+from .training import SimTrainer
 from .workload import Workload, group_lengths
 
-SIM_MODES = ("sync", "one_step", "stream", "areal", "laminar", "laminar_norepack")
+SIM_MODES = ("sync", "one_step", "stream", "areal", "areal_eta4", "laminar", "laminar_norepack")
 GPUS_PER_MACHINE = 8
 SIM_ROWS = 17000  # the prompt pool's rows: DAPO-Math-17k's size
-STREAM_MINIBATCHES = MINIBATCH_STEPS  # stream trains each mini-batch as it completes
-AREAL_ETA = 4  # AReaL's staleness bound in its published runs (max_head_offpolicyness)
+# AReaL's staleness bound: infinite in the paper's throughput runs (Laminar section 8.1: the
+# ``areal`` mode); 4 in AReaL's own published runs (max_head_offpolicyness), the labelled
+# second row ``areal_eta4``.
+AREAL_ETA = 4
+AREAL_ETAS = {"areal": None, "areal_eta4": AREAL_ETA}
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,10 @@ class SimConfig:
     # the manager's polling period (virtual seconds); a failure run polls every second: its
     # stranded trajectories poll for an engine of their version, thousands at a time
     poll_s: Optional[float] = None
+    # engine TP (None: the paper's for this system and model, costs.ENGINE_TP_PAPER; an
+    # explicit placement keeps MODELS' default)
+    engine_tp: Optional[int] = None
+    eta: Optional[int] = None  # AReaL's staleness bound (None: the mode's, AREAL_ETAS)
 
 
 # ---------------------------------------------------------------------- the episode
@@ -208,6 +216,7 @@ class SimResult:
     failure: Optional[Dict[str, Optional[float]]] = None
     prefill_tokens: int = 0  # tokens the engines prefilled (prompts, resumes, re-prefills)
     marks: List[float] = field(default_factory=list)  # virtual time of each trainer update
+    engine_tp: int = 0  # GPUs per engine (the paper's for the system: costs.ENGINE_TP_PAPER)
 
 
 def simulate(cfg: SimConfig) -> SimResult:
@@ -231,9 +240,10 @@ async def _simulate(cfg: SimConfig) -> SimResult:
     if cfg.mode not in SIM_MODES:
         raise ValueError(f"mode={cfg.mode!r} is not one of {', '.join(SIM_MODES)}")
     loop = asyncio.get_running_loop()
-    cost = cfg.cost or CostModel(cfg.model)
     w = cfg.workload
     explicit = cfg.engines is not None
+    cost = cfg.cost or (CostModel(cfg.model, tp=cfg.engine_tp or 0) if explicit
+                        else cost_for(cfg.model, cfg.mode, cfg.engine_tp))
     if explicit:
         place = Placement(cfg.engines * cost.engine_tp + (cfg.trainer_gpus or 1),
                           cfg.trainer_gpus or 1)
@@ -269,8 +279,10 @@ async def _simulate(cfg: SimConfig) -> SimResult:
         engines.append(EngineHandle(name=sim.name, client=SimEngineClient(sim),
                                     relay=relays[min(i // per_machine, machines - 1)],
                                     puller=SimPuller(tier.update_s(), flush), capacity=capacity))
-    policy_mode = {"stream": "one_step", "laminar_norepack": "laminar"}.get(cfg.mode, cfg.mode)
-    bound = AREAL_ETA if cfg.mode == "areal" else cfg.max_staleness
+    policy_mode = {"stream": "one_step", "laminar_norepack": "laminar",
+                   "areal_eta4": "areal"}.get(cfg.mode, cfg.mode)
+    bound = (AREAL_ETAS[cfg.mode] if cfg.eta is None else cfg.eta) if cfg.mode in AREAL_ETAS \
+        else cfg.max_staleness
     policy = policy_for(policy_mode, bound)
     rollout_cfg = RolloutConfig(repack=cfg.mode == "laminar",
                                 repack_interval_s=cfg.repack_interval_s,
@@ -300,7 +312,8 @@ async def _simulate(cfg: SimConfig) -> SimResult:
             make_engine, record))
     run = asyncio.create_task(manager.run())
     try:
-        await trainer.run()
+        await trainer.run()  # (prefill counted until here: the shutdown's order is the loop's)
+        prefilled = sum(e.client.engine.prefill_tokens for e in engines)
     finally:
         if fault is not None:
             fault.cancel()
@@ -345,116 +358,9 @@ async def _simulate(cfg: SimConfig) -> SimResult:
         measured_iterations=len(thr), protocol=protocol, update_s=tier.update_s(),
         trainer_update_stall_s=statistics.mean(trainer.stalls) if trainer.stalls else 0.0,
         network_shared_s=tier.network.shared_s,
-        prefill_tokens=sum(s.prefill_tokens for s in sims), marks=[round(m, 3) for m in marks],
+        prefill_tokens=prefilled, marks=[round(m, 3) for m in marks],
+        engine_tp=cost.engine_tp,
         failure=record.figures(marks, alltok, cfg.fail_horizon_s) if record else None)
-
-
-class SimTrainer:
-    """Takes a batch of complete groups (FIFO), trains, publishes; ``iterations`` times
-    (and on until ``run_until``, virtual seconds, when a failure is being watched)."""
-
-    def __init__(self, cfg: SimConfig, cost: CostModel, place: Placement,
-                 buffer: ExperienceBuffer, tier: RelayTier, colocated: bool,
-                 share: Optional[CpuShare] = None):
-        self.cfg, self.cost, self.place, self.buffer = cfg, cost, place, buffer
-        self.tier, self.colocated, self.share = tier, colocated, share
-        self.version = 0
-        self.manager: Optional[RolloutManager] = None
-        self.marks: List[float] = []  # virtual time at the end of each step
-        self.tokens: List[int] = []  # response tokens consumed per step (as the controller)
-        self.all_tokens: List[int] = []  # prompt + response tokens per step (as the paper)
-        self.stalls: List[float] = []
-        self.staleness: Dict[int, int] = {}
-        self.mixed = 0
-        self.busy_s = 0.0
-        self.busy_s_steady = 0.0
-        self.idle_mark = (0.0, 0.0)
-        self.run_until = 0.0
-
-    async def _take(self, groups: int):
-        """``groups`` complete groups, FIFO (the controller's ``/batch``), once ready."""
-        while True:
-            batch = self.buffer.take(groups, timeout=0)
-            if batch is not None:
-                self.manager.notify()  # the buffer has room again
-                return batch
-            ready = asyncio.Event()
-            self.buffer.on_ready.append(ready.set)
-            try:
-                await ready.wait()
-            finally:
-                self.buffer.on_ready.remove(ready.set)
-
-    def _bump(self) -> int:
-        self.version += 1
-        return self.version
-
-    async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        w = self.cfg.workload
-        # stream: the batch's groups in (up to) 16 mini-batches that add up to the batch (a
-        # batch of fewer groups than that would otherwise wait for groups never admitted)
-        minibatches = min(STREAM_MINIBATCHES, w.batch_prompts) if self.cfg.mode == "stream" \
-            else 1
-        sizes = [w.batch_prompts // minibatches + (i < w.batch_prompts % minibatches)
-                 for i in range(minibatches)]
-        warm = 1 if self.cfg.warmup is None else self.cfg.warmup
-        step = 0
-        while step < self.cfg.iterations or loop.time() < self.run_until:
-            tokens = alltok = 0
-            for i, size in enumerate(sizes):
-                batch = await self._take(size)
-                for t in batch:
-                    if step >= warm:
-                        s = self.version - t.weight_version
-                        self.staleness[s] = self.staleness.get(s, 0) + 1
-                    if t.versions_seen() not in ([], [str(t.weight_version)]):
-                        self.mixed += 1
-                # trained on prompt + response; the controller counts response tokens
-                tokens += sum(len(t.response_ids) for t in batch)
-                alltok += sum(t.num_tokens for t in batch)
-                seconds = await self._compute(self._train_s([t.num_tokens for t in batch],
-                                                            len(sizes), i))
-                self.busy_s += seconds
-                if step > 0:
-                    self.busy_s_steady += seconds
-            self.stalls.append(await self.tier.publish(self._bump))
-            self.marks.append(loop.time())
-            self.tokens.append(tokens)
-            self.all_tokens.append(alltok)
-            if step == 0:
-                self.idle_mark = (loop.time(), self.manager.engine_idle_seconds())
-            self.manager.notify()
-            step += 1
-
-    def _train_s(self, sequences: List[int], taken_in: int, part: int = 0) -> float:
-        """Training ``sequences`` (tokens each) as ``MINIBATCH_STEPS`` optimizer steps per
-        iteration: a batch taken whole is split into that many mini-batches (trajectory i in
-        mini-batch i mod steps, so a group's samples spread over them as a shuffled batch's
-        do); ``stream`` takes its batch in ``taken_in`` parts (16 at the paper's batch, one
-        step each), and part ``part`` gets its share of the 16 steps."""
-        steps = max(1, MINIBATCH_STEPS // taken_in + (part < MINIBATCH_STEPS % taken_in))
-        return sum(self.cost.train_step_s(sequences[i::steps], self.place.trainer_gpus)
-                   for i in range(min(steps, len(sequences))))
-
-    async def _compute(self, work_s: float) -> float:
-        """``work_s`` seconds of training; on shared CPU cores, slower while engines are busy
-        (in slices). Returns the seconds it took."""
-        if self.share is None:
-            await asyncio.sleep(work_s)
-            return work_s
-        loop = asyncio.get_running_loop()
-        t0, left, slice_s = loop.time(), work_s, 0.02
-        self.share.set_busy(self, True)
-        try:
-            while left > 1e-12:
-                f = self.share.factor()
-                step = min(slice_s, left * f)
-                await asyncio.sleep(step)
-                left -= step / f
-        finally:
-            self.share.set_busy(self, False)
-        return loop.time() - t0
 
 
 def summary_line(r: SimResult) -> str:

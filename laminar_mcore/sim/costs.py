@@ -6,7 +6,11 @@ engine of ``tp`` GPUs reads the weights once and every request's KV cache, and c
 FLOPs over achieved peak (a roofline), plus a per-step overhead (scheduling, kernel launches
 under CUDA graphs) and, for tp > 1, two all-reduces per layer. Prefill: 2·N FLOPs per prompt
 token at the prefill efficiency. Trainer: 8·N FLOPs per token (6 for forward and backward, 2
-for recomputing the proximal log-probs) over the layout's achieved FLOP/s. Weights: publish
+for recomputing the proximal log-probs) over the layout's achieved FLOP/s (its MFU times the
+pipeline bubble of its PP layout), each optimizer step lasting as long as its busiest
+data-parallel rank, plus the step's own costs: the distributed optimizer's gradient
+reduce-scatter and parameter all-gather over the trainer's NICs (NVLink inside one machine),
+the Adam step over HBM and a fixed per-step cost (``TRAINER``). Weights: publish
 (trainer -> master relay), Laminar's chain T(p, k), pulls (relay host memory -> engine GPUs
 over PCIe); ``relay_sync_seconds``: a whole sync through the relay tier, whole or as a delta.
 """
@@ -81,8 +85,36 @@ PROTOCOL = {
 }
 
 # Every machine's NICs, shared by the transfers that cross them (publish, chain, a relay
-# re-joining after a failure): 8 x 400 Gbps per machine, each direction (the paper's testbed).
+# re-joining after a failure, the trainer's data-parallel collectives): 8 x 400 Gbps per
+# machine, each direction (the paper's testbed), one NIC per GPU.
 NETWORK = {"nic_bytes_s": 8 * 400e9 / 8}
+
+TRAINER = {
+    # Achieved fraction of a link (a GPU's NIC across machines, NVLink inside one) by the
+    # data-parallel reduce-scatter and all-gather: the relay chain's achieved fraction of the
+    # same NICs (LINKS.chain_bytes_s / NETWORK.nic_bytes_s = 200 / 400 GB/s), the one rate of
+    # bulk RDMA the link table holds.
+    "dp_link_fraction": 0.5,
+    # Fraction of those collectives not hidden behind compute: all of it. This repository's
+    # trainer builds DistributedDataParallelConfig(overlap_grad_reduce=False) (trainer/actor.py)
+    # and leaves overlap_param_gather at Megatron-Core's default (False); verl's Megatron
+    # workers keep the same defaults.
+    "dp_exposed": 1.0,
+    # Achieved / peak HBM bandwidth of the optimizer step (a fused multi-tensor Adam streams
+    # its states: the decode kernels' 75%, EFFICIENCY.decode_bandwidth's sources).
+    "optimizer_bandwidth": 0.75,
+    # Per optimizer step, whatever the layout: the gradient-norm all-reduce and clip, zeroing
+    # the gradient buffers, the micro-batch schedule's launches (an assumption: ~0.1 s, no
+    # published figure at these sizes).
+    "step_fixed_s": 0.1,
+}
+# Bytes per element of the data-parallel collectives: gradients reduce-scattered in fp32
+# (trainer/actor.py: grad_reduce_in_fp32=True; config/plan.py counts 4 bytes a gradient), the
+# updated bf16 parameters all-gathered (BYTES_PER_PARAM). The Adam step of the distributed
+# optimizer moves 30 bytes per parameter of its shard: reads fp32 main parameter, gradient,
+# exp_avg, exp_avg_sq (16), writes the three fp32 (12) and the bf16 parameter (2).
+GRAD_REDUCE_BYTES = 4
+ADAM_BYTES_PER_PARAM = 30
 
 # A rollout machine killed (sim --fail): the controller notices after SGLang's health-check
 # timeout (SGLANG_HEALTH_CHECK_TIMEOUT, 20 s: REFERENCES.md), then the machine is replaced and
@@ -106,6 +138,34 @@ MODELS: Dict[str, dict] = {
             "head_dim": 128, "engine_tp": 4, "trainer_tp": 8, "trainer_pp": 2},
 }
 BYTES_PER_PARAM = 2  # BF16 weights in the engines, in the relays and on the wire
+
+# Engine TP per system and model as the paper ran them (Laminar App. A.2, as issue 54 quotes
+# it): 7B at TP 2 for verl, one-step and stream and TP 1 for Laminar and AReaL; 32B at TP 4 and
+# 72B at TP 8 for every system. ``MODELS``' engine_tp is the default of a CostModel built
+# without a system (calibration, the tests' small runs).
+ENGINE_TP_PAPER: Dict[str, Dict[str, int]] = {
+    "7B": {"sync": 2, "one_step": 2, "stream": 2, "areal": 1, "laminar": 1},
+    "32B": {"sync": 4, "one_step": 4, "stream": 4, "areal": 4, "laminar": 4},
+    "72B": {"sync": 8, "one_step": 8, "stream": 8, "areal": 8, "laminar": 8},
+}
+
+
+def system_of(mode: str) -> str:
+    """The system a simulator mode runs (``laminar_norepack`` is laminar, ``areal_eta4``
+    AReaL)."""
+    return {"laminar_norepack": "laminar", "areal_eta4": "areal"}.get(mode, mode)
+
+
+def paper_engine_tp(model: str, mode: str) -> int:
+    """The engine TP the paper ran ``mode``'s system with at ``model`` (``ENGINE_TP_PAPER``;
+    ``MODELS``' default for a model or system it does not list)."""
+    return ENGINE_TP_PAPER.get(model, {}).get(system_of(mode), MODELS[model]["engine_tp"])
+
+
+def cost_for(model: str, mode: str, engine_tp: Optional[int] = None) -> "CostModel":
+    """The cost model of ``mode``'s system at ``model``: engines at ``engine_tp`` (None: the
+    paper's, ``paper_engine_tp``)."""
+    return CostModel(model, tp=engine_tp or paper_engine_tp(model, mode))
 
 # Delta publication (weights/delta.py): a version travels as the changed bf16 positions
 # (gap-coded) and their bits XOR the old (zstd). Measured by `python -m laminar_mcore.bench.delta`
@@ -206,6 +266,7 @@ class CostModel:
     pull_seconds: float = -1.0  # an engine's pull (-1: from LINKS)
     engine_capacity: int = 0  # requests an engine may run at once (0: from KV capacity)
     kv_capacity: int = 0  # KV tokens per engine (0: from memory)
+    tp: int = 0  # engine TP (0: MODELS' engine_tp; cost_for gives each system the paper's)
 
     # ------------------------------------------------------------- shape
     @property
@@ -227,7 +288,7 @@ class CostModel:
 
     @property
     def engine_tp(self) -> int:
-        return self.spec["engine_tp"]
+        return self.tp or self.spec["engine_tp"]
 
     def kv_tokens(self) -> int:
         """KV-cache tokens one engine holds: its GPUs' static memory less the weights."""
@@ -296,7 +357,50 @@ class CostModel:
         s = self.spec
         return 8 * s["params"] * tokens + 8 * s["layers"] * s["hidden"] * float(tokens) ** 2
 
+    # ------------------------------------------------------------- the trainer's step costs
+    def dp_sync_bytes(self, gpus: int) -> float:
+        """Bytes each trainer GPU sends (and receives) per optimizer step in the distributed
+        optimizer's collectives: a ring reduce-scatter of its fp32 gradient shard and an
+        all-gather of the bf16 parameters, each (d - 1)/d of its model-parallel shard
+        (params / (TP x PP)) over d data-parallel ranks; 0 with one rank."""
+        d = self.data_parallel(gpus)
+        shard = self.spec["params"] / min(self.min_trainer_gpus(), max(gpus, 1))
+        return (d - 1) / d * shard * (GRAD_REDUCE_BYTES + BYTES_PER_PARAM)
+
+    def dp_link_bytes_s(self, gpus: int) -> float:
+        """One trainer GPU's achieved rate in those collectives: its NIC (a machine's NICs over
+        its 8 GPUs) when the trainer spans machines, NVLink inside one machine; at
+        ``TRAINER["dp_link_fraction"]``."""
+        link = NETWORK["nic_bytes_s"] / 8 if gpus > 8 else self.hw["nvlink_bytes_s"]
+        return link * TRAINER["dp_link_fraction"]
+
+    def dp_sync_s(self, gpus: int) -> float:
+        """The exposed seconds of one step's data-parallel collectives (``dp_sync_bytes`` over
+        ``dp_link_bytes_s``, times ``TRAINER["dp_exposed"]``)."""
+        return self.dp_sync_bytes(gpus) / self.dp_link_bytes_s(gpus) * TRAINER["dp_exposed"]
+
+    def optimizer_s(self, gpus: int) -> float:
+        """The Adam step on one GPU's shard (params / (TP x PP x DP)) over its HBM."""
+        shard = self.spec["params"] / (min(self.min_trainer_gpus(), max(gpus, 1)) *
+                                       self.data_parallel(gpus))
+        return shard * ADAM_BYTES_PER_PARAM / (self.hw["hbm_bytes_s"] *
+                                               TRAINER["optimizer_bandwidth"])
+
+    def step_overhead_s(self, gpus: int, network: bool = True) -> float:
+        """What one optimizer step costs beyond its compute: the optimizer step, the fixed
+        per-step cost and (``network``) the exposed data-parallel collectives. A measured
+        trainer cost (calibration) already holds them: 0."""
+        if self.trainer_per_token_s >= 0:
+            return 0.0
+        return self.optimizer_s(gpus) + TRAINER["step_fixed_s"] + (
+            self.dp_sync_s(gpus) if network else 0.0)
+
     def train_step_s(self, sequences: Sequence[int], gpus: int) -> float:
+        """One optimizer step: its compute (``train_step_compute_s``) plus
+        ``step_overhead_s``."""
+        return self.train_step_compute_s(sequences, gpus) + self.step_overhead_s(gpus)
+
+    def train_step_compute_s(self, sequences: Sequence[int], gpus: int) -> float:
         """One optimizer step (a mini-batch) of ``sequences`` (tokens per trajectory) on
         ``gpus`` trainer GPUs: the sequences are balanced over the data-parallel ranks by
         tokens, longest first onto the least loaded rank (verl's and Megatron's sequence

@@ -1,5 +1,6 @@
-"""``sim.report``'s two other questions: how far its constants can move the headline ratios
-(``--sensitivity``) and what a machine failure costs (``--fail machine@T``)."""
+"""``sim.report``'s other questions: how far its constants can move the headline ratios
+(``--sensitivity``), what a machine failure costs (``--fail machine@T``) and how much of the
+scaling efficiency the trainer's step costs account for (``--explain``)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def sensitivity_run(args, workload: Workload, report, log=print) -> Dict[str, ob
                 keys.append(i)
     # a variant of a weight protocol's constants cannot move a run of another protocol: such a
     # run is the base run (sensitivity.unread), taken from it instead of simulated again
-    reuse = [unread(spec["overrides"], _protocol(spec)) for spec in specs]
+    reuse = [unread(spec["overrides"], _protocol(spec), spec["mode"]) for spec in specs]
     todo = [spec for spec, r in zip(specs, reuse) if not r]
     log(f"sensitivity: {len(todo)} runs of {iterations} iterations "
         f"({len(specs) - len(todo)} others are their base run: a constant of another "
@@ -73,7 +74,8 @@ def sensitivity_run(args, workload: Workload, report, log=print) -> Dict[str, ob
             runs.append((override, values))
     figures: Dict[str, object] = {"sensitivity_points": args.sensitivity_points,
                                   "sensitivity_iterations": iterations,
-                                  "sensitivity_factor": 0.2}
+                                  "sensitivity_factor": 0.2, "sensitivity_runs": len(todo),
+                                  "sensitivity_reused": len(specs) - len(todo)}
     for (m, g, mode), t in sorted(splits.items()):
         figures[f"trainer_gpus_{m}_{g}_{mode}"] = t
     figures.update(spread(base_ratios, runs))
@@ -88,9 +90,12 @@ def sensitivity_run(args, workload: Workload, report, log=print) -> Dict[str, ob
 def _protocol(spec: dict) -> str:
     """The weight protocol a sensitivity run uses (``cluster.protocol_of``)."""
     from .cluster import placement_for, protocol_of
-    from .costs import CostModel
+    from .costs import cost_for
+    from .sensitivity import with_settings
 
-    place = placement_for(spec["mode"], spec["gpus"], CostModel(spec["model"]), None,
+    spec = with_settings(spec, spec["overrides"])
+    place = placement_for(spec["mode"], spec["gpus"], cost_for(spec["model"], spec["mode"],
+                                                               spec.get("engine_tp")), None,
                           spec["workload"], spec["split_trainer_gpus"])
     return protocol_of(spec["mode"], place, False, True)
 
@@ -112,3 +117,37 @@ def failure_run(args, workload: Workload, report, log=print) -> Dict[str, object
                "trainer_gpus": r["trainer_gpus"], **(r["failure"] or {})}
     print(json.dumps(figures, indent=1))
     return figures
+
+
+# The trainer's step costs switched off (costs.TRAINER): no exposed collectives, no fixed cost,
+# an optimizer step at a million times the HBM bandwidth (microseconds)
+NO_STEP_COSTS = {"TRAINER.dp_exposed": 0.0, "TRAINER.step_fixed_s": 0.0,
+                 "TRAINER.optimizer_bandwidth": 1e6}
+
+
+def explain_scaling(args, workload: Workload, report, results: List[dict],
+                    models: List[str], log=print) -> Dict[str, object]:
+    """Laminar again at each model's smallest and largest point of ``results``, at the same
+    splits and iterations, without the trainer's step costs (``NO_STEP_COSTS``):
+    ``explain_scaling_efficiency_without_step_costs`` (and per model) beside
+    ``scaling_efficiency``, the run that shows how much of the efficiency those costs take."""
+    by = {(r["model"], r["gpus"]): r for r in results if r["mode"] == "laminar"}
+    specs = []
+    for m in models:
+        gpus = sorted(g for mm, g in by if mm == m)
+        for g in {gpus[0], gpus[-1]} if len(gpus) >= 2 else ():
+            specs.append(dict(model=m, mode="laminar", gpus=g, workload=workload,
+                              split_trainer_gpus=by[(m, g)]["trainer_gpus"],
+                              iterations=args.warmup + args.measure, warmup=args.warmup,
+                              overrides=dict(NO_STEP_COSTS)))
+    runs = report.run_points(specs, args.jobs, log)
+    effs = report.scaling_efficiency({(r["model"], r["gpus"], "laminar"): r for r in runs},
+                                     "laminar", models)
+    out: Dict[str, object] = {f"explain_scaling_efficiency_without_step_costs_{m}": round(v, 3)
+                              for m, v in effs.items() if m != "mean"}
+    if "mean" in effs:
+        out["explain_scaling_efficiency_without_step_costs"] = round(effs["mean"], 3)
+    for r in runs:
+        out[f"explain_tokens_per_s_without_step_costs_{r['model']}_{r['gpus']}"] = round(
+            r["tokens_per_s"], 1)
+    return out

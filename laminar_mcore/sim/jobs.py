@@ -19,16 +19,16 @@ from dataclasses import asdict
 from typing import Callable, Dict, List, Optional, Tuple
 
 from .cluster import SimConfig, SimResult, simulate, summary_line
-from .costs import CostModel
+from .costs import cost_for
 from .placement import best, candidate_trainer_gpus, prune, throughput_bound
-from .sensitivity import applied, workload_with
+from .sensitivity import applied, with_settings, workload_with
 from .workload import Workload
 
 
 def run_one(spec: dict) -> dict:
     """One run from a picklable spec: SimConfig's fields plus ``overrides`` (cost constants,
     ``sensitivity.applied``)."""
-    spec = dict(spec)
+    spec = with_settings(spec, spec.get("overrides"))
     overrides = spec.pop("overrides", None)
     spec["workload"] = workload_with(spec["workload"], overrides)
     with applied(overrides):
@@ -43,7 +43,7 @@ def line(r: dict) -> str:
 
 def _cost(spec: dict) -> float:
     """A job's relative cost, for longest-first scheduling."""
-    return spec.get("iterations", 10) * (2.0 if spec.get("mode") == "areal" else 1.0)
+    return spec.get("iterations", 10) * (2.0 if str(spec.get("mode")).startswith("areal") else 1.0)
 
 
 class Jobs:
@@ -139,7 +139,7 @@ def sweep_and_measure(groups: List[Tuple[str, int, str]], base: dict, given: Dic
 
     for group in groups:
         m, g, mode = group
-        cost = CostModel(m)
+        cost = cost_for(m, mode, base.get("engine_tp"))
         cands = candidate_trainer_gpus(mode, g, cost, splits_per_point)
         if group in given or len(cands) == 1:
             chosen(group, given.get(group, cands[0]))

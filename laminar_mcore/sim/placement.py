@@ -1,10 +1,12 @@
 """Each system at its best placement: the trainer/rollout splits a sweep tries and how it
 picks one (the paper tuned every system's split; its Table 2: 7B on 256 GPUs, laminar 192 : 64,
-AReaL 128 : 128, one-step 40 : 216).
+AReaL 128 : 128, one-step 40 : 216, ``paper.PAPER_SPLITS``).
 
 Candidates are whole machines to the trainer at 1/(s+1), 2/(s+1), ... s/(s+1) of the machines
-(``splits`` = s; at least the trainer's TP x PP, at least one engine left); ``sync`` (verl)
-also tries colocation (every GPU generates, then trains). The best is the fastest
+(``splits`` = s, 5 by default; at least the trainer's TP x PP, at least one engine left), plus
+the paper's own split where its Table 2 gives one; ``sync`` (verl) also tries colocation
+(every GPU generates, then trains). Each runs long enough for a staleness limit to bind (the
+report: 1 warm-up + 4 measured iterations). The best is the fastest
 (``SimResult.tokens_per_s``) whose staleness stays within a limit; the fastest at any staleness
 when none does. ``report.py`` runs the same sweep for every system at every point
 (``--sweep-iterations``), and ``--sweep-placement`` for one system at one point.
@@ -17,17 +19,19 @@ import math
 from typing import Dict, List
 
 from ..data.pools import PromptPool
-from .cluster import (AREAL_ETA, GPUS_PER_MACHINE, SIM_ROWS, SimConfig, group_key,
+from .cluster import (AREAL_ETAS, GPUS_PER_MACHINE, SIM_ROWS, SimConfig, group_key,
                       placement_for)
-from .costs import CONCURRENCY_PER_REPLICA, CostModel
+from .costs import CONCURRENCY_PER_REPLICA, MINIBATCH_STEPS, CostModel
+from .paper import PAPER_SPLITS
 from .workload import Workload, group_lengths
 
 BOUND_MARGIN = 1.05  # throughput_bound's allowance for what its cost terms leave out
 
 
-def candidate_trainer_gpus(mode: str, gpus: int, cost: CostModel, splits: int = 3) -> List[int]:
+def candidate_trainer_gpus(mode: str, gpus: int, cost: CostModel, splits: int = 5) -> List[int]:
     """The trainer GPU counts a sweep tries for ``mode`` on ``gpus`` (``gpus`` itself:
-    colocated, sync only)."""
+    colocated, sync only; the paper's Table 2 split of ``cost.model`` last, where it has
+    one)."""
     machines = gpus // GPUS_PER_MACHINE
     out: List[int] = [gpus] if mode == "sync" else []
     if machines < 2:
@@ -38,6 +42,10 @@ def candidate_trainer_gpus(mode: str, gpus: int, cost: CostModel, splits: int = 
         trainer = max(t * GPUS_PER_MACHINE, cost.min_trainer_gpus())
         if gpus - trainer >= cost.engine_tp and trainer not in out:
             out.append(trainer)
+    paper = PAPER_SPLITS.get((cost.model, gpus, mode))
+    if paper is not None and paper not in out and \
+            cost.min_trainer_gpus() <= paper <= gpus - cost.engine_tp:
+        out.append(paper)
     return out
 
 
@@ -87,7 +95,8 @@ def throughput_bound(mode: str, cost: CostModel, gpus: int, trainer_gpus: int,
     prompt, response = workload.prompt_median, s["mean"]
     trajectories = workload.batch_trajectories
     mean_tokens = trajectories * (prompt + response)
-    train = cost.train_s(int(mean_tokens), place.trainer_gpus)
+    train = cost.train_s(int(mean_tokens), place.trainer_gpus) + \
+        MINIBATCH_STEPS * cost.step_overhead_s(place.trainer_gpus)
     engines = max(place.rollout_gpus // cost.engine_tp, 1)
     rate = max(b / cost.decode_step_s(b, b * prompt)
                for b in (1, 16, 64, 256, CONCURRENCY_PER_REPLICA))
@@ -100,21 +109,21 @@ def throughput_bound(mode: str, cost: CostModel, gpus: int, trainer_gpus: int,
         iteration = max(generate, tail_s) + train + cost.broadcast_s()
     elif mode in ("one_step", "stream"):
         iteration = max(generate, tail_s, train) + cost.broadcast_s()
-    elif mode == "areal":
+    elif mode.startswith("areal"):
         iteration = train + cost.broadcast_s()
     else:  # laminar: the trainer stalls for its publish
         iteration = train + cost.publish_s()
     seen = (iterations + 1 + _batches_ahead(mode)) * workload.batch_prompts
-    if mode.startswith("laminar"):  # no admission bound: the engines' groups on top of the buffer
-        seen += engines * CONCURRENCY_PER_REPLICA // workload.samples
+    if _batches_ahead(mode) == SimConfig.max_buffered_batches:  # no admission bound
+        seen += engines * CONCURRENCY_PER_REPLICA // workload.samples  # (+ the engines' groups)
     return BOUND_MARGIN * _most_batch_tokens(workload, seen) / iteration
 
 
 def _batches_ahead(mode: str) -> int:
     """How many batches beyond the trainer's a system may have admitted: its pool of groups a
     batch can be taken from (FIFO by completion, so a later batch gathers the long ones)."""
-    return {"sync": 0, "one_step": 1, "stream": 1, "areal": AREAL_ETA}.get(
-        mode, SimConfig.max_buffered_batches)
+    ahead = {"sync": 0, "one_step": 1, "stream": 1, **AREAL_ETAS}.get(mode)
+    return SimConfig.max_buffered_batches if ahead is None else ahead
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,15 +1,18 @@
 """The simulator's table, laid beside Laminar's published results.
 
     python -m laminar_mcore.sim.report --json out.json [--warmup 10 --measure 5] [--jobs 2]
-        [--models 7B,32B,72B] [--sweep-iterations 2] [--plot-dir outputs/sim]
+        [--models 7B,32B,72B] [--sweep-iterations 5] [--splits-per-point 5]
+        [--plot-dir outputs/sim]
         [--calibration calib.json | --no-calibrate] [--fail MACHINE@T]
     python -m laminar_mcore.sim.report --sweep-placement --model 32B --gpus 256 [--mode laminar]
-    python -m laminar_mcore.sim.report --sensitivity [--sensitivity-points 32B@128]
+    python -m laminar_mcore.sim.report --sensitivity [--sensitivity-points 7B@256,32B@128]
         [--placements docs/sim/report.json] [--constants TABLE.key,...] [--json out.json]
 
 Runs every system at 7B (16-256 GPUs), 32B (32-512) and 72B (64-1,024) on the DAPO-Math-like
 workload (512 prompts x 16 per iteration, 16 mini-batch steps, 1,024 concurrent requests per
-replica), each with its own weight protocol (``relays.py``) at its own best trainer/rollout
+replica) with the paper's settings (engine TP per system and model, ``costs.ENGINE_TP_PAPER``;
+AReaL at eta = infinity, and at eta = 4 as the labelled row ``areal_eta4``), each with its
+own weight protocol (``relays.py``) at its own best trainer/rollout
 split (``placement.py``: the same sweep for every system; ``trainer_gpus_<model>_<gpus>_<mode>``
 records the choice), measured as the paper measures (prompt + response tokens of a batch over
 the time between trainer updates, the mean of ``--measure`` iterations after ``--warmup``,
@@ -39,8 +42,8 @@ import time
 from typing import Dict, List, Optional
 
 from .cluster import SIM_MODES
-from .costs import DELTA, MOE_MODELS, CostModel, relay_sync_seconds
-from .paper import PAPER, PAPER_OTHER, WHY, paper_pairs
+from .costs import DELTA, MOE_MODELS, CostModel, cost_for, relay_sync_seconds
+from .paper import PAPER, PAPER_OTHER, PAPER_SPLITS, WHY, paper_pairs
 from .jobs import run_points as jobs_run_points
 from .jobs import sweep_and_measure
 from .placement import candidate_trainer_gpus, staleness_max
@@ -48,8 +51,11 @@ from .workload import Workload
 
 GRID = {"7B": (16, 32, 64, 128, 256), "32B": (32, 64, 128, 256, 512),
         "72B": (64, 128, 256, 512, 1024)}
+# the paper's four baselines (AReaL at eta = infinity, as its throughput runs); AReaL at eta = 4
+# is a second, labelled row beside them (``laminar_vs_areal_eta4_*``), in no average
 BASELINES = {"verl": "sync", "one_step": "one_step", "stream": "stream", "areal": "areal"}
-SYSTEMS = ("sync", "one_step", "stream", "areal", "laminar")
+EXTRA_BASELINES = {"areal_eta4": "areal_eta4"}
+SYSTEMS = ("sync", "one_step", "stream", "areal", "areal_eta4", "laminar")
 REPACK_POINT = ("32B", 128)  # the paper's repack figure
 
 
@@ -90,11 +96,15 @@ def sweep_and_run(pairs: List[tuple], modes: List[str], args, workload: Workload
 
 
 def ratios(results: List[dict]) -> Dict[str, float]:
-    """laminar's speedups over each baseline (average and maximum over the points), and over
-    verl at <= 64 GPUs (``laminar_vs_verl_le64_avg``)."""
+    """laminar's speedups over each baseline (average and maximum over the points); at <= 64
+    GPUs over verl (``laminar_vs_verl_le64_avg``) and over every one of the paper's baselines
+    (``laminar_vs_all_le64_avg``, the paper's definition); at each model's largest point over
+    the best baseline there, averaged over the models
+    (``laminar_vs_best_baseline_largest_avg``)."""
     by = {(r["model"], r["gpus"], r["mode"]): r for r in results}
     out: Dict[str, float] = {}
-    for name, mode in BASELINES.items():
+    le64: List[float] = []
+    for name, mode in {**BASELINES, **EXTRA_BASELINES}.items():
         pts = [(g, by[(m, g, "laminar")]["tokens_per_s"] / by[(m, g, mode)]["tokens_per_s"])
                for (m, g, md) in by if md == mode and (m, g, "laminar") in by]
         if pts:
@@ -103,6 +113,33 @@ def ratios(results: List[dict]) -> Dict[str, float]:
             small = [v for g, v in pts if g <= 64]
             if name == "verl" and small:
                 out["laminar_vs_verl_le64_avg"] = round(statistics.mean(small), 3)
+            if name in BASELINES:
+                le64 += small
+    if le64:
+        out["laminar_vs_all_le64_avg"] = round(statistics.mean(le64), 3)
+    largest = []
+    for m in sorted({m for m, _, _ in by}):
+        g = max(gg for mm, gg, _ in by if mm == m)
+        base = [by[(m, g, md)]["tokens_per_s"] for md in BASELINES.values() if (m, g, md) in by]
+        if base and (m, g, "laminar") in by:
+            largest.append(by[(m, g, "laminar")]["tokens_per_s"] / max(base))
+    if largest:
+        out["laminar_vs_best_baseline_largest_avg"] = round(statistics.mean(largest), 3)
+    return out
+
+
+def scaling_efficiency(by: Dict[tuple, dict], mode: str, models: List[str]) -> Dict[str, float]:
+    """Per model, ``mode``'s per-GPU tokens/s at its largest point over its smallest
+    (``<model>``), and their mean (``mean``)."""
+    out: Dict[str, float] = {}
+    for m in models:
+        pts = sorted((g, by[(m, g, mode)]["tokens_per_s"]) for (mm, g, md) in by
+                     if mm == m and md == mode)
+        if len(pts) >= 2:
+            (g0, t0), (g1, t1) = pts[0], pts[-1]
+            out[m] = (t1 / g1) / (t0 / g0)
+    if out:
+        out["mean"] = statistics.mean(out.values())
     return out
 
 
@@ -118,18 +155,23 @@ def table(results: List[dict], models: List[str]) -> Dict[str, object]:
         figures[f"rollout_gpus_{key}"] = r["gpus"] if r["trainer_gpus"] >= r["gpus"] \
             else r["gpus"] - r["trainer_gpus"]
         figures[f"staleness_max_{key}"] = staleness_max(r)
+        figures[f"engine_tp_{key}"] = r.get("engine_tp", 0)
+        paper = PAPER_SPLITS.get((r["model"], r["gpus"], r["mode"]))
+        if paper is not None:
+            figures[f"paper_trainer_gpus_{key}"] = paper
     figures.update(ratios(results))
-    effs = []
+    effs = scaling_efficiency(by, "laminar", models)
     for m in models:
-        pts = sorted((g, by[(m, g, "laminar")]["tokens_per_s"]) for (mm, g, md) in by
-                     if mm == m and md == "laminar")
-        if len(pts) >= 2:
-            (g0, t0), (g1, t1) = pts[0], pts[-1]
-            eff = (t1 / g1) / (t0 / g0)
-            figures[f"scaling_efficiency_{m}"] = round(eff, 3)
-            effs.append(eff)
+        if m in effs:
+            figures[f"scaling_efficiency_{m}"] = round(effs[m], 3)
     if effs:
-        figures["scaling_efficiency"] = round(statistics.mean(effs), 3)
+        figures["scaling_efficiency"] = round(effs["mean"], 3)
+    best = [(scaling_efficiency(by, mode, models).get("mean"), name)
+            for name, mode in BASELINES.items()]
+    best = [b for b in best if b[0] is not None]
+    if best:
+        figures["scaling_efficiency_best_baseline"] = round(max(best)[0], 3)
+        figures["scaling_efficiency_best_baseline_is"] = max(best)[1]
     for (m, g, md), r in sorted(by.items()):
         if md == "laminar" and (m, g, "laminar_norepack") in by:
             off = by[(m, g, "laminar_norepack")]
@@ -147,7 +189,7 @@ def table(results: List[dict], models: List[str]) -> Dict[str, object]:
                 hist[int(k)] = hist.get(int(k), 0) + v
     if hist:
         total = sum(hist.values())
-        figures["staleness_max"] = max(hist)
+        figures["staleness_max"] = figures["staleness_max_laminar"] = max(hist)
         figures["staleness_below_3_fraction"] = round(
             sum(v for k, v in hist.items() if k < 3) / total, 4)
         for k in sorted(hist):
@@ -217,7 +259,7 @@ def sweep_placement(model: str, gpus: int, iterations: int, jobs: int, workload:
                     staleness_limit: int, splits: int = 8, log=print,
                     mode: str = "laminar") -> Dict[str, object]:
     """``mode`` at up to ``splits`` whole-machine splits of ``gpus`` (placement.py)."""
-    cost = CostModel(model)
+    cost = cost_for(model, mode)
     cands = candidate_trainer_gpus(mode, gpus, cost, splits)
     if gpus // 8 < 2:
         raise SystemExit("--sweep-placement splits whole machines of 8 GPUs: "
@@ -252,9 +294,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--measure", type=int, default=5, help="iterations measured")
     ap.add_argument("--iterations", type=int, default=None,
                     help="--sweep-placement / --fail: iterations of each run")
-    ap.add_argument("--sweep-iterations", type=int, default=2,
+    ap.add_argument("--sweep-iterations", type=int, default=5,
                     help="iterations of each placement-sweep run (the first is warm-up)")
-    ap.add_argument("--splits-per-point", type=int, default=3,
+    ap.add_argument("--splits-per-point", type=int, default=5,
                     help="whole-machine splits the per-point sweep tries")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--models", default="7B,32B,72B")
@@ -276,13 +318,16 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--staleness-limit", type=int, default=4)
     ap.add_argument("--splits", type=int, default=8, help="placements --sweep-placement tries")
     ap.add_argument("--sensitivity", action="store_true")
-    ap.add_argument("--sensitivity-points", default="32B@128",
+    ap.add_argument("--sensitivity-points", default="7B@256,32B@128",
                     help="model@gpus,... the --sensitivity runs use")
     ap.add_argument("--constants", default=None,
                     help="--sensitivity: TABLE.key,... to vary (default: every constant)")
     ap.add_argument("--placements", default=None,
                     help="a report JSON whose trainer_gpus_* choices to reuse (no sweep)")
     ap.add_argument("--fail", default=None, help="machine@T: kill that rollout machine at T")
+    ap.add_argument("--explain", action="store_true",
+                    help="also run laminar at each model's smallest and largest point without "
+                         "the trainer's step costs (explain_* keys)")
     return ap
 
 
@@ -335,6 +380,9 @@ def main(argv=None) -> dict:
                                counts=counts)
     figures = table(results, models)
     figures.update(counts)
+    if args.explain:
+        from .extras import explain_scaling
+        figures.update(explain_scaling(args, workload, sys.modules[__name__], results, models))
     figures["jobs"] = args.jobs
     figures["warmup_iterations"] = args.warmup
     figures["measured_iterations"] = args.measure
@@ -391,7 +439,9 @@ def print_report(figures: dict, models: List[str], results: List[dict]) -> None:
         why = next((w for k, w in WHY.items() if name.startswith(k)), "")
         print(f"  {name}: sim {figures.get(f'sim_{name}')} paper {PAPER[name]} "
               f"(error {figures.get(f'rel_error_{name}')}) -- {why}")
-    print(f"  paper_max_rel_error: {figures.get('paper_max_rel_error')}")
+    for key in ("paper_max_rel_error", "paper_max_rel_error_maxima"):
+        print(f"  {key}: {figures.get(key)} over {figures.get(f'{key}_pairs')}")
+    print(f"  staleness_max_laminar: {figures.get('staleness_max_laminar')} (paper: < 4)")
     print(f"  publish stall: 32B {figures['publish_32b_s']} s, 72B {figures['publish_72b_s']} s "
           f"(paper {PAPER_OTHER['publish_32b_s']} / {PAPER_OTHER['publish_72b_s']} s: the "
           f"publish link is fitted to them); NCCL broadcast 32B {figures['broadcast_32b_s']} s, "

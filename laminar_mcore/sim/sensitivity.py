@@ -3,8 +3,12 @@ the workload's length constants) moved by -20% and +20%, one at a time, at fixed
 per headline ratio its lowest and highest value over those runs and the constant that moves it
 most (``<ratio>_min``, ``<ratio>_max``, ``<ratio>_most_sensitive_to``).
 
-The constants are module-level tables (``costs.EFFICIENCY``, ``LINKS``, ``PROTOCOL``) read at
-call time, so a worker process applies an override for one run and restores it after.
+The constants are module-level tables (``costs.EFFICIENCY``, ``LINKS``, ``PROTOCOL``,
+``TRAINER``) read at call time, so a worker process applies an override for one run and
+restores it after. Two settings are varied beside them (``SETTINGS``): every system's engine
+TP at half and twice the paper's (``SETTING.engine_tp_scale``: 0.5, 2; clamped to 1..8 GPUs)
+and AReaL's eta at AReaL's own published values (``SETTING.areal_eta``: 4 in its code, 8 for
+math; the base is the paper's infinity).
 """
 
 from __future__ import annotations
@@ -16,15 +20,37 @@ from typing import Dict, Iterator, List, Optional
 from . import costs
 from .workload import Workload
 
-TABLES = {"EFFICIENCY": costs.EFFICIENCY, "LINKS": costs.LINKS, "PROTOCOL": costs.PROTOCOL}
+TABLES = {"EFFICIENCY": costs.EFFICIENCY, "LINKS": costs.LINKS, "PROTOCOL": costs.PROTOCOL,
+          "TRAINER": costs.TRAINER}
 WORKLOAD_CONSTANTS = ("response_median", "sigma_sample", "max_response")
+# settings, not constants: the values each is tried at (instead of -20% / +20%)
+SETTINGS = {"engine_tp_scale": (0.5, 2.0), "areal_eta": (4, 8)}
 
 
 def constants() -> List[str]:
-    """``TABLE.key`` of every constant varied (``Workload.<field>`` for the lengths)."""
+    """``TABLE.key`` of every constant varied (``Workload.<field>`` for the lengths,
+    ``SETTING.<name>`` for the settings)."""
     names = [f"{t}.{k}" for t, table in TABLES.items() for k in table]
     names += [f"Workload.{k}" for k in WORKLOAD_CONSTANTS]
+    names += [f"SETTING.{k}" for k in SETTINGS]
     return names
+
+
+def with_settings(spec: dict, overrides: Optional[Dict[str, float]]) -> dict:
+    """A run spec with ``overrides``' settings applied: ``engine_tp`` (the paper's engine TP
+    for the spec's system times ``SETTING.engine_tp_scale``, within 1..8) and ``eta``
+    (AReaL's bound, ``SETTING.areal_eta``)."""
+    spec = dict(spec)
+    for name, value in (overrides or {}).items():
+        table, key = name.split(".")
+        if table != "SETTING":
+            continue
+        if key == "engine_tp_scale":
+            tp = costs.paper_engine_tp(spec["model"], spec["mode"])
+            spec["engine_tp"] = max(1, min(8, int(round(tp * value))))
+        elif key == "areal_eta":
+            spec["eta"] = int(value)
+    return spec
 
 
 @contextlib.contextmanager
@@ -34,7 +60,7 @@ def applied(overrides: Optional[Dict[str, float]]) -> Iterator[None]:
     try:
         for name, value in (overrides or {}).items():
             table, key = name.split(".")
-            if table == "Workload":
+            if table in ("Workload", "SETTING"):
                 continue
             saved.append((TABLES[table], key, TABLES[table][key]))
             TABLES[table][key] = value
@@ -55,10 +81,13 @@ PROTOCOL_READS = {
 }
 
 
-def unread(override: Optional[Dict[str, float]], protocol: str) -> bool:
-    """Whether a run of ``protocol`` reads none of ``override``'s constants (so that its
-    result is the base run's)."""
+def unread(override: Optional[Dict[str, float]], protocol: str, mode: str = "") -> bool:
+    """Whether a run of ``protocol`` (and ``mode``) reads none of ``override``'s constants
+    (so that its result is the base run's): another protocol's constants, or AReaL's eta in
+    a run of another system."""
     other = set().union(*(v for k, v in PROTOCOL_READS.items() if k != protocol))
+    if mode and costs.system_of(mode) != "areal":
+        other.add("SETTING.areal_eta")
     return bool(override) and all(name in other for name in override)
 
 
@@ -82,6 +111,9 @@ def variants(factor: float = 0.2, names: Optional[List[str]] = None) -> List[Dic
     base = Workload()
     for name in names or constants():
         table, key = name.split(".")
+        if table == "SETTING":
+            out += [{name: v} for v in SETTINGS[key]]
+            continue
         value = getattr(base, key) if table == "Workload" else TABLES[table][key]
         for f in (1 - factor, 1 + factor):
             out.append({name: value * f})

@@ -1,0 +1,53 @@
+"""The report's figures under the paper's definitions (issue 54): every baseline at <= 64 GPUs,
+the best baseline at the largest scale, the best baseline's scaling efficiency, AReaL's
+eta = 4 row beside (not in) the averages, and the paper's Table 2 splits beside the choices."""
+
+import statistics
+
+import pytest
+
+from laminar_mcore.sim.report import table
+
+RATES = {  # tokens/s per (gpus, mode): 7B at 16 and 256 GPUs
+    16: {"sync": 10, "one_step": 20, "stream": 25, "areal": 40, "areal_eta4": 30,
+         "laminar": 50},
+    256: {"sync": 100, "one_step": 120, "stream": 150, "areal": 300, "areal_eta4": 200,
+          "laminar": 600},
+}
+
+
+def _results():
+    out = []
+    for g, rates in RATES.items():
+        for mode, v in rates.items():
+            out.append({"model": "7B", "gpus": g, "mode": mode, "tokens_per_s": float(v),
+                        "tokens_per_s_spread": 0.0, "trainer_gpus": g // 2,
+                        "staleness": {"3": 5}, "network_shared_s": 0.0, "engine_tp": 1,
+                        "generation_tokens_per_s": 1.0, "kv_utilisation": 0.5})
+    return out
+
+
+def test_the_pairs_follow_the_papers_definitions():
+    f = table(_results(), ["7B"])
+    # <= 64 GPUs: laminar over each of the paper's four baselines (AReaL at eta = infinity)
+    assert f["laminar_vs_all_le64_avg"] == pytest.approx(
+        round(statistics.mean([50 / 10, 50 / 20, 50 / 25, 50 / 40]), 3))
+    assert f["laminar_vs_verl_le64_avg"] == 5.0
+    # AReaL's eta = 4 row is reported, in no average
+    assert f["laminar_vs_areal_eta4_avg"] == pytest.approx(round((50 / 30 + 600 / 200) / 2, 3))
+    assert f["laminar_vs_areal_avg"] == pytest.approx(round((50 / 40 + 600 / 300) / 2, 3))
+    # the largest scale: over the best baseline there (AReaL, 300)
+    assert f["laminar_vs_best_baseline_largest_avg"] == 2.0
+    # scaling efficiency: per-GPU tokens/s at 256 over 16; the best baseline's is stream's
+    assert f["scaling_efficiency"] == pytest.approx(round((600 / 256) / (50 / 16), 3))
+    effs = {m: (RATES[256][m] / 256) / (RATES[16][m] / 16)
+            for m in ("sync", "one_step", "stream", "areal")}
+    assert f["scaling_efficiency_best_baseline"] == pytest.approx(round(max(effs.values()), 3))
+    assert f["scaling_efficiency_best_baseline_is"] == "verl"
+    # the paper's Table 2 split beside the choice, and the pairs' groups
+    assert f["paper_trainer_gpus_7B_256_laminar"] == 192 and f["trainer_gpus_7B_256_laminar"] == 128
+    assert f["sim_staleness_max_laminar"] == 3 and f["paper_staleness_max_laminar"] == 4
+    errs = [f[f"rel_error_{k}"] for k in f["paper_max_rel_error_pairs"].split(",")
+            if f"rel_error_{k}" in f]
+    assert f["paper_max_rel_error"] == pytest.approx(max(errs), abs=1e-3)
+    assert "rel_error_laminar_vs_areal_eta4_avg" not in f
