@@ -38,7 +38,7 @@ from ..modes import policy_for
 from ..data.pools import ExperienceBuffer, InFlight, PartialResponsePool, PromptGroup, PromptPool
 from ..data.trajectory import Trajectory
 from .clock import run_virtual
-from .costs import CONCURRENCY_PER_REPLICA, CostModel, cost_for
+from .costs import CONCURRENCY_PER_REPLICA, CostModel, cost_for, system_of
 from .engine import CpuShare, SimEngine, SimEngineClient, TokenCount
 from .faults import FailureRecord, fail_machine
 from .network import Network
@@ -279,8 +279,8 @@ async def _simulate(cfg: SimConfig) -> SimResult:
         engines.append(EngineHandle(name=sim.name, client=SimEngineClient(sim),
                                     relay=relays[min(i // per_machine, machines - 1)],
                                     puller=SimPuller(tier.update_s(), flush), capacity=capacity))
-    policy_mode = {"stream": "one_step", "laminar_norepack": "laminar",
-                   "areal_eta4": "areal"}.get(cfg.mode, cfg.mode)
+    system = system_of(cfg.mode)
+    policy_mode = "one_step" if system == "stream" else system  # stream: one-step's bound
     bound = (AREAL_ETAS[cfg.mode] if cfg.eta is None else cfg.eta) if cfg.mode in AREAL_ETAS \
         else cfg.max_staleness
     policy = policy_for(policy_mode, bound)
