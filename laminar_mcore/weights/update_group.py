@@ -62,7 +62,9 @@ def join_update_group(master_address: str, master_port: int, world_size: int, ra
 def destroy_update_group(pg) -> None:
     """Tear a group down as SGLang's ``destroy_weights_update_group`` does. A process that exits
     with a gloo group alive can abort in the group's destructor ("terminate called without an
-    active exception"), so every side destroys its group before it goes."""
+    active exception"), so every side destroys its group before it goes, and then drops its last
+    reference to it while the interpreter still runs (a group freed in the exit's teardown aborts
+    about one process in 30)."""
     import torch.distributed as dist
 
     dist.destroy_process_group(pg)
