@@ -136,13 +136,13 @@ def test_the_sweeps_bound_is_never_beaten():
     from laminar_mcore.sim.costs import cost_for
     from laminar_mcore.sim.placement import candidate_trainer_gpus, throughput_bound
 
-    w = Workload(batch_prompts=32)
+    w = Workload(batch_prompts=16)
     for mode in ("sync", "one_step", "stream", "areal", "areal_eta4", "laminar"):
         cost = cost_for("7B", mode)  # the paper's engine TP for the system
-        for t in candidate_trainer_gpus(mode, 64, cost, 3):
-            r = simulate(SimConfig(model="7B", mode=mode, gpus=64, iterations=2, warmup=1,
+        for t in candidate_trainer_gpus(mode, 32, cost, 3):
+            r = simulate(SimConfig(model="7B", mode=mode, gpus=32, iterations=2, warmup=1,
                                    split_trainer_gpus=t, workload=w))
-            bound = throughput_bound(mode, cost, 64, t, w)
+            bound = throughput_bound(mode, cost, 32, t, w)
             assert r.tokens_per_s <= bound, (mode, t, r.tokens_per_s, bound)
 
 
