@@ -85,6 +85,63 @@ def test_delta_round_trips_bit_for_bit_and_refuses_what_is_malformed():
         delta.delta_enabled("sometimes", torch.bfloat16)
 
 
+def test_auto_sends_deltas_only_where_they_reach_the_relays_sooner():
+    """``weight_sync.delta=auto`` (issue 52, item 3): whole versions unless deltas are faster
+    on the link the config names. The rule agrees with what ``bench.delta`` measured both ways
+    (docs/benchmarks.md, a 0.63 B-parameter bf16 model, one stage lead, lr 1e-6): slower than
+    whole over 10 Gbit/s (1.865 s whole, 2.983 s as deltas), faster over 1 Gbit/s (11.092 s,
+    2.961 s)."""
+    bench = dict(model_bytes=int(0.63e9 * 2), stages=1, lr=1e-6)
+    on, why = delta.choose_delta("auto", torch.bfloat16, link_gbit=10, **bench)
+    assert not on and "whole versions" in why and "10 Gbit/s" in why
+    on, why = delta.choose_delta("auto", torch.bfloat16, link_gbit=1, **bench)
+    assert on and why.startswith("weight_sync.delta=auto: deltas")
+    # a link nobody named, 32-bit weights: whole, saying why and what to set
+    on, why = delta.choose_delta("auto", torch.bfloat16, link_gbit=0, **bench)
+    assert not on and "weight_sync.link_gbit" in why
+    assert not delta.choose_delta("auto", torch.float32, link_gbit=1, **bench)[0]
+    # on and off are kept whatever the links
+    assert delta.choose_delta("on", torch.float32, link_gbit=0, **bench)[0]
+    assert not delta.choose_delta("off", torch.bfloat16, link_gbit=1, **bench)[0]
+    with pytest.raises(ValueError, match="LMC-E102"):
+        delta.choose_delta("sometimes", torch.bfloat16, link_gbit=1, **bench)
+    # the measured ratios, and between them log-log: more changes at higher learning rates
+    assert delta.bytes_ratio_for_lr(1e-6) == 93.6 and delta.bytes_ratio_for_lr(1e-9) == 93.6
+    assert 13.6 < delta.bytes_ratio_for_lr(3e-6) < 93.6 and delta.bytes_ratio_for_lr(1) == 5.37
+    # many stage leads encode side by side: a 1T model at PP16 over 10 Gbit/s pays, and at
+    # 400 Gbit/s (the paper's NICs) whole versions are faster (the relays' rebuild alone is)
+    big = dict(model_bytes=int(1.04e12 * 2), stages=16, lr=1e-6)
+    assert delta.choose_delta("auto", torch.bfloat16, link_gbit=10, **big)[0]
+    assert not delta.choose_delta("auto", torch.bfloat16, link_gbit=400, **big)[0]
+
+
+def test_the_plan_says_what_auto_chose_and_the_trainer_follows_it():
+    """job=plan's ``weight_sync_delta`` and its reason for the 235B recipe (bf16, PP2, lr
+    1e-6): whole versions with no link named and at 400 Gbit/s, deltas at 1 Gbit/s."""
+    from hydra import compose, initialize_config_dir
+
+    from laminar_mcore.config import register_configs
+    from laminar_mcore.config.paths import conf_dir
+    from laminar_mcore.config.plan import capacity_plan, format_plan
+
+    register_configs()
+
+    def plan(*overrides):
+        with initialize_config_dir(config_dir=conf_dir(), version_base=None):
+            return capacity_plan(compose(config_name="config", overrides=[
+                "experiment=qwen3_235b_a22b_math", *overrides]))
+
+    unnamed = plan()
+    assert unnamed["weight_sync_delta"] is False
+    assert "weight_sync.link_gbit=0" in unnamed["weight_sync_delta_why"]
+    assert f"weight sync: {unnamed['weight_sync_delta_why']}" in format_plan(unnamed)
+    fast = plan("weight_sync.link_gbit=400")
+    assert fast["weight_sync_delta"] is False and "470 GB" in fast["weight_sync_delta_why"]
+    slow = plan("weight_sync.link_gbit=1")
+    assert slow["weight_sync_delta"] is True and "2 stage leads" in slow["weight_sync_delta_why"]
+    assert plan("weight_sync.delta=on")["weight_sync_delta"] is True
+
+
 # ---------------------------------------------------------------------------- relays
 def _buckets(url):
     """{outcome: count} of a relay's laminar_relay_buckets_received_total, and its wire bytes."""

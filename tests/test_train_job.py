@@ -46,8 +46,8 @@ def test_train_job_runs_and_keeps_the_books(tmp_path, mode):
     transport = "mooncake" if mode == "laminar" and _mooncake_available() else "shm"
     extra = (["weight_sync.mooncake_protocol=tcp", "weight_sync.engine_transport=mooncake"]
              if transport == "mooncake" else [])
-    if mode == "laminar":  # bf16 weights: published as deltas (weight_sync.delta=auto)
-        extra.append("model.dtype=bf16")
+    if mode == "laminar":  # bf16 weights, published as deltas (auto would send them whole
+        extra += ["model.dtype=bf16", "weight_sync.delta=on"]  # on loopback: no link named)
     _launch(tmp_path, f"mode={mode}", "run_name=e2e", "trainer.total_steps=3",
             "trainer.train_batch_prompts=4", "data.num_eval=16", "data.warmup_steps=20",
             "rollout.num_engines=2", "trainer.eval_interval=2", *extra)

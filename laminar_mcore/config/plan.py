@@ -83,6 +83,27 @@ def relay_model_bytes(cfg) -> int:
     return int(param_counts(model_arch(cfg))["total"] * (4 if cfg.model.dtype == "fp32" else 2))
 
 
+def delta_choice(cfg, dtype=None, hf_config=None) -> tuple:
+    """``weight_sync.delta`` resolved for ``cfg`` (weights/delta.py, ``choose_delta``): (on,
+    why). ``dtype``: the trainer's weights (default from ``model.dtype``; auto is bf16 for
+    SGLang engines, on GPUs, and fp32 for the CPU engine); ``hf_config``: the model's
+    transformers config (default: ``model_arch``'s)."""
+    import torch
+
+    from ..weights.delta import choose_delta
+
+    if dtype is None:
+        name = cfg.model.dtype
+        if name == "auto":
+            name = "bf16" if cfg.rollout.backend == "sglang" else "fp32"
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+    arch = model_arch(cfg) if hf_config is None else arch_of_hf_config(hf_config)
+    model_bytes = int(param_counts(arch)["total"]) * dtype.itemsize
+    return choose_delta(cfg.weight_sync.delta, dtype, model_bytes=model_bytes,
+                        stages=max(cfg.parallel.pp, 1), link_gbit=cfg.weight_sync.link_gbit,
+                        lr=cfg.trainer.lr)
+
+
 def model_arch(cfg) -> dict:
     """The architecture the plan uses: ``model.path``'s config.json when set, else
     ``model.arch`` (the recipes' model files carry the published architecture)."""
@@ -317,6 +338,7 @@ def capacity_plan(cfg, digits: int = 2) -> dict:
                     f"LMC-E122: an engine GPU holds {engine_weights_gb:.1f} GB of weights, leaving "
                     f"{max(kv_gb, 0):.1f} GB of KV cache under rollout.mem_fraction_static="
                     f"{r.mem_fraction_static}: raise rollout.engine_tp")
+    delta_on, delta_why = delta_choice(cfg)
     return {
         "model": cfg.model.name, "arch_source": arch["source"], "params_b": counts["total"] / 1e9,
         "tp": tp, "pp": pp, "dp": dp, "ep": ep, "expert_tp": etp, "expert_dp": edp,
@@ -342,6 +364,7 @@ def capacity_plan(cfg, digits: int = 2) -> dict:
         "reference_model": "offloaded" if ref_offload else "held" if reference else "none",
         "reference_host_gb_per_trainer_node": round(ref_host_gb, 1),
         **{k: v for k, v in host.items() if k != "problems"},
+        "weight_sync_delta": delta_on, "weight_sync_delta_why": delta_why,
         "controller_streams": controller_streams(cfg),
         "controller_open_files": controller_open_files(cfg),
         "fits_gpu": not problems, "fits_host": not host["problems"],
@@ -438,6 +461,7 @@ def format_plan(plan: dict) -> str:
         f"{plan['trainer_host_gb_per_node']:.0f} GB"
         + (f", of {plan['host_memory_gb']:g} GB" if plan["host_memory_gb"] else
            " (not checked: cluster.host_memory_gb=0)"),
+        f"  weight sync: {plan['weight_sync_delta_why']}",
         f"  controller: up to {plan['controller_streams']} streams at once, "
         f"{plan['controller_open_files']} open files (RLIMIT_NOFILE: raised to the hard limit "
         "at start, which must be at least this)",

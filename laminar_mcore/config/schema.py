@@ -273,12 +273,18 @@ class WeightSyncConfig:
     # (the final weights go out at the end), so every trajectory is at least publish_lag
     # versions stale. 0: every version is published as it is made.
     publish_lag: int = 0
-    # Delta publication (weights/delta.py): auto (on when the weights travel in a 16-bit
-    # dtype: at RL learning rates most bf16 weights do not change from one step to the next),
+    # Delta publication (weights/delta.py): auto (on where a version reaches the relays sooner
+    # as deltas than whole over link_gbit: 16-bit weights, most of which a step at RL learning
+    # rates leaves unchanged, on a link slower than the encoder; job=plan says which and why),
     # on, off. A bucket then goes as the positions and bits of its changed elements, zstd-
     # compressed, when that is at most half its size; every relay rebuilds it from the version
     # it holds and checks its digest, and fetches it whole when it cannot.
     delta: str = "auto"
+    # Gbit/s of the slowest link a version crosses on its way to the relays (the master
+    # relay's ingress, where every stage lead sends; a hop of the chain): what delta=auto
+    # weighs deltas against (weights/delta.py, choose_delta; job=plan says what it chose and
+    # why). 0: not named, and auto sends whole versions.
+    link_gbit: float = 0.0
     # Every anchor_interval-th version travels whole (1: every version).
     anchor_interval: int = 16
 

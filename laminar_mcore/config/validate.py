@@ -328,8 +328,11 @@ def _check_delta(cfg: DictConfig, problems: List[str]) -> None:
     ws = cfg.weight_sync
     if ws.delta not in DELTA_MODES:
         problems.append(f"LMC-E102: weight_sync.delta={ws.delta!r} is not one of "
-                        f"{', '.join(DELTA_MODES)} (auto: deltas when the weights travel in a "
-                        "16-bit dtype)")
+                        f"{', '.join(DELTA_MODES)} (auto: deltas where they reach the relays "
+                        "sooner than whole versions over weight_sync.link_gbit)")
+    if ws.link_gbit < 0:
+        problems.append(f"LMC-E103: weight_sync.link_gbit={ws.link_gbit} must be >= 0 (Gbit/s "
+                        "of the slowest link a version crosses; 0: not named)")
     if ws.anchor_interval < 1:
         problems.append(f"LMC-E103: weight_sync.anchor_interval={ws.anchor_interval} must be >= 1 "
                         "(a whole version every that many versions; 1: every version whole)")

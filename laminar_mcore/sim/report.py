@@ -42,7 +42,7 @@ import time
 from typing import Dict, List, Optional
 
 from .cluster import SIM_MODES
-from .costs import DELTA, MOE_MODELS, CostModel, cost_for, relay_sync_seconds
+from .costs import DELTA, LINKS, MOE_MODELS, CostModel, cost_for, relay_sync_seconds
 from .paper import PAPER, PAPER_OTHER, PAPER_SPLITS, WHY, paper_pairs
 from .jobs import run_points as jobs_run_points
 from .jobs import sweep_and_measure
@@ -211,12 +211,24 @@ def weight_sync_figures() -> Dict[str, float]:
     """Weight sync through the relay tier with and without delta publication, for the MoE
     shapes of ``costs.MOE_MODELS`` (``costs.relay_sync_seconds``): ``sync_s_235b``,
     ``sync_s_235b_full``, ``sync_s_1t``, ``sync_s_1t_full``, ``sync_s_*_at_memory_bandwidth``,
-    ``delta_bytes_ratio_assumed``."""
+    ``delta_bytes_ratio_assumed``; ``sync_s_<m>_auto`` and ``delta_auto_<m>``: what
+    ``weight_sync.delta=auto`` (``weights/delta.py``, ``choose_delta``) picks over the publish
+    link, and its sync."""
+    import torch
+
+    from ..weights.delta import choose_delta
+
     figures: Dict[str, float] = {}
     for name, m in MOE_MODELS.items():
         for delta, suffix in ((True, ""), (False, "_full")):
             figures[f"sync_s_{name}{suffix}"] = round(relay_sync_seconds(
                 m["params"], m["relays"], delta, pp=m["trainer_pp"]), 3)
+        on, _ = choose_delta("auto", torch.bfloat16, model_bytes=int(m["params"] * 2),
+                             stages=m["trainer_pp"], link_gbit=LINKS["publish_bytes_s"] * 8 / 1e9,
+                             lr=1e-6, encode_bytes_s=DELTA["encode_bytes_s"],
+                             apply_bytes_s=DELTA["apply_bytes_s"])
+        figures[f"delta_auto_{name}"] = on
+        figures[f"sync_s_{name}_auto"] = figures[f"sync_s_{name}" if on else f"sync_s_{name}_full"]
         # encode and rebuild spread over a host's cores, up to its memory bandwidth
         figures[f"sync_s_{name}_at_memory_bandwidth"] = round(relay_sync_seconds(
             m["params"], m["relays"], True, pp=m["trainer_pp"],

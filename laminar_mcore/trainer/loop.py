@@ -28,7 +28,8 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
     from ..parallel import destroy_trainer_parallel, init_trainer_parallel
     from ..parallel.groups import broadcast_int
     from .lag import LaggedPublisher
-    from .publisher import WeightPublisher
+    from .publisher import WeightPublisher, parameter_dtype
+    from ..config.plan import delta_choice
     from .actor import MegatronActor
     from .checkpoint import load_checkpoint, save_checkpoint
     from ..weights.snapshots import snapshot_dir
@@ -57,6 +58,9 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
         # The master relay may have changed since this world was started (elected or
         # restarted after a failure): the controller knows the current one.
         relay_host, publish_port = _current_master(controller, (relay_host, publish_port))
+        delta_on, delta_why = delta_choice(cfg, parameter_dtype(actor.model), hf_config)
+        if dist.get_rank() == 0:
+            print(f"[trainer] {delta_why}", flush=True)
         publisher = WeightPublisher(actor.model, hf_config, relay_host=relay_host,
                                     publish_port=publish_port,
                                     bucket_bytes=ws.bucket_mb * 2**20,
@@ -64,7 +68,8 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
                                     timeout_s=ws.publish_timeout_s,
                                     locate_master=lambda failed: _next_master(controller, failed),
                                     failover_timeout_s=ws.failover_timeout_s, token=token,
-                                    delta=ws.delta, anchor_interval=ws.anchor_interval)
+                                    delta="on" if delta_on else "off",
+                                    anchor_interval=ws.anchor_interval)
         publisher.on_refused = controller.refused  # (stage leads: they talk to the relay)
         start = 0
         rank = dist.get_rank()

@@ -89,7 +89,7 @@ class WeightPublisher:
         self.exports, self.is_lead = export_roles(hf_config)
         self.packer = BucketPacker(bucket_bytes, dtype=dtype,
                                    pin_memory=torch.cuda.is_available()) if self.is_lead else None
-        weights_dtype = dtype or _parameter_dtype(model)
+        weights_dtype = dtype or parameter_dtype(model)
         self.encoder = DeltaEncoder(delta_enabled(delta, weights_dtype) and self.is_lead,
                                     unit_for(weights_dtype), anchor_interval)
         # the newest version sent: version, full_bytes, sent_bytes (what crossed the wire),
@@ -400,7 +400,7 @@ class WeightPublisher:
             self._sender.join(timeout=30)
 
 
-def _parameter_dtype(model) -> Optional[torch.dtype]:
+def parameter_dtype(model) -> Optional[torch.dtype]:
     """The dtype of ``model``'s (or its first chunk's) parameters: what buckets hold when the
     packer casts nothing."""
     chunks = model if isinstance(model, (list, tuple)) else [model]

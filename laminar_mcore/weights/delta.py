@@ -27,6 +27,7 @@ published version's bytes per bucket and decides per version and bucket whether 
 
 from __future__ import annotations
 
+import math
 import struct
 import warnings
 from typing import Dict, List, Optional, Tuple
@@ -67,12 +68,82 @@ def unit_for(dtype: Optional[torch.dtype]) -> int:
 
 
 def delta_enabled(mode: str, dtype: Optional[torch.dtype]) -> bool:
-    """``weight_sync.delta``: on, off, or auto (on when the rollout dtype is 16-bit)."""
+    """A publisher's ``delta``: on, off, or auto (on when the rollout dtype is 16-bit). The
+    trainer passes ``weight_sync.delta`` resolved by ``choose_delta`` (auto weighs the links
+    there), so auto here is only the dtype's rule, for a publisher built by hand."""
     if mode not in MODES:
         raise ValueError(f"LMC-E102: weight_sync.delta={mode!r} is not one of {', '.join(MODES)}")
     if mode == "auto":
         return dtype is not None and dtype.itemsize == 2 and dtype.is_floating_point
     return mode == "on"
+
+
+# What ``choose_delta`` weighs, each measured by ``bench.delta`` (2026-11-24, a Qwen2-0.5B-shaped
+# bf16 model trained with AdamW on this repository's 2-core machine; docs/benchmarks.md): a stage
+# lead's compare + encode + hash and a relay's copy + apply + check, bytes of the full bucket per
+# second (both run on host CPUs, wherever the trainer runs), and full bytes / sent bytes per
+# Adam learning rate (interpolated in log-log between the points, held beyond them).
+ENCODE_BYTES_S = 0.51e9
+APPLY_BYTES_S = 6.2e9
+BYTES_RATIO_BY_LR = ((1e-6, 93.6), (1e-5, 13.6), (1e-4, 5.37))
+
+
+def bytes_ratio_for_lr(lr: float) -> float:
+    """The full / sent bytes ``bench.delta`` measured at Adam learning rate ``lr``."""
+    pts = BYTES_RATIO_BY_LR
+    if lr <= pts[0][0]:
+        return pts[0][1]
+    for (l0, r0), (l1, r1) in zip(pts, pts[1:]):
+        if lr <= l1:
+            f = (math.log(lr) - math.log(l0)) / (math.log(l1) - math.log(l0))
+            return math.exp(math.log(r0) + f * (math.log(r1) - math.log(r0)))
+    return pts[-1][1]
+
+
+def choose_delta(mode: str, dtype: Optional[torch.dtype], *, model_bytes: int, stages: int,
+                 link_gbit: float, lr: float, encode_bytes_s: float = ENCODE_BYTES_S,
+                 apply_bytes_s: float = APPLY_BYTES_S) -> Tuple[bool, str]:
+    """``weight_sync.delta`` resolved: (deltas on, why). ``on`` and ``off`` are kept; ``auto``
+    turns deltas on only where they make a version reach the relays sooner than whole buckets:
+
+    * whole: the version's ``model_bytes`` over the slowest link it crosses (``link_gbit``:
+      the master relay's ingress, where every stage lead sends, or a hop of the chain);
+    * delta: the slowest of its pipelined stages (buckets overlap, so the slowest stage sets
+      the pace): each of the ``stages`` stage leads encodes its share at ``encode_bytes_s``,
+      ``model_bytes / bytes_ratio_for_lr(lr)`` over the link, each relay rebuilds the whole
+      version at ``apply_bytes_s``.
+
+    Never for weights that travel in 32 bits (Adam moves most of them every step) and never
+    on a link the config does not name (``link_gbit`` <= 0): on a fast link the encoder is
+    the slower path (``bench.delta``: 0.63x the speed of whole versions over 10 Gbit/s)."""
+    if mode not in MODES:
+        raise ValueError(f"LMC-E102: weight_sync.delta={mode!r} is not one of {', '.join(MODES)}")
+    if mode != "auto":
+        return mode == "on", f"weight_sync.delta={mode}"
+    if dtype is None or dtype.itemsize != 2 or not dtype.is_floating_point:
+        return False, (f"weight_sync.delta=auto: whole versions: the weights travel in {dtype} "
+                       "(deltas pay for 16-bit weights, most of which a step leaves unchanged)")
+    if not link_gbit or link_gbit <= 0:
+        return False, ("weight_sync.delta=auto: whole versions: no link named "
+                       "(weight_sync.link_gbit=0); deltas pay only on a link slower than the "
+                       "encoder, so name the slowest link a version crosses to let auto weigh "
+                       "them, or set weight_sync.delta=on")
+    link = link_gbit * 1e9 / 8
+    ratio = bytes_ratio_for_lr(lr)
+    whole = model_bytes / link
+    encode = model_bytes / max(stages, 1) / encode_bytes_s
+    wire = model_bytes / ratio / link
+    rebuild = model_bytes / apply_bytes_s
+    delta = max(encode, wire, rebuild)
+    on = delta < whole
+    def sec(x: float) -> str:
+        return f"{x:,.0f} s" if x >= 100 else f"{x:.3g} s"
+
+    return on, (f"weight_sync.delta=auto: {'deltas' if on else 'whole versions'}: a version "
+                f"of {model_bytes / 1e9:.3g} GB reaches the relays in ~{sec(whole)} whole over "
+                f"{link_gbit:g} Gbit/s, ~{sec(delta)} as deltas (encode {sec(encode)} on each "
+                f"of {max(stages, 1)} stage leads, {sec(wire)} on the wire at "
+                f"{ratio:.3g}x fewer bytes for lr {lr:g}, rebuild {sec(rebuild)} per relay)")
 
 
 def _planes(t: torch.Tensor, width: int) -> torch.Tensor:
