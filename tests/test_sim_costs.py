@@ -79,6 +79,11 @@ def test_weight_sync_with_deltas_follows_the_documented_pipeline_formula():
     assert figures["sync_s_1t"] == round(default, 3)
     assert figures["delta_bytes_ratio_assumed"] == DELTA["bytes_ratio"]
     assert {"sync_s_235b", "sync_s_235b_full"} <= set(figures)
+    # weight_sync.delta=auto over the paper's NICs: whole versions, never the slower path
+    for name in MOE_MODELS:
+        assert figures[f"delta_auto_{name}"] is False
+        assert figures[f"sync_s_{name}_auto"] == min(figures[f"sync_s_{name}"],
+                                                    figures[f"sync_s_{name}_full"])
 
 
 # ---------------------------------------------------------------- issue 33: protocols, measurement
