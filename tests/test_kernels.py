@@ -134,3 +134,36 @@ def test_the_trainers_float64_pack_is_exact_in_the_kernel(kernel_device):
     out_t = kpack.pack(padded, lengths, 4, use_triton=True)
     out_r = kpack.pack(padded, lengths, 4, use_triton=False)
     assert torch.equal(out_t, out_r) and out_t.dtype == torch.float64
+
+
+@pytest.mark.parametrize("unit,fraction", [(2, 0.01), (2, 0.3), (4, 0.01), (2, 0.0)])
+def test_delta_compaction_on_the_device_makes_the_cpu_encoders_bytes(kernel_device, unit,
+                                                                      fraction):
+    """Issue 52, item 3: the changed elements of a bucket found and compacted where the bucket
+    lives (Triton), then encoded: byte for byte the payload of the CPU encoder
+    (weights/delta.py) of the same buckets, sparse (1% changed, bf16 and fp32 units), dense
+    (30%) and empty; applied to the base it gives the new bucket bit for bit. An odd size
+    (not a multiple of the block) and changes in the first and last element."""
+    from laminar_mcore.kernels import delta as kdelta
+    from laminar_mcore.weights import delta as wdelta
+
+    dev = kernel_device
+    n = kdelta.BLOCK * 3 + 77  # elements
+    g = torch.Generator(device=dev).manual_seed(unit * 100 + int(fraction * 100))
+    base = torch.randint(0, 256, (n * unit,), generator=g, device=dev, dtype=torch.uint8)
+    new = base.clone()
+    elems = new.view(kdelta._UNITS[unit])
+    hit = torch.rand(n, generator=g, device=dev) < fraction
+    if fraction:
+        hit[0] = hit[-1] = True
+    elems[hit] ^= 1  # a one-ulp-like change: the low bit
+    positions, xor = kdelta.changes_triton(elems, base.view(kdelta._UNITS[unit]))
+    ref_pos, ref_xor = kdelta.changes_torch(elems, base.view(kdelta._UNITS[unit]))
+    assert torch.equal(positions, ref_pos) and torch.equal(xor, ref_xor)
+    assert positions.numel() == int(hit.sum())
+    payload, count = kdelta.encode(new, base, unit, use_triton=True)
+    cpu_payload, cpu_count = wdelta.encode_counted(new.cpu(), base.cpu(), unit)
+    assert payload == cpu_payload and count == cpu_count == int(hit.sum())
+    target = base.cpu().clone()
+    assert wdelta.apply(payload, target) == count
+    assert torch.equal(target, new.cpu())

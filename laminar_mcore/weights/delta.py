@@ -136,6 +136,7 @@ def choose_delta(mode: str, dtype: Optional[torch.dtype], *, model_bytes: int, s
     rebuild = model_bytes / apply_bytes_s
     delta = max(encode, wire, rebuild)
     on = delta < whole
+
     def sec(x: float) -> str:
         return f"{x:,.0f} s" if x >= 100 else f"{x:.3g} s"
 
@@ -150,7 +151,7 @@ def _planes(t: torch.Tensor, width: int) -> torch.Tensor:
     """``t``'s bytes as ``width`` planes, one after the other (stacking column views is several
     times faster than a strided transpose)."""
     if t.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8)
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
     cols = t.contiguous().view(torch.uint8).view(-1, width)
     return torch.stack([cols[:, k] for k in range(width)]).flatten()
 
@@ -169,7 +170,22 @@ def encode(new: torch.Tensor, base: torch.Tensor, unit: int = 2, level: int = 1)
 
 def encode_counted(new: torch.Tensor, base: torch.Tensor, unit: int = 2,
                    level: int = 1) -> Tuple[bytes, int]:
-    """``encode``, and how many elements changed."""
+    """``encode``, and how many elements changed. (``laminar_mcore.kernels.delta.encode``
+    makes the same bytes from buckets on the accelerator.)"""
+    check_pair(new, base, unit)
+    a = new.view(_UNIT_DTYPES[unit])
+    b = base.view(_UNIT_DTYPES[unit])
+    changed = a != b
+    count = int(torch.count_nonzero(changed))
+    if count > DENSE_FRACTION * a.numel():  # every element's XOR: cheaper than positions
+        return payload(count, unit, None, a ^ b, level), count
+    positions = torch.nonzero(changed).flatten()
+    return payload(count, unit, positions, a[positions] ^ b[positions], level), count
+
+
+def check_pair(new: torch.Tensor, base: torch.Tensor, unit: int) -> None:
+    """Refuse (``DeltaError``) two buckets that cannot be delta-coded as ``unit``-byte
+    elements."""
     if new.numel() != base.numel():
         raise DeltaError("LMC-E505: "
                          f"a delta needs buckets of one size ({new.numel()} != {base.numel()})")
@@ -180,22 +196,24 @@ def encode_counted(new: torch.Tensor, base: torch.Tensor, unit: int = 2,
     if new.numel() // unit > _MAX_ELEMENTS:
         raise DeltaError("LMC-E505: "
                          f"a bucket of more than {_MAX_ELEMENTS} elements cannot be delta-coded")
-    a = new.view(_UNIT_DTYPES[unit])
-    b = base.view(_UNIT_DTYPES[unit])
-    changed = a != b
-    count = int(torch.count_nonzero(changed))
-    if count > DENSE_FRACTION * a.numel():  # every element's XOR: cheaper than positions
-        parts = [_HEAD.pack(count, unit, DENSE), _planes(a ^ b, unit)]
+
+
+def payload(count: int, unit: int, positions: Optional[torch.Tensor], xor: torch.Tensor,
+            level: int = 1) -> bytes:
+    """A delta's bytes (``CODEC``) from its ``count`` changed elements: sparse, their
+    ``positions`` (increasing, int64, host) and ``xor`` (new ^ base at them); dense
+    (``positions`` None), every element's ``xor``."""
+    if positions is None:
+        parts = [_HEAD.pack(count, unit, DENSE), _planes(xor, unit)]
     else:
-        positions = torch.nonzero(changed).flatten()
         # gaps are < 2**32 (_MAX_ELEMENTS); stored as uint32 bits (int32 in torch)
         gaps = (torch.diff(positions, prepend=positions.new_tensor([-1])) & 0xFFFFFFFF).to(
             torch.int32)
-        parts = [_HEAD.pack(count, unit, SPARSE), _planes(gaps, 4),
-                 _planes(a[positions] ^ b[positions], unit)]
-    raw = torch.cat([torch.frombuffer(bytearray(parts[0]), dtype=torch.uint8), *parts[1:]])
+        parts = [_HEAD.pack(count, unit, SPARSE), _planes(gaps, 4), _planes(xor, unit)]
+    head = torch.tensor(list(parts[0]), dtype=torch.uint8, device="cpu")
+    raw = torch.cat([head, *parts[1:]])
     compressor = zstandard.ZstdCompressor(level=level, threads=-1)  # all cores on big buckets
-    return compressor.compress(memoryview(raw.numpy())), count
+    return compressor.compress(memoryview(raw.numpy()))
 
 
 def apply(payload: bytes, target: torch.Tensor, unit: Optional[int] = None) -> int:

@@ -99,6 +99,7 @@ def check_kernels(b: Bench) -> Tuple[bool, str]:
     b.figures["packing_matches_cpu"] = same
     ok &= same
     notes.append(f"packing on {b.device}: {'equal' if same else 'DIFFERS from'} the CPU reference")
+    ok &= _delta_kernel(b, notes)
     how = f"{'compiled' if b.cuda else 'interpreted'} Triton, {str(dtype)[6:]}"
     b.exercised("logprob_entropy_kernel", f"{how}, forward and backward at "
                 f"{', '.join(f'{n}x{v}' for n, v in shapes)} against fp32 torch")
@@ -112,6 +113,49 @@ def check_kernels(b: Bench) -> Tuple[bool, str]:
               f"{str(dtype)[6:]} in (the interpreter computes in numpy)")
     b.exercised("packing", f"on {b.device.type} against the CPU reference")
     return ok, "; ".join(notes)
+
+
+def _delta_kernel(b: Bench, notes: List[str]) -> bool:
+    """Delta compaction on the device (kernels/delta.py) against the CPU encoder
+    (weights/delta.py): one bf16 bucket of ``weight_sync.bucket_mb`` (512 MiB; 256 KiB in the
+    rehearsal) with 1% of its elements changed by one ulp: the same payload, and each one's
+    bucket bytes per second (the device's including the copy of the compacted changes to the
+    host and zstd)."""
+    from ...kernels import delta as kdelta
+    from ...weights import delta as wdelta
+
+    mb = 512 if b.cuda else 0.25
+    n = int(mb * 2**20) // 2
+    g = torch.Generator(device=b.device).manual_seed(11)
+    base = torch.randn(n, generator=g, device=b.device).to(torch.bfloat16)
+    new = base.clone()
+    hit = torch.rand(n, generator=g, device=b.device) < 0.01
+    new.view(torch.int16)[hit] ^= 1
+    del hit
+    new_u8, base_u8 = new.view(torch.uint8), base.view(torch.uint8)
+    out: dict = {}
+    on_device = b.timed(lambda: out.update(
+        device=kdelta.encode(new_u8, base_u8, 2, use_triton=True)), 3 if b.cuda else 1)
+    new_h, base_h = new_u8.cpu(), base_u8.cpu()
+    on_host = b.timed(lambda: out.update(host=wdelta.encode_counted(new_h, base_h, 2)), 1)
+    payload, count = out["device"]
+    same = out["device"] == out["host"]
+    target = base_h.clone()
+    wdelta.apply(payload, target)
+    same &= torch.equal(target, new_h)
+    bytes_ = n * 2
+    b.figures.update({"delta_kernel_bucket_mb": mb, "delta_kernel_equal": same,
+                      "delta_kernel_gb_per_s": bytes_ / on_device / 1e9,
+                      "delta_cpu_gb_per_s": bytes_ / on_host / 1e9,
+                      "delta_kernel_speedup": on_host / on_device,
+                      "delta_kernel_changed": count})
+    verdict = "the CPU encoder's bytes" if same else "DIFFERS from the CPU encoder"
+    notes.append(f"delta compaction of a {mb:g} MiB bf16 bucket (1% changed): {verdict}, "
+                 f"{bytes_ / on_device / 1e9:.2f} GB/s on {b.device.type} vs "
+                 f"{bytes_ / on_host / 1e9:.2f} GB/s on the host")
+    b.exercised("delta_kernel", f"{'compiled' if b.cuda else 'interpreted'} Triton compaction "
+                f"of a {mb:g} MiB bucket: payload equal to the CPU encoder's, applied bit for bit")
+    return same
 
 
 # ---------------------------------------------------------------------- 2-3. train, checkpoint
