@@ -79,3 +79,40 @@ def test_dist_checkpoint_saved_at_tp2_loads_at_tp1_and_pp2(qwen2_run):
             # The freshly initialised model is different; after the load it is the saved one.
             assert abs(r["ckpt_loss"]["fresh@" + layout] - saved_loss) > 1e-3
             assert abs(r["ckpt_loss"][layout] - saved_loss) <= 1e-5
+
+
+def test_every_rank_exports_its_own_slices_which_make_the_checkpoint_bit_for_bit(qwen2_run):
+    """Issue 52, item 1: at every TP x PP layout each rank of the first replica exports its own
+    Hugging Face slices (``iter_rank_hf_shards``: no gather); put together by their
+    (dim, offset) they are the checkpoint the model was loaded from, bit for bit, each
+    element exactly once. At TP2 a slice is half a tensor (split, not replicated)."""
+    import glob
+
+    out, _ = qwen2_run
+    cfg = tiny_hf_config("qwen2")
+    model_cfg = type("M", (), {"path": None})()
+    hf = initial_hf_state(model_cfg, cfg, 7)
+    for layout in LAYOUTS:
+        pieces = {}
+        for path in glob.glob(os.path.join(out, f"shards_{layout}_rank*")):
+            for key, t in load_file(path).items():
+                name, dim, offset = key.split("|")
+                pieces.setdefault(name, []).append((None if dim == "None" else int(dim),
+                                                    int(offset), t))
+        assert set(pieces) == set(hf), (layout, set(hf) ^ set(pieces))
+        tp = int(layout.split("x")[0])
+        for name, parts in pieces.items():
+            dims = {d for d, _, _ in parts}
+            if dims == {None}:
+                assert len(parts) == 1, f"{layout} {name}: a replicated tensor sent twice"
+                got = parts[0][2]
+            else:
+                (dim,) = dims
+                parts.sort(key=lambda p: p[1])
+                assert len(parts) == tp and [p[1] for p in parts] == [
+                    i * parts[0][2].shape[dim] for i in range(tp)], (layout, name)
+                got = torch.cat([p[2] for p in parts], dim=dim)
+            assert torch.equal(got, hf[name].to(got.dtype)), f"{layout} {name} differs"
+        if tp == 2:
+            assert {d for parts in pieces.values() for d, _, _ in parts} == {None, 0, 1}
+

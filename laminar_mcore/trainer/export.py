@@ -10,7 +10,7 @@ Collective over the stage's tensor-parallel group.
 
 from __future__ import annotations
 
-from typing import Iterator, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 
@@ -52,6 +52,60 @@ def iter_stage_hf_tensors(model, hf_config) -> Iterator[Tuple[str, torch.Tensor]
         if experts:
             full.update(gather_ep(model, experts))
         yield from adapter.convert_unit_to_hf(hf_config, unit, full)
+
+
+def iter_rank_hf_shards(model, hf_config) -> Iterator[Tuple[str, torch.Tensor, Optional[int],
+                                                            int]]:
+    """(Hugging Face name, this rank's slice of it, dim, offset) for everything this rank holds
+    of its pipeline stage, with no collective and no copy (issue 52: every rank publishes its
+    own shard). ``dim`` None: the whole tensor, replicated over tensor parallelism, which only
+    TP rank 0 yields; else the slice starts at ``offset`` along ``dim`` of the full tensor.
+    Concatenating every TP rank's slices of a name in offset order gives what
+    ``iter_stage_hf_tensors`` gathers, bit for bit.
+
+    Megatron's local shards are already whole Hugging Face rows (or columns): a rank's fused
+    QKV holds whole query groups and its fc1 [gate_r; up_r], so the adapter's layout transform
+    of the local shards, with the heads and query groups one rank holds, gives the slices.
+    Dense families (a mixture-of-experts' experts are still gathered: NotImplementedError)."""
+    import copy
+
+    from megatron.core import parallel_state as ps
+
+    model = _unwrap(model)
+    adapter = get_adapter(hf_config)
+    if adapter.is_moe:
+        raise NotImplementedError(f"per-rank export of {adapter.name}'s experts (issue 52): "
+                                  "use iter_stage_hf_tensors")
+    tp, rank = (ps.get_tensor_model_parallel_world_size(),
+                ps.get_tensor_model_parallel_rank())
+    shape = adapter.shape(hf_config)
+    local_cfg = copy.copy(hf_config)  # the heads and query groups of one TP rank
+    local_cfg.num_attention_heads = shape.heads // tp
+    local_cfg.num_key_value_heads = shape.groups // tp
+    local_cfg.head_dim = shape.head_dim
+    full_shapes = adapter.hf_shapes(hf_config)
+    tied = adapter.tied_embeddings(hf_config)
+    params = {}
+    for local, param in model.named_parameters():
+        if tied and local == "output_layer.weight":
+            continue  # the first stage exports the tied embedding
+        params[global_param_name(model, local)] = param.detach()
+    for unit, names in adapter.export_units(hf_config):
+        if not all(n in params for n in names):
+            if any(n in params for n in names):
+                missing = [n for n in names if n not in params]
+                raise RuntimeError(f"stage holds part of unit {unit}; missing {missing}")
+            continue
+        for name, t in adapter.convert_unit_to_hf(local_cfg, unit, params):
+            split = [d for d, (a, b) in enumerate(zip(t.shape, full_shapes[name])) if a != b]
+            if not split:
+                if rank == 0:
+                    yield name, t, None, 0
+                continue
+            if len(split) != 1 or full_shapes[name][split[0]] != t.shape[split[0]] * tp:
+                raise RuntimeError(f"{name}: local shape {tuple(t.shape)} is not a 1/{tp} slice "
+                                   f"of {full_shapes[name]}")
+            yield name, t, split[0], rank * t.shape[split[0]]
 
 
 def export_roles(hf_config) -> Tuple[bool, bool]:

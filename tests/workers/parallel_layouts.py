@@ -51,6 +51,13 @@ def main():
             continue
         ps, model = setup(layout)
         load_full_state(model, hf_config, full)
+        if ps.get_data_parallel_rank() == 0:  # each rank's own Hugging Face slices, no gather
+            from laminar_mcore.trainer.export import iter_rank_hf_shards
+
+            shards = {f"{name}|{dim}|{offset}": t.contiguous()
+                      for name, t, dim, offset in iter_rank_hf_shards(model, hf_config)}
+            save_file(shards, os.path.join(
+                args.out, f"shards_{layout}_rank{torch.distributed.get_rank()}.safetensors"))
         result["loss"][layout] = lm_forward_backward(model, split_micro_batches(tokens, mask, 2))
         grads = stage_full_tensors(model, hf_config, grads=True)
         if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
