@@ -36,6 +36,11 @@ def test_weight_sync_benchmark_writes_its_keys(tmp_path):
     assert all(figures[k] > 0 for k in keys - {"bit_exact"})
     from laminar_mcore.relay.transports import mooncake
 
+    # issue 52: the export at TP2, stage lead against per rank; each rank copies its half
+    assert figures["export_tp"] == 2
+    assert figures["export_blocked_s_stage_lead"] > 0 and figures["export_blocked_s_per_rank"] > 0
+    assert figures["export_bytes_stage"] / 2 <= figures["export_bytes_per_rank_max"] < \
+        0.6 * figures["export_bytes_stage"]
     if mooncake.available():  # the cross-node pull is measured too, and checked bit for bit
         assert figures["mooncake_bit_exact"] is True
         assert figures["mooncake_read_gbps"] > 0 and figures["mooncake_pull_gbps"] > 0

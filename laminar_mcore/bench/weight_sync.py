@@ -149,6 +149,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--mooncake", choices=["auto", "on", "off"], default="auto",
                     help="also measure a cross-node pull through Mooncake's transfer engine (TCP) "
                          "from the last relay; auto: when Mooncake is installed")
+    ap.add_argument("--export-tp", type=int, default=2,
+                    help="also time the trainer's export at TP N, stage lead against per rank "
+                         "(bench/export_ranks.py: export_* keys); 0: skip")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -301,6 +304,11 @@ def main(argv=None) -> dict:
         "mooncake_pull_vs_shm_pull": pull_s / mc["pull_s"] if mc else None,
         "mooncake_bit_exact": mc.get("bit_exact"),
     }
+    if args.export_tp > 0:  # its own torchrun world, after this one's trainer is gone
+        from .export_ranks import measure
+
+        figures.update({f"export_{k}": v for k, v in measure(
+            args.export_tp, args.hidden, args.layers, args.vocab, args.repeats).items()})
     report(figures, args.json, {
         "trainer_blocked_s": f"{blocked_s:.3f} s ({figures['blocked_vs_host_copy']:.2f}x one host copy of {gb:.2f} GB)",
         "host_copy_s": f"{host_copy_s:.3f} s",
@@ -315,6 +323,13 @@ def main(argv=None) -> dict:
                                       f"{figures['publish_gb_per_s_gloo']:.2f} GB/s)",
         "bit_exact": str(bit_exact),
     })
+    if args.export_tp > 0:
+        report({}, None, {"export_blocked_s": (
+            f"stage lead {figures['export_blocked_s_stage_lead']:.4f} s (TP gathers, the lead "
+            f"copies {figures['export_bytes_stage'] / 1e9:.3f} GB), per rank "
+            f"{figures['export_blocked_s_per_rank']:.4f} s (each copies at most "
+            f"{figures['export_bytes_per_rank_max'] / 1e9:.3f} GB): "
+            f"{figures['export_blocked_ratio']:.1f}x less at TP{args.export_tp}")})
     if mc:
         report({}, None, {
             "mooncake_read_gbps": f"{figures['mooncake_read_gbps']:.2f} GB/s read out of the last "
