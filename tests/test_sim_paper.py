@@ -51,3 +51,24 @@ def test_the_pairs_follow_the_papers_definitions():
             if f"rel_error_{k}" in f]
     assert f["paper_max_rel_error"] == pytest.approx(max(errs), abs=1e-3)
     assert "rel_error_laminar_vs_areal_eta4_avg" not in f
+
+
+def test_areal_at_eta_4_is_measured_at_areals_own_split_without_a_sweep():
+    """The labelled eta = 4 row differs from AReaL's by eta alone: it runs at the split AReaL's
+    sweep chose (jobs.SWEPT_AS), and the table runs no sweep of its own for it."""
+    from laminar_mcore.sim.jobs import sweep_and_measure
+    from laminar_mcore.sim.workload import Workload
+
+    w = Workload(batch_prompts=8)
+    groups = [("7B", 32, "areal"), ("7B", 32, "areal_eta4")]
+    measured = []
+    _, splits, counts = sweep_and_measure(
+        groups, {"workload": w, "overrides": None}, {},
+        lambda group, t: measured.append((group, t)) or [], 1, 2, 3, 4, w, log=lambda _: None)
+    assert splits[groups[0]] == splits[groups[1]] and len(measured) == 2
+    assert 1 <= counts["sweep_runs"] <= 3  # AReaL's candidates (8, 16, 24) only
+    # given a split of its own (--placements), it keeps it
+    _, splits, _ = sweep_and_measure(groups, {"workload": w, "overrides": None},
+                                     {groups[0]: 16, groups[1]: 8}, lambda g, t: [], 1, 2, 3, 4,
+                                     w, log=lambda _: None)
+    assert splits == {groups[0]: 16, groups[1]: 8}

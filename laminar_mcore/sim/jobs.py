@@ -5,7 +5,7 @@ A sweep is a group per (model, GPUs, system): its candidate splits (``placement.
 simulated one at a time, highest ``throughput_bound`` first, and a candidate whose bound is
 below the best result within the staleness limit is never simulated (``placement.prune``:
 it cannot win). The groups run side by side; as soon as a group has chosen its split, its
-measured run joins the queue. The pool takes the longest waiting job first (iterations, and
+measured run joins the queue (and those of the modes measured at its split, ``SWEPT_AS``). The pool takes the longest waiting job first (iterations, and
 AReaL's interrupts at twice the cost). Every run is a pure function of its spec and every
 choice a pure function of its group's results, so the outcome does not depend on ``--jobs``
 or on which worker finished first. Owns no figures: ``report.py`` makes them.
@@ -23,6 +23,12 @@ from .costs import cost_for
 from .placement import best, candidate_trainer_gpus, prune, throughput_bound
 from .sensitivity import applied, with_settings, workload_with
 from .workload import Workload
+
+
+# A mode measured at another's chosen split rather than swept: AReaL at eta = 4 (the labelled
+# row beside the paper's eta = infinity) at AReaL's own placement, so that the two rows differ
+# by eta alone (and the table skips a sweep that no average reads).
+SWEPT_AS = {"areal_eta4": "areal"}
 
 
 def run_one(spec: dict) -> dict:
@@ -109,11 +115,15 @@ def sweep_and_measure(groups: List[Tuple[str, int, str]], base: dict, given: Dic
     results: Dict[tuple, List[dict]] = {}
     counts = {"sweep_runs": 0, "sweep_pruned": 0, "sweep_bound_violations": 0}
 
+    followers: Dict[tuple, List[tuple]] = {}
+
     def chosen(group: tuple, t: int) -> None:
         splits[group] = t
         results[group] = []
         for spec in measured(group, t):
             q.submit(spec, results[group].append)
+        for follower in followers.pop(group, []):
+            chosen(follower, t)
 
     def sweep_group(group: tuple, bounds: Dict[int, float]) -> Callable[[Optional[dict]], None]:
         """The callback that takes each of ``group``'s sweep results and queues the next."""
@@ -139,6 +149,13 @@ def sweep_and_measure(groups: List[Tuple[str, int, str]], base: dict, given: Dic
 
     for group in groups:
         m, g, mode = group
+        leader = (m, g, SWEPT_AS.get(mode))
+        if group not in given and leader in groups:  # at its leader's split, once chosen
+            if leader in splits:
+                chosen(group, splits[leader])
+            else:
+                followers.setdefault(leader, []).append(group)
+            continue
         cost = cost_for(m, mode, base.get("engine_tp"))
         cands = candidate_trainer_gpus(mode, g, cost, splits_per_point)
         if group in given or len(cands) == 1:
