@@ -16,6 +16,7 @@ same signature; ``encode`` builds ``weights.delta``'s payload from either: the s
 
 from __future__ import annotations
 
+import contextlib
 from typing import Tuple
 
 import torch
@@ -29,7 +30,7 @@ except ImportError:  # pragma: no cover
 from ._device import check_devices, is_interpreted
 
 BLOCK = 1024
-_UNITS = {2: torch.int16, 4: torch.int32}
+_UNITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
 def changes_torch(new: torch.Tensor, base: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -71,6 +72,9 @@ _INTERPRETED = triton is not None and is_interpreted(_count_kernel)
 
 def changes_triton(new: torch.Tensor, base: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``changes_torch`` by the two kernels (one host sync: the number of changes)."""
+    if triton is None:
+        raise RuntimeError("changes_triton needs Triton (pip install triton); changes_torch "
+                           "computes the same on any device")
     check_devices("changes_triton", _INTERPRETED, new=new, base=base)
     if new.shape != base.shape or new.dtype != base.dtype or new.dim() != 1:
         raise ValueError(f"changes_triton needs two flat views of one dtype and size, got "
@@ -81,14 +85,16 @@ def changes_triton(new: torch.Tensor, base: torch.Tensor) -> Tuple[torch.Tensor,
                 torch.empty(0, dtype=new.dtype, device=new.device))
     blocks = triton.cdiv(n, BLOCK)
     new, base = new.contiguous(), base.contiguous()
-    counts = torch.empty(blocks, dtype=torch.int32, device=new.device)
-    _count_kernel[(blocks,)](new, base, counts, n, BLOCK=BLOCK)
-    ends = torch.cumsum(counts, 0, dtype=torch.int64)
-    total = int(ends[-1])
-    positions = torch.empty(total, dtype=torch.int64, device=new.device)
-    xor = torch.empty(total, dtype=new.dtype, device=new.device)
-    if total:
-        _compact_kernel[(blocks,)](new, base, ends - counts, positions, xor, n, BLOCK=BLOCK)
+    # Triton launches on the current CUDA device: make it the buckets' one
+    with torch.cuda.device(new.device) if new.is_cuda else contextlib.nullcontext():
+        counts = torch.empty(blocks, dtype=torch.int32, device=new.device)
+        _count_kernel[(blocks,)](new, base, counts, n, BLOCK=BLOCK)
+        ends = torch.cumsum(counts, 0, dtype=torch.int64)
+        total = int(ends[-1])
+        positions = torch.empty(total, dtype=torch.int64, device=new.device)
+        xor = torch.empty(total, dtype=new.dtype, device=new.device)
+        if total:
+            _compact_kernel[(blocks,)](new, base, ends - counts, positions, xor, n, BLOCK=BLOCK)
     return positions, xor
 
 

@@ -136,12 +136,12 @@ def test_the_trainers_float64_pack_is_exact_in_the_kernel(kernel_device):
     assert torch.equal(out_t, out_r) and out_t.dtype == torch.float64
 
 
-@pytest.mark.parametrize("unit,fraction", [(2, 0.01), (2, 0.3), (4, 0.01), (2, 0.0)])
+@pytest.mark.parametrize("unit,fraction", [(2, 0.01), (2, 0.3), (4, 0.01), (1, 0.01), (2, 0.0)])
 def test_delta_compaction_on_the_device_makes_the_cpu_encoders_bytes(kernel_device, unit,
                                                                       fraction):
     """Issue 52, item 3: the changed elements of a bucket found and compacted where the bucket
     lives (Triton), then encoded: byte for byte the payload of the CPU encoder
-    (weights/delta.py) of the same buckets, sparse (1% changed, bf16 and fp32 units), dense
+    (weights/delta.py) of the same buckets, sparse (1% changed; 2-, 4- and 1-byte units), dense
     (30%) and empty; applied to the base it gives the new bucket bit for bit. An odd size
     (not a multiple of the block) and changes in the first and last element."""
     from laminar_mcore.kernels import delta as kdelta

@@ -85,8 +85,10 @@ def relay_model_bytes(cfg) -> int:
 
 def delta_choice(cfg, dtype=None, hf_config=None) -> tuple:
     """``weight_sync.delta`` resolved for ``cfg`` (weights/delta.py, ``choose_delta``): (on,
-    why). ``dtype``: the trainer's weights (default from ``model.dtype``; auto is bf16 for
-    SGLang engines, on GPUs, and fp32 for the CPU engine); ``hf_config``: the model's
+    why). ``dtype``: the trainer's weights (default from ``model.dtype``; auto is taken as bf16
+    for SGLang engines, a GPU run, and fp32 for the CPU engine: the trainer resolves auto by
+    the GPU it has, so a GPU trainer beside CPU engines may decide otherwise and says so in
+    its log); ``hf_config``: the model's
     transformers config (default: ``model_arch``'s)."""
     import torch
 

@@ -79,6 +79,10 @@ def iter_rank_hf_shards(model, hf_config) -> Iterator[Tuple[str, torch.Tensor, O
     tp, rank = (ps.get_tensor_model_parallel_world_size(),
                 ps.get_tensor_model_parallel_rank())
     shape = adapter.shape(hf_config)
+    if shape.heads % tp or shape.groups % tp:  # then a rank's QKV cuts through a query group
+        raise NotImplementedError(
+            f"per-rank export needs the attention heads ({shape.heads}) and query groups "
+            f"({shape.groups}) to divide by TP={tp}: use iter_stage_hf_tensors")
     local_cfg = copy.copy(hf_config)  # the heads and query groups of one TP rank
     local_cfg.num_attention_heads = shape.heads // tp
     local_cfg.num_key_value_heads = shape.groups // tp
