@@ -1,8 +1,12 @@
 """The trainer's blocked time per publish: stage-lead export against per-rank export (issue 52,
 item 5), the same model in the same run, side by side.
 
-``bench.weight_sync --export-tp N`` runs this file under torchrun with N ranks (a TP-N stage of
-the benchmark's model, gloo on CPU, NCCL where there are GPUs) and reads each rank's figures:
+    python -m laminar_mcore.bench.export_ranks [--tp 2] [--hidden 768 --layers 6 --vocab 32000]
+        [--repeats 5] [--json PATH]
+
+It runs this file under torchrun with ``--tp`` ranks (a TP-N stage of ``bench.weight_sync``'s
+model, which reports the same keys prefixed ``export_`` with ``--export-tp N``; gloo on CPU,
+NCCL where there are GPUs) and reads each rank's figures:
 
 * stage lead (today's publisher): every rank of the stage takes part in the export's TP
   gathers (``iter_stage_hf_tensors``), and the lead copies the whole stage into its host
@@ -11,7 +15,7 @@ the benchmark's model, gloo on CPU, NCCL where there are GPUs) and reads each ra
   own host buffer.
 
 Blocked = the slowest rank's seconds, median over ``--repeats`` after one warm-up (which
-allocates the buffers). Keys (prefixed ``export_`` by bench.weight_sync):
+allocates the buffers). Keys (prefixed ``export_`` in bench.weight_sync's JSON):
 ``blocked_s_stage_lead``, ``blocked_s_per_rank``, ``blocked_ratio`` (stage lead / per rank),
 ``bytes_stage``, ``bytes_per_rank_max``, ``tp``.
 """
@@ -134,5 +138,30 @@ def _root_path() -> str:
     return os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
 
 
-if __name__ == "__main__":  # run by path under torchrun (measure: PYTHONPATH has the root)
-    _worker()
+def main(argv=None) -> Dict[str, float]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.tp < 1 or args.repeats < 1:
+        ap.error("--tp and --repeats must be >= 1")
+    from .common import report
+
+    figures = measure(args.tp, args.hidden, args.layers, args.vocab, args.repeats)
+    report(figures, args.json, {"blocked_ratio": (
+        f"{figures['blocked_ratio']:.1f}x less blocking per rank at TP{args.tp}: stage lead "
+        f"{figures['blocked_s_stage_lead']:.4f} s, per rank {figures['blocked_s_per_rank']:.4f} s "
+        f"(each copies at most {figures['bytes_per_rank_max'] / 1e9:.3f} of "
+        f"{figures['bytes_stage'] / 1e9:.3f} GB)")})
+    return figures
+
+
+if __name__ == "__main__":
+    if "LOCAL_RANK" in os.environ:  # a rank of measure()'s torchrun (run by path)
+        _worker()
+    else:
+        main()
