@@ -43,24 +43,25 @@ def changes_torch(new: torch.Tensor, base: torch.Tensor) -> Tuple[torch.Tensor, 
 if triton is not None:
 
     @triton.jit
-    def _count_kernel(new_ptr, base_ptr, counts_ptr, n, BLOCK: tl.constexpr):
-        pid = tl.program_id(0).to(tl.int64)
+    def _block(new_ptr, base_ptr, pid, n, BLOCK: tl.constexpr):
+        """Block ``pid``'s (int64 offsets, new, base, changed)."""
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         inside = offs < n
         a = tl.load(new_ptr + offs, mask=inside, other=0)
         b = tl.load(base_ptr + offs, mask=inside, other=0)
-        changed = (a != b) & inside
+        return offs, a, b, (a != b) & inside
+
+    @triton.jit
+    def _count_kernel(new_ptr, base_ptr, counts_ptr, n, BLOCK: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        _, _, _, changed = _block(new_ptr, base_ptr, pid, n, BLOCK)
         tl.store(counts_ptr + pid, tl.sum(changed.to(tl.int32), axis=0))
 
     @triton.jit
     def _compact_kernel(new_ptr, base_ptr, starts_ptr, pos_ptr, xor_ptr, n,
                         BLOCK: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
-        offs = pid * BLOCK + tl.arange(0, BLOCK)
-        inside = offs < n
-        a = tl.load(new_ptr + offs, mask=inside, other=0)
-        b = tl.load(base_ptr + offs, mask=inside, other=0)
-        changed = (a != b) & inside
+        offs, a, b, changed = _block(new_ptr, base_ptr, pid, n, BLOCK)
         ones = changed.to(tl.int32)
         dest = tl.load(starts_ptr + pid) + (tl.cumsum(ones, axis=0) - ones).to(tl.int64)
         tl.store(pos_ptr + dest, offs, mask=changed)

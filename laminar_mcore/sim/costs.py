@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Sequence
 
 from ..relay.chain import chain_time, optimal_chunks
+from ..weights.delta import APPLY_BYTES_S, ENCODE_BYTES_S, bytes_ratio_for_lr
 
 # ---------------------------------------------------------------- the table (value, source)
 HARDWARE: Dict[str, dict] = {
@@ -176,8 +177,9 @@ def cost_for(model: str, mode: str, engine_tp: Optional[int] = None) -> "CostMod
 # rebuild_gb_per_s 6.2 GB/s (a relay copies the base bucket, applies the delta and checks its
 # XXH3 digest). host_bytes_s: what a many-core host's memory allows either to reach with the
 # work spread over its cores (one pass of ~100 GB/s), for the *_at_memory_bandwidth figures.
-DELTA = {"bytes_ratio": 93.6, "encode_bytes_s": 0.51e9, "apply_bytes_s": 6.2e9,
-         "host_bytes_s": 100e9}
+# (The measured figures are weights/delta.py's, which weight_sync.delta=auto weighs too.)
+DELTA = {"bytes_ratio": bytes_ratio_for_lr(1e-6), "encode_bytes_s": ENCODE_BYTES_S,
+         "apply_bytes_s": APPLY_BYTES_S, "host_bytes_s": 100e9}
 BUCKET_BYTES = 512 * 2**20  # weight_sync.bucket_mb: the unit the publish pipelines over
 
 # MoE shapes for the weight-sync figures (bf16, BYTES_PER_PARAM): total and active parameters,

@@ -5,8 +5,9 @@ A sweep is a group per (model, GPUs, system): its candidate splits (``placement.
 simulated one at a time, highest ``throughput_bound`` first, and a candidate whose bound is
 below the best result within the staleness limit is never simulated (``placement.prune``:
 it cannot win). The groups run side by side; as soon as a group has chosen its split, its
-measured run joins the queue (and those of the modes measured at its split, ``SWEPT_AS``). The pool takes the longest waiting job first (iterations, and
-AReaL's interrupts at twice the cost). Every run is a pure function of its spec and every
+measured run joins the queue (and those of the modes measured at its split, ``SWEPT_AS``).
+The pool takes the longest waiting job first (iterations, and AReaL's interrupts at twice the
+cost). Every run is a pure function of its spec and every
 choice a pure function of its group's results, so the outcome does not depend on ``--jobs``
 or on which worker finished first. Owns no figures: ``report.py`` makes them.
 """

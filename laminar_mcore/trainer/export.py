@@ -10,7 +10,7 @@ Collective over the stage's tensor-parallel group.
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -25,13 +25,9 @@ def _unwrap(model):
     return model
 
 
-def iter_stage_hf_tensors(model, hf_config) -> Iterator[Tuple[str, torch.Tensor]]:
-    """(Hugging Face name, full tensor) for everything this pipeline stage holds, in order.
-
-    Every rank of the stage's TP group must iterate together (the gathers are collective).
-    """
-    model = _unwrap(model)
-    adapter = get_adapter(hf_config)
+def _held_units(model, adapter, hf_config) -> Iterator[Tuple[str, List[str], Dict]]:
+    """(unit, its Megatron names, this rank's parameters by global name) for each export unit
+    this pipeline stage holds (whole, but for the experts of other EP ranks)."""
     tied = adapter.tied_embeddings(hf_config)
     params = {}
     for local, param in model.named_parameters():
@@ -39,13 +35,24 @@ def iter_stage_hf_tensors(model, hf_config) -> Iterator[Tuple[str, torch.Tensor]
             continue  # the last stage's copy of the tied embedding: the first stage exports it
         params[global_param_name(model, local)] = param
     for unit, names in adapter.export_units(hf_config):
-        # experts of other EP ranks come from the EP gather below
         own = [n for n in names if n in params or not is_expert_param(n)]
         if not all(n in params for n in own):
             if any(n in params for n in own):
                 missing = [n for n in own if n not in params]
                 raise RuntimeError(f"stage holds part of unit {unit}; missing {missing}")
             continue
+        yield unit, names, params
+
+
+def iter_stage_hf_tensors(model, hf_config) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(Hugging Face name, full tensor) for everything this pipeline stage holds, in order.
+
+    Every rank of the stage's TP group must iterate together (the gathers are collective).
+    """
+    model = _unwrap(model)
+    adapter = get_adapter(hf_config)
+    for unit, names, params in _held_units(model, adapter, hf_config):
+        # experts of other EP ranks come from the EP gather below
         full = {name: gather_tp(adapter, name, params[name].detach())
                 for name in names if name in params}
         experts = {n: t for n, t in full.items() if is_expert_param(n)}
@@ -88,19 +95,9 @@ def iter_rank_hf_shards(model, hf_config) -> Iterator[Tuple[str, torch.Tensor, O
     local_cfg.num_key_value_heads = shape.groups // tp
     local_cfg.head_dim = shape.head_dim
     full_shapes = adapter.hf_shapes(hf_config)
-    tied = adapter.tied_embeddings(hf_config)
-    params = {}
-    for local, param in model.named_parameters():
-        if tied and local == "output_layer.weight":
-            continue  # the first stage exports the tied embedding
-        params[global_param_name(model, local)] = param.detach()
-    for unit, names in adapter.export_units(hf_config):
-        if not all(n in params for n in names):
-            if any(n in params for n in names):
-                missing = [n for n in names if n not in params]
-                raise RuntimeError(f"stage holds part of unit {unit}; missing {missing}")
-            continue
-        for name, t in adapter.convert_unit_to_hf(local_cfg, unit, params):
+    for unit, names, params in _held_units(model, adapter, hf_config):
+        local = {n: params[n].detach() for n in names}
+        for name, t in adapter.convert_unit_to_hf(local_cfg, unit, local):
             split = [d for d, (a, b) in enumerate(zip(t.shape, full_shapes[name])) if a != b]
             if not split:
                 if rank == 0:

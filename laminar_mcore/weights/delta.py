@@ -116,11 +116,10 @@ def choose_delta(mode: str, dtype: Optional[torch.dtype], *, model_bytes: int, s
     Never for weights that travel in 32 bits (Adam moves most of them every step) and never
     on a link the config does not name (``link_gbit`` <= 0): on a fast link the encoder is
     the slower path (``bench.delta``: 0.63x the speed of whole versions over 10 Gbit/s)."""
-    if mode not in MODES:
-        raise ValueError(f"LMC-E102: weight_sync.delta={mode!r} is not one of {', '.join(MODES)}")
+    on = delta_enabled(mode, dtype)  # (refuses a bad mode) on, off as given; auto: the dtype
     if mode != "auto":
-        return mode == "on", f"weight_sync.delta={mode}"
-    if dtype is None or dtype.itemsize != 2 or not dtype.is_floating_point:
+        return on, f"weight_sync.delta={mode}"
+    if not on:
         return False, (f"weight_sync.delta=auto: whole versions: the weights travel in {dtype} "
                        "(deltas pay for 16-bit weights, most of which a step leaves unchanged)")
     if not link_gbit or link_gbit <= 0:
