@@ -159,6 +159,36 @@ def test_dropout_runs_on_the_kernel_that_has_it():
     assert torch.equal(out, ref)
 
 
+def test_grouped_query_sdpa_repeats_kv_heads_where_cuda_would_fall_back_to_math():
+    """CUDA's memory-efficient SDPA has no GQA mode (an fp32 GQA call ran the math kernel and
+    kept [heads, L, L] scores on the H200): there the K/V heads are repeated before the call.
+    Both ways give the same output and gradients (checked here on CPU)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    assert attention.sdpa_expands_groups("cuda") and not attention.sdpa_expands_groups("cpu")
+    cu = torch.tensor([0, 9, 10, 31], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=21, max_seqlen_kv=21)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(31, 6, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(31, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    outs, grads = [], []
+    for expand in (True, False):
+        xs = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = attention.packed_attention(*xs, params, scale=0.3, kernel="sdpa",
+                                         expand_groups=expand)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        outs.append(out.detach())
+        grads.append([x.grad for x in xs])
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-12, atol=1e-12)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    # not vacuous: a different grouping (heads 0-2 on K/V head 1) changes the output
+    swapped = attention.packed_attention(q, k.flip(1), v.flip(1), params, scale=0.3,
+                                         kernel="sdpa", expand_groups=True)
+    assert (swapped - outs[0]).abs().max() > 1e-2
+
+
 def _fake_varlen(kind):
     def new(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
             window_size=(-1, -1), enable_gqa=False):

@@ -242,11 +242,13 @@ def _run_gpu_tests(b: Bench) -> bool:
         b.figures.update({"pytest_passed": False, "pytest_summary": "no tests/ folder"})
         return False
     t0 = time.perf_counter()
+    # --show-capture=no: a failure's captured log can be megabytes of torch's DEBUG trace
+    # records (the H200 run of 2026-11-28 lost its traceback behind them)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "-m", "gpu", tests], cwd=root, capture_output=True, text=True,
-                          timeout=600)
+                           "--tb=short", "--show-capture=no", "-m", "gpu", tests], cwd=root,
+                          capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
-    print(out[-6000:], flush=True)
+    print(out[-12000:], flush=True)
     lines = [ln for ln in out.splitlines() if ln.strip()]
     summary = next((ln.strip("= ") for ln in reversed(lines)
                     if " passed" in ln or " failed" in ln or " error" in ln), lines[-1] if lines

@@ -12,7 +12,8 @@ neither of which materialises scores:
   a causal mode (2.10+: ``window_size=(-1, 0)``; GQA by ``enable_gqa`` from 2.12, by repeating
   the K/V heads before);
 - ``sdpa``: ``scaled_dot_product_attention`` per sequence with ``is_causal`` (flash or memory-
-  efficient kernels on GPUs, the flash CPU kernel on CPU), GQA through ``enable_gqa``.
+  efficient kernels on GPUs, the flash CPU kernel on CPU), GQA through ``enable_gqa`` on CPU and
+  by repeating the K/V heads on CUDA (:func:`sdpa_expands_groups`).
 
 It takes Megatron's THD layout, or -- what the trainer passes without TE -- the row in
 ``sbhd`` layout with ``PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=...)``: RoPE is then
@@ -78,6 +79,17 @@ def choose_kernel(*, device_type: str, dtype: torch.dtype, varlen=None) -> str:
     return "sdpa"
 
 
+def sdpa_expands_groups(device_type: str) -> bool:
+    """Whether the per-sequence SDPA repeats the K/V heads itself for grouped-query attention.
+
+    On CUDA, torch's memory-efficient SDPA kernel has no ``enable_gqa`` mode, so an fp32 GQA
+    call falls back to the math kernel, which keeps every sequence's ``[heads, L, L]`` scores for
+    backward (found by the H200 run of 2026-11-28: 4 MiB per 512-token sequence in a tiny
+    layer). Repeating K/V costs O(T) and keeps the memory-efficient kernel. The CPU's flash
+    kernel takes ``enable_gqa`` and keeps no scores."""
+    return device_type == "cuda"
+
+
 def _device_bounds(params, device) -> torch.Tensor:
     """The boundaries as int32 on ``device`` (varlen's ``cu_seq``), made once per micro-batch."""
     cached = getattr(params, "_laminar_device_bounds", None)
@@ -101,9 +113,11 @@ def _sequence_bounds(params) -> list:
 
 
 def packed_attention(query, key, value, params, *, scale: float, dropout_p: float = 0.0,
-                     kernel: Optional[str] = None) -> torch.Tensor:
+                     kernel: Optional[str] = None,
+                     expand_groups: Optional[bool] = None) -> torch.Tensor:
     """Causal attention within each packed sequence: ``query`` [T, heads, d], ``key``/``value``
-    [T, groups, d] -> [T, heads, d]."""
+    [T, groups, d] -> [T, heads, d]. ``expand_groups``: repeat the K/V heads before the ``sdpa``
+    kernel (default :func:`sdpa_expands_groups` of the device)."""
     heads, groups = query.shape[1], key.shape[1]
     kernel = kernel or choose_kernel(device_type=query.device.type, dtype=query.dtype)
     if kernel == "varlen" and dropout_p > 0:
@@ -123,6 +137,12 @@ def packed_attention(query, key, value, params, *, scale: float, dropout_p: floa
         return fn(query, key, value, cu, cu, longest, longest, **kwargs)
     if kernel != "sdpa":
         raise ValueError(f"attention kernel {kernel!r} is not one of {', '.join(KERNELS)}")
+    if expand_groups is None:
+        expand_groups = sdpa_expands_groups(query.device.type)
+    if heads != groups and expand_groups:
+        key = key.repeat_interleave(heads // groups, dim=1)
+        value = value.repeat_interleave(heads // groups, dim=1)
+        groups = heads
     bounds = _sequence_bounds(params)
     out = []
     for a, b in zip(bounds, bounds[1:]):
