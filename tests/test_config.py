@@ -340,3 +340,14 @@ def test_plan_counts_the_reference_model_held_or_offloaded():
     assert off["reference_host_gb_per_trainer_node"] == pytest.approx(per_node, abs=0.1)
     assert "offloaded reference model" in format_plan(off)
     assert "reference" in format_plan(held)
+
+
+def test_per_rank_export_is_checked():
+    """weight_sync.export: one of its two ways; per_rank refused for a mixture-of-experts model
+    (its experts are not cut per rank yet), accepted for a dense one at TP2."""
+    validate_config(_compose("weight_sync.export=per_rank", "parallel.tp=2",
+                             "cluster.trainer.nproc_per_node=2"))
+    with pytest.raises(ConfigError, match=r"LMC-E102: weight_sync.export='gather'"):
+        validate_config(_compose("weight_sync.export=gather"))
+    with pytest.raises(ConfigError, match=r"LMC-E112: weight_sync.export=per_rank .*mixture"):
+        validate_config(_compose("experiment=cpu_moe", "weight_sync.export=per_rank"))

@@ -77,7 +77,10 @@ def test_chaos_engine_relay_master_relay_and_trainer_die_and_the_run_loses_nothi
         "experiment=cpu_reverse", "mode=laminar", "trainer.total_steps=1000",
         "trainer.train_batch_prompts=4", "data.num_eval=8", "data.warmup_steps=20",
         "rollout.num_engines=1", "cluster.rollout_nodes=2", "trainer.save_interval=2",
-        "rollout.engine_heartbeat_s=1", "rollout.engine_heartbeat_timeout_s=5"], kills,
+        "rollout.engine_heartbeat_s=1", "rollout.engine_heartbeat_timeout_s=5",
+        # two trainer ranks publishing their own shards (TP2): a master relay killed mid-version
+        # is survived by each rank's part, and the relays put every version together whole
+        "parallel.tp=2", "cluster.trainer.nproc_per_node=2", "weight_sync.export=per_rank"], kills,
         seed=seed, stop_after_s=5.0).run(timeout_s=600)  # then its STOP file ends it
     tail = result.output[-6000:]
     assert result.returncode == 0, tail

@@ -74,7 +74,8 @@ async def _lease_and_check(url, references, seen):
 def chain(tmp_path):
     procs = []
     try:
-        master = _relay(tmp_path, "master", master=True, trainer_stages=2)
+        # up to 4 publishing parts: 2 stage leads, or 2x2 ranks with per-rank export
+        master = _relay(tmp_path, "master", master=True, trainer_stages=4)
         procs.append(master)
         for name in ("r1", "r2"):
             procs.append(_relay(tmp_path, name, master_url=master.url))
@@ -85,7 +86,11 @@ def chain(tmp_path):
             p.stop()
 
 
-def test_tp2_pp2_publish_reaches_the_end_of_the_chain_bit_exact(chain, tmp_path):
+@pytest.mark.parametrize("export", ["stage_lead", "per_rank"])
+def test_tp2_pp2_publish_reaches_the_end_of_the_chain_bit_exact(chain, tmp_path, export):
+    """Stage leads gather and publish their stages; with per-rank export every rank publishes
+    its own shard (no gather) and the relays put the slices together as engines pull: both
+    reach the end of the chain bit for bit."""
     master, r1, r2 = chain
     port = int(master.wait_printed("LAMINAR_RELAY_PUBLISH_PORT"))
     references = {v: _reference(v) for v in (1, 2, 3)}
@@ -104,7 +109,8 @@ def test_tp2_pp2_publish_reaches_the_end_of_the_chain_bit_exact(chain, tmp_path)
     thread.start()
     try:
         results = run_torchrun(os.path.join(WORKERS, "publish.py"), 4,
-                               ["--publish-port", str(port), "--versions", "3"], timeout=600,
+                               ["--publish-port", str(port), "--versions", "3",
+                                "--export", export], timeout=600,
                                env={TOKEN_ENV: TOKEN})  # the publisher proves it
         wait_until(lambda: _get(r2.url, "/latest")["version"] == 3, what="version 3 at the last relay")
     finally:
@@ -114,7 +120,9 @@ def test_tp2_pp2_publish_reaches_the_end_of_the_chain_bit_exact(chain, tmp_path)
     assert 3 in seen  # the last version was pulled and checked bit for bit
     asyncio.run(_lease_and_check(r2.url, references, seen))
     leads = [r for r in results if r["lead"]]
-    assert len(leads) == 2  # one sender per pipeline stage
+    # one sender per pipeline stage, or per rank
+    assert len(leads) == (2 if export == "stage_lead" else 4)
+    assert sorted(r["part"] for r in leads) == list(range(len(leads)))
     # the relay is on the trainer's host: each lead copied its buckets into the relay's
     # shared memory (weight_sync.publish_backend=auto), and the versions arrived bit for bit
     assert {lead["backend"] for lead in leads} == {"shm"}
@@ -125,7 +133,14 @@ def test_tp2_pp2_publish_reaches_the_end_of_the_chain_bit_exact(chain, tmp_path)
     # The stages' other TP ranks take part in the gathers but pack (and hold) nothing.
     assert all(r["host_buffer_bytes"] == 0 for r in results if not r["lead"])
     total = sum(lead["stats"][0]["nbytes"] for lead in leads)
+    whole = sum(t.numel() * t.element_size() for t in references[1].values())
+    assert whole <= total <= whole + 64 * len(references[1]) * 2  # (64-byte alignment)
     assert _get(r2.url, "/latest")["nbytes"] == total
+    if export == "per_rank":  # each rank held about half its stage (TP2), not all of it
+        stage = {p: sum(r["stats"][0]["nbytes"] for r in leads if r["part"] // 2 == p)
+                 for p in (0, 1)}
+        for r in leads:
+            assert r["stats"][0]["nbytes"] < 0.6 * stage[r["part"] // 2]
 
 
 def _publish_in_process(port, versions):

@@ -75,15 +75,52 @@ def test_weight_sync_with_deltas_follows_the_documented_pipeline_formula():
     figures = weight_sync_figures()
     m = MOE_MODELS["1t"]
     assert (m["params"], m["relays"], m["trainer_pp"]) == (params, relays, pp)
-    assert figures["sync_s_1t_full"] == round(full, 3)
-    assert figures["sync_s_1t"] == round(default, 3)
+    assert figures["sync_s_1t_stage_lead_full"] == round(full, 3)
+    assert figures["sync_s_1t_stage_lead"] == round(default, 3)
     assert figures["delta_bytes_ratio_assumed"] == DELTA["bytes_ratio"]
-    assert {"sync_s_235b", "sync_s_235b_full"} <= set(figures)
+    assert {"sync_s_235b_stage_lead", "sync_s_235b_stage_lead_full"} <= set(figures)
     # weight_sync.delta=auto over the paper's NICs: whole versions, never the slower path
     for name in MOE_MODELS:
-        assert figures[f"delta_auto_{name}"] is False
-        assert figures[f"sync_s_{name}_auto"] == min(figures[f"sync_s_{name}"],
-                                                    figures[f"sync_s_{name}_full"])
+        assert figures[f"delta_auto_{name}_stage_lead"] is False
+        assert figures[f"sync_s_{name}_stage_lead_auto"] == min(
+            figures[f"sync_s_{name}_stage_lead"], figures[f"sync_s_{name}_stage_lead_full"])
+
+
+def test_the_striped_path_follows_its_documented_formula():
+    """sim/sharded.py at the 1T anchor (256 trainer GPUs, 128 rollout GPUs, 32-GPU engines),
+    computed here from its parts: each rank copies 1/256 of 2.08 TB; a rollout node takes a
+    quarter (its 8 of an engine's 32 GPUs), 1/16 of the version straight from the trainer and
+    the rest from its peers on the same NICs; the report's keys come from it, auto never picks
+    the slower way, and per-rank export stalls the trainer less than a PP16 stage lead."""
+    from laminar_mcore.sim.costs import BUCKET_BYTES
+    from laminar_mcore.sim.report import weight_sync_figures
+    from laminar_mcore.sim.sharded import (ANCHORS, EXPORT_BYTES_S, H2D_BYTES_S,
+                                           sharded_sync_stages)
+
+    a = ANCHORS["1t"]
+    assert (a["trainer_gpus"], a["rollout_gpus"], a["engine_gpus"]) == (256, 128, 32)
+    full_bytes = 1.04e12 * 2
+    st = sharded_sync_stages(1.04e12, 256, 128, 32, False)
+    assert st["share"] == 0.25 and st["stripes"] == 32  # one stripe per trainer node
+    assert st["trainer_stall_s"] == pytest.approx(full_bytes / 256 / EXPORT_BYTES_S)
+    direct, share = full_bytes / 16, full_bytes / 4
+    ingress = direct / LINKS["publish_bytes_s"] + (share - direct) / LINKS["chain_bytes_s"]
+    assert st["node_ingress_s"] == pytest.approx(ingress)
+    fill = 3 * (BUCKET_BYTES / LINKS["chain_bytes_s"] + LINKS["chain_start_s"])
+    latency = BUCKET_BYTES / EXPORT_BYTES_S + BUCKET_BYTES / LINKS["publish_bytes_s"]
+    assert st["total_s"] == pytest.approx(ingress + fill + latency)  # ingress-bound
+    assert st["engine_pause_bound_s"] == pytest.approx(full_bytes / 32 / H2D_BYTES_S)
+    assert st["engine_pause_s"] == pytest.approx(
+        full_bytes / 32 / LINKS["pull_bytes_s"] + LINKS["pull_fixed_s"])
+    # a node that served the whole model (engines within a node) would take all of it
+    assert sharded_sync_stages(1.04e12, 256, 128, 8, False)["share"] == 1.0
+    figures = weight_sync_figures()
+    assert figures["sync_s_1t_full"] == round(st["total_s"], 3)
+    for name in ANCHORS:
+        assert figures[f"sync_s_{name}"] == min(figures[f"sync_s_{name}_full"],
+                                                figures[f"sync_s_{name}_delta"])
+        assert figures[f"trainer_stall_s_{name}"] < figures[f"trainer_stall_s_{name}_stage_lead"]
+        assert figures[f"engine_pause_s_{name}"] > figures[f"engine_pause_bound_s_{name}"]
 
 
 # ---------------------------------------------------------------- issue 33: protocols, measurement

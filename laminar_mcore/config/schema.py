@@ -274,19 +274,21 @@ class WeightSyncConfig:
     # versions stale. 0: every version is published as it is made.
     publish_lag: int = 0
     # Delta publication (weights/delta.py): auto (on where a version reaches the relays sooner
-    # as deltas than whole over link_gbit: 16-bit weights, most of which a step at RL learning
-    # rates leaves unchanged, on a link slower than the encoder; job=plan says which and why),
-    # on, off. A bucket then goes as the positions and bits of its changed elements, zstd-
-    # compressed, when that is at most half its size; every relay rebuilds it from the version
-    # it holds and checks its digest, and fetches it whole when it cannot.
+    # as deltas than whole over link_gbit; job=plan says which and why), on, off. A bucket
+    # then goes as its changed elements' positions and bits, zstd-compressed, when that is at
+    # most half its size; every relay rebuilds it and checks its digest (else fetches it whole).
     delta: str = "auto"
-    # Gbit/s of the slowest link a version crosses on its way to the relays (the master
-    # relay's ingress, where every stage lead sends; a hop of the chain): what delta=auto
-    # weighs deltas against (weights/delta.py, choose_delta; job=plan says what it chose and
-    # why). 0: not named, and auto sends whole versions.
+    # Gbit/s of the slowest link a version crosses to the relays (the master relay's ingress;
+    # a hop of the chain): what delta=auto weighs deltas against (weights/delta.py,
+    # choose_delta). 0: not named, and auto sends whole versions.
     link_gbit: float = 0.0
     # Every anchor_interval-th version travels whole (1: every version).
     anchor_interval: int = 16
+    # How the trainer exports a version: stage_lead (a stage's TP ranks gather onto its lead,
+    # which publishes the stage) or per_rank (every rank of the first data-parallel replica
+    # publishes its own shard: no gather, blocked for its local copy only; relays put the
+    # slices together as engines pull; dense models only).
+    export: str = "stage_lead"
 
 
 @dataclass

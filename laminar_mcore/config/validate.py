@@ -123,7 +123,8 @@ def validate_config(cfg: DictConfig) -> None:
 
     path = OmegaConf.select(cfg, "model.path", throw_on_missing=False)
     if OmegaConf.is_missing(cfg.model, "path"):
-        _check_model_divisibility(model_shape(cfg, arch_only=True), p, problems)
+        _check_model_divisibility(model_shape(cfg, arch_only=True), p, problems,
+                                  cfg.weight_sync.export)
     elif path is not None and not os.path.isdir(path):
         problems.append("LMC-E114: "
                         f"model.path={path!r} does not exist or is not a directory; give a "
@@ -139,7 +140,7 @@ def validate_config(cfg: DictConfig) -> None:
         except Exception as exc:  # noqa: BLE001 - an unreadable config.json is a config error
             problems.append(f"LMC-E114: model.path={path!r}: cannot read config.json: {exc}")
         else:
-            _check_model_divisibility(shape, p, problems)
+            _check_model_divisibility(shape, p, problems, cfg.weight_sync.export)
 
     if cfg.algo.n_samples_per_prompt < 1:
         problems.append("LMC-E103: algo.n_samples_per_prompt must be >= 1")
@@ -333,6 +334,9 @@ def _check_delta(cfg: DictConfig, problems: List[str]) -> None:
     if ws.link_gbit < 0:
         problems.append(f"LMC-E103: weight_sync.link_gbit={ws.link_gbit} must be >= 0 (Gbit/s "
                         "of the slowest link a version crosses; 0: not named)")
+    if ws.export not in ("stage_lead", "per_rank"):
+        problems.append(f"LMC-E102: weight_sync.export={ws.export!r} is not one of stage_lead, "
+                        "per_rank (per_rank: every trainer rank publishes its own shard)")
     if ws.anchor_interval < 1:
         problems.append(f"LMC-E103: weight_sync.anchor_interval={ws.anchor_interval} must be >= 1 "
                         "(a whole version every that many versions; 1: every version whole)")
@@ -364,7 +368,8 @@ def _check_publish_lag(cfg: DictConfig, problems: List[str]) -> None:
                         "publish_lag")
 
 
-def _check_model_divisibility(shape: dict, p, problems: List[str]) -> None:
+def _check_model_divisibility(shape: dict, p, problems: List[str],
+                              export: str = "stage_lead") -> None:
     from ..models import known_model_types
 
     src = shape["source"]
@@ -395,6 +400,10 @@ def _check_model_divisibility(shape: dict, p, problems: List[str]) -> None:
                         "parallel.sequence_parallel=true (Megatron-Core's MoE layer refuses "
                         "to train with TP > 1 without it; on GPUs it needs Transformer "
                         "Engine), or parallel.tp=1 with parallel.ep / parallel.expert_tp")
+    if experts and export == "per_rank":
+        problems.append(f"LMC-E112: weight_sync.export=per_rank with {src} ({shape['family']}, "
+                        "a mixture-of-experts model): per-rank export does not cut experts "
+                        "yet (issue 52); use weight_sync.export=stage_lead")
     if not experts and (p.ep > 1 or p.expert_tp > 1):
         problems.append(f"LMC-E112: parallel.ep={p.ep} / parallel.expert_tp={p.expert_tp} need a "
                         f"mixture-of-experts model; {src} ({shape['family']}) has no experts")

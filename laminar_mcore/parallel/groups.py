@@ -72,6 +72,26 @@ def wait_for_rank0(ready: bool, timeout_s: float = 24 * 3600.0) -> bool:
     return bool(broadcast_int(1 if ready else 0, timeout_s))
 
 
+def attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> "dist.Store":
+    """torchrun's rendezvous store, seen under a prefix of its own for this restart attempt
+    (``TORCHELASTIC_RESTART_COUNT``).
+
+    torchrun's static rendezvous (one node, ``launch.local``) keeps its agent's store across
+    restarts, and torch reuses it unprefixed ("we create a new TCPStore for every retry"), so
+    the ranks of a restarted world read the gloo addresses their dead predecessors published:
+    every restart of a world of two or more failed with ``Gloo connectFullMesh failed ...
+    Connection refused`` (found when a TP2 trainer rank was killed). The store is made as
+    torch's env:// rendezvous makes it: a client of the agent's store, or rank 0 hosting it."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    else:
+        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout,
+                              multi_tenant=True)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"laminar/attempt_{attempt}", store)
+
+
 def init_trainer_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234,
                           timeout_s: float = 600.0, ep: int = 1, expert_tp: int = 1) -> None:
     """Initialise torch.distributed (from torchrun's env) and Megatron's parallel state.
@@ -87,7 +107,9 @@ def init_trainer_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 123
             torch.cuda.set_device(local_device_index())
         timeout = datetime.timedelta(seconds=timeout_s)
         if "RANK" in os.environ:  # under torchrun
-            dist.init_process_group(backend=backend(), timeout=timeout)
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(backend=backend(), timeout=timeout, rank=rank,
+                                    world_size=world, store=attempt_store(rank, world, timeout))
         else:
             # A single process outside torchrun: a world of one on a private loopback store
             # (os.environ is left alone, so child processes do not think they are rank 0).

@@ -23,6 +23,8 @@ from aiohttp import web
 
 from ..errors import split
 from ..netutil import error_response, read_json
+from ..weights.bucket import ShmBucket
+from ..weights.shards import assemble, served_layout
 from .requests import BUCKET, PULL, RELEASE, RELEASE_HOLDER
 from .transports import (TRANSPORTS, Exporter, TransportUnavailable, enabled_at_start,
                          make_exporter)
@@ -30,6 +32,16 @@ from .transports import (TRANSPORTS, Exporter, TransportUnavailable, enabled_at_
 logger = logging.getLogger("laminar_mcore.relay")
 
 MAX_BUCKETS_OUTSTANDING = 2
+
+
+@dataclass
+class AssembledBucket:
+    """A served bucket of whole tensors made from a per-rank version's slices (what the
+    exporters read of a ``StoredBucket``)."""
+
+    shm: ShmBucket
+    metas: list
+    nbytes: int
 
 
 @dataclass
@@ -92,7 +104,7 @@ class PullService:
         self.pulls[lease_id] = PullState(fmt, params, holder=request.remote or "")
         self.metrics.leased(fmt)
         return web.json_response({"version": sv.version, "lease_id": lease_id, "format": fmt,
-                                  "num_buckets": len(sv.ordered()), "nbytes": sv.nbytes})
+                                  "num_buckets": sv.num_served, "nbytes": sv.nbytes})
 
     async def bucket(self, request):
         """One bucket of a lease, in the lease's format. ``applied`` lists the buckets the engine
@@ -110,10 +122,10 @@ class PullService:
             await asyncio.to_thread(self._forget_lease, lease_id)
             return error_response(404, "LMC-E405", f"lease {lease_id!r} is unknown, released or "
                                   "expired; pull again")
-        buckets = entry[0].ordered()
-        if not 0 <= index < len(buckets):
+        sv = entry[0]
+        if not 0 <= index < sv.num_served:
             return error_response(400, "LMC-E400", f"bucket index {index} is not in "
-                                  f"[0, {len(buckets)})", field="index")
+                                  f"[0, {sv.num_served})", field="index")
         exporter = self.exporters[state.fmt]
         done = [i for i in applied if i in state.outstanding]
         state.outstanding.difference_update(done)
@@ -126,7 +138,9 @@ class PullService:
                 f"not applied yet: at most {MAX_BUCKETS_OUTSTANDING} may be outstanding; list "
                 "the applied ones in 'applied'")
         try:
-            data = await asyncio.to_thread(exporter.serve, lease_id, index, buckets[index],
+            bucket = sv.ordered()[index] if sv.whole is None else \
+                await asyncio.to_thread(self._assembled, sv, index)
+            data = await asyncio.to_thread(exporter.serve, lease_id, index, bucket,
                                            state.params)
         except Exception as exc:  # noqa: BLE001 - e.g. a GPU error: say it, keep serving
             code, why = split(exc)
@@ -134,13 +148,36 @@ class PullService:
                                   f"{state.fmt!r}: {why}")
         state.outstanding.add(index)
         state.peak = max(state.peak, len(state.outstanding))
-        self.metrics.served(buckets[index].nbytes)
+        self.metrics.served(bucket.nbytes)
         return web.json_response({"index": index, "serialized": data})
 
     def _exporter(self, name: str) -> Exporter:
         if name not in self.exporters:
             self.exporters[name] = make_exporter(name, self.cfg)
         return self.exporters[name]
+
+    def _assembled(self, sv, index: int) -> "AssembledBucket":
+        """Served bucket ``index`` of a version published as per-rank shards: its whole tensors
+        put together from the stored slices, once per version on this relay (the first pull
+        that asks makes it; the store frees it with the version's buffers, so its handle is
+        valid as long as the lease, like a stored bucket's)."""
+        with self.store.cond:
+            made = sv.assembled.get(index)
+        if made is not None:
+            return made
+        entry = sv.whole[index]
+        metas, nbytes = served_layout(entry)
+        shm = ShmBucket(nbytes, prefix="laminar-whole")
+        try:
+            assemble(entry, [b.shm.buffer for b in sv.ordered()], shm.buffer)
+        except BaseException:
+            shm.close()
+            raise
+        with self.store.cond:
+            made = sv.assembled.setdefault(index, AssembledBucket(shm, metas, nbytes))
+        if made.shm is not shm:  # another pull made it meanwhile
+            shm.close()
+        return made
 
     def _forget_lease(self, lease_id: str) -> Optional[PullState]:
         state = self.pulls.pop(lease_id, None)

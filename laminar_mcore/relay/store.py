@@ -37,6 +37,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from ..errors import within
 from ..weights.bucket import SHM_DIR, ShmBucket, TensorMeta
+from ..weights.shards import is_sharded, whole_plan
 from ..weights.delta import apply as apply_delta, digest as bucket_digest
 
 BucketKey = Tuple[int, int]
@@ -129,6 +130,10 @@ class StoredVersion:
     leases: int = 0
     started: float = field(default_factory=time.time)
     finished: Optional[float] = None
+    # published as per-rank shards (weights/shards.py): the whole tensors of each bucket an
+    # engine pulls, made when the version completes (None: the stored buckets are served)
+    whole: Optional[list] = None
+    assembled: dict = field(default_factory=dict)  # served index -> its bucket, once made
 
     @property
     def nbytes(self) -> int:
@@ -137,6 +142,11 @@ class StoredVersion:
     def ordered(self) -> List[StoredBucket]:
         """Buckets in (stage, index) order: the order pullers apply them in."""
         return [self.buckets[k] for k in sorted(self.buckets)]
+
+    @property
+    def num_served(self) -> int:
+        """How many buckets a pull of this version gets."""
+        return len(self.whole) if self.whole is not None else len(self.buckets)
 
 
 class VersionStore:
@@ -348,6 +358,17 @@ class VersionStore:
             if sv.version <= self.latest_version:  # a newer one won meanwhile
                 self._drop(sv)
                 return False
+            metas = [b.metas for b in sv.ordered()]
+            if is_sharded(metas):  # per-rank shards: engines pull whole tensors
+                try:
+                    sv.whole = whole_plan(metas)
+                except ValueError as exc:
+                    logger.error("version %d: %s", sv.version, exc)
+                    self.versions_failed += 1
+                    sv.failed = str(exc)
+                    self._drop(sv)
+                    self.cond.notify_all()
+                    return False
             sv.complete, sv.finished = True, time.time()
             self.version_bytes = max(self.version_bytes, sv.nbytes)
             self._refused = {k: why for k, why in self._refused.items() if k[0] > sv.version}
@@ -394,6 +415,9 @@ class VersionStore:
             for bucket in sv.buckets.values():
                 self._pool.setdefault(bucket.nbytes, []).append(bucket.shm)
             sv.buckets = {}
+            for made in sv.assembled.values():  # (pulls of per-rank shards)
+                made.shm.close()
+            sv.assembled = {}
         self.retired = keep
 
     def _trim_pool(self, nbytes: int) -> None:
@@ -468,7 +492,7 @@ class VersionStore:
             versions = [self.latest] if self.latest else []
             versions += list(self.receiving.values()) + self.retired
             for sv in versions:
-                for bucket in sv.buckets.values():
+                for bucket in list(sv.buckets.values()) + list(sv.assembled.values()):
                     bucket.shm.close()
             for pool in self._pool.values():
                 for shm in pool:

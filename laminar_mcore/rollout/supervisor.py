@@ -181,7 +181,11 @@ class NodeSupervisor:
         relay_cfg = RelayConfig(token=self.client.token, host=self.cfg.rollout.host,
                                 relay_id=self.name, master=master,
                                 master_url=None if master else master_url,
-                                trainer_stages=self.cfg.parallel.pp, weight_sync=ws,
+                                # the parts that publish: a stage lead per pipeline
+                                # stage, or every rank of a replica (export=per_rank)
+                                trainer_stages=self.cfg.parallel.pp * (
+                                    self.cfg.parallel.tp if ws.export == "per_rank" else 1),
+                                weight_sync=ws,
                                 # /dev/shm checked at start-up for relay_versions of these
                                 model_bytes=relay_model_bytes(self.cfg))
         relay = relay_process(relay_cfg, os.path.join(self.logs, f"relay-{self.name}.log"))

@@ -208,32 +208,39 @@ def table(results: List[dict], models: List[str]) -> Dict[str, object]:
 
 
 def weight_sync_figures() -> Dict[str, float]:
-    """Weight sync through the relay tier with and without delta publication, for the MoE
-    shapes of ``costs.MOE_MODELS`` (``costs.relay_sync_seconds``): ``sync_s_235b``,
-    ``sync_s_235b_full``, ``sync_s_1t``, ``sync_s_1t_full``, ``sync_s_*_at_memory_bandwidth``,
-    ``delta_bytes_ratio_assumed``; ``sync_s_<m>_auto`` and ``delta_auto_<m>``: what
-    ``weight_sync.delta=auto`` (``weights/delta.py``, ``choose_delta``) picks over the publish
-    link, and its sync."""
+    """Weight sync at the MoE sizes. Issue 52's path (``sharded.sharded_figures``: per-rank
+    export into striped relays, each rollout node taking its engines' share): ``sync_s_1t``,
+    ``sync_s_1t_full``, ``trainer_stall_s_1t``, ``engine_pause_s_1t``,
+    ``engine_pause_bound_s_1t``, ``sync_s_235b``, ... The path of today, stage leads into one
+    master relay and whole versions at every relay (``costs.relay_sync_seconds``, shapes of
+    ``costs.MOE_MODELS``), with and without deltas: ``sync_s_<m>_stage_lead``,
+    ``sync_s_<m>_stage_lead_full``, ``sync_s_<m>_stage_lead_at_memory_bandwidth``,
+    ``delta_bytes_ratio_assumed``; ``sync_s_<m>_stage_lead_auto`` and
+    ``delta_auto_<m>_stage_lead``: what ``weight_sync.delta=auto`` (``weights/delta.py``,
+    ``choose_delta``) picks over the publish link, and its sync."""
     import torch
 
     from ..weights.delta import choose_delta
+    from .sharded import sharded_figures
 
     figures: Dict[str, float] = {}
     for name, m in MOE_MODELS.items():
+        key = f"sync_s_{name}_stage_lead"
         for delta, suffix in ((True, ""), (False, "_full")):
-            figures[f"sync_s_{name}{suffix}"] = round(relay_sync_seconds(
+            figures[key + suffix] = round(relay_sync_seconds(
                 m["params"], m["relays"], delta, pp=m["trainer_pp"]), 3)
         on, _ = choose_delta("auto", torch.bfloat16, model_bytes=int(m["params"] * 2),
                              stages=m["trainer_pp"], link_gbit=LINKS["publish_bytes_s"] * 8 / 1e9,
                              lr=1e-6, encode_bytes_s=DELTA["encode_bytes_s"],
                              apply_bytes_s=DELTA["apply_bytes_s"])
-        figures[f"delta_auto_{name}"] = on
-        figures[f"sync_s_{name}_auto"] = figures[f"sync_s_{name}" if on else f"sync_s_{name}_full"]
+        figures[f"delta_auto_{name}_stage_lead"] = on
+        figures[key + "_auto"] = figures[key if on else key + "_full"]
         # encode and rebuild spread over a host's cores, up to its memory bandwidth
-        figures[f"sync_s_{name}_at_memory_bandwidth"] = round(relay_sync_seconds(
+        figures[key + "_at_memory_bandwidth"] = round(relay_sync_seconds(
             m["params"], m["relays"], True, pp=m["trainer_pp"],
             encode_bytes_s=DELTA["host_bytes_s"], apply_bytes_s=DELTA["host_bytes_s"]), 3)
     figures["delta_bytes_ratio_assumed"] = DELTA["bytes_ratio"]
+    figures.update(sharded_figures())
     return figures
 
 
@@ -459,10 +466,13 @@ def print_report(figures: dict, models: List[str], results: List[dict]) -> None:
           f"publish link is fitted to them); NCCL broadcast 32B {figures['broadcast_32b_s']} s, "
           f"72B {figures['broadcast_72b_s']} s")
     if "sync_s_1t" in figures:
-        print(f"  weight sync to every relay (delta ratio "
-              f"{figures['delta_bytes_ratio_assumed']:g}): 235B {figures['sync_s_235b']} s "
-              f"(whole {figures['sync_s_235b_full']} s), 1T {figures['sync_s_1t']} s (whole "
-              f"{figures['sync_s_1t_full']} s)")
+        print(f"  weight sync, striped per-rank path (issue 52): 235B {figures['sync_s_235b']} s, "
+              f"1T {figures['sync_s_1t']} s (trainer stall {figures['trainer_stall_s_1t']} s, "
+              f"engine pause {figures['engine_pause_s_1t']} s, bound "
+              f"{figures['engine_pause_bound_s_1t']} s); stage leads into one master: 235B "
+              f"{figures['sync_s_235b_stage_lead_full']} s, 1T "
+              f"{figures['sync_s_1t_stage_lead_full']} s whole (deltas at ratio "
+              f"{figures['delta_bytes_ratio_assumed']:g}: {figures['sync_s_1t_stage_lead']} s)")
     hist = {k: v for k, v in figures.items() if k.startswith("staleness_") and k[10:].isdigit()}
     print(f"  staleness histogram (laminar, measured iterations): {hist}")
     print(f"  calibration_error: {figures['calibration_error']}")

@@ -69,7 +69,7 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
                                     locate_master=lambda failed: _next_master(controller, failed),
                                     failover_timeout_s=ws.failover_timeout_s, token=token,
                                     delta="on" if delta_on else "off",
-                                    anchor_interval=ws.anchor_interval)
+                                    anchor_interval=ws.anchor_interval, export=ws.export)
         publisher.on_refused = controller.refused  # (stage leads: they talk to the relay)
         start = 0
         rank = dist.get_rank()

@@ -35,13 +35,16 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from ..errors import within
+from ..models import get_adapter
 from ..netutil import TOKEN_ENV
 from ..relay.rendezvous import PublishSession, RendezvousRefused, join_publish_session
 from ..weights.bucket import BucketPacker
 from ..weights.delta import DeltaEncoder, delta_enabled, digest, unit_for
 from ..weights.transport import (Channel, abort_group, gpu_uuid, host_identity, open_channel,
                                  write_shm)
-from .export import export_roles, iter_stage_hf_tensors
+from .export import export_roles, iter_rank_hf_shards, iter_stage_hf_tensors
+
+EXPORTS = ("stage_lead", "per_rank")  # weight_sync.export
 
 
 @dataclass
@@ -63,13 +66,18 @@ class WeightPublisher:
                  dtype: Optional[torch.dtype] = None, timeout_s: float = 300.0,
                  locate_master: Optional[Callable[[Tuple[str, int]], Tuple[str, int]]] = None,
                  failover_timeout_s: float = 180.0, token: Optional[str] = None,
-                 delta: str = "off", anchor_interval: int = 16):
+                 delta: str = "off", anchor_interval: int = 16, export: str = "stage_lead"):
         """``delta`` (``weight_sync.delta``: auto, on, off) and ``anchor_interval``: buckets
         go as deltas against the previous version, every ``anchor_interval``-th version whole
         (``weights/delta.py``). ``locate_master(failed)``: the publish address of the master relay that replaced
         ``failed`` (the controller knows; None: a lost master relay fails the publish).
         ``token``: the run's token (default ``$LAMINAR_RUN_TOKEN``), which the stage lead
-        proves to the master relay before its publish group forms (relay/rendezvous.py)."""
+        proves to the master relay before its publish group forms (relay/rendezvous.py).
+        ``export`` (``weight_sync.export``): ``stage_lead`` gathers each stage's TP shards on
+        its lead, which publishes the stage; ``per_rank``: every rank of the first
+        data-parallel replica publishes its own shard as part ``stage * TP + TP rank`` of
+        ``PP * TP`` (``trainer.export.iter_rank_hf_shards``, ``weights/shards.py``), blocked
+        only for its local copy."""
         from megatron.core import parallel_state as ps
 
         self.model = model
@@ -82,11 +90,25 @@ class WeightPublisher:
         self.token = token or os.environ.get(TOKEN_ENV, "")
         self.session: Optional[PublishSession] = None
         self._old_sessions: list = []
+        if export not in EXPORTS:
+            raise ValueError(f"LMC-E102: weight_sync.export={export!r} is not one of "
+                             f"{', '.join(EXPORTS)}")
+        self.per_rank = export == "per_rank"
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.num_stages = ps.get_pipeline_model_parallel_world_size()
         # Ranks that take part in the export's gathers (MoE: layer by layer, one layer's
         # experts at a time, never the model) and the stage lead, which packs and sends.
         self.exports, self.is_lead = export_roles(hf_config)
+        if self.per_rank and get_adapter(hf_config).is_moe:
+            raise ValueError("LMC-E112: weight_sync.export=per_rank does not export a "
+                             "mixture-of-experts model's experts yet (issue 52): use "
+                             "weight_sync.export=stage_lead")
+        if self.per_rank:  # every rank of the first replica sends its own part
+            tp = ps.get_tensor_model_parallel_world_size()
+            self.stage = self.stage * tp + ps.get_tensor_model_parallel_rank()
+            self.num_stages *= tp
+            self.exports = self.is_lead = (ps.get_data_parallel_rank() == 0
+                                           and ps.get_context_parallel_rank() == 0)
         self.packer = BucketPacker(bucket_bytes, dtype=dtype,
                                    pin_memory=torch.cuda.is_available()) if self.is_lead else None
         weights_dtype = dtype or parameter_dtype(model)
@@ -194,8 +216,7 @@ class WeightPublisher:
             if self.is_lead:
                 self._idle.clear()
             held = None  # bucket k is queued when k+1 exists (to know which one is the last)
-            named = tensors if tensors is not None else iter_stage_hf_tensors(self.model,
-                                                                              self.hf_config)
+            named = tensors if tensors is not None else self._exported()
             for bucket in self.packer.pack(named):
                 if held is not None:
                     self._enqueue(version, count - 1, held, last=False)
@@ -211,8 +232,24 @@ class WeightPublisher:
             self._reported = True
             print(f"[publish] stage {self.stage}: {count} buckets, {self.pinned_bytes() / 2**30:.2f} "
                   f"GiB of {'pinned' if self.packer.pin_memory else 'host'} buffers on this rank "
-                  f"(the stage lead; the stage's other TP ranks hold none)", flush=True)
+                  + (" (its own shard: weight_sync.export=per_rank)" if self.per_rank else
+                     " (the stage lead; the stage's other TP ranks hold none)"), flush=True)
         return PublishStats(version, t2 - t1, nbytes, count, waited_previous_s=t1 - t0)
+
+    def _exported(self):
+        """What this rank packs: its stage, gathered (the stage lead), or its own shard
+        (``per_rank``: (name, slice, (full shape, dim, start)) for a TP-cut tensor)."""
+        if not self.per_rank:
+            yield from iter_stage_hf_tensors(self.model, self.hf_config)
+            return
+        tp = self.ps.get_tensor_model_parallel_world_size()
+        for name, t, dim, start in iter_rank_hf_shards(self.model, self.hf_config):
+            if dim is None:
+                yield name, t
+            else:
+                full = list(t.shape)
+                full[dim] *= tp
+                yield name, t, (tuple(full), dim, start)
 
     def pinned_bytes(self) -> int:
         """Host bytes this rank keeps for publishing (0 on ranks that do not send)."""

@@ -34,12 +34,21 @@ class TensorMeta:
     shape: Tuple[int, ...]
     offset: int  # bytes from the start of the bucket
     nbytes: int
+    # a slice of a larger tensor (issue 52: each trainer rank publishes its own shard): the
+    # Hugging Face tensor's full shape, the dim it is cut along and where this slice starts;
+    # None for a whole tensor. ``weights.shards`` puts the slices back together.
+    full_shape: Optional[Tuple[int, ...]] = None
+    dim: Optional[int] = None
+    start: int = 0
 
     def to_dict(self) -> dict:
         """The one JSON form (handles, chain frames, publish headers); ``metas_from_dicts``
-        reads it back."""
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
-                "offset": self.offset, "nbytes": self.nbytes}
+        reads it back. A slice's three fields are there only for a slice."""
+        out = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
+               "offset": self.offset, "nbytes": self.nbytes}
+        if self.dim is not None:
+            out.update(full_shape=list(self.full_shape), dim=self.dim, start=self.start)
+        return out
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -48,15 +57,21 @@ def dtype_from_name(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def layout(named: Mapping[str, torch.Tensor]) -> Tuple[List[TensorMeta], int]:
+def layout(named: Mapping[str, torch.Tensor],
+           slices: Optional[Mapping[str, Tuple[Tuple[int, ...], int, int]]] = None
+           ) -> Tuple[List[TensorMeta], int]:
     """Byte layout of ``named`` in one bucket: each tensor at a multiple of 64 bytes (aligned
     for any dtype's ``.view`` and vectorised loads), its offset explicit in its ``TensorMeta``
-    (readers never assume tensors back to back)."""
+    (readers never assume tensors back to back). ``slices``: name -> (full shape, dim, start)
+    of the tensors that are slices of a larger one."""
     metas, offset = [], 0
+    slices = slices or {}
     for name, t in named.items():
         nbytes = t.numel() * t.element_size()
+        full, dim, start = slices.get(name, (None, None, 0))
         metas.append(TensorMeta(name, str(t.dtype).removeprefix("torch."), tuple(t.shape),
-                                offset, nbytes))
+                                offset, nbytes, tuple(full) if full is not None else None,
+                                dim, int(start)))
         offset += -(-nbytes // _ALIGN) * _ALIGN
     return metas, offset
 
@@ -164,7 +179,12 @@ def decode_handle(data: str, kind: str = "shm") -> dict:
 
 def metas_from_dicts(raw) -> List[TensorMeta]:
     """``TensorMeta`` from their JSON form (handles, chain frames, publish headers)."""
-    return [TensorMeta(m["name"], m["dtype"], tuple(m["shape"]), int(m["offset"]), int(m["nbytes"]))
+    return [TensorMeta(m["name"], m["dtype"], tuple(m["shape"]), int(m["offset"]),
+                       int(m["nbytes"]),
+                       tuple(int(d) for d in m["full_shape"]) if m.get("dim") is not None
+                       else None,
+                       int(m["dim"]) if m.get("dim") is not None else None,
+                       int(m.get("start", 0)) if m.get("dim") is not None else 0)
             for m in raw]
 
 
@@ -184,6 +204,13 @@ def checked_metas(raw, nbytes: int) -> List[TensorMeta]:
         if m.offset % itemsize:
             raise ValueError(f"bucket entry {m.name!r}: offset {m.offset} is not a multiple of "
                              f"its element size {itemsize}")
+        if m.dim is not None and not (
+                len(m.full_shape) == len(m.shape) and 0 <= m.dim < len(m.shape)
+                and 0 <= m.start and m.start + m.shape[m.dim] <= m.full_shape[m.dim]
+                and all(a == b for d, (a, b) in enumerate(zip(m.shape, m.full_shape))
+                        if d != m.dim)):
+            raise ValueError(f"bucket entry {m.name!r}: shape {list(m.shape)} at {m.start} "
+                             f"along dim {m.dim} is not a slice of {list(m.full_shape)}")
     return metas
 
 
@@ -249,25 +276,28 @@ class BucketPacker:
             return t.to(self.dtype)
         return t
 
-    def pack(self, named: Iterator[Tuple[str, torch.Tensor]]) -> Iterator[Bucket]:
+    def pack(self, named: Iterator[tuple]) -> Iterator[Bucket]:
         """Yield filled buckets as they complete (the caller may send bucket k while this
-        generator gathers bucket k+1)."""
-        pending, size, index = {}, 0, 0
+        generator gathers bucket k+1). Items are (name, tensor), or (name, tensor, (full shape,
+        dim, start)) for a slice of a larger tensor (``TensorMeta.full_shape``)."""
+        pending, slices, size, index = {}, {}, 0, 0
         self.last_buckets: List[Bucket] = []  # this publish's buckets (views of the buffers)
-        for name, tensor in named:
-            tensor = self._cast(tensor)
+        for item in named:
+            name, tensor = item[0], self._cast(item[1])
             nbytes = tensor.numel() * tensor.element_size()
             if pending and size + nbytes > self.bucket_bytes:
-                yield self._fill(index, pending)
+                yield self._fill(index, pending, slices)
                 index += 1
-                pending, size = {}, 0
+                pending, slices, size = {}, {}, 0
             pending[name] = tensor
+            if len(item) > 2 and item[2] is not None:
+                slices[name] = item[2]
             size += -(-nbytes // 64) * 64
         if pending:
-            yield self._fill(index, pending)
+            yield self._fill(index, pending, slices)
 
-    def _fill(self, index: int, pending) -> Bucket:
-        metas, nbytes = layout(pending)
+    def _fill(self, index: int, pending, slices=None) -> Bucket:
+        metas, nbytes = layout(pending, slices)
         buffer = self._buffer(index, nbytes)[:nbytes]
         write_bucket(buffer, pending, metas)
         bucket = Bucket(metas, buffer)

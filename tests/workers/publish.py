@@ -14,6 +14,7 @@ def main():
     ap.add_argument("--publish-port", type=int, required=True)
     ap.add_argument("--versions", type=int, default=2)
     ap.add_argument("--bucket-bytes", type=int, default=40_000)
+    ap.add_argument("--export", default="stage_lead")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -30,7 +31,7 @@ def main():
     model = build_gpt_model(cfg)
     publisher = WeightPublisher(model, cfg, relay_host=args.relay_host,
                                 publish_port=args.publish_port, bucket_bytes=args.bucket_bytes,
-                                chunk_bytes=8192)
+                                chunk_bytes=8192, export=args.export)
     stats = []
     for version in range(1, args.versions + 1):
         # Version v carries the weights of HF init seed v, so each is checkable on its own.
@@ -42,6 +43,7 @@ def main():
         publisher.wait()
     publisher.close()
     write_rank_result(args.out, {"rank": int(os.environ["RANK"]), "lead": publisher.is_lead,
+                                 "part": publisher.stage,
                                  "stats": stats, "host_buffer_bytes": publisher.pinned_bytes(),
                                  "backend": publisher.backend})
     torch.distributed.destroy_process_group()

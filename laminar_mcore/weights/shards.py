@@ -1,0 +1,116 @@
+"""Versions published as per-rank shards, read as whole Hugging Face tensors (issue 52).
+
+With ``weight_sync.export=per_rank`` every trainer rank of the first data-parallel replica
+publishes what it holds of its pipeline stage (``trainer.export.iter_rank_hf_shards``), with
+no gather: a tensor cut by tensor parallelism arrives as slices, each ``TensorMeta`` naming the
+full shape, the dim and where the slice starts. The version is still one named set of Hugging
+Face tensors to whoever reads it whole: :func:`whole_plan` says, from the stored buckets' metas
+alone, which whole tensors each served bucket holds and where every slice goes, refusing a
+version whose slices do not tile their tensors exactly once; :func:`assemble` fills a served
+bucket from the stored ones (the relay does it as an engine pulls, ``relay/pulls.py``).
+
+A served bucket holds the whole tensors first met in one stored bucket (in (part, index)
+order: the slices of TP rank 0's bucket bring in their tensors, whose other slices sit in the
+other ranks' buckets), so their sizes follow the trainer's ``weight_sync.bucket_mb`` times TP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from .bucket import TensorMeta, dtype_from_name, layout
+
+__all__ = ["WholeTensor", "is_sharded", "whole_plan", "served_layout", "assemble"]
+
+
+@dataclass
+class WholeTensor:
+    """One whole tensor of a served bucket and the slices it is made of: (position of the
+    stored bucket in the list given to :func:`whole_plan`, that slice's meta)."""
+
+    name: str
+    dtype: str
+    shape: Tuple[int, ...]
+    pieces: List[Tuple[int, TensorMeta]] = field(default_factory=list)
+
+
+def is_sharded(metas_lists: Sequence[Sequence[TensorMeta]]) -> bool:
+    """Whether any stored bucket holds a slice (a per-rank publication)."""
+    return any(m.dim is not None for metas in metas_lists for m in metas)
+
+
+def whole_plan(metas_lists: Sequence[Sequence[TensorMeta]]) -> List[List[WholeTensor]]:
+    """The served buckets of a version whose stored buckets (in pull order) have these metas.
+    Raises ``ValueError`` saying which tensor is wrong when a tensor's pieces do not tile it:
+    two whole copies, a whole copy and slices, slices along different dims, of different
+    dtypes or full shapes, a gap or an overlap."""
+    tensors: Dict[str, WholeTensor] = {}
+    served: List[List[WholeTensor]] = []
+    for pos, metas in enumerate(metas_lists):
+        fresh = []
+        for m in metas:
+            full = m.full_shape if m.dim is not None else m.shape
+            t = tensors.get(m.name)
+            if t is None:
+                t = tensors[m.name] = WholeTensor(m.name, m.dtype, tuple(full))
+                fresh.append(t)
+            elif t.dtype != m.dtype or t.shape != tuple(full):
+                raise ValueError(f"LMC-E517: {m.name}: a piece of dtype {m.dtype} and full shape "
+                                 f"{list(full)} beside one of {t.dtype} and {list(t.shape)}")
+            t.pieces.append((pos, m))
+        if fresh:
+            served.append(fresh)
+    for t in tensors.values():
+        _check_tiling(t)
+    return served
+
+
+def _check_tiling(t: WholeTensor) -> None:
+    dims = {m.dim for _, m in t.pieces}
+    if None in dims:
+        if len(t.pieces) != 1:
+            raise ValueError(f"LMC-E517: {t.name} arrived whole and also as {len(t.pieces) - 1} "
+                             "other piece(s): every trainer rank but one must leave a tensor it "
+                             "does not cut to the others")
+        return
+    if len(dims) != 1:
+        raise ValueError(f"LMC-E517: {t.name}: slices along dims {sorted(dims)}; a tensor is cut "
+                         "along one dim")
+    dim = dims.pop()
+    at = 0
+    for _, m in sorted(t.pieces, key=lambda p: p[1].start):
+        if m.start != at:
+            raise ValueError(f"LMC-E517: {t.name}: along dim {dim}, a slice starts at {m.start} "
+                             f"where {at} was expected ({'an overlap' if m.start < at else 'a gap'}"
+                             "): a trainer rank's shard is missing or sent twice")
+        at += m.shape[dim]
+    if at != t.shape[dim]:
+        raise ValueError(f"LMC-E517: {t.name}: its slices cover {at} of {t.shape[dim]} along dim "
+                         f"{dim}: a trainer rank's shard is missing")
+
+
+def served_layout(entry: Sequence[WholeTensor]) -> Tuple[List[TensorMeta], int]:
+    """The metas (whole tensors) and byte size of one served bucket."""
+    return layout({t.name: torch.empty(t.shape, dtype=dtype_from_name(t.dtype), device="meta")
+                   for t in entry})
+
+
+def assemble(entry: Sequence[WholeTensor], sources: Sequence[torch.Tensor],
+             out: torch.Tensor) -> List[TensorMeta]:
+    """Fill ``out`` (uint8, at least ``served_layout``'s size) with ``entry``'s whole tensors
+    from the stored buckets' buffers (``sources[pos]``, uint8); returns its metas."""
+    metas, _ = served_layout(entry)
+    for t, meta in zip(entry, metas):
+        dtype = dtype_from_name(t.dtype)
+        dst = out[meta.offset:meta.offset + meta.nbytes].view(dtype).view(t.shape)
+        for pos, piece in t.pieces:
+            src = sources[pos][piece.offset:piece.offset + piece.nbytes].view(dtype)
+            src = src.view(piece.shape)
+            if piece.dim is None:
+                dst.copy_(src)
+            else:
+                dst.narrow(piece.dim, piece.start, piece.shape[piece.dim]).copy_(src)
+    return metas
