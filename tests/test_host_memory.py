@@ -55,6 +55,14 @@ def test_the_235b_recipe_fits_a_2tb_node_gpu_and_host():
                    "cluster.controller_addr=10.0.0.1")
     assert relay_model_bytes(cfg) / 1e9 * 2 == pytest.approx(QWEN3_235B_SHM_GB, abs=0.1)
     assert relay_model_bytes(typed(cfg)) == relay_model_bytes(cfg)  # as a supervisor holds it
+    # published per rank, a relay also holds the whole tensors it assembles: twice the bytes
+    dense = ("experiment=qwen2_5_7b_math", "model.path=null", "cluster.controller_addr=10.0.0.1")
+    assert relay_model_bytes(_compose(*dense, "weight_sync.export=per_rank")) == \
+        2 * relay_model_bytes(_compose(*dense))
+    plans = [capacity_plan(_compose(*dense, f"weight_sync.export={e}"))
+             for e in ("stage_lead", "per_rank")]
+    assert plans[1]["relay_shm_gb_per_rollout_node"] == pytest.approx(
+        2 * plans[0]["relay_shm_gb_per_rollout_node"], abs=0.2)
 
 
 def test_host_problems_name_the_key_and_fits_is_both():

@@ -1,23 +1,26 @@
 """The trainer's blocked time per publish: stage-lead export against per-rank export (issue 52,
-item 5), the same model in the same run, side by side.
+item 5), the same model in the same run, side by side, through the real publisher.
 
     python -m laminar_mcore.bench.export_ranks [--tp 2] [--hidden 768 --layers 6 --vocab 32000]
         [--repeats 5] [--json PATH]
 
-It runs this file under torchrun with ``--tp`` ranks (a TP-N stage of ``bench.weight_sync``'s
-model, which reports the same keys prefixed ``export_`` with ``--export-tp N``; gloo on CPU,
-NCCL where there are GPUs) and reads each rank's figures:
+It starts a master relay and runs this file under torchrun with ``--tp`` ranks (a TP-N stage of
+``bench.weight_sync``'s model, which reports the same keys prefixed ``export_`` with
+``--export-tp N``; gloo on CPU, NCCL where there are GPUs). Each rank holds two
+``WeightPublisher``s on that relay and publishes alternately through them
+(``weight_sync.export``):
 
-* stage lead (today's publisher): every rank of the stage takes part in the export's TP
-  gathers (``iter_stage_hf_tensors``), and the lead copies the whole stage into its host
-  buffer; a rank is blocked until its part is done;
-* per rank: each rank copies its own slices (``iter_rank_hf_shards``, no collective) into its
-  own host buffer.
+* ``stage_lead`` (the default): every rank of the stage takes part in the export's TP gathers
+  (``iter_stage_hf_tensors``), and the lead packs the whole stage into its host buckets;
+* ``per_rank``: each rank packs its own slices (``iter_rank_hf_shards``, no collective) into
+  its own buckets, a part of its own at the relay.
 
-Blocked = the slowest rank's seconds, median over ``--repeats`` after one warm-up (which
-allocates the buffers). Keys (prefixed ``export_`` in bench.weight_sync's JSON):
-``blocked_s_stage_lead``, ``blocked_s_per_rank``, ``blocked_ratio`` (stage lead / per rank),
-``bytes_stage``, ``bytes_per_rank_max``, ``tp``.
+Blocked = ``PublishStats.blocked_s``, what ``publish`` returns after (the export into host
+buckets: what training waits for), of the slowest rank, median over ``--repeats`` after one
+warm-up (which allocates the buffers); each publish's send to the relay finishes before the
+next starts. Every version must complete at the relay with the model's bytes. Keys (prefixed
+``export_`` in bench.weight_sync's JSON): ``blocked_s_stage_lead``, ``blocked_s_per_rank``,
+``blocked_ratio`` (stage lead / per rank), ``bytes_stage``, ``bytes_per_rank_max``, ``tp``.
 """
 
 from __future__ import annotations
@@ -25,20 +28,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
+import tempfile
 from typing import Dict
 
 import torch
 
-
-def _copy_into(buffer: torch.Tensor, tensors) -> int:
-    """Copy each tensor's bytes into ``buffer`` back to back; returns the bytes."""
-    offset = 0
-    for t in tensors:
-        raw = t.contiguous().view(-1).view(torch.uint8)
-        buffer[offset:offset + raw.numel()].copy_(raw)
-        offset += raw.numel()
-    return offset
+EXPORTS = ("stage_lead", "per_rank")
 
 
 def _worker() -> None:
@@ -47,6 +42,7 @@ def _worker() -> None:
     ap.add_argument("--layers", type=int, required=True)
     ap.add_argument("--vocab", type=int, required=True)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--publish-port", type=int, required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -55,8 +51,8 @@ def _worker() -> None:
     from laminar_mcore.models.hf import tiny_hf_config
     from laminar_mcore.parallel import init_trainer_parallel
     from laminar_mcore.testing.dist import write_rank_result
-    from laminar_mcore.trainer.export import iter_rank_hf_shards, iter_stage_hf_tensors
     from laminar_mcore.trainer.model import build_gpt_model
+    from laminar_mcore.trainer.publisher import WeightPublisher
 
     tp = int(os.environ["WORLD_SIZE"])
     init_trainer_parallel(tp=tp, pp=1, seed=0)
@@ -68,68 +64,75 @@ def _worker() -> None:
                          num_hidden_layers=args.layers, num_attention_heads=heads,
                          num_key_value_heads=groups, vocab_size=args.vocab)
     torch.set_num_threads(1)
-    dtype = torch.bfloat16
-    model = build_gpt_model(cfg, dtype=dtype)
-    lead = dist.get_rank() == 0
-    timings: Dict[str, list] = {"stage_lead": [], "per_rank": []}
-    buffers: Dict[str, torch.Tensor] = {}
+    model = build_gpt_model(cfg, dtype=torch.bfloat16)
+    publishers = {kind: WeightPublisher(model, cfg, relay_host="127.0.0.1",
+                                        publish_port=args.publish_port, export=kind)
+                  for kind in EXPORTS}
+    timings: Dict[str, list] = {kind: [] for kind in EXPORTS}
     sizes: Dict[str, int] = {}
-
-    def run(kind: str) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        if kind == "stage_lead":
-            tensors = (t for _, t in iter_stage_hf_tensors(model, cfg))
-            keep = lead
-        else:
-            tensors = (t for _, t, _, _ in iter_rank_hf_shards(model, cfg))
-            keep = True
-        if keep:
-            if kind not in buffers:  # the warm-up sizes and allocates the host buffer
-                items = [t.contiguous() for t in tensors]
-                sizes[kind] = sum(t.numel() * t.element_size() for t in items)
-                buffers[kind] = torch.empty(sizes[kind], dtype=torch.uint8,
-                                            pin_memory=torch.cuda.is_available())
-                tensors = iter(items)
-            _copy_into(buffers[kind], tensors)
-        else:
-            for _ in tensors:  # the gathers this rank takes part in
-                pass
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
+    version = 0
     for i in range(1 + args.repeats):
-        for kind in ("stage_lead", "per_rank"):  # interleaved: the machine's noise hits both
-            seconds = run(kind)
+        for kind in EXPORTS:  # interleaved: the machine's noise hits both
+            version += 1
+            dist.barrier()
+            stats = publishers[kind].publish(version)
+            publishers[kind].wait()  # its send ends before the next export starts
+            sizes[kind] = stats.nbytes
             if i:
-                timings[kind].append(seconds)
-    write_rank_result(args.out, {"rank": dist.get_rank(),
-                                 "stage_lead": timings["stage_lead"],
-                                 "per_rank": timings["per_rank"],
-                                 "bytes_stage_lead": sizes.get("stage_lead", 0),
-                                 "bytes_per_rank": sizes.get("per_rank", 0)})
+                timings[kind].append(stats.blocked_s)
+    dist.barrier()
+    for publisher in publishers.values():
+        publisher.close()
+    write_rank_result(args.out, {"rank": dist.get_rank(), **timings,
+                                 "bytes_stage_lead": sizes["stage_lead"],
+                                 "bytes_per_rank": sizes["per_rank"], "versions": version})
     dist.barrier()
     dist.destroy_process_group()
 
 
 def measure(tp: int, hidden: int, layers: int, vocab: int, repeats: int = 5,
             timeout: float = 900.0) -> Dict[str, float]:
-    """The figures above, from a torchrun of ``tp`` ranks."""
+    """The figures above, from a master relay and a torchrun of ``tp`` ranks."""
+    import secrets
+    import urllib.request
+    import json
+
+    from ..netutil import TOKEN_ENV
+    from ..relay.launch import relay_process
+    from ..relay.server import RelayConfig
     from ..testing.dist import run_torchrun
 
-    results = run_torchrun(os.path.abspath(__file__), tp,
-                           ["--hidden", str(hidden), "--layers", str(layers),
-                            "--vocab", str(vocab), "--repeats", str(repeats)],
-                           timeout=timeout, env={"PYTHONPATH": _root_path()})
+    token = secrets.token_hex(16)
+    with tempfile.TemporaryDirectory(prefix="laminar-export-ranks-") as tmp:
+        relay = relay_process(RelayConfig(token, master=True, trainer_stages=tp,
+                                          relay_id="master"),
+                              os.path.join(tmp, "relay.log")).start()
+        try:
+            port = int(relay.wait_printed("LAMINAR_RELAY_PUBLISH_PORT"))
+            results = run_torchrun(os.path.abspath(__file__), tp,
+                                   ["--hidden", str(hidden), "--layers", str(layers),
+                                    "--vocab", str(vocab), "--repeats", str(repeats),
+                                    "--publish-port", str(port)],
+                                   timeout=timeout,
+                                   env={"PYTHONPATH": _root_path(), TOKEN_ENV: token})
+            req = urllib.request.Request(relay.url + "/latest",
+                                         headers={"Authorization": f"Bearer {token}"})
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                latest = json.loads(resp.read())
+        finally:
+            relay.stop()
     out: Dict[str, float] = {"tp": tp}
-    for kind in ("stage_lead", "per_rank"):
+    for kind in EXPORTS:
         # per repeat, the slowest rank; then the median over repeats
         slowest = [max(r[kind][i] for r in results) for i in range(repeats)]
         out[f"blocked_s_{kind}"] = statistics.median(slowest)
     out["blocked_ratio"] = out["blocked_s_stage_lead"] / max(out["blocked_s_per_rank"], 1e-12)
     out["bytes_stage"] = max(r["bytes_stage_lead"] for r in results)
     out["bytes_per_rank_max"] = max(r["bytes_per_rank"] for r in results)
+    whole = sum(r["bytes_per_rank"] for r in results)
+    if latest.get("version") != results[0]["versions"] or latest.get("nbytes") != whole:
+        raise RuntimeError(f"the relay holds {latest} after {results[0]['versions']} "
+                           f"versions of {whole} bytes: a publish did not complete")
     return out
 
 

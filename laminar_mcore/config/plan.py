@@ -75,12 +75,16 @@ GB = 1e9
 
 def relay_model_bytes(cfg) -> int:
     """One version of the model as a relay stores it (the rollout dtype), for its start-up
-    check of ``/dev/shm`` (``RelayConfig.model_bytes``); ``cfg``: composed or typed."""
+    check of ``/dev/shm`` (``RelayConfig.model_bytes``); ``cfg``: composed or typed. Published
+    per rank (``weight_sync.export=per_rank``) a relay also holds the whole tensors it puts
+    together for pulls: twice the bytes."""
     from omegaconf import DictConfig, OmegaConf
 
     if not isinstance(cfg, DictConfig):
         cfg = OmegaConf.structured(cfg)
-    return int(param_counts(model_arch(cfg))["total"] * (4 if cfg.model.dtype == "fp32" else 2))
+    copies = 2 if cfg.weight_sync.export == "per_rank" else 1
+    return int(param_counts(model_arch(cfg))["total"] * (4 if cfg.model.dtype == "fp32" else 2)
+               * copies)
 
 
 def delta_choice(cfg, dtype=None, hf_config=None) -> tuple:
@@ -361,11 +365,11 @@ def capacity_plan(cfg, digits: int = 2) -> dict:
         "engine_kv_gb_per_gpu": round(max(kv_gb, 0.0), 2),
         "relay_buckets_gb_per_engine_gpu": round(relay_buckets_gb, 2),
         "relay_device": relay_device, "relay_shares_an_engine_gpu": False, "gpu_map": gpu_maps,
-        "relay_shm_gb_per_rollout_node": round(cfg.weight_sync.relay_versions * model_gb, 1),
+        "relay_shm_gb_per_rollout_node": round(host["shm_need_gb"], 1),
         "pinned_publish_gb_per_trainer_node": round(pinned_gb, 1),
         "reference_model": "offloaded" if ref_offload else "held" if reference else "none",
         "reference_host_gb_per_trainer_node": round(ref_host_gb, 1),
-        **{k: v for k, v in host.items() if k != "problems"},
+        **{k: v for k, v in host.items() if k not in ("problems", "shm_need_gb")},
         "weight_sync_delta": delta_on, "weight_sync_delta_why": delta_why,
         "controller_streams": controller_streams(cfg),
         "controller_open_files": controller_open_files(cfg),
@@ -382,7 +386,8 @@ def _host_plan(cfg, model_gb: float, pinned_gb: float, ref_host_gb: float,
     host_gb = float(cl.host_memory_gb)
     shm_default = cl.shm_gb is None
     shm_gb = host_gb / 2 if shm_default else float(cl.shm_gb)
-    shm_need = rv * model_gb
+    # per-rank versions: a relay also holds the whole tensors it puts together for pulls
+    shm_need = rv * model_gb * (2 if cfg.weight_sync.export == "per_rank" else 1)
     rollout_gb = shm_need + PROCESS_HOST_GB * (engine_gpus + 1)  # engine workers, the relay
     trainer_gb = pinned_gb + ref_host_gb + PROCESS_HOST_GB * cl.trainer.nproc_per_node
     problems = []
@@ -402,7 +407,9 @@ def _host_plan(cfg, model_gb: float, pinned_gb: float, ref_host_gb: float,
             problems.append(
                 "LMC-E123: "
                 f"a rollout node's relay keeps weight_sync.relay_versions={rv} versions of "
-                f"{model_gb:.1f} GB in /dev/shm ({shm_need:.1f} GB), but /dev/shm holds "
+                f"{model_gb:.1f} GB in /dev/shm ({shm_need:.1f} GB"
+                + (", twice over: weight_sync.export=per_rank" if shm_need > rv * model_gb
+                   else "") + f"), but /dev/shm holds "
                 f"{shm_gb:g} GB ({shm_key}): "
                 f"remount it larger (mount -o remount,size={size}G /dev/shm; docker: "
                 f"--shm-size={size}g) and set cluster.shm_gb={size}"
@@ -425,7 +432,7 @@ def _host_plan(cfg, model_gb: float, pinned_gb: float, ref_host_gb: float,
                 "leads on other nodes)"
                 + (" or set algo.ref_offload=false" if ref_host_gb else ""))
     return {"host_memory_gb": host_gb, "shm_gb": shm_gb, "relay_versions": rv,
-            "rollout_host_gb_per_node": round(rollout_gb, 1),
+            "shm_need_gb": shm_need, "rollout_host_gb_per_node": round(rollout_gb, 1),
             "trainer_host_gb_per_node": round(trainer_gb, 1), "problems": problems}
 
 

@@ -26,6 +26,7 @@ from ..netutil import error_response, read_json
 from ..weights.bucket import ShmBucket
 from ..weights.shards import assemble, served_layout
 from .requests import BUCKET, PULL, RELEASE, RELEASE_HOLDER
+from .store import reserve
 from .transports import (TRANSPORTS, Exporter, TransportUnavailable, enabled_at_start,
                          make_exporter)
 
@@ -168,6 +169,7 @@ class PullService:
         entry = sv.whole[index]
         metas, nbytes = served_layout(entry)
         shm = ShmBucket(nbytes, prefix="laminar-whole")
+        reserve(shm)  # a full /dev/shm: LMC-E500 to this pull, never SIGBUS
         try:
             assemble(entry, [b.shm.buffer for b in sv.ordered()], shm.buffer)
         except BaseException:

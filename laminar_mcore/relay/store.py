@@ -86,7 +86,7 @@ def size_text(nbytes: float) -> str:
     return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.2f} MB"
 
 
-def _reserve(shm: ShmBucket) -> None:
+def reserve(shm: ShmBucket) -> None:
     """Allocate every page of ``shm``'s file now: a full tmpfs says ENOSPC here, where a write
     to a sparse page would kill the process with SIGBUS."""
     fd = os.open(shm.path, os.O_RDWR)
@@ -263,7 +263,7 @@ class VersionStore:
         if shm is None:  # outside the lock: allocating touches every page
             shm = ShmBucket(nbytes, prefix="laminar-relay")
             try:
-                _reserve(shm)
+                reserve(shm)
             except ShmFull as exc:
                 # the whole version is refused, as at ``begin``: its other buckets are drained
                 # by the receiver, and its buffers go back for the next one
@@ -359,18 +359,17 @@ class VersionStore:
                 self._drop(sv)
                 return False
             metas = [b.metas for b in sv.ordered()]
-            if is_sharded(metas):  # per-rank shards: engines pull whole tensors
-                try:
-                    sv.whole = whole_plan(metas)
-                except ValueError as exc:
-                    logger.error("version %d: %s", sv.version, exc)
-                    self.versions_failed += 1
-                    sv.failed = str(exc)
-                    self._drop(sv)
-                    self.cond.notify_all()
-                    return False
+            try:  # per-rank shards: engines pull whole tensors, put together from them
+                sv.whole = whole_plan(metas) if is_sharded(metas) else None
+            except ValueError as exc:
+                logger.error("version %d: %s", sv.version, exc)
+                self.versions_failed, sv.failed = self.versions_failed + 1, str(exc)
+                self._drop(sv)
+                self.cond.notify_all()
+                return False
             sv.complete, sv.finished = True, time.time()
-            self.version_bytes = max(self.version_bytes, sv.nbytes)
+            # (per-rank shards: a relay also holds the whole tensors it assembles for pulls)
+            self.version_bytes = max(self.version_bytes, sv.nbytes * (1 + (sv.whole is not None)))
             self._refused = {k: why for k, why in self._refused.items() if k[0] > sv.version}
             self.receiving.pop(sv.version, None)
             if self.latest is not None:
@@ -442,7 +441,8 @@ class VersionStore:
     @property
     def held_bytes(self) -> int:
         """Bytes of every buffer the store holds, free ones included (read it under ``cond``)."""
-        return self.pooled_bytes + sum(sv.nbytes for sv in self._holding())
+        return self.pooled_bytes + sum(sv.nbytes + sum(b.nbytes for b in sv.assembled.values())
+                                       for sv in self._holding())
 
     @property
     def pooled_bytes(self) -> int:
