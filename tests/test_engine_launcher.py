@@ -184,7 +184,8 @@ def test_the_configured_start_up_budget_not_a_constant_governs(tmp_path):
         assert _status(engine.url + "/health_generate") == 200  # up: it generates
     # A budget the boot fits in with room to spare (this machine may be slow), and a start-up
     # phase far longer than it: the budget, not the phase, ends the wait.
-    budget = max(4, round(2 * took))
+    # (3x: a second boot under a busy suite took more than twice the first: CI, 2026-11-28)
+    budget = max(6, round(3 * took))
     cfg = _cfg(f"rollout.cpu_startup_delay_s={budget + 600}", f"rollout.start_timeout_s={budget}")
     engine = engine_process(cfg, model, str(tmp_path / "late.log"), 0)
     with pytest.raises(EngineStartError) as failed:

@@ -22,7 +22,8 @@ from laminar_mcore.config.schema import WeightSyncConfig
 from laminar_mcore.relay.chain import ReceiverBusy, push_version
 from laminar_mcore.relay.launch import relay_process
 from laminar_mcore.relay.server import RelayConfig, RelayServer
-from laminar_mcore.relay.store import ShmFull, StoreFull, VersionStore, shm_space
+from laminar_mcore.relay.store import ShmFull, StoreFull, VersionStore
+from laminar_mcore.relay.tmpfs import shm_space
 from laminar_mcore.server_process import ServerStartError
 from laminar_mcore.weights.bucket import SHM_DIR, layout, read_bucket, write_bucket
 

@@ -68,6 +68,13 @@ def test_slices_that_do_not_tile_their_tensor_are_refused_by_name(case, match):
         whole_plan(stored)
 
 
+def test_a_slice_of_another_shape_is_refused_by_the_plan():
+    stored = [metas for r in (0, 1) for metas, _ in _packed(_rank_items(r))]
+    bad = [dict(m.to_dict(), dim=5) if m.dim is not None else m.to_dict() for m in stored[0]]
+    with pytest.raises(ValueError, match="LMC-E517: .*is not a slice of"):
+        whole_plan([metas_from_dicts(bad)] + stored[1:])
+
+
 def test_a_slice_outside_its_full_shape_is_refused_in_a_handle():
     (metas, buf), *_ = _packed(_rank_items(1))
     raw = [dict(m.to_dict(), start=m.full_shape[m.dim]) for m in metas]
@@ -107,3 +114,24 @@ def test_whole_tensors_keep_the_stored_buckets_order_and_layout():
     write_bucket(buf, named, metas)
     plan = whole_plan([metas])  # nothing sliced: one served bucket, the same layout
     assert served_layout(plan[0]) == (metas, nbytes)
+
+
+def test_the_store_serves_whole_tensors_once_per_version_in_reused_buffers():
+    """``VersionStore.served``: the whole tensors, made once per version (a second pull gets
+    the same buffer), counted in the held bytes, and the next version's made in the same
+    buffer (a registered transport's address stays valid)."""
+    store = VersionStore()
+    try:
+        assert store.try_complete(_store_version(store, 1, [0, 1]))
+        v1 = store.latest
+        made = store.served(v1, 0)
+        assert store.served(v1, 0) is made
+        got = read_bucket(made.shm.buffer, made.metas)
+        assert all(torch.equal(got[name], t) for name, t in FULL.items())
+        with store.cond:
+            assert store.held_bytes >= v1.nbytes + made.nbytes
+        path = made.shm.path
+        assert store.try_complete(_store_version(store, 2, [0, 1]))  # v1 recycled: no lease
+        assert store.served(store.latest, 0).shm.path == path
+    finally:
+        store.close()

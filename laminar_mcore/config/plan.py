@@ -282,7 +282,10 @@ def capacity_plan(cfg, digits: int = 2) -> dict:
     rollout_bytes = 4 if fp32 else 2
     model_gb = counts["total"] * rollout_bytes / GB
     engine_weights_gb = model_gb / max(r.engine_tp, 1)
-    relay_buckets_gb = 2 * cfg.weight_sync.bucket_mb * 2**20 / GB
+    # two buckets held while pulling; per-rank versions are served as whole tensors: a served
+    # bucket holds the TP slices of up to a bucket per rank (weights/shards.py)
+    relay_buckets_gb = 2 * cfg.weight_sync.bucket_mb * 2**20 / GB * (
+        max(cfg.parallel.tp, 1) if cfg.weight_sync.export == "per_rank" else 1)
     static_gb = r.mem_fraction_static * mem
     kv_gb = static_gb - engine_weights_gb
     # the GPU map (config/gpu_map.py): a rollout node's relay on a GPU no engine holds, or none

@@ -81,7 +81,10 @@ def attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> "d
     the ranks of a restarted world read the gloo addresses their dead predecessors published:
     every restart of a world of two or more failed with ``Gloo connectFullMesh failed ...
     Connection refused`` (found when a TP2 trainer rank was killed). The store is made as
-    torch's env:// rendezvous makes it: a client of the agent's store, or rank 0 hosting it."""
+    torch's env:// rendezvous makes it: a client of the agent's store, or rank 0 hosting it.
+    One node only: there one agent counts the restarts; across nodes each agent counts its
+    own (a node that restarts because another joined does not count), so the prefixes would
+    differ between nodes."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
@@ -106,10 +109,13 @@ def init_trainer_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 123
         if torch.cuda.is_available():
             torch.cuda.set_device(local_device_index())
         timeout = datetime.timedelta(seconds=timeout_s)
-        if "RANK" in os.environ:  # under torchrun
+        if "RANK" in os.environ and os.environ.get("LOCAL_WORLD_SIZE") == \
+                os.environ.get("WORLD_SIZE"):  # torchrun on one node
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             dist.init_process_group(backend=backend(), timeout=timeout, rank=rank,
                                     world_size=world, store=attempt_store(rank, world, timeout))
+        elif "RANK" in os.environ:  # torchrun on several nodes: its own rendezvous
+            dist.init_process_group(backend=backend(), timeout=timeout)
         else:
             # A single process outside torchrun: a world of one on a private loopback store
             # (os.environ is left alone, so child processes do not think they are rank 0).

@@ -23,26 +23,13 @@ from aiohttp import web
 
 from ..errors import split
 from ..netutil import error_response, read_json
-from ..weights.bucket import ShmBucket
-from ..weights.shards import assemble, served_layout
 from .requests import BUCKET, PULL, RELEASE, RELEASE_HOLDER
-from .store import reserve
 from .transports import (TRANSPORTS, Exporter, TransportUnavailable, enabled_at_start,
                          make_exporter)
 
 logger = logging.getLogger("laminar_mcore.relay")
 
 MAX_BUCKETS_OUTSTANDING = 2
-
-
-@dataclass
-class AssembledBucket:
-    """A served bucket of whole tensors made from a per-rank version's slices (what the
-    exporters read of a ``StoredBucket``)."""
-
-    shm: ShmBucket
-    metas: list
-    nbytes: int
 
 
 @dataclass
@@ -139,8 +126,7 @@ class PullService:
                 f"not applied yet: at most {MAX_BUCKETS_OUTSTANDING} may be outstanding; list "
                 "the applied ones in 'applied'")
         try:
-            bucket = sv.ordered()[index] if sv.whole is None else \
-                await asyncio.to_thread(self._assembled, sv, index)
+            bucket = await asyncio.to_thread(self.store.served, sv, index)
             data = await asyncio.to_thread(exporter.serve, lease_id, index, bucket,
                                            state.params)
         except Exception as exc:  # noqa: BLE001 - e.g. a GPU error: say it, keep serving
@@ -156,30 +142,6 @@ class PullService:
         if name not in self.exporters:
             self.exporters[name] = make_exporter(name, self.cfg)
         return self.exporters[name]
-
-    def _assembled(self, sv, index: int) -> "AssembledBucket":
-        """Served bucket ``index`` of a version published as per-rank shards: its whole tensors
-        put together from the stored slices, once per version on this relay (the first pull
-        that asks makes it; the store frees it with the version's buffers, so its handle is
-        valid as long as the lease, like a stored bucket's)."""
-        with self.store.cond:
-            made = sv.assembled.get(index)
-        if made is not None:
-            return made
-        entry = sv.whole[index]
-        metas, nbytes = served_layout(entry)
-        shm = ShmBucket(nbytes, prefix="laminar-whole")
-        reserve(shm)  # a full /dev/shm: LMC-E500 to this pull, never SIGBUS
-        try:
-            assemble(entry, [b.shm.buffer for b in sv.ordered()], shm.buffer)
-        except BaseException:
-            shm.close()
-            raise
-        with self.store.cond:
-            made = sv.assembled.setdefault(index, AssembledBucket(shm, metas, nbytes))
-        if made.shm is not shm:  # another pull made it meanwhile
-            shm.close()
-        return made
 
     def _forget_lease(self, lease_id: str) -> Optional[PullState]:
         state = self.pulls.pop(lease_id, None)

@@ -240,7 +240,8 @@ class PublishRendezvous:
             raise RendezvousRefused("LMC-E503: no valid proof of the run's token")
         if not 0 <= stage < self.stages:
             reason = (f"LMC-E504: stage {stage} is not one of this relay's {self.stages} trainer "
-                      "stages (--trainer-stages: the trainer's pipeline-parallel size)")
+                      "stages (--trainer-stages: the trainer's pipeline-parallel size, times "
+                      "its tensor-parallel size with weight_sync.export=per_rank)")
             send_frame(conn, {"accept": False, "reason": reason})
             raise RendezvousRefused(reason)
         try:

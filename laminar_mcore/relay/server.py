@@ -64,7 +64,8 @@ from .master import MasterRelay
 from .metrics import RelayBooks, relay_families
 from .pulls import PullService
 from .requests import LATEST, NO_QUERY, SET_DOWNSTREAM
-from .store import ShmFull, VersionStore, shm_shortfall, shm_space, size_text
+from .store import VersionStore
+from .tmpfs import ShmFull, shm_shortfall, shm_space, size_text
 from .transports import TRANSPORTS, TransportUnavailable
 
 logger = logging.getLogger("laminar_mcore.relay")

@@ -26,9 +26,7 @@ so that forwarders can stream a version down the chain while it is still arrivin
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
 import threading
 import time
 import uuid
@@ -36,72 +34,16 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 from ..errors import within
-from ..weights.bucket import SHM_DIR, ShmBucket, TensorMeta
-from ..weights.shards import is_sharded, whole_plan
+from ..weights.bucket import ShmBucket, TensorMeta
+from ..weights.shards import assemble, is_sharded, served_layout, whole_plan
 from ..weights.delta import apply as apply_delta, digest as bucket_digest
 
 BucketKey = Tuple[int, int]
 logger = logging.getLogger(__name__)
 
 
-class VersionError(ValueError):
-    """A version that is not newer than what the relay already has."""
-
-
-class BusyError(VersionError):
-    """The version is being received from another source right now."""
-
-
-class StoreFull(BusyError):
-    """``max_versions`` versions hold buffers and none was released in time."""
-
-
-class ShmFull(VersionError):
-    """/dev/shm has no room for what the relay must hold."""
-
-
-def shm_space() -> Tuple[int, int]:
-    """(free, total) bytes of the filesystem the relay's buffers live in (``SHM_DIR``)."""
-    st = os.statvfs(SHM_DIR)
-    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
-
-
-def shm_shortfall(need: int, what: str) -> Optional[str]:
-    """None if ``SHM_DIR`` has ``need`` bytes free; else the message saying that ``what`` (a
-    subject and its verb: "version 3 needs") needs them, and the mount size that would hold
-    them beside what is there now."""
-    free, total = shm_space()
-    if need <= free:
-        return None
-    mount = total - free + need
-    size = f"{-(-mount // 10**9)}G" if mount >= 10**9 else f"{-(-mount // 10**6)}M"
-    return (f"LMC-E500: {SHM_DIR} has {size_text(free)} free of {size_text(total)}, but {what} "
-            f"{size_text(need)}: enlarge it (mount -o remount,size={size} {SHM_DIR}; docker: "
-            f"--shm-size={size.lower()}) and set cluster.shm_gb to its size (job=plan checks "
-            "the run against it), or free what else fills it")
-
-
-def size_text(nbytes: float) -> str:
-    """``nbytes`` in GB (MB below 0.1 GB), for messages."""
-    return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.2f} MB"
-
-
-def reserve(shm: ShmBucket) -> None:
-    """Allocate every page of ``shm``'s file now: a full tmpfs says ENOSPC here, where a write
-    to a sparse page would kill the process with SIGBUS."""
-    fd = os.open(shm.path, os.O_RDWR)
-    try:
-        os.posix_fallocate(fd, 0, shm.nbytes)
-    except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-            return  # a filesystem without fallocate: nothing to reserve
-        shm.close()
-        raise ShmFull(shm_shortfall(shm.nbytes, "a weight bucket needs")
-                      or f"LMC-E500: cannot allocate a {size_text(shm.nbytes)} weight bucket in "
-                         f"{SHM_DIR}: "
-                         f"{exc} (a memory limit on this container or cgroup?)") from None
-    finally:
-        os.close(fd)
+# (BusyError, ShmFull, StoreFull, VersionError: the store's errors, imported from here)
+from .tmpfs import BusyError, ShmFull, StoreFull, VersionError, reserve, shm_shortfall
 
 
 @dataclass
@@ -172,6 +114,7 @@ class VersionStore:
         self.full_wait_s = full_wait_s
         self._refused: Dict[Tuple[int, Optional[str]], VersionError] = {}  # (version, owner)
         self._pool: Dict[int, List[ShmBucket]] = {}
+        self._assembly = threading.Lock()  # served(): one assembly at a time
         self.versions_failed = 0  # broken while arriving (for /metrics)
         # called (under the lock: keep them short) with each version that becomes the newest
         self.on_complete: List[Callable[[int], None]] = []
@@ -414,8 +357,8 @@ class VersionStore:
             for bucket in sv.buckets.values():
                 self._pool.setdefault(bucket.nbytes, []).append(bucket.shm)
             sv.buckets = {}
-            for made in sv.assembled.values():  # (pulls of per-rank shards)
-                made.shm.close()
+            for made in sv.assembled.values():  # (pulls of per-rank shards): kept for reuse, at
+                self._pool.setdefault(made.nbytes, []).append(made.shm)  # the same addresses
             sv.assembled = {}
         self.retired = keep
 
@@ -450,6 +393,43 @@ class VersionStore:
         return sum(len(pool) * nbytes for nbytes, pool in self._pool.items())
 
     # ------------------------------------------------------------------ readers
+    def served(self, sv: StoredVersion, index: int) -> StoredBucket:
+        """Bucket ``index`` of what a pull of ``sv`` gets: a stored bucket, or for per-rank
+        shards (``sv.whole``) the whole tensors put together from them (weights/shards.py)
+        once per version, one at a time (pulls of the same bucket wait for the first), in a
+        pooled buffer (stable addresses for registered transports), ``sv`` pinned meanwhile;
+        freed with ``sv``'s buffers, so valid as long as the lease."""
+        if sv.whole is None:
+            return sv.ordered()[index]
+        with self._assembly:
+            with self.cond:
+                made = sv.assembled.get(index)
+                if made is not None:
+                    return made
+                if not sv.buckets:
+                    raise VersionError(f"LMC-E502: version {sv.version} is no longer held here")
+                sv.leases += 1
+                sources = [b.shm.buffer for b in sv.ordered()]
+                metas, nbytes = served_layout(sv.whole[index])
+                pool = self._pool.get(max(nbytes, 1))
+                shm = pool.pop() if pool else None
+            try:
+                if shm is None:
+                    shm = ShmBucket(nbytes, prefix="laminar-whole")
+                    reserve(shm)  # a full /dev/shm: LMC-E500 to this pull, never SIGBUS
+                assemble(sv.whole[index], sources, shm.buffer)
+                made = StoredBucket((-1, index), shm, metas, shm.nbytes, received=shm.nbytes)
+                with self.cond:
+                    sv.assembled[index] = made
+                return made
+            except BaseException:
+                if shm is not None and shm.buffer is not None:
+                    with self.cond:
+                        self._pool.setdefault(shm.nbytes, []).append(shm)
+                raise
+            finally:
+                self.unpin(sv)
+
     def lease_latest(self, min_version: int = -1, ttl_s: Optional[float] = None
                      ) -> Optional[Tuple[str, StoredVersion]]:
         with self.cond:

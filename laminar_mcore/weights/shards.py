@@ -52,6 +52,12 @@ def whole_plan(metas_lists: Sequence[Sequence[TensorMeta]]) -> List[List[WholeTe
     for pos, metas in enumerate(metas_lists):
         fresh = []
         for m in metas:
+            if m.dim is not None and not (
+                    len(m.full_shape) == len(m.shape) and 0 <= m.dim < len(m.shape)
+                    and all(a == b for d, (a, b) in enumerate(zip(m.shape, m.full_shape))
+                            if d != m.dim)):
+                raise ValueError(f"LMC-E517: {m.name}: shape {list(m.shape)} along dim {m.dim} "
+                                 f"is not a slice of {list(m.full_shape)}")
             full = m.full_shape if m.dim is not None else m.shape
             t = tensors.get(m.name)
             if t is None:
