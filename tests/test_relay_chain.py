@@ -86,14 +86,14 @@ def chain(tmp_path):
             p.stop()
 
 
-@pytest.mark.parametrize("export", ["stage_lead", "per_rank"])
-def test_tp2_pp2_publish_reaches_the_end_of_the_chain_bit_exact(chain, tmp_path, export):
-    """Stage leads gather and publish their stages; with per-rank export every rank publishes
-    its own shard (no gather) and the relays put the slices together as engines pull: both
-    reach the end of the chain bit for bit."""
+def test_tp2_pp2_publish_reaches_the_end_of_the_chain_bit_exact(chain, tmp_path):
+    """Stage leads gather and publish their stages (versions 1-3); then, in the same world,
+    every rank publishes its own shard (per-rank export, no gather: versions 4-6) and the
+    relays put the slices together as engines pull: both reach the end of the chain bit for
+    bit, pulled all through the publishes."""
     master, r1, r2 = chain
     port = int(master.wait_printed("LAMINAR_RELAY_PUBLISH_PORT"))
-    references = {v: _reference(v) for v in (1, 2, 3)}
+    references = {v: _reference(v) for v in range(1, 7)}
     seen, errors, stop = set(), [], threading.Event()
 
     def puller():  # pulls from the last relay all through the publishes
@@ -110,37 +110,39 @@ def test_tp2_pp2_publish_reaches_the_end_of_the_chain_bit_exact(chain, tmp_path,
     try:
         results = run_torchrun(os.path.join(WORKERS, "publish.py"), 4,
                                ["--publish-port", str(port), "--versions", "3",
-                                "--export", export], timeout=600,
+                                "--export", "stage_lead,per_rank"], timeout=600,
                                env={TOKEN_ENV: TOKEN})  # the publisher proves it
-        wait_until(lambda: _get(r2.url, "/latest")["version"] == 3, what="version 3 at the last relay")
+        wait_until(lambda: _get(r2.url, "/latest")["version"] == 6, what="version 6 at the last relay")
     finally:
         stop.set()
         thread.join()
     assert not errors, errors[0]
-    assert 3 in seen  # the last version was pulled and checked bit for bit
+    assert {3, 6} <= seen  # each way's last version was pulled and checked bit for bit
     asyncio.run(_lease_and_check(r2.url, references, seen))
-    leads = [r for r in results if r["lead"]]
-    # one sender per pipeline stage, or per rank
-    assert len(leads) == (2 if export == "stage_lead" else 4)
-    assert sorted(r["part"] for r in leads) == list(range(len(leads)))
-    # the relay is on the trainer's host: each lead copied its buckets into the relay's
-    # shared memory (weight_sync.publish_backend=auto), and the versions arrived bit for bit
-    assert {lead["backend"] for lead in leads} == {"shm"}
-    for lead in leads:
-        assert [s["version"] for s in lead["stats"]] == [1, 2, 3]
-        assert all(s["buckets"] > 1 for s in lead["stats"])  # bucketed (40 kB buckets)
-        assert lead["host_buffer_bytes"] >= lead["stats"][0]["nbytes"]
-    # The stages' other TP ranks take part in the gathers but pack (and hold) nothing.
-    assert all(r["host_buffer_bytes"] == 0 for r in results if not r["lead"])
-    total = sum(lead["stats"][0]["nbytes"] for lead in leads)
     whole = sum(t.numel() * t.element_size() for t in references[1].values())
-    assert whole <= total <= whole + 64 * len(references[1]) * 2  # (64-byte alignment)
-    assert _get(r2.url, "/latest")["nbytes"] == total
-    if export == "per_rank":  # each rank held about half its stage (TP2), not all of it
-        stage = {p: sum(r["stats"][0]["nbytes"] for r in leads if r["part"] // 2 == p)
-                 for p in (0, 1)}
-        for r in leads:
-            assert r["stats"][0]["nbytes"] < 0.6 * stage[r["part"] // 2]
+    for export, versions in (("stage_lead", [1, 2, 3]), ("per_rank", [4, 5, 6])):
+        ranks = [r[export] for r in results]
+        leads = [r for r in ranks if r["lead"]]
+        # one sender per pipeline stage, or per rank
+        assert len(leads) == (2 if export == "stage_lead" else 4)
+        assert sorted(r["part"] for r in leads) == list(range(len(leads)))
+        # the relay is on the trainer's host: each lead copied its buckets into the relay's
+        # shared memory (weight_sync.publish_backend=auto), and the versions arrived bit for bit
+        assert {lead["backend"] for lead in leads} == {"shm"}
+        for lead in leads:
+            assert [s["version"] for s in lead["stats"]] == versions
+            assert all(s["buckets"] > 1 for s in lead["stats"])  # bucketed (40 kB buckets)
+            assert lead["host_buffer_bytes"] >= lead["stats"][0]["nbytes"]
+        # The stages' other TP ranks take part in the gathers but pack (and hold) nothing.
+        assert all(r["host_buffer_bytes"] == 0 for r in ranks if not r["lead"])
+        total = sum(lead["stats"][0]["nbytes"] for lead in leads)
+        assert whole <= total <= whole + 64 * len(references[1]) * 2  # (64-byte alignment)
+        if export == "per_rank":  # each rank held about half its stage (TP2), not all of it
+            stage = {p: sum(r["stats"][0]["nbytes"] for r in leads if r["part"] // 2 == p)
+                     for p in (0, 1)}
+            for r in leads:
+                assert r["stats"][0]["nbytes"] < 0.6 * stage[r["part"] // 2]
+            assert _get(r2.url, "/latest")["nbytes"] == total
 
 
 def _publish_in_process(port, versions):

@@ -13,8 +13,11 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
 # (eta, weight_sync.publish_lag): the lag makes eta bind within a few steps (at lag 3 every
-# trajectory starts 3 versions behind, so one long enough to see two trainer steps would be 5)
-@pytest.mark.parametrize("eta,lag", [(0, 0), (1, 0), (4, 3)], ids=["eta0", "eta1", "eta4_lag3"])
+# trajectory starts 3 versions behind, so one long enough to see two trainer steps would be 5).
+# The strictest bound and a bound that binds under a forced lag (eta = 1 without a lag, between
+# the two, was dropped to keep the suite under 20 minutes; test_pools checks eta = 1 in the
+# controller)
+@pytest.mark.parametrize("eta,lag", [(0, 0), (4, 3)], ids=["eta0", "eta4_lag3"])
 def test_eta_bounds_the_staleness_laminar_trains_on(tmp_path, eta, lag):
     out = subprocess.run(
         [sys.executable, "-m", "laminar_mcore.launch", "experiment=cpu_demo", "mode=laminar",

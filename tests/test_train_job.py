@@ -47,10 +47,11 @@ def test_train_job_runs_and_keeps_the_books(tmp_path, mode):
     extra = (["weight_sync.mooncake_protocol=tcp", "weight_sync.engine_transport=mooncake"]
              if transport == "mooncake" else [])
     if mode == "laminar":  # bf16 weights, published as deltas (auto would send them whole
-        extra += ["model.dtype=bf16", "weight_sync.delta=on"]  # on loopback: no link named)
-    # a TP2 trainer whose two ranks publish their own shards (as deltas in the laminar run):
-    # the relay puts them together as the engines pull
-    extra += ["parallel.tp=2", "cluster.trainer.nproc_per_node=2", "weight_sync.export=per_rank"]
+        extra += ["model.dtype=bf16", "weight_sync.delta=on",  # on loopback: no link named)
+                  # by a TP2 trainer whose two ranks publish their own shards (deltas of
+                  # each); the relay puts them together as the engines pull
+                  "parallel.tp=2", "cluster.trainer.nproc_per_node=2",
+                  "weight_sync.export=per_rank"]
     _launch(tmp_path, f"mode={mode}", "run_name=e2e", "trainer.total_steps=3",
             "trainer.train_batch_prompts=4", "data.num_eval=16", "data.warmup_steps=20",
             "rollout.num_engines=2", "trainer.eval_interval=2", *extra)

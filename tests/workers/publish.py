@@ -14,7 +14,8 @@ def main():
     ap.add_argument("--publish-port", type=int, required=True)
     ap.add_argument("--versions", type=int, default=2)
     ap.add_argument("--bucket-bytes", type=int, default=40_000)
-    ap.add_argument("--export", default="stage_lead")
+    ap.add_argument("--export", default="stage_lead",
+                    help="comma-separated weight_sync.export values, published in turn")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -29,23 +30,28 @@ def main():
     init_trainer_parallel(tp=args.tp, pp=args.pp, seed=0)
     cfg = tiny_hf_config("qwen2")
     model = build_gpt_model(cfg)
-    publisher = WeightPublisher(model, cfg, relay_host=args.relay_host,
-                                publish_port=args.publish_port, bucket_bytes=args.bucket_bytes,
-                                chunk_bytes=8192, export=args.export)
-    stats = []
-    for version in range(1, args.versions + 1):
-        # Version v carries the weights of HF init seed v, so each is checkable on its own.
-        state = initial_hf_state(type("M", (), {"path": None})(), cfg, version)
-        load_full_state(model, cfg, get_adapter(cfg).hf_to_mcore(cfg, state))
-        s = publisher.publish(version)
-        stats.append({"version": version, "blocked_s": s.blocked_s, "nbytes": s.nbytes,
-                      "buckets": s.buckets})
-        publisher.wait()
-    publisher.close()
-    write_rank_result(args.out, {"rank": int(os.environ["RANK"]), "lead": publisher.is_lead,
-                                 "part": publisher.stage,
-                                 "stats": stats, "host_buffer_bytes": publisher.pinned_bytes(),
-                                 "backend": publisher.backend})
+    out = {"rank": int(os.environ["RANK"])}
+    version = 0
+    for export in args.export.split(","):  # one after the other, versions numbered on
+        publisher = WeightPublisher(model, cfg, relay_host=args.relay_host,
+                                    publish_port=args.publish_port,
+                                    bucket_bytes=args.bucket_bytes, chunk_bytes=8192,
+                                    export=export)
+        stats = []
+        for _ in range(args.versions):
+            version += 1
+            # Version v carries the weights of HF init seed v, so each is checkable on its own.
+            state = initial_hf_state(type("M", (), {"path": None})(), cfg, version)
+            load_full_state(model, cfg, get_adapter(cfg).hf_to_mcore(cfg, state))
+            s = publisher.publish(version)
+            stats.append({"version": version, "blocked_s": s.blocked_s, "nbytes": s.nbytes,
+                          "buckets": s.buckets})
+            publisher.wait()
+        publisher.close()
+        out[export] = {"lead": publisher.is_lead, "part": publisher.stage, "stats": stats,
+                       "host_buffer_bytes": publisher.pinned_bytes(),
+                       "backend": publisher.backend}
+    write_rank_result(args.out, out)
     torch.distributed.destroy_process_group()
 
 
