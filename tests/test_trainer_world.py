@@ -24,11 +24,16 @@ def _killed_once():
         os.kill(os.getpid(), signal.SIGKILL)  # as the chaos test kills a trainer rank
     t = torch.ones(1)
     dist.all_reduce(t)
-    return attempt, float(t)
+    # across nodes each torchrun agent counts its own restarts: the world agrees on the most
+    # (whether to resume is one decision: trainer/loop.py)
+    from laminar_mcore.parallel.groups import agreed_restarts
+
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(3 * dist.get_rank())
+    return attempt, float(t), agreed_restarts()
 
 
 def test_a_world_of_two_restarts_after_a_rank_is_killed():
     from laminar_mcore.launch.local import launch_trainer_world
 
     results = launch_trainer_world(_killed_once, (), 2, max_restarts=1)
-    assert results == {0: (1, 2.0), 1: (1, 2.0)}
+    assert results == {0: (1, 2.0, 3), 1: (1, 2.0, 3)}

@@ -67,6 +67,17 @@ def broadcast_int(value: int, timeout_s: float = 24 * 3600.0) -> int:
     return int(t.item())
 
 
+def agreed_restarts(timeout_s: float = 24 * 3600.0) -> int:
+    """Every rank calls it: the most restarts any rank's torchrun agent counted
+    (``TORCHELASTIC_RESTART_COUNT``). Across nodes each agent counts its own (a node that
+    restarts because another joined does not count), and whether to resume must be one
+    decision: ranks that disagreed would wait in different collectives."""
+    t = torch.tensor([int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)],
+                     dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=wait_group(timeout_s))
+    return int(t.item())
+
+
 def wait_for_rank0(ready: bool, timeout_s: float = 24 * 3600.0) -> bool:
     """Every rank calls it; returns rank 0's ``ready`` flag (broadcast through ``wait_group``)."""
     return bool(broadcast_int(1 if ready else 0, timeout_s))

@@ -26,7 +26,7 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
     from ..data.checkpoints import resolve_resume
     from ..models.hf import SafetensorsReader, load_hf_config
     from ..parallel import destroy_trainer_parallel, init_trainer_parallel
-    from ..parallel.groups import broadcast_int
+    from ..parallel.groups import agreed_restarts, broadcast_int
     from .lag import LaggedPublisher
     from .publisher import WeightPublisher, parameter_dtype
     from ..config.plan import delta_choice
@@ -75,7 +75,7 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
         rank = dist.get_rank()
         # A restart of this world after a crash (torchrun counts them) resumes from the newest
         # complete checkpoint even when the run started with trainer.resume=none.
-        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        restarts = agreed_restarts()  # one decision for the whole world
         resume = trainer.resume if trainer.resume not in (None, "", "none") or not restarts \
             else "auto"
         path = resolve_resume(resume, ckpt_dir)
