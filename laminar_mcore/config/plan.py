@@ -82,9 +82,10 @@ def relay_model_bytes(cfg) -> int:
 
     if not isinstance(cfg, DictConfig):
         cfg = OmegaConf.structured(cfg)
-    copies = 2 if cfg.weight_sync.export == "per_rank" else 1
+    from ..weights.shards import relay_copies
+
     return int(param_counts(model_arch(cfg))["total"] * (4 if cfg.model.dtype == "fp32" else 2)
-               * copies)
+               * relay_copies(cfg.weight_sync.export))
 
 
 def delta_choice(cfg, dtype=None, hf_config=None) -> tuple:
@@ -389,8 +390,9 @@ def _host_plan(cfg, model_gb: float, pinned_gb: float, ref_host_gb: float,
     host_gb = float(cl.host_memory_gb)
     shm_default = cl.shm_gb is None
     shm_gb = host_gb / 2 if shm_default else float(cl.shm_gb)
-    # per-rank versions: a relay also holds the whole tensors it puts together for pulls
-    shm_need = rv * model_gb * (2 if cfg.weight_sync.export == "per_rank" else 1)
+    from ..weights.shards import relay_copies
+
+    shm_need = rv * model_gb * relay_copies(cfg.weight_sync.export)
     rollout_gb = shm_need + PROCESS_HOST_GB * (engine_gpus + 1)  # engine workers, the relay
     trainer_gb = pinned_gb + ref_host_gb + PROCESS_HOST_GB * cl.trainer.nproc_per_node
     problems = []

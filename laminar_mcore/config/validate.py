@@ -325,6 +325,7 @@ def _check_against_schema(cfg: DictConfig) -> None:
 def _check_delta(cfg: DictConfig, problems: List[str]) -> None:
     """``weight_sync.delta`` / ``anchor_interval`` (weights/delta.py)."""
     from ..weights.delta import MODES as DELTA_MODES
+    from ..weights.shards import EXPORTS
 
     ws = cfg.weight_sync
     if ws.delta not in DELTA_MODES:
@@ -334,9 +335,10 @@ def _check_delta(cfg: DictConfig, problems: List[str]) -> None:
     if ws.link_gbit < 0:
         problems.append(f"LMC-E103: weight_sync.link_gbit={ws.link_gbit} must be >= 0 (Gbit/s "
                         "of the slowest link a version crosses; 0: not named)")
-    if ws.export not in ("stage_lead", "per_rank"):
-        problems.append(f"LMC-E102: weight_sync.export={ws.export!r} is not one of stage_lead, "
-                        "per_rank (per_rank: every trainer rank publishes its own shard)")
+    if ws.export not in EXPORTS:
+        problems.append(f"LMC-E102: weight_sync.export={ws.export!r} is not one of "
+                        f"{', '.join(EXPORTS)} (per_rank: every trainer rank publishes its own "
+                        "shard)")
     if ws.anchor_interval < 1:
         problems.append(f"LMC-E103: weight_sync.anchor_interval={ws.anchor_interval} must be >= 1 "
                         "(a whole version every that many versions; 1: every version whole)")

@@ -159,8 +159,7 @@ def relay_families(server) -> Iterable[Metric]:
     with store.cond:
         held = [store.latest] if store.latest is not None else []
         held += [sv for sv in store.retired if sv.complete and sv.buckets]  # pinned: leases, pushes
-        # (with the whole tensors put together for pulls of per-rank versions)
-        held_bytes = sum(sv.nbytes + sum(b.nbytes for b in sv.assembled.values()) for sv in held)
+        held_bytes = sum(sv.held_bytes for sv in held)
         arriving = list(store.receiving.values())
         buffers = (held_bytes + sum(sv.nbytes for sv in arriving + store.retired
                                     if not sv.complete)

@@ -86,6 +86,11 @@ class StoredVersion:
         return [self.buckets[k] for k in sorted(self.buckets)]
 
     @property
+    def held_bytes(self) -> int:
+        """Its buffers' bytes: the stored buckets and any whole tensors assembled for pulls."""
+        return self.nbytes + sum(b.nbytes for b in self.assembled.values())
+
+    @property
     def num_served(self) -> int:
         """How many buckets a pull of this version gets."""
         return len(self.whole) if self.whole is not None else len(self.buckets)
@@ -384,8 +389,7 @@ class VersionStore:
     @property
     def held_bytes(self) -> int:
         """Bytes of every buffer the store holds, free ones included (read it under ``cond``)."""
-        return self.pooled_bytes + sum(sv.nbytes + sum(b.nbytes for b in sv.assembled.values())
-                                       for sv in self._holding())
+        return self.pooled_bytes + sum(sv.held_bytes for sv in self._holding())
 
     @property
     def pooled_bytes(self) -> int:

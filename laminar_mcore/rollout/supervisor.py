@@ -51,6 +51,7 @@ from ..relay.launch import relay_process
 from ..relay.server import RelayConfig
 from ..server_process import ServerProcess
 from ..weights.bucket import reclaim_segments
+from ..weights.shards import publish_parts
 from .launcher import (EngineProcess, engine_health_window_s, engine_heartbeat_timeout_s,
                        engine_process, engine_start_timeout_s)
 
@@ -181,10 +182,8 @@ class NodeSupervisor:
         relay_cfg = RelayConfig(token=self.client.token, host=self.cfg.rollout.host,
                                 relay_id=self.name, master=master,
                                 master_url=None if master else master_url,
-                                # the parts that publish: a stage lead per pipeline
-                                # stage, or every rank of a replica (export=per_rank)
-                                trainer_stages=self.cfg.parallel.pp * (
-                                    self.cfg.parallel.tp if ws.export == "per_rank" else 1),
+                                trainer_stages=publish_parts(self.cfg.parallel.pp,
+                                                             self.cfg.parallel.tp, ws.export),
                                 weight_sync=ws,
                                 # /dev/shm checked at start-up for relay_versions of these
                                 model_bytes=relay_model_bytes(self.cfg))

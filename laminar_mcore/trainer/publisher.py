@@ -42,9 +42,8 @@ from ..weights.bucket import BucketPacker
 from ..weights.delta import DeltaEncoder, delta_enabled, digest, unit_for
 from ..weights.transport import (Channel, abort_group, gpu_uuid, host_identity, open_channel,
                                  write_shm)
+from ..weights.shards import EXPORTS
 from .export import export_roles, iter_rank_hf_shards, iter_stage_hf_tensors
-
-EXPORTS = ("stage_lead", "per_rank")  # weight_sync.export
 
 
 @dataclass

@@ -51,6 +51,15 @@ class TensorMeta:
         return out
 
 
+def slice_fits(m: TensorMeta) -> bool:
+    """Whether a slice's meta (``dim`` set) is a slice of its ``full_shape``: the same rank,
+    equal outside ``dim``, within it along ``dim``. True for a whole tensor."""
+    return m.dim is None or (
+        len(m.full_shape) == len(m.shape) and 0 <= m.dim < len(m.shape)
+        and 0 <= m.start and m.start + m.shape[m.dim] <= m.full_shape[m.dim]
+        and all(a == b for d, (a, b) in enumerate(zip(m.shape, m.full_shape)) if d != m.dim))
+
+
 def dtype_from_name(name: str) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {name!r} in a weight bucket")
@@ -204,11 +213,7 @@ def checked_metas(raw, nbytes: int) -> List[TensorMeta]:
         if m.offset % itemsize:
             raise ValueError(f"bucket entry {m.name!r}: offset {m.offset} is not a multiple of "
                              f"its element size {itemsize}")
-        if m.dim is not None and not (
-                len(m.full_shape) == len(m.shape) and 0 <= m.dim < len(m.shape)
-                and 0 <= m.start and m.start + m.shape[m.dim] <= m.full_shape[m.dim]
-                and all(a == b for d, (a, b) in enumerate(zip(m.shape, m.full_shape))
-                        if d != m.dim)):
+        if not slice_fits(m):
             raise ValueError(f"bucket entry {m.name!r}: shape {list(m.shape)} at {m.start} "
                              f"along dim {m.dim} is not a slice of {list(m.full_shape)}")
     return metas

@@ -21,9 +21,24 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from .bucket import TensorMeta, dtype_from_name, layout
+from .bucket import TensorMeta, dtype_from_name, layout, slice_fits
 
-__all__ = ["WholeTensor", "is_sharded", "whole_plan", "served_layout", "assemble"]
+__all__ = ["EXPORTS", "WholeTensor", "is_sharded", "publish_parts", "relay_copies",
+           "whole_plan", "served_layout", "assemble"]
+
+EXPORTS = ("stage_lead", "per_rank")  # weight_sync.export
+
+
+def publish_parts(pp: int, tp: int, export: str) -> int:
+    """How many parts publish a version (a relay's ``--trainer-stages``): a stage lead per
+    pipeline stage, or every rank of the first data-parallel replica (``per_rank``)."""
+    return pp * (tp if export == "per_rank" else 1)
+
+
+def relay_copies(export: str) -> int:
+    """Copies of a version a relay holds: the stored buckets, and for ``per_rank`` also the
+    whole tensors it puts together for pulls."""
+    return 2 if export == "per_rank" else 1
 
 
 @dataclass
@@ -52,10 +67,7 @@ def whole_plan(metas_lists: Sequence[Sequence[TensorMeta]]) -> List[List[WholeTe
     for pos, metas in enumerate(metas_lists):
         fresh = []
         for m in metas:
-            if m.dim is not None and not (
-                    len(m.full_shape) == len(m.shape) and 0 <= m.dim < len(m.shape)
-                    and all(a == b for d, (a, b) in enumerate(zip(m.shape, m.full_shape))
-                            if d != m.dim)):
+            if not slice_fits(m):
                 raise ValueError(f"LMC-E517: {m.name}: shape {list(m.shape)} along dim {m.dim} "
                                  f"is not a slice of {list(m.full_shape)}")
             full = m.full_shape if m.dim is not None else m.shape
