@@ -2,11 +2,13 @@
 the report's keys, placement sweeps and calibration against bench.modes."""
 
 import asyncio
+import gc
 import json
 import os
 
 import pytest
 
+from laminar_mcore.sim import clock
 from laminar_mcore.sim.clock import SimulationStalled, run_virtual
 from laminar_mcore.sim.cluster import SimConfig, simulate
 from laminar_mcore.sim.costs import CostModel
@@ -124,11 +126,17 @@ def test_the_production_manager_runs_every_mode_with_its_invariants():
         assert r.relay_requests <= 2 * r.relays * (4 + 2), (mode, r.relay_requests)
 
 
-def test_a_simulation_is_deterministic():
+def test_a_simulation_is_deterministic(monkeypatch):
+    """... and the collector's thresholds (clock.GC_THRESHOLDS: half a run's CPU time at
+    Python's) change nothing but its time; the caller's are restored."""
     a = _run("laminar")
+    before = gc.get_threshold()
+    monkeypatch.setattr(clock, "GC_THRESHOLDS", (700, 10, 10))  # Python's defaults
     b = simulate(SimConfig(model="7B", mode="laminar", gpus=32, iterations=4, workload=SMALL,
                            concurrency=512))
-    assert (a.tokens_per_s, a.staleness, a.repacked) == (b.tokens_per_s, b.staleness, b.repacked)
+    assert gc.get_threshold() == before
+    assert (a.tokens_per_s, a.staleness, a.repacked, a.marks) == \
+        (b.tokens_per_s, b.staleness, b.repacked, b.marks)
 
 
 @pytest.mark.slow

@@ -47,6 +47,11 @@ from .repack import Repacker
 logger = logging.getLogger(__name__)
 
 
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 class RolloutManager(Admission, EngineHealth, WeightPulls, Elastic):
     def __init__(self, engines: List[EngineHandle], data: RolloutData, episode: Episode,
                  policy: ModePolicy, cfg: RolloutConfig, *, trainer_version: Callable[[], int],
@@ -106,9 +111,11 @@ class RolloutManager(Admission, EngineHealth, WeightPulls, Elastic):
         self.admitting = bool(cfg.generate_before_trainer)
         # seconds with no healthy engine generating (the phase between generations)
         self._quiet_s, self._quiet_since = 0.0, None
-        # engine name -> the event its loop waits on; set (and dropped) on every change that
-        # may let it act, so a wait that starts after the check never misses one
-        self._wakes: Dict[str, asyncio.Event] = {}
+        # engine name -> the futures waiting on it (its loop, interrupted trajectories), in
+        # arrival order; all woken (and dropped) on every change that may let one act, so a
+        # wait that starts after the check never misses one
+        # (and under (name, "version"): those that wait for a new version alone)
+        self._wakes: Dict[object, Dict[asyncio.Future, None]] = {}
         # AReaL's admission budget: trajectories admitted so far that can still be trained on
         # (running, buffered or consumed); a dropped group gives its capacity back.
         self.accepted = 0
@@ -159,24 +166,40 @@ class RolloutManager(Admission, EngineHealth, WeightPulls, Elastic):
         return self._stop.is_set()
 
     # ------------------------------------------------------------------ wake-ups
-    def notify(self, engine: Optional[EngineHandle] = None) -> None:
+    def notify(self, engine: Optional[EngineHandle] = None, slots: bool = False) -> None:
         """Something ``engine``'s loop (None: every engine's) may act on changed: the
-        trainer's version, the buffer (the controller calls it), a trajectory, a relay."""
+        trainer's version, the buffer (the controller calls it), a trajectory, a relay.
+        ``slots``: only its requests came or went, which the trajectories waiting for it to
+        take a new version (``_resume_interrupted``) need not hear of: an interrupt aborts
+        hundreds of requests at once, and each one waking all the others was O(n^2)."""
         for e in ([engine] if engine is not None else self.engines):
-            event = self._wakes.pop(e.name, None)
-            if event is not None:
-                event.set()
+            for key in ((e.name,) if slots else (e.name, (e.name, "version"))):
+                for waiter in self._wakes.pop(key, ()):
+                    if not waiter.done():
+                        waiter.set_result(None)
 
-    async def _sleep_until_woken(self, engine: EngineHandle, timeout: float) -> None:
-        event = self._wakes.setdefault(engine.name, asyncio.Event())
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(event.wait(), timeout)
+    async def _sleep_until_woken(self, engine: EngineHandle, timeout: float,
+                                 version: bool = False) -> None:
+        """Until ``notify`` names ``engine`` (or every engine), at most ``timeout`` seconds;
+        ``version``: a notify about its slots alone does not end it. A bare future and a
+        timer: ``wait_for(event.wait())`` made a task and two futures per wait, thousands a
+        second with thousands of trajectories in flight."""
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        waiters = self._wakes.setdefault((engine.name, "version") if version else engine.name, {})
+        waiters[waiter] = None
+        timer = loop.call_later(timeout, _wake, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            waiters.pop(waiter, None)  # (timed out or cancelled: notify has not dropped it)
 
     def _left(self, engine: EngineHandle, rid: str) -> None:
         """``rid`` no longer runs on ``engine``: it may take work or pull (with a barrier,
         every engine may, once the last one is idle)."""
         if engine.in_flight.pop(rid, None) is not None:
-            self.notify(None if self.barrier and not engine.in_flight else engine)
+            self.notify(None if self.barrier and not engine.in_flight else engine, slots=True)
 
     def add_engine(self, engine: EngineHandle) -> None:
         """Take an engine that joined while running (a rollout node registering); call on the

@@ -144,11 +144,11 @@ class WeightPulls:
                     target.in_flight[item.rid] = item
                     self.stats.interrupted += 1
                     return target
-                await self._sleep_until_woken(engine, self.wake_s)
+                await self._sleep_until_woken(engine, self.wake_s, version=True)
             raise Stopped()
         finally:
             engine.resuming = max(engine.resuming - 1, 0)
-            self.notify(engine)
+            self.notify(engine, slots=True)  # its room changed
 
     async def _next_turn_engine(self, item: InFlight, engine: Optional[EngineHandle]):
         """Where a multi-turn episode's next turn runs: the engine that holds its place, or,

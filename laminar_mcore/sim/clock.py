@@ -10,6 +10,8 @@ rely on it: its time would not advance while waiting.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import selectors
 from typing import Awaitable, TypeVar
 
@@ -61,11 +63,32 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         return self._virtual.now
 
 
+# The cyclic garbage collector's thresholds while a simulation runs (Python's: 700, 10, 10). A
+# run keeps hundreds of thousands of objects alive (the buffer's trajectories, a task and a
+# future per request), and at the default a full collection walks all of them every few
+# thousand requests: half a run's CPU time (32B on 128 GPUs, laminar, 5 iterations: 14.5 s
+# at the default, 7.6 s at these, the same result; the same peak memory).
+GC_THRESHOLDS = (50_000, 20, 100)
+
+
+@contextlib.contextmanager
+def gc_thresholds(thresholds=None):
+    """The collector at ``thresholds`` (``GC_THRESHOLDS``) inside the block, as it was after."""
+    old = gc.get_threshold()
+    gc.set_threshold(*(thresholds or GC_THRESHOLDS))
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
+
+
 def run_virtual(main: Awaitable[T]) -> T:
-    """Run ``main`` to its end on a fresh virtual-time loop (virtual time starts at 0)."""
+    """Run ``main`` to its end on a fresh virtual-time loop (virtual time starts at 0), with
+    the collector at ``GC_THRESHOLDS``."""
     loop = VirtualTimeLoop()
     try:
-        return loop.run_until_complete(main)
+        with gc_thresholds():
+            return loop.run_until_complete(main)
     finally:
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
