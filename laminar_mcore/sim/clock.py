@@ -63,12 +63,17 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         return self._virtual.now
 
 
-# The cyclic garbage collector's thresholds while a simulation runs (Python's: 700, 10, 10). A
-# run keeps hundreds of thousands of objects alive (the buffer's trajectories, a task and a
-# future per request), and at the default a full collection walks all of them every few
-# thousand requests: half a run's CPU time (32B on 128 GPUs, laminar, 5 iterations: 14.5 s
-# at the default, 7.6 s at these, the same result; the same peak memory).
-GC_THRESHOLDS = (50_000, 20, 100)
+# The cyclic garbage collector's thresholds while a simulation runs (Python's: 700, 10, 10;
+# 0: no automatic collection). A run keeps hundreds of
+# thousands of objects alive (the buffer's trajectories, a task and a future per request),
+# and at Python's thresholds a full collection walked all of them every few thousand
+# requests: half a run's CPU time (32B on 128 GPUs, laminar, 5 iterations: 14.5 s at
+# Python's, 7.6 s at (50000, 20, 100), 6.7 s with none), for nothing: the run's objects are
+# freed by their reference counts (7B on 256 GPUs, AReaL, 15 iterations: the same 847 MB
+# peak with and without collections; the cycles left after a run: 20 objects, collected by
+# the caller's own thresholds, restored after it; a full collection after each run cost
+# more than the collections it saved).
+GC_THRESHOLDS = (0,)
 
 
 @contextlib.contextmanager
