@@ -179,6 +179,12 @@ def test_report_and_placement_sweep_write_their_keys(tmp_path):
     assert figures["explain_scaling_efficiency_without_step_costs"] > 0
     assert figures["explain_tokens_per_s_without_step_costs_7B_32"] != \
         figures["tokens_per_s_7B_32_laminar"]
+    # ... and at laminar's most stale point with a buffer of one batch: no staler than the 8's
+    point = figures["explain_staleness_point"]
+    assert figures[f"staleness_max_{point}_laminar"] == figures["staleness_max_laminar"]
+    assert figures["explain_staleness_max_laminar_buffer_1"] <= figures["staleness_max_laminar"]
+    assert figures[f"explain_tokens_per_s_laminar_buffer_8_{point}"] == \
+        figures[f"tokens_per_s_{point}_laminar"]
     assert os.path.exists(tmp_path / "sim_tokens_per_s_7B.png")
 
     sweep = report(["--sweep-placement", "--model", "7B", "--gpus", "32", "--iterations", "2",

@@ -60,7 +60,7 @@ class Elastic:
                 if item.multi_turn and not item.generating:  # between turns: its place moves
                     if dest is None:
                         continue  # its next turn finds an engine of its version, or none
-                    del engine.in_flight[rid]
+                    self._left(engine, rid)  # (its loop hears of it: it may end now)
                     dest.in_flight[rid] = item
                     item.engine = dest.name
                     handed += 1

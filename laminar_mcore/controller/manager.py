@@ -188,11 +188,14 @@ class RolloutManager(Admission, EngineHealth, WeightPulls, Elastic):
         waiter = loop.create_future()
         waiters = self._wakes.setdefault((engine.name, "version") if version else engine.name, {})
         waiters[waiter] = None
-        timer = loop.call_later(timeout, _wake, waiter)
+        timer = None
         try:
+            if timeout is not None:
+                timer = loop.call_later(timeout, _wake, waiter)
             await waiter
         finally:
-            timer.cancel()
+            if timer is not None:
+                timer.cancel()
             waiters.pop(waiter, None)  # (timed out or cancelled: notify has not dropped it)
 
     def _left(self, engine: EngineHandle, rid: str) -> None:

@@ -144,7 +144,11 @@ class WeightPulls:
                     target.in_flight[item.rid] = item
                     self.stats.interrupted += 1
                     return target
-                await self._sleep_until_woken(engine, self.wake_s, version=True)
+                # its engine failed: another engine's continue, a replacement or an eviction
+                # notifies that engine, not this one, so look again every poll_s (as
+                # _engine_of_version does)
+                await self._sleep_until_woken(engine, self.wake_s if engine.healthy
+                                              else self.poll_s, version=True)
             raise Stopped()
         finally:
             engine.resuming = max(engine.resuming - 1, 0)

@@ -5,7 +5,7 @@ scaling efficiency the trainer's step costs account for (``--explain``)."""
 from __future__ import annotations
 
 import json
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from .faults import parse_fail
 from .sensitivity import spread, unread, variants
@@ -130,22 +130,38 @@ NO_STEP_COSTS = {"TRAINER.dp_exposed": 0.0, "TRAINER.step_fixed_s": 0.0,
                  "TRAINER.optimizer_bandwidth": 1e6}
 
 
-def explain_scaling(args, workload: Workload, report, results: List[dict],
-                    models: List[str], log=print) -> Dict[str, object]:
-    """Laminar again at each model's smallest and largest point of ``results``, at the same
-    splits and iterations, without the trainer's step costs (``NO_STEP_COSTS``):
-    ``explain_scaling_efficiency_without_step_costs`` (and per model) beside
-    ``scaling_efficiency``, the run that shows how much of the efficiency those costs take."""
+def explain(args, workload: Workload, report, results: List[dict],
+            models: List[str], log=print) -> Dict[str, object]:
+    """``--explain``: the runs that show which modelled term accounts for a figure, on one
+    pool. ``explain_scaling``'s, then laminar at its most stale point again with a buffer of
+    one batch (``explain_staleness``)."""
+    scaling = _scaling_specs(args, workload, results, models)
+    stale = _staleness_specs(args, workload, results)
+    runs = report.run_points(scaling + stale, args.jobs, log)
+    out = explain_scaling(report, runs[:len(scaling)], models)
+    out.update(explain_staleness(results, runs[len(scaling):]))
+    return out
+
+
+def _scaling_specs(args, workload: Workload, results: List[dict],
+                   models: List[str]) -> List[dict]:
     by = {(r["model"], r["gpus"]): r for r in results if r["mode"] == "laminar"}
     specs = []
     for m in models:
         gpus = sorted(g for mm, g in by if mm == m)
-        for g in {gpus[0], gpus[-1]} if len(gpus) >= 2 else ():
+        for g in sorted({gpus[0], gpus[-1]}) if len(gpus) >= 2 else ():
             specs.append(dict(model=m, mode="laminar", gpus=g, workload=workload,
                               split_trainer_gpus=by[(m, g)]["trainer_gpus"],
                               iterations=args.warmup + args.measure, warmup=args.warmup,
                               overrides=dict(NO_STEP_COSTS)))
-    runs = report.run_points(specs, args.jobs, log)
+    return specs
+
+
+def explain_scaling(report, runs: List[dict], models: List[str]) -> Dict[str, object]:
+    """Laminar again at each model's smallest and largest point of the table, at the same
+    splits and iterations, without the trainer's step costs (``NO_STEP_COSTS``):
+    ``explain_scaling_efficiency_without_step_costs`` (and per model) beside
+    ``scaling_efficiency``, the run that shows how much of the efficiency those costs take."""
     effs = report.scaling_efficiency({(r["model"], r["gpus"], "laminar"): r for r in runs},
                                      "laminar", models)
     out: Dict[str, object] = {f"explain_scaling_efficiency_without_step_costs_{m}": round(v, 3)
@@ -156,3 +172,41 @@ def explain_scaling(args, workload: Workload, report, results: List[dict],
         out[f"explain_tokens_per_s_without_step_costs_{r['model']}_{r['gpus']}"] = round(
             r["tokens_per_s"], 1)
     return out
+
+
+# explain_staleness's buffer: one batch (rollout.max_buffered_batches; the table's is 8)
+EXPLAIN_BUFFER_BATCHES = 1
+
+
+def _most_stale(results: List[dict]) -> Optional[dict]:
+    """Laminar's measured run with the most stale trajectory (the largest point of a tie)."""
+    runs = [r for r in results if r["mode"] == "laminar" and r["staleness"]]
+    return max(runs, key=lambda r: (max(map(int, r["staleness"])), r["gpus"]), default=None)
+
+
+def _staleness_specs(args, workload: Workload, results: List[dict]) -> List[dict]:
+    r = _most_stale(results)
+    if r is None:
+        return []
+    return [dict(model=r["model"], mode="laminar", gpus=r["gpus"], workload=workload,
+                 split_trainer_gpus=r["trainer_gpus"], iterations=args.warmup + args.measure,
+                 warmup=args.warmup, max_buffered_batches=EXPLAIN_BUFFER_BATCHES,
+                 overrides=None)]
+
+
+def explain_staleness(results: List[dict], runs: List[dict]) -> Dict[str, object]:
+    """Laminar's staleness is unbounded: a trajectory is as stale as the iterations its own
+    generation spans plus those it waits in the buffer. Its most stale point again with a
+    buffer of ``EXPLAIN_BUFFER_BATCHES`` batch splits the two:
+    ``explain_staleness_max_laminar_buffer_1`` (the generation's span, and a batch's wait)
+    beside ``staleness_max_laminar`` (the table's buffer of 8), and what that buffer costs
+    in tokens/s at that point."""
+    r = _most_stale(results)
+    if r is None or not runs:
+        return {}
+    run, point = runs[0], f"{r['model']}_{r['gpus']}"
+    b = EXPLAIN_BUFFER_BATCHES
+    return {"explain_staleness_point": point,
+            f"explain_staleness_max_laminar_buffer_{b}": max(map(int, run["staleness"])),
+            f"explain_tokens_per_s_laminar_buffer_{b}_{point}": round(run["tokens_per_s"], 1),
+            f"explain_tokens_per_s_laminar_buffer_8_{point}": round(r["tokens_per_s"], 1)}

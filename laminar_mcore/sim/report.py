@@ -346,7 +346,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--fail", default=None, help="machine@T: kill that rollout machine at T")
     ap.add_argument("--explain", action="store_true",
                     help="also run laminar at each model's smallest and largest point without "
-                         "the trainer's step costs (explain_* keys)")
+                         "the trainer's step costs, and at its most stale point with a buffer "
+                         "of one batch (explain_* keys)")
     return ap
 
 
@@ -400,8 +401,8 @@ def main(argv=None) -> dict:
     figures = table(results, models)
     figures.update(counts)
     if args.explain:
-        from .extras import explain_scaling
-        figures.update(explain_scaling(args, workload, sys.modules[__name__], results, models))
+        from .extras import explain
+        figures.update(explain(args, workload, sys.modules[__name__], results, models))
     figures["jobs"] = args.jobs
     figures["warmup_iterations"] = args.warmup
     figures["measured_iterations"] = args.measure
