@@ -185,6 +185,11 @@ def test_report_and_placement_sweep_write_their_keys(tmp_path):
     assert figures["explain_staleness_max_laminar_buffer_1"] <= figures["staleness_max_laminar"]
     assert figures[f"explain_tokens_per_s_laminar_buffer_8_{point}"] == \
         figures[f"tokens_per_s_{point}_laminar"]
+    # ... and with and without repack where the table has both, with prefill free
+    for g in (16, 32):
+        assert f"explain_repack_generation_gain_without_prefill_7B_{g}" in figures
+        for k in ("repack", "norepack"):
+            assert 0 < figures[f"explain_kv_utilisation_{k}_without_prefill_7B_{g}"] <= 1
     assert os.path.exists(tmp_path / "sim_tokens_per_s_7B.png")
 
     sweep = report(["--sweep-placement", "--model", "7B", "--gpus", "32", "--iterations", "2",

@@ -134,12 +134,15 @@ def explain(args, workload: Workload, report, results: List[dict],
             models: List[str], log=print) -> Dict[str, object]:
     """``--explain``: the runs that show which modelled term accounts for a figure, on one
     pool. ``explain_scaling``'s, then laminar at its most stale point again with a buffer of
-    one batch (``explain_staleness``)."""
+    one batch (``explain_staleness``), then laminar with and without repack where the table
+    has both, with prefill free (``explain_repack``)."""
     scaling = _scaling_specs(args, workload, results, models)
     stale = _staleness_specs(args, workload, results)
-    runs = report.run_points(scaling + stale, args.jobs, log)
+    repack = _repack_specs(args, workload, results)
+    runs = report.run_points(scaling + stale + repack, args.jobs, log)
     out = explain_scaling(report, runs[:len(scaling)], models)
-    out.update(explain_staleness(results, runs[len(scaling):]))
+    out.update(explain_staleness(results, runs[len(scaling):len(scaling) + len(stale)]))
+    out.update(explain_repack(runs[len(scaling) + len(stale):]))
     return out
 
 
@@ -210,3 +213,39 @@ def explain_staleness(results: List[dict], runs: List[dict]) -> Dict[str, object
             f"explain_staleness_max_laminar_buffer_{b}": max(map(int, run["staleness"])),
             f"explain_tokens_per_s_laminar_buffer_{b}_{point}": round(run["tokens_per_s"], 1),
             f"explain_tokens_per_s_laminar_buffer_8_{point}": round(r["tokens_per_s"], 1)}
+
+
+# explain_repack's prefill: at a million times the table's compute efficiency (microseconds)
+PREFILL_FREE = {"EFFICIENCY.prefill_compute": 1e6}
+
+
+def _repack_specs(args, workload: Workload, results: List[dict]) -> List[dict]:
+    """Laminar with and without repack at each point where the table has both, again with
+    prefill free (``PREFILL_FREE``)."""
+    by = {(r["model"], r["gpus"], r["mode"]): r for r in results}
+    specs = []
+    for (m, g, mode), r in sorted(by.items()):
+        if mode == "laminar_norepack" and (m, g, "laminar") in by:
+            for md in ("laminar", "laminar_norepack"):
+                specs.append(dict(model=m, mode=md, gpus=g, workload=workload,
+                                  split_trainer_gpus=by[(m, g, md)]["trainer_gpus"],
+                                  iterations=args.warmup + args.measure, warmup=args.warmup,
+                                  overrides=dict(PREFILL_FREE)))
+    return specs
+
+
+def explain_repack(runs: List[dict]) -> Dict[str, object]:
+    """Repack's generation gain (generated tokens per busy engine-second, with vs without
+    repack) again with prefill free: ``explain_repack_generation_gain_without_prefill_<point>``
+    and the KV utilisation of both runs beside the table's ``repack_generation_gain_<point>``.
+    A moved trajectory prefills its whole context again on its destination, and an engine
+    decodes nothing while it prefills: the run shows how much of the gain that takes."""
+    out: Dict[str, object] = {}
+    for on, off in zip(runs[0::2], runs[1::2]):
+        key = f"{on['model']}_{on['gpus']}"
+        out[f"explain_repack_generation_gain_without_prefill_{key}"] = round(
+            on["generation_tokens_per_s"] / off["generation_tokens_per_s"] - 1, 3)
+        out[f"explain_kv_utilisation_repack_without_prefill_{key}"] = round(on["kv_utilisation"], 3)
+        out[f"explain_kv_utilisation_norepack_without_prefill_{key}"] = round(
+            off["kv_utilisation"], 3)
+    return out

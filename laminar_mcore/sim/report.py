@@ -346,8 +346,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--fail", default=None, help="machine@T: kill that rollout machine at T")
     ap.add_argument("--explain", action="store_true",
                     help="also run laminar at each model's smallest and largest point without "
-                         "the trainer's step costs, and at its most stale point with a buffer "
-                         "of one batch (explain_* keys)")
+                         "the trainer's step costs, at its most stale point with a buffer of "
+                         "one batch, and with and without repack with prefill free "
+                         "(explain_* keys)")
     return ap
 
 
