@@ -111,10 +111,9 @@ class RolloutManager(Admission, EngineHealth, WeightPulls, Elastic):
         self.admitting = bool(cfg.generate_before_trainer)
         # seconds with no healthy engine generating (the phase between generations)
         self._quiet_s, self._quiet_since = 0.0, None
-        # engine name -> the futures waiting on it (its loop, interrupted trajectories), in
-        # arrival order; all woken (and dropped) on every change that may let one act, so a
-        # wait that starts after the check never misses one
-        # (and under (name, "version"): those that wait for a new version alone)
+        # engine name (or (name, "version"): waiting for its next version alone) -> the futures
+        # waiting on it, in arrival order; all woken (and dropped) on every change that may
+        # let one act, so a wait that starts after the check never misses one
         self._wakes: Dict[object, Dict[asyncio.Future, None]] = {}
         # AReaL's admission budget: trajectories admitted so far that can still be trained on
         # (running, buffered or consumed); a dropped group gives its capacity back.
@@ -169,9 +168,8 @@ class RolloutManager(Admission, EngineHealth, WeightPulls, Elastic):
     def notify(self, engine: Optional[EngineHandle] = None, slots: bool = False) -> None:
         """Something ``engine``'s loop (None: every engine's) may act on changed: the
         trainer's version, the buffer (the controller calls it), a trajectory, a relay.
-        ``slots``: only its requests came or went, which the trajectories waiting for it to
-        take a new version (``_resume_interrupted``) need not hear of: an interrupt aborts
-        hundreds of requests at once, and each one waking all the others was O(n^2)."""
+        ``slots``: only its requests came or went, which trajectories waiting for its next
+        version need not hear of (an interrupt's hundreds of aborts woke each other)."""
         for e in ([engine] if engine is not None else self.engines):
             for key in ((e.name,) if slots else (e.name, (e.name, "version"))):
                 for waiter in self._wakes.pop(key, ()):
@@ -181,9 +179,8 @@ class RolloutManager(Admission, EngineHealth, WeightPulls, Elastic):
     async def _sleep_until_woken(self, engine: EngineHandle, timeout: float,
                                  version: bool = False) -> None:
         """Until ``notify`` names ``engine`` (or every engine), at most ``timeout`` seconds;
-        ``version``: a notify about its slots alone does not end it. A bare future and a
-        timer: ``wait_for(event.wait())`` made a task and two futures per wait, thousands a
-        second with thousands of trajectories in flight."""
+        ``version``: a notify about its slots alone does not end it. A future and a timer
+        (``wait_for(event.wait())`` made a task and two futures per wait)."""
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
         waiters = self._wakes.setdefault((engine.name, "version") if version else engine.name, {})
