@@ -173,8 +173,7 @@ class RolloutManager(Admission, EngineHealth, WeightPulls, Elastic):
         for e in ([engine] if engine is not None else self.engines):
             for key in ((e.name,) if slots else (e.name, (e.name, "version"))):
                 for waiter in self._wakes.pop(key, ()):
-                    if not waiter.done():
-                        waiter.set_result(None)
+                    _wake(waiter)
 
     async def _sleep_until_woken(self, engine: EngineHandle, timeout: float,
                                  version: bool = False) -> None:

@@ -77,10 +77,10 @@ GC_THRESHOLDS = (0,)
 
 
 @contextlib.contextmanager
-def gc_thresholds(thresholds=None):
-    """The collector at ``thresholds`` (``GC_THRESHOLDS``) inside the block, as it was after."""
+def gc_thresholds():
+    """The collector at ``GC_THRESHOLDS`` inside the block, as it was after it."""
     old = gc.get_threshold()
-    gc.set_threshold(*(thresholds or GC_THRESHOLDS))
+    gc.set_threshold(*GC_THRESHOLDS)
     try:
         yield
     finally:

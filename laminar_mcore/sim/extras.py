@@ -29,10 +29,8 @@ def sensitivity_run(args, workload: Workload, report, log=print) -> Dict[str, ob
     ``report``: the ``sim.report`` module, passed in so that the two do not import each other."""
     pairs = _pairs(args.sensitivity_points)
     # the systems the headline ratios read (AReaL's eta = 4 row is in none of them)
-    systems = [m for m in report.SYSTEMS
-               if m == "laminar" or any(h == f"laminar_vs_{b}_avg" for b, mode in
-                                        report.BASELINES.items() if mode == m
-                                        for h in HEADLINE)]
+    read = {mode for b, mode in report.BASELINES.items() if f"laminar_vs_{b}_avg" in HEADLINE}
+    systems = [m for m in report.SYSTEMS if m == "laminar" or m in read]
     iterations = args.iterations or args.warmup + args.measure
     warmup = min(args.warmup, iterations - 1)
     _, splits = report.sweep_and_run(pairs, systems, args, workload,
@@ -137,11 +135,12 @@ def explain(args, workload: Workload, report, results: List[dict],
     one batch (``explain_staleness``), then laminar with and without repack where the table
     has both, with prefill free (``explain_repack``)."""
     scaling = _scaling_specs(args, workload, results, models)
-    stale = _staleness_specs(args, workload, results)
+    most_stale = _most_stale(results)
+    stale = _staleness_specs(args, workload, most_stale)
     repack = _repack_specs(args, workload, results)
     runs = report.run_points(scaling + stale + repack, args.jobs, log)
     out = explain_scaling(report, runs[:len(scaling)], models)
-    out.update(explain_staleness(results, runs[len(scaling):len(scaling) + len(stale)]))
+    out.update(explain_staleness(most_stale, runs[len(scaling):len(scaling) + len(stale)]))
     out.update(explain_repack(runs[len(scaling) + len(stale):]))
     return out
 
@@ -187,8 +186,7 @@ def _most_stale(results: List[dict]) -> Optional[dict]:
     return max(runs, key=lambda r: (max(map(int, r["staleness"])), r["gpus"]), default=None)
 
 
-def _staleness_specs(args, workload: Workload, results: List[dict]) -> List[dict]:
-    r = _most_stale(results)
+def _staleness_specs(args, workload: Workload, r: Optional[dict]) -> List[dict]:
     if r is None:
         return []
     return [dict(model=r["model"], mode="laminar", gpus=r["gpus"], workload=workload,
@@ -197,22 +195,23 @@ def _staleness_specs(args, workload: Workload, results: List[dict]) -> List[dict
                  overrides=None)]
 
 
-def explain_staleness(results: List[dict], runs: List[dict]) -> Dict[str, object]:
+def explain_staleness(r: Optional[dict], runs: List[dict]) -> Dict[str, object]:
     """Laminar's staleness is unbounded: a trajectory is as stale as the iterations its own
     generation spans plus those it waits in the buffer. Its most stale point again with a
     buffer of ``EXPLAIN_BUFFER_BATCHES`` batch splits the two:
     ``explain_staleness_max_laminar_buffer_1`` (the generation's span, and a batch's wait)
-    beside ``staleness_max_laminar`` (the table's buffer of 8), and what that buffer costs
-    in tokens/s at that point."""
-    r = _most_stale(results)
+    beside ``staleness_max_laminar`` (the table's buffer), and what that buffer costs in
+    tokens/s at that point. ``r``: that point's run in the table (``_most_stale``)."""
+    from .cluster import SimConfig
+
     if r is None or not runs:
         return {}
     run, point = runs[0], f"{r['model']}_{r['gpus']}"
-    b = EXPLAIN_BUFFER_BATCHES
+    b, table = EXPLAIN_BUFFER_BATCHES, SimConfig.max_buffered_batches
     return {"explain_staleness_point": point,
             f"explain_staleness_max_laminar_buffer_{b}": max(map(int, run["staleness"])),
             f"explain_tokens_per_s_laminar_buffer_{b}_{point}": round(run["tokens_per_s"], 1),
-            f"explain_tokens_per_s_laminar_buffer_8_{point}": round(r["tokens_per_s"], 1)}
+            f"explain_tokens_per_s_laminar_buffer_{table}_{point}": round(r["tokens_per_s"], 1)}
 
 
 # explain_repack's prefill: at a million times the table's compute efficiency (microseconds)
@@ -224,7 +223,7 @@ def _repack_specs(args, workload: Workload, results: List[dict]) -> List[dict]:
     prefill free (``PREFILL_FREE``)."""
     by = {(r["model"], r["gpus"], r["mode"]): r for r in results}
     specs = []
-    for (m, g, mode), r in sorted(by.items()):
+    for m, g, mode in sorted(by):
         if mode == "laminar_norepack" and (m, g, "laminar") in by:
             for md in ("laminar", "laminar_norepack"):
                 specs.append(dict(model=m, mode=md, gpus=g, workload=workload,
