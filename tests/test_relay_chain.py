@@ -96,13 +96,18 @@ def test_tp2_pp2_publish_reaches_the_end_of_the_chain_bit_exact(chain, tmp_path)
     references = {v: _reference(v) for v in range(1, 7)}
     seen, errors, stop = set(), [], threading.Event()
 
+    hold = tmp_path / "stage_lead.go"  # the publisher waits for it between the two ways
+
     def puller():  # pulls from the last relay all through the publishes
         while not stop.is_set():
             try:
                 asyncio.run(_lease_and_check(r2.url, references, seen))
             except AssertionError as exc:
                 errors.append(exc)
+                hold.touch()  # so the publisher goes on and the test reports the error
                 return
+            if 3 in seen and not hold.exists():
+                hold.touch()
             time.sleep(0.01)
 
     thread = threading.Thread(target=puller)
@@ -110,15 +115,16 @@ def test_tp2_pp2_publish_reaches_the_end_of_the_chain_bit_exact(chain, tmp_path)
     try:
         results = run_torchrun(os.path.join(WORKERS, "publish.py"), 4,
                                ["--publish-port", str(port), "--versions", "3",
-                                "--export", "stage_lead,per_rank"], timeout=600,
+                                "--export", "stage_lead,per_rank", "--hold-dir", str(tmp_path)],
+                               timeout=600,
                                env={TOKEN_ENV: TOKEN})  # the publisher proves it
         wait_until(lambda: _get(r2.url, "/latest")["version"] == 6, what="version 6 at the last relay")
     finally:
         stop.set()
         thread.join()
     assert not errors, errors[0]
+    asyncio.run(_lease_and_check(r2.url, references, seen))  # version 6, now the newest
     assert {3, 6} <= seen  # each way's last version was pulled and checked bit for bit
-    asyncio.run(_lease_and_check(r2.url, references, seen))
     whole = sum(t.numel() * t.element_size() for t in references[1].values())
     for export, versions in (("stage_lead", [1, 2, 3]), ("per_rank", [4, 5, 6])):
         ranks = [r[export] for r in results]

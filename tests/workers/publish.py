@@ -6,6 +6,18 @@ import os
 import torch
 
 
+def _hold(path, timeout_s=300.0):
+    """Every rank waits (rank 0 polls, then a barrier) until ``path`` exists."""
+    import time
+    if torch.distributed.get_rank() == 0:
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{path} did not appear within {timeout_s:.0f} s")
+            time.sleep(0.05)
+    torch.distributed.barrier()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=2)
@@ -16,6 +28,9 @@ def main():
     ap.add_argument("--bucket-bytes", type=int, default=40_000)
     ap.add_argument("--export", default="stage_lead",
                     help="comma-separated weight_sync.export values, published in turn")
+    ap.add_argument("--hold-dir", default=None,
+                    help="after each export way but the last, wait for DIR/<export>.go (the "
+                         "test's puller writes it once it has checked that way's last version)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -48,6 +63,8 @@ def main():
                           "buckets": s.buckets})
             publisher.wait()
         publisher.close()
+        if args.hold_dir and export != args.export.split(",")[-1]:
+            _hold(os.path.join(args.hold_dir, f"{export}.go"))
         out[export] = {"lead": publisher.is_lead, "part": publisher.stage, "stats": stats,
                        "host_buffer_bytes": publisher.pinned_bytes(),
                        "backend": publisher.backend}
