@@ -88,7 +88,7 @@ class MasterRelay:
         """Open the publish port: a trainer stage lead that proves the run token gets a session
         of its own -- its own store and group (relay/rendezvous.py); nothing else reaches it."""
         self.rendezvous = PublishRendezvous(
-            self.host, self.publish_port, self.token, self.trainer_stages, self._choose_channel,
+            self.host, self.publish_port, self.token, self.trainer_parts, self._choose_channel,
             self._start_session, self.stop_event).start()
         self.publish_port = self.rendezvous.port
         self.publish_ready.set()
@@ -219,7 +219,8 @@ class MasterRelay:
         """Join the chain of the master relay at ``url`` (at its end)."""
         _http("POST", url + "/register", {
             "relay_id": self.relay_id, "control_url": self.control_url,
-            "data_host": self.host, "data_port": self.data_port}, self.token)
+            "data_host": self.host, "data_port": self.data_port,
+            "stripe": [self.cfg.stripe, self.cfg.stripes]}, self.token)
 
     def _register_loop(self) -> None:
         url = self.master_url
@@ -229,6 +230,10 @@ class MasterRelay:
                 logger.info("registered with the master relay %s", url)
                 return
             except (urllib.error.URLError, OSError) as exc:
+                if getattr(exc, "code", None) == 409:  # another stripe's master: no retry
+                    logger.error("the master relay %s refused this relay: %s", url,
+                                 exc.read().decode(errors="replace"))
+                    return
                 logger.info("master relay not reachable yet (%s); retrying", exc)
                 self.stop_event.wait(0.5)
 
@@ -261,7 +266,14 @@ class MasterRelay:
     async def register(self, request):
         if not self.master:
             return error_response(404, "LMC-E405", "only the master relay keeps the chain")
-        entry = _chain_entry(await read_json(request, REGISTER))
+        body = await read_json(request, REGISTER)
+        mine = [self.cfg.stripe, self.cfg.stripes]
+        if body.get("stripe", [0, 1]) != mine:
+            return error_response(409, "LMC-E407", (
+                f"relay {body['relay_id']} carries stripe {body.get('stripe', [0, 1])} (S, N) "
+                f"and this master relay stripe {mine}: a chained relay joins its own stripe's "
+                "master (--stripe S/N, weight_sync.master_relays)"))
+        entry = _chain_entry(body)
         with self.chain_lock:
             self.relays.pop(entry["relay_id"], None)  # a restarted relay rejoins at the end
             self.relays[entry["relay_id"]] = entry

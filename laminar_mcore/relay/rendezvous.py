@@ -38,7 +38,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Union
 
 import torch.distributed as dist
 
@@ -134,10 +134,13 @@ class PublishRendezvous:
     facts in its join (``host``, ``gpu``: ``weights.transport.choose_channel``); a ValueError
     from ``choose`` refuses the join with its message. ``choose`` may be a backend's name."""
 
-    def __init__(self, host: str, port: int, token: str, stages: int, choose,
+    def __init__(self, host: str, port: int, token: str, stages: Union[int, range], choose,
                  on_session: Callable[[int, int, "dist.Store", str], None],
                  stop: threading.Event):
-        self.token, self.stages = token, stages
+        """``stages``: the publishing parts this relay takes (a striped tier's master takes
+        its stripe's, ``weights.shards.stripe_parts``), or how many (all of them)."""
+        self.token = token
+        self.stages = range(stages) if isinstance(stages, int) else stages
         self.choose = choose if callable(choose) else (lambda hello, name=choose: (name, ""))
         self.on_session, self.stop = on_session, stop
         self.sock = socket.socket()
@@ -145,7 +148,7 @@ class PublishRendezvous:
         self.sock.bind((host, port))
         self.sock.listen(16)
         self.port = self.sock.getsockname()[1]
-        self.sessions: Dict[int, int] = {s: 0 for s in range(stages)}
+        self.sessions: Dict[int, int] = {s: 0 for s in self.stages}
         self.refused = 0
         self._lock = threading.Lock()
         # connections that have not proved the token yet, oldest first: when MAX_PENDING are
@@ -238,10 +241,12 @@ class PublishRendezvous:
                     hello.get("gpu")).encode())):
             send_frame(conn, {"accept": False, "reason": AUTH_FAILED})
             raise RendezvousRefused("LMC-E503: no valid proof of the run's token")
-        if not 0 <= stage < self.stages:
-            reason = (f"LMC-E504: stage {stage} is not one of this relay's {self.stages} trainer "
-                      "stages (--trainer-stages: the trainer's pipeline-parallel size, times "
-                      "its tensor-parallel size with weight_sync.export=per_rank)")
+        if stage not in self.stages:
+            first, last = self.stages.start, self.stages.stop - 1
+            reason = (f"LMC-E504: stage {stage} is not one of this relay's trainer stages "
+                      f"({first}..{last}; --trainer-stages: the trainer's pipeline-parallel "
+                      "size, times its tensor-parallel size with weight_sync.export=per_rank; "
+                      "a striped tier's master takes its stripe's: --stripe S/N)")
             send_frame(conn, {"accept": False, "reason": reason})
             raise RendezvousRefused(reason)
         try:

@@ -45,7 +45,9 @@ CHAIN_ENTRY = {"relay_id": Field("str", required=True, max_len=128),
                "control_url": Field("url", required=True, max_len=300),
                "data_host": Field("str", required=True, max_len=255),
                "data_port": Field("int", required=True, low=1, high=65535)}
-REGISTER = CHAIN_ENTRY
+# (a striped tier: the registering relay's [stripe, stripes]; its master's must be the same)
+REGISTER = {**CHAIN_ENTRY, "stripe": Field("list", max_len=2, item=Field("int", low=0,
+                                                                         high=4096))}
 
 # POST /report_failure: a relay's downstream (host:port of its data port) failed
 REPORT_FAILURE = {"data_addr": Field("str", required=True, max_len=300)}

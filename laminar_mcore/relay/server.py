@@ -46,7 +46,7 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from aiohttp import web
@@ -58,6 +58,7 @@ from ..netutil import (TOKEN_ENV, BadRequest, bearer_ok, error_response, read_js
                        token_middleware)
 from ..weights.bucket import SHM_DIR, reclaim_segments
 from ..weights.delta import digest
+from ..weights.shards import stripe_parts
 from ..weights.transport import resolve_backend
 from .chain import Forwarder, PushRefused, serve_push
 from .master import MasterRelay
@@ -82,7 +83,11 @@ class RelayConfig:
     relay_id: Optional[str] = None
     master: bool = False  # trainers publish to the master; the others chain from it
     master_url: Optional[str] = None
-    trainer_stages: int = 1
+    trainer_stages: int = 1  # the trainer's publishing parts (weights.shards.publish_parts)
+    # a striped tier (weight_sync.master_relays): this relay's stripe of ``stripes``; its
+    # master takes only that stripe's parts (weights.shards.stripe_parts), its chain carries them
+    stripe: int = 0
+    stripes: int = 1
     publish_port: int = 0
     chunk_bytes: int = 0  # chain push chunks; 0: Laminar's T(p, k) model or chain_chunks
     heartbeat_s: float = 0.5
@@ -148,6 +153,7 @@ class RelayServer(PullService, MasterRelay):
         self.master = cfg.master
         self.master_url = cfg.master_url
         self.trainer_stages = cfg.trainer_stages
+        self.trainer_parts = stripe_parts(cfg.stripe, cfg.stripes, cfg.trainer_stages)
         self.publish_port = cfg.publish_port
         # the trainer -> master relay backend as configured (auto: each session decides from
         # both ends, weights.transport.choose_channel); the GPU an NCCL session would stage on,
@@ -272,6 +278,7 @@ class RelayServer(PullService, MasterRelay):
                                   "control_url": self.control_url, "data_host": self.host,
                                   "data_port": self.data_port,
                                   "version": self.store.latest_version,
+                                  "stripe": [self.cfg.stripe, self.cfg.stripes],
                                   "publish_port": self.publish_port if self.master else None})
 
     async def latest(self, request):
@@ -290,6 +297,7 @@ class RelayServer(PullService, MasterRelay):
         with s.cond:
             latest = s.latest
             info = {"relay_id": self.relay_id, "master": self.master,
+                    "stripe": [self.cfg.stripe, self.cfg.stripes],
                     "version": latest.version if latest else None,
                     "nbytes": latest.nbytes if latest else 0,
                     "receiving": sorted(s.receiving), "leases": len(s.leases),
@@ -354,6 +362,16 @@ class RelayServer(PullService, MasterRelay):
         return web.json_response({"ok": True})
 
 
+def _stripe_arg(text: str) -> Tuple[int, int]:
+    try:
+        stripe, stripes = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not S/N (e.g. 0/2)") from None
+    if not 0 <= stripe < stripes:
+        raise argparse.ArgumentTypeError(f"stripe {text}: S must be one of 0..N-1")
+    return stripe, stripes
+
+
 def _config_from_args(args) -> RelayConfig:
     if args.config_json:  # the launchers: the whole relay section at once
         return RelayConfig.from_json(args.config_json, args.token)
@@ -364,7 +382,8 @@ def _config_from_args(args) -> RelayConfig:
                           relay_versions=args.relay_versions)
     return RelayConfig(token=args.token, host=args.host, port=args.port, relay_id=args.relay_id,
                        master=args.master, master_url=args.master_url,
-                       trainer_stages=args.trainer_stages, publish_port=args.publish_port,
+                       trainer_stages=args.trainer_stages, stripe=args.stripe[0],
+                       stripes=args.stripe[1], publish_port=args.publish_port,
                        chunk_bytes=args.chunk_bytes, heartbeat_s=args.heartbeat_s,
                        model_bytes=args.model_bytes, weight_sync=ws)
 
@@ -383,6 +402,10 @@ def main(argv=None) -> None:
     ap.add_argument("--master", action="store_true")
     ap.add_argument("--master-url", default=None)
     ap.add_argument("--trainer-stages", type=int, default=1)
+    ap.add_argument("--stripe", type=_stripe_arg, default=(0, 1), metavar="S/N",
+                    help="this relay's stripe S of N master relays (weight_sync.master_relays): "
+                         "a master takes that stripe's trainer parts, a chained relay joins "
+                         "only that stripe's master")
     ap.add_argument("--publish-port", type=int, default=0)
     ap.add_argument("--chunk-bytes", type=int, default=0,
                     help="chunk size of chain pushes; 0: from Laminar's T(p, k) model")

@@ -30,7 +30,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -42,7 +42,7 @@ from ..weights.bucket import BucketPacker
 from ..weights.delta import DeltaEncoder, delta_enabled, digest, unit_for
 from ..weights.transport import (Channel, abort_group, gpu_uuid, host_identity, open_channel,
                                  write_shm)
-from ..weights.shards import EXPORTS
+from ..weights.shards import EXPORTS, check_stripes, stripe_of, stripe_parts
 from .export import export_roles, iter_rank_hf_shards, iter_stage_hf_tensors
 
 
@@ -60,7 +60,9 @@ class PublishError(RuntimeError):
 
 
 class WeightPublisher:
-    def __init__(self, model, hf_config, *, relay_host: str, publish_port: int,
+    def __init__(self, model, hf_config, *, relay_host: Optional[str] = None,
+                 publish_port: Optional[int] = None,
+                 master_relays: Sequence[Tuple[str, int]] = (),
                  bucket_bytes: int = 512 * 2**20, chunk_bytes: int = 64 * 2**20,
                  dtype: Optional[torch.dtype] = None, timeout_s: float = 300.0,
                  locate_master: Optional[Callable[[Tuple[str, int]], Tuple[str, int]]] = None,
@@ -76,7 +78,10 @@ class WeightPublisher:
         its lead, which publishes the stage; ``per_rank``: every rank of the first
         data-parallel replica publishes its own shard as part ``stage * TP + TP rank`` of
         ``PP * TP`` (``trainer.export.iter_rank_hf_shards``, ``weights/shards.py``), blocked
-        only for its local copy."""
+        only for its local copy. ``master_relays``: a striped tier's master relays' publish
+        addresses (``weight_sync.master_relays``), one per stripe; each part publishes to its
+        stripe's (``weights.shards.stripe_of``: whole pipeline stages per stripe), each version
+        completing per stripe. Empty: the one master at ``relay_host:publish_port``."""
         from megatron.core import parallel_state as ps
 
         self.model = model
@@ -108,6 +113,14 @@ class WeightPublisher:
             self.num_stages *= tp
             self.exports = self.is_lead = (ps.get_data_parallel_rank() == 0
                                            and ps.get_context_parallel_rank() == 0)
+        masters = list(master_relays) or [(relay_host, publish_port)]
+        if any(h is None or p is None for h, p in masters):
+            raise ValueError("LMC-E102: WeightPublisher needs relay_host and publish_port, or "
+                             "master_relays")
+        check_stripes(len(masters), ps.get_pipeline_model_parallel_world_size())
+        # the master relay this part publishes to, and how many parts complete a version there
+        self.stripe = stripe_of(self.stage, len(masters), self.num_stages)
+        self.version_parts = len(stripe_parts(self.stripe, len(masters), self.num_stages))
         self.packer = BucketPacker(bucket_bytes, dtype=dtype,
                                    pin_memory=torch.cuda.is_available()) if self.is_lead else None
         weights_dtype = dtype or parameter_dtype(model)
@@ -140,7 +153,7 @@ class WeightPublisher:
         self.last_send_s = 0.0
         self._reported = False
         if self.is_lead:
-            self._connect(relay_host, publish_port)
+            self._connect(*masters[self.stripe])
             self._sender = threading.Thread(target=self._send_loop, name="laminar-publisher",
                                             daemon=True)
             self._sender.start()
@@ -259,7 +272,7 @@ class WeightPublisher:
         if not self.is_lead:
             return
         header = {"type": "bucket", "version": version, "stage": self.stage,
-                  "num_stages": self.num_stages, "index": index, "last_of_stage": last,
+                  "num_stages": self.version_parts, "index": index, "last_of_stage": last,
                   "nbytes": bucket.nbytes, "chunk_bytes": self.chunk_bytes,
                   "metas": [m.to_dict() for m in bucket.metas]}
         self._queue.put((header, bucket.buffer))
@@ -305,7 +318,7 @@ class WeightPublisher:
         """The version handshake: the relay answers whether it takes ``header``'s version and
         holds ``base`` (the version the deltas would be against)."""
         self.channel.send_header({"type": "version", "version": header["version"],
-                                  "stage": self.stage, "num_stages": self.num_stages,
+                                  "stage": self.stage, "num_stages": self.version_parts,
                                   "base": base})
         reply = self.channel.recv_header()
         self._accepted = bool(reply.get("accept"))

@@ -24,7 +24,8 @@ import torch
 from .bucket import TensorMeta, dtype_from_name, layout, slice_fits
 
 __all__ = ["EXPORTS", "WholeTensor", "is_sharded", "publish_parts", "relay_copies",
-           "whole_plan", "served_layout", "assemble"]
+           "check_stripes", "stripe_parts", "stripe_of", "whole_plan", "served_layout",
+           "assemble"]
 
 EXPORTS = ("stage_lead", "per_rank")  # weight_sync.export
 
@@ -33,6 +34,37 @@ def publish_parts(pp: int, tp: int, export: str) -> int:
     """How many parts publish a version (a relay's ``--trainer-stages``): a stage lead per
     pipeline stage, or every rank of the first data-parallel replica (``per_rank``)."""
     return pp * (tp if export == "per_rank" else 1)
+
+
+def check_stripes(stripes: int, pp: int) -> None:
+    """A striped relay tier (``weight_sync.master_relays``): each of ``stripes`` master relays
+    receives whole pipeline stages, so each stripe's relays can serve whole tensors on their
+    own; ``ValueError`` (LMC-E127) unless ``stripes`` divides the trainer's ``pp``."""
+    if stripes < 1 or pp % stripes:
+        raise ValueError(f"LMC-E127: {stripes} master relays (weight_sync.master_relays) must "
+                         f"divide the trainer's {pp} pipeline stages (parallel.pp): each stripe "
+                         "holds whole stages; use a divisor of parallel.pp (1: one master "
+                         "relay)")
+
+
+def stripe_parts(stripe: int, stripes: int, parts: int) -> range:
+    """The publishing parts (``publish_parts``, numbered ``stage * TP + TP rank`` or by stage)
+    that master relay ``stripe`` of ``stripes`` receives: a block of whole pipeline stages,
+    ``parts / stripes`` of them in a row."""
+    if not 0 <= stripe < stripes or parts % stripes:
+        raise ValueError(f"LMC-E127: stripe {stripe} of {stripes} over {parts} publishing "
+                         "parts: the stripe must be one of 0..stripes-1 and stripes divide "
+                         "the parts (weight_sync.master_relays divides parallel.pp)")
+    per = parts // stripes
+    return range(stripe * per, (stripe + 1) * per)
+
+
+def stripe_of(part: int, stripes: int, parts: int) -> int:
+    """The stripe (master relay) publishing part ``part`` of ``parts`` goes to."""
+    if not 0 <= part < parts:
+        raise ValueError(f"LMC-E127: part {part} is not one of the {parts} publishing parts")
+    stripe_parts(0, stripes, parts)  # (checks that stripes divide the parts)
+    return part // (parts // stripes)
 
 
 def relay_copies(export: str) -> int:

@@ -23,7 +23,9 @@ def main():
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--relay-host", default="127.0.0.1")
-    ap.add_argument("--publish-port", type=int, required=True)
+    ap.add_argument("--publish-port", type=int, default=None)
+    ap.add_argument("--master-relays", default="",
+                    help="a striped tier: HOST:PORT of each stripe's master relay, comma-separated")
     ap.add_argument("--versions", type=int, default=2)
     ap.add_argument("--bucket-bytes", type=int, default=40_000)
     ap.add_argument("--export", default="stage_lead",
@@ -49,7 +51,9 @@ def main():
     version = 0
     for export in args.export.split(","):  # one after the other, versions numbered on
         publisher = WeightPublisher(model, cfg, relay_host=args.relay_host,
-                                    publish_port=args.publish_port,
+                                    publish_port=args.publish_port, master_relays=[
+                                        (h, int(p)) for h, p in (a.rsplit(":", 1) for a in
+                                                                 args.master_relays.split(",") if a)],
                                     bucket_bytes=args.bucket_bytes, chunk_bytes=8192,
                                     export=export)
         stats = []
@@ -65,7 +69,8 @@ def main():
         publisher.close()
         if args.hold_dir and export != args.export.split(",")[-1]:
             _hold(os.path.join(args.hold_dir, f"{export}.go"))
-        out[export] = {"lead": publisher.is_lead, "part": publisher.stage, "stats": stats,
+        out[export] = {"lead": publisher.is_lead, "part": publisher.stage,
+                       "stripe": publisher.stripe, "stats": stats,
                        "host_buffer_bytes": publisher.pinned_bytes(),
                        "backend": publisher.backend}
     write_rank_result(args.out, out)
