@@ -269,7 +269,7 @@ class MasterRelay:
         body = await read_json(request, REGISTER)
         mine = [self.cfg.stripe, self.cfg.stripes]
         if body.get("stripe", [0, 1]) != mine:
-            return error_response(409, "LMC-E407", (
+            return error_response(409, "LMC-E518", (
                 f"relay {body['relay_id']} carries stripe {body.get('stripe', [0, 1])} (S, N) "
                 f"and this master relay stripe {mine}: a chained relay joins its own stripe's "
                 "master (--stripe S/N, weight_sync.master_relays)"))

@@ -33,6 +33,12 @@ def main():
     ap.add_argument("--hold-dir", default=None,
                     help="after each export way but the last, wait for DIR/<export>.go (the "
                          "test's puller writes it once it has checked that way's last version)")
+    ap.add_argument("--hold-at", default="",
+                    help="versions (comma-separated) before which every rank waits for "
+                         "DIR/v<V>.go (DIR: --hold-dir)")
+    ap.add_argument("--locate-dir", default=None,
+                    help="a lost master relay's successor: DIR/successor-<port> holds its "
+                         "HOST:PORT once the test has promoted one")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -48,6 +54,14 @@ def main():
     cfg = tiny_hf_config("qwen2")
     model = build_gpt_model(cfg)
     out = {"rank": int(os.environ["RANK"])}
+
+    def locate(failed):  # (WeightPublisher retries until failover_timeout_s)
+        path = os.path.join(args.locate_dir or "", f"successor-{failed[1]}")
+        if not args.locate_dir or not os.path.exists(path):
+            raise ConnectionError(f"no successor of {failed[0]}:{failed[1]} yet")
+        host, port = open(path).read().strip().rsplit(":", 1)
+        return host, int(port)
+
     version = 0
     for export in args.export.split(","):  # one after the other, versions numbered on
         publisher = WeightPublisher(model, cfg, relay_host=args.relay_host,
@@ -55,10 +69,13 @@ def main():
                                         (h, int(p)) for h, p in (a.rsplit(":", 1) for a in
                                                                  args.master_relays.split(",") if a)],
                                     bucket_bytes=args.bucket_bytes, chunk_bytes=8192,
-                                    export=export)
+                                    export=export,
+                                    locate_master=locate if args.locate_dir else None)
         stats = []
         for _ in range(args.versions):
             version += 1
+            if str(version) in args.hold_at.split(","):
+                _hold(os.path.join(args.hold_dir, f"v{version}.go"))
             # Version v carries the weights of HF init seed v, so each is checkable on its own.
             state = initial_hf_state(type("M", (), {"path": None})(), cfg, version)
             load_full_state(model, cfg, get_adapter(cfg).hf_to_mcore(cfg, state))
@@ -70,6 +87,7 @@ def main():
         if args.hold_dir and export != args.export.split(",")[-1]:
             _hold(os.path.join(args.hold_dir, f"{export}.go"))
         out[export] = {"lead": publisher.is_lead, "part": publisher.stage,
+                       "failovers": publisher.failovers,
                        "stripe": publisher.stripe, "stats": stats,
                        "host_buffer_bytes": publisher.pinned_bytes(),
                        "backend": publisher.backend}
