@@ -274,3 +274,18 @@ def test_demo_prints_the_stored_speedup_with_its_spread_not_one_runs_ratio(tmp_p
     assert reference.compare(cfg, summary, str(tmp_path), log=lines.append,
                              path=str(path)) is None
     assert "bench.convergence" in lines[0]
+
+
+def test_stripes_benchmark_writes_its_keys(tmp_path):
+    """bench.stripes on loopback with a small model: both tiers publish every version to every
+    master relay of theirs (the separate-host figures are in docs/benchmarks.md)."""
+    from laminar_mcore.bench.stripes import main
+
+    out = tmp_path / "stripes.json"
+    main(["--loopback", "--layers", "2", "--hidden", "112", "--vocab", "512", "--repeats", "1",
+          "--logs", str(tmp_path / "logs"), "--json", str(out)])
+    figures = json.loads(out.read_text())
+    assert figures["stripes_link_gbit"] == 0 and figures["stripes_repeats"] == 1
+    assert figures["stripes_sync_s_one_master"] > 0 and figures["stripes_sync_s_two_masters"] > 0
+    assert figures["stripes_speedup"] == pytest.approx(
+        figures["stripes_sync_s_one_master"] / figures["stripes_sync_s_two_masters"], rel=0.05)
