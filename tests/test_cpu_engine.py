@@ -37,8 +37,10 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(models):
     cfg, paths, root = models
+    # (each decode step 3 ms slower: a 120-token request runs at least 0.36 s, long enough for
+    # the pause/abort/flush tests to act on it while it runs, however loaded the machine)
     cmd = cpu_engine_command(paths[1], api_key=KEY, kv_capacity_tokens=2048,
-                             max_running_requests=16, deterministic=True)
+                             max_running_requests=16, deterministic=True, decode_delay_s=0.003)
     with EngineProcess(cmd, log_path=str(root / "engine.log")) as proc:
         yield proc
 

@@ -38,12 +38,12 @@ def _relay(tmp_path, name, mooncake_protocol=None, publish_backend="auto", **kw)
                          str(tmp_path / f"{name}.log")).start()
 
 
-def _get(url, path, token=TOKEN):
+def _get(url, path, token=TOKEN, timeout=5):
     """GET ``path`` with the run token (every relay endpoint but /health and /metrics needs it)."""
     req = urllib.request.Request(url + path)
     if token:
         req.add_header("Authorization", f"Bearer {token}")
-    with urllib.request.urlopen(req, timeout=5) as resp:
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
 
 
@@ -347,7 +347,8 @@ def test_latest_long_poll_answers_when_a_version_completes(tmp_path):
 
         def long_poll():
             t = time.time()
-            answers.append((_get(master.url, "/latest?after=0&wait_s=50")["version"], t))
+            answers.append((_get(master.url, "/latest?after=0&wait_s=50", timeout=70)["version"],
+                            t))
             answers[-1] += (time.time(),)
 
         poller = threading.Thread(target=long_poll)

@@ -72,9 +72,11 @@ class ServerArgs:
     stream_interval: int = 1
     served_model_name: Optional[str] = None
     enable_return_routed_experts: bool = False
-    # The twin of a big model's start-up (not an SGLang flag): the server listens at once and
-    # answers 503 on /health, /health_generate and /ready ("Starting") for this many seconds.
+    # Twin knobs (not SGLang flags): a big model's start-up -- the server listens at once and
+    # answers 503 on /health, /health_generate and /ready ("Starting") this many seconds; a
+    # slower GPU's decode step -- each step takes at least ``decode_delay_s`` longer.
     startup_delay_s: float = 0.0
+    decode_delay_s: float = 0.0
 
 
 class CpuEngineServer(ControlRoutes, WeightUpdateRoutes):
@@ -88,7 +90,7 @@ class CpuEngineServer(ControlRoutes, WeightUpdateRoutes):
                                max_running_requests=args.max_running_requests, eos_token_ids=eos,
                                weight_version=args.weight_version, seed=args.random_seed,
                                deterministic=args.enable_deterministic_inference,
-                               decode=self.decode)
+                               decode=self.decode, decode_delay_s=args.decode_delay_s)
         self.model_path = args.model_path
         self.served_model_name = args.served_model_name or args.model_path
         self.context_length = int(args.context_length or model.config.max_position_embeddings)
@@ -460,6 +462,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--startup-delay-s", type=float, default=0.0,
                     help="answer 503 on /health and /ready for this long after binding, as a big "
                          "model's start-up does (a twin knob for tests; not an SGLang flag)")
+    ap.add_argument("--decode-delay-s", type=float, default=0.0,
+                    help="sleep this long after each decode step (a twin knob for tests)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--seed", "--random-seed", dest="seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -477,7 +481,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         incremental_streaming_output=args.incremental_streaming_output,
         stream_interval=args.stream_interval, served_model_name=args.served_model_name,
         enable_return_routed_experts=args.enable_return_routed_experts,
-        startup_delay_s=args.startup_delay_s),
+        startup_delay_s=args.startup_delay_s, decode_delay_s=args.decode_delay_s),
         tokenizer=load_tokenizer(args.model))
     # Bind first so that --port 0 works: the chosen port is printed for launchers to read.
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)

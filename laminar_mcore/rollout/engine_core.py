@@ -68,10 +68,12 @@ class EngineCore:
                  max_running_requests: int = 64, max_prefill_tokens: int = 4096,
                  eos_token_ids: Optional[List[int]] = None, weight_version: str = "0",
                  seed: int = 0, deterministic: bool = False,
-                 decode: Optional[Callable[[List[int]], str]] = None):
+                 decode: Optional[Callable[[List[int]], str]] = None,
+                 decode_delay_s: float = 0.0):
         """``deterministic`` (SGLang's ``--enable-deterministic-inference``) makes requests
         honour ``sampling_seed``; without it the seed is ignored, as in SGLang. ``decode``
-        (the checkpoint's tokenizer) enables stop strings and token texts."""
+        (the checkpoint's tokenizer) enables stop strings and token texts; ``decode_delay_s``
+        (a test knob) makes each decode step that much slower."""
         self.model = model
         self.kv = model.new_kv_cache(kv_capacity_tokens)
         self.pool = KVPool(kv_capacity_tokens)
@@ -81,6 +83,7 @@ class EngineCore:
         self.weight_version = str(weight_version)
         self.deterministic = deterministic
         self.decode = decode
+        self.decode_delay_s = float(decode_delay_s)
         self.waiting: Deque[Request] = deque()
         self.running: List[Request] = []
         self.requests: Dict[str, Request] = {}
@@ -276,6 +279,8 @@ class EngineCore:
         self._admit_and_prefill()
         if self.running:
             self._decode()
+            if self.decode_delay_s > 0:
+                time.sleep(self.decode_delay_s)
         self.steps += 1
 
     def _reserve(self, reqs) -> int:

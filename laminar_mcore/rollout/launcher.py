@@ -98,11 +98,13 @@ def cpu_engine_command(model_path: str, *, port: int = 0, host: str = "127.0.0.1
                        weight_version: Optional[str] = "0",
                        incremental_streaming_output: bool = False, stream_interval: int = 1,
                        deterministic: bool = False, routed_experts: bool = False,
-                       startup_delay_s: float = 0.0, python: str = sys.executable) -> List[str]:
+                       startup_delay_s: float = 0.0, decode_delay_s: float = 0.0,
+                       python: str = sys.executable) -> List[str]:
     """The CPU engine's command line; stream style and determinism default to SGLang's
     defaults (cumulative chunks every token, ``sampling_seed`` ignored). ``startup_delay_s``
     (a test/twin knob, ``rollout.cpu_startup_delay_s``): it answers 503 ("Starting") on
-    /health, /health_generate and /ready for that long after it binds, as a big model does."""
+    /health, /health_generate and /ready for that long after it binds, as a big model does;
+    ``decode_delay_s`` (a test knob) slows each decode step by that much."""
     cmd = [python, "-m", "laminar_mcore.rollout.cpu_engine", "--model", model_path, "--host", host,
            "--port", str(port), "--kv-capacity-tokens", str(kv_capacity_tokens),
            "--max-running-requests", str(max_running_requests), "--threads", str(threads),
@@ -113,6 +115,8 @@ def cpu_engine_command(model_path: str, *, port: int = 0, host: str = "127.0.0.1
         cmd.append("--enable-return-routed-experts")
     if startup_delay_s and float(startup_delay_s) > 0:
         cmd += ["--startup-delay-s", f"{float(startup_delay_s):g}"]
+    if decode_delay_s and float(decode_delay_s) > 0:
+        cmd += ["--decode-delay-s", f"{float(decode_delay_s):g}"]
     return cmd + _protocol_args(weight_version, incremental_streaming_output, stream_interval,
                                 deterministic)
 
