@@ -343,11 +343,15 @@ def test_plan_counts_the_reference_model_held_or_offloaded():
 
 
 def test_per_rank_export_is_checked():
-    """weight_sync.export: one of its two ways; per_rank refused for a mixture-of-experts model
-    (its experts are not cut per rank yet), accepted for a dense one at TP2."""
+    """weight_sync.export: one of its two ways; per_rank accepted for a dense model at TP2 and
+    a mixture-of-experts one at TP1, EP2 (each EP rank sends its experts whole), refused for
+    one whose experts or layers are cut by TP (expert_tp=2)."""
     validate_config(_compose("weight_sync.export=per_rank", "parallel.tp=2",
                              "cluster.trainer.nproc_per_node=2"))
     with pytest.raises(ConfigError, match=r"LMC-E102: weight_sync.export='gather'"):
         validate_config(_compose("weight_sync.export=gather"))
-    with pytest.raises(ConfigError, match=r"LMC-E112: weight_sync.export=per_rank .*mixture"):
-        validate_config(_compose("experiment=cpu_moe", "weight_sync.export=per_rank"))
+    validate_config(_compose("experiment=cpu_moe", "weight_sync.export=per_rank"))
+    with pytest.raises(ConfigError, match=r"LMC-E112: weight_sync.export=per_rank .*mixture"
+                                          r".*expert_tp=2"):
+        validate_config(_compose("experiment=cpu_moe", "weight_sync.export=per_rank",
+                                 "parallel.ep=1", "parallel.expert_tp=2"))

@@ -220,6 +220,38 @@ def _stage_files(out, prefix, layout):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+def test_each_ep_rank_exports_its_own_experts_which_make_the_export_bit_for_bit(ep_run):
+    """Issue 52, per-rank export of a mixture-of-experts model (TP1): every EP rank of the
+    first expert-data-parallel replica yields its own experts, whole, and EP rank 0 the rest,
+    with no collective; one part per EP rank and stage (``publish_part``); together they are
+    the stage-lead export (experts gathered over EP) bit for bit, every tensor exactly once."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    out, _ = ep_run
+    for layout in [x for x in EP_LAYOUTS if x.startswith("t1")]:
+        pp, ep = int(layout[3]), int(layout[5])
+        exported = _stage_files(out, "export", layout)
+        paths = sorted(glob.glob(f"{out}/shards_{layout}_part*.safetensors"))
+        assert [p.rsplit("part", 1)[1] for p in paths] == [
+            f"{k}.safetensors" for k in range(pp * ep)], (layout, paths)
+        pieces = {}
+        for path in paths:
+            part = load_file(path)
+            experts = {k for k in part if ".experts." in k}
+            assert experts or ep == 1, (layout, path)  # every EP rank holds experts
+            for key, tensor in part.items():
+                name, dim = key.split("|")
+                assert dim == "None" and name not in pieces, (layout, name)  # whole, once
+                pieces[name] = tensor
+        assert set(pieces) == set(exported), (layout, set(pieces) ^ set(exported))
+        for name, tensor in pieces.items():
+            assert torch.equal(tensor, exported[name]), f"{layout} {name}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_one_step_gives_the_same_weights_at_every_expert_layout(ep_run):
     """EP1, EP2, (TP2, EP2, sequence parallel), (PP2, EP2) and EP4 on 4 ranks: the same updated weights (fp32, 1e-5),
     every expert present once; the export (the publisher's HF tensors, experts gathered over

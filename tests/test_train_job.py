@@ -250,15 +250,17 @@ def test_an_interrupt_or_a_dead_role_stops_every_process(tmp_path, how):
 
 @pytest.mark.slow
 def test_moe_train_job_with_expert_parallelism_and_routing_replay(tmp_path):
-    """experiment=cpu_moe in mode=sync: a Qwen3-MoE trained by two EP ranks, published with its
-    experts gathered over EP, served by the CPU engine with routed experts returned and
+    """experiment=cpu_moe in mode=sync: a Qwen3-MoE trained by two EP ranks, published per rank
+    (weight_sync.export=per_rank: each EP rank sends its own experts, no gather; issue 52;
+    test_moe checks the stage lead's EP gather), served by the CPU engine with routed experts
+    returned and
     replayed. Every step consumes tokens of the trainer's own version, so every step's
     mismatch says the engine served exactly the trainer's weights (fp32: below 1e-4) -- each
     published version, not only the first; the books balance; the MoE losses are reported."""
     out = subprocess.run(
         [sys.executable, "-m", "laminar_mcore.launch", "experiment=cpu_moe", "mode=sync",
          "output_dir=out", "run_name=moe", "trainer.total_steps=3", "data.num_eval=16",
-         "data.warmup_steps=20"],
+         "data.warmup_steps=20", "weight_sync.export=per_rank"],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
         env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]

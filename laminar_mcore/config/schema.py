@@ -287,7 +287,7 @@ class WeightSyncConfig:
     # How the trainer exports a version: stage_lead (a stage's TP ranks gather onto its lead,
     # which publishes the stage) or per_rank (every rank of the first data-parallel replica
     # publishes its own shard: no gather, blocked for its local copy only; relays put the
-    # slices together as engines pull; dense models only).
+    # slices together as engines pull; MoE at parallel.tp=1: each EP rank its own experts).
     export: str = "stage_lead"
 
 

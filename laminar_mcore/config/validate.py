@@ -402,10 +402,12 @@ def _check_model_divisibility(shape: dict, p, problems: List[str],
                         "parallel.sequence_parallel=true (Megatron-Core's MoE layer refuses "
                         "to train with TP > 1 without it; on GPUs it needs Transformer "
                         "Engine), or parallel.tp=1 with parallel.ep / parallel.expert_tp")
-    if experts and export == "per_rank":
+    if experts and export == "per_rank" and (p.tp > 1 or p.expert_tp > 1):
         problems.append(f"LMC-E112: weight_sync.export=per_rank with {src} ({shape['family']}, "
-                        "a mixture-of-experts model): per-rank export does not cut experts "
-                        "yet (issue 52); use weight_sync.export=stage_lead")
+                        f"a mixture-of-experts model) at parallel.tp={p.tp} / "
+                        f"parallel.expert_tp={p.expert_tp}: per-rank export sends each EP "
+                        "rank's experts whole, at tp=1 and expert_tp=1; use those or "
+                        "weight_sync.export=stage_lead")
     if not experts and (p.ep > 1 or p.expert_tp > 1):
         problems.append(f"LMC-E112: parallel.ep={p.ep} / parallel.expert_tp={p.expert_tp} need a "
                         f"mixture-of-experts model; {src} ({shape['family']}) has no experts")

@@ -217,20 +217,26 @@ class MoeAdapter(ModelAdapter):
             out[mc + expert_suffix(e, "fc2")] = take(n["down_proj"])
         return out
 
-    def convert_unit_to_hf(self, hf_config, unit: str,
-                           tensors: Mapping[str, Tensor]) -> List[Tuple[str, Tensor]]:
+    def convert_unit_to_hf(self, hf_config, unit: str, tensors: Mapping[str, Tensor],
+                           experts: Optional[List[int]] = None,
+                           dense: bool = True) -> List[Tuple[str, Tensor]]:
+        """An MoE layer's tensors in Hugging Face form: the attention, norms and router (unless
+        ``dense`` is False) and the ``experts`` given (default: all of them; a per-rank export
+        passes one EP rank's, ``trainer.export``)."""
         if not self._is_moe_unit(hf_config, unit):
             return super().convert_unit_to_hf(hf_config, unit, tensors)
         i = int(unit.split(".")[1])
         hf, mc = self.HF_LAYER.format(i=i), f"decoder.layers.{i}."
-        placeholder = torch.empty(2, 1)
-        dense = super().convert_unit_to_hf(
-            hf_config, unit, {**tensors, mc + _FC1_W: placeholder, mc + _FC2_W: placeholder})
-        out = [(n, t) for n, t in dense
-               if n not in (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight",
-                            hf + "mlp.down_proj.weight")]
-        out.append((self.hf_router_name(i), tensors[mc + ROUTER_W]))
-        for e in range(self.num_experts(hf_config)):
+        out = []
+        if dense:
+            placeholder = torch.empty(2, 1)
+            converted = super().convert_unit_to_hf(
+                hf_config, unit, {**tensors, mc + _FC1_W: placeholder, mc + _FC2_W: placeholder})
+            out = [(n, t) for n, t in converted
+                   if n not in (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight",
+                                hf + "mlp.down_proj.weight")]
+            out.append((self.hf_router_name(i), tensors[mc + ROUTER_W]))
+        for e in range(self.num_experts(hf_config)) if experts is None else experts:
             n = self.hf_expert_names(i, e)
             gate, up = torch.chunk(tensors[mc + expert_suffix(e, "fc1")], 2, dim=0)
             out += [(n["gate_proj"], gate), (n["up_proj"], up),

@@ -182,8 +182,9 @@ class NodeSupervisor:
         relay_cfg = RelayConfig(token=self.client.token, host=self.cfg.rollout.host,
                                 relay_id=self.name, master=master,
                                 master_url=None if master else master_url,
-                                trainer_stages=publish_parts(self.cfg.parallel.pp,
-                                                             self.cfg.parallel.tp, ws.export),
+                                trainer_stages=publish_parts(
+                                    self.cfg.parallel.pp, self.cfg.parallel.tp, ws.export,
+                                    self.cfg.parallel.ep),
                                 weight_sync=ws,
                                 # /dev/shm checked at start-up for relay_versions of these
                                 model_bytes=relay_model_bytes(self.cfg))

@@ -73,7 +73,8 @@ def iter_rank_hf_shards(model, hf_config) -> Iterator[Tuple[str, torch.Tensor, O
     Megatron's local shards are already whole Hugging Face rows (or columns): a rank's fused
     QKV holds whole query groups and its fc1 [gate_r; up_r], so the adapter's layout transform
     of the local shards, with the heads and query groups one rank holds, gives the slices.
-    Dense families (a mixture-of-experts' experts are still gathered: NotImplementedError)."""
+    Mixture-of-experts families at TP1 and expert TP1 (``rank_moe_shards``): each EP rank
+    yields its own experts whole, EP rank 0 the rest; other layouts: NotImplementedError."""
     import copy
 
     from megatron.core import parallel_state as ps
@@ -81,8 +82,8 @@ def iter_rank_hf_shards(model, hf_config) -> Iterator[Tuple[str, torch.Tensor, O
     model = _unwrap(model)
     adapter = get_adapter(hf_config)
     if adapter.is_moe:
-        raise NotImplementedError(f"per-rank export of {adapter.name}'s experts (issue 52): "
-                                  "use iter_stage_hf_tensors")
+        yield from rank_moe_shards(model, adapter, hf_config)
+        return
     tp, rank = (ps.get_tensor_model_parallel_world_size(),
                 ps.get_tensor_model_parallel_rank())
     shape = adapter.shape(hf_config)
@@ -107,6 +108,51 @@ def iter_rank_hf_shards(model, hf_config) -> Iterator[Tuple[str, torch.Tensor, O
                 raise RuntimeError(f"{name}: local shape {tuple(t.shape)} is not a 1/{tp} slice "
                                    f"of {full_shapes[name]}")
             yield name, t, split[0], rank * t.shape[split[0]]
+
+
+def rank_moe_shards(model, adapter, hf_config) -> Iterator[Tuple[str, torch.Tensor, None, int]]:
+    """A mixture-of-experts stage's per-rank export (call through ``iter_rank_hf_shards``):
+    this EP rank's experts, whole, under their global numbers; from EP rank 0 also everything
+    that is not an expert (attention, norms, routers, embeddings, dense layers). No collective.
+    Needs TP1 and expert TP1 (a rank then holds whole tensors): NotImplementedError otherwise."""
+    from megatron.core import parallel_state as ps
+
+    from .model import _expert_layout
+
+    tp, etp = (ps.get_tensor_model_parallel_world_size(),
+               ps.get_expert_tensor_parallel_world_size())
+    if tp != 1 or etp != 1:
+        raise NotImplementedError(
+            f"per-rank export of {adapter.name} needs parallel.tp=1 and expert TP 1 (here "
+            f"{tp} and {etp}): use weight_sync.export=stage_lead")
+    first, per_rank = _expert_layout(model)
+    mine = list(range(first, first + per_rank))
+    lead = ps.get_expert_model_parallel_rank() == 0
+    for unit, names, params in _held_units(model, adapter, hf_config):
+        local = {n: params[n].detach() for n in names if n in params}
+        if not any(is_expert_param(n) for n in names):
+            if lead:
+                for name, t in adapter.convert_unit_to_hf(hf_config, unit, local):
+                    yield name, t, None, 0
+            continue
+        for name, t in adapter.convert_unit_to_hf(hf_config, unit, local, experts=mine,
+                                                  dense=lead):
+            yield name, t, None, 0
+
+
+def publish_part(hf_config) -> Tuple[bool, int, int]:
+    """(publishes, part, parts per stage) of this rank with ``weight_sync.export=per_rank``:
+    every rank of the first data-parallel replica, one part per TP rank; for a
+    mixture-of-experts model every EP rank of the first expert-data-parallel replica, one part
+    per EP rank (``rank_moe_shards``)."""
+    from megatron.core import parallel_state as ps
+
+    first = ps.get_context_parallel_rank() == 0
+    if get_adapter(hf_config).is_moe:
+        return (first and ps.get_expert_data_parallel_rank() == 0,
+                ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size())
+    return (first and ps.get_data_parallel_rank() == 0, ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_world_size())
 
 
 def export_roles(hf_config) -> Tuple[bool, bool]:

@@ -43,7 +43,7 @@ from ..weights.delta import DeltaEncoder, delta_enabled, digest, unit_for
 from ..weights.transport import (Channel, abort_group, gpu_uuid, host_identity, open_channel,
                                  write_shm)
 from ..weights.shards import EXPORTS, check_stripes, stripe_of, stripe_parts
-from .export import export_roles, iter_rank_hf_shards, iter_stage_hf_tensors
+from .export import export_roles, iter_rank_hf_shards, iter_stage_hf_tensors, publish_part
 
 
 @dataclass
@@ -103,16 +103,18 @@ class WeightPublisher:
         # Ranks that take part in the export's gathers (MoE: layer by layer, one layer's
         # experts at a time, never the model) and the stage lead, which packs and sends.
         self.exports, self.is_lead = export_roles(hf_config)
-        if self.per_rank and get_adapter(hf_config).is_moe:
-            raise ValueError("LMC-E112: weight_sync.export=per_rank does not export a "
-                             "mixture-of-experts model's experts yet (issue 52): use "
-                             "weight_sync.export=stage_lead")
-        if self.per_rank:  # every rank of the first replica sends its own part
-            tp = ps.get_tensor_model_parallel_world_size()
-            self.stage = self.stage * tp + ps.get_tensor_model_parallel_rank()
-            self.num_stages *= tp
-            self.exports = self.is_lead = (ps.get_data_parallel_rank() == 0
-                                           and ps.get_context_parallel_rank() == 0)
+        if self.per_rank and get_adapter(hf_config).is_moe and (
+                ps.get_tensor_model_parallel_world_size() != 1
+                or ps.get_expert_tensor_parallel_world_size() != 1):
+            raise ValueError("LMC-E112: weight_sync.export=per_rank exports a "
+                             "mixture-of-experts model at parallel.tp=1 and expert TP 1 (each "
+                             "EP rank its own experts, whole): use weight_sync.export=stage_lead")
+        if self.per_rank:  # every rank of the first replica sends its own part (per TP rank;
+            # for MoE per EP rank)
+            publishes, part, per_stage = publish_part(hf_config)
+            self.stage = self.stage * per_stage + part
+            self.num_stages *= per_stage
+            self.exports = self.is_lead = publishes
         masters = list(master_relays) or [(relay_host, publish_port)]
         if any(h is None or p is None for h, p in masters):
             raise ValueError("LMC-E102: WeightPublisher needs relay_host and publish_port, or "

@@ -30,10 +30,12 @@ __all__ = ["EXPORTS", "WholeTensor", "is_sharded", "publish_parts", "relay_copie
 EXPORTS = ("stage_lead", "per_rank")  # weight_sync.export
 
 
-def publish_parts(pp: int, tp: int, export: str) -> int:
+def publish_parts(pp: int, tp: int, export: str, ep: int = 1) -> int:
     """How many parts publish a version (a relay's ``--trainer-stages``): a stage lead per
-    pipeline stage, or every rank of the first data-parallel replica (``per_rank``)."""
-    return pp * (tp if export == "per_rank" else 1)
+    pipeline stage, or with ``per_rank`` every rank of the first data-parallel replica (TP
+    parts per stage; a mixture-of-experts model, at TP1, one part per EP rank of the first
+    expert-data-parallel replica)."""
+    return pp * (tp * ep if export == "per_rank" else 1)
 
 
 def check_stripes(stripes: int, pp: int) -> None:

@@ -92,6 +92,16 @@ def main():
             stage = ps.get_pipeline_model_parallel_rank()
             save_file(weights, os.path.join(args.out, f"weights_{layout}_pp{stage}.safetensors"))
             save_file(exported, os.path.join(args.out, f"export_{layout}_pp{stage}.safetensors"))
+        if tp == 1 and etp == 1:  # per-rank export (issue 52): each EP rank its own experts
+            from laminar_mcore.trainer.export import iter_rank_hf_shards, publish_part
+
+            publishes, part, per_stage = publish_part(cfg)
+            if publishes:
+                stage = ps.get_pipeline_model_parallel_rank()
+                shards = {f"{name}|{dim}": t.contiguous().clone()
+                          for name, t, dim, _ in iter_rank_hf_shards(actor.model, cfg)}
+                save_file(shards, os.path.join(
+                    args.out, f"shards_{layout}_part{stage * per_stage + part}.safetensors"))
     write_rank_result(args.out, result)
     torch.distributed.destroy_process_group()
 
