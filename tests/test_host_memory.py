@@ -64,6 +64,9 @@ def test_the_235b_recipe_fits_a_2tb_node_gpu_and_host():
              for e in ("stage_lead", "per_rank")]
     assert plans[1]["relay_shm_gb_per_rollout_node"] == pytest.approx(
         2 * plans[0]["relay_shm_gb_per_rollout_node"], abs=0.2)
+    # at TP1 every part is whole tensors, served as they are: once (a MoE's EP ranks too)
+    assert relay_model_bytes(_compose(*dense, "weight_sync.export=per_rank", "parallel.tp=1")) \
+        == relay_model_bytes(_compose(*dense, "parallel.tp=1"))
 
 
 def test_host_problems_name_the_key_and_fits_is_both():

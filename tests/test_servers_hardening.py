@@ -61,7 +61,7 @@ RELAY_ENDPOINTS = [
                      "devices": "list_str", "device": "str"}),
     Endpoint("POST", "/bucket", body={"lease_id": "x", "index": 0, "applied": [0]},
              fields={"lease_id": "str", "index": "int", "applied": "list_int"},
-             required=("lease_id", "index")),
+             required=("lease_id",)),  # (no index: only the acknowledgements)
     Endpoint("POST", "/release", body={"lease_id": "x"}, fields={"lease_id": "str"},
              required=("lease_id",)),
     Endpoint("POST", "/release_holder", body={"host": "10.0.0.9"}, fields={"host": "str"},

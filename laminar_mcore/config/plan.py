@@ -85,7 +85,7 @@ def relay_model_bytes(cfg) -> int:
     from ..weights.shards import relay_copies
 
     return int(param_counts(model_arch(cfg))["total"] * (4 if cfg.model.dtype == "fp32" else 2)
-               * relay_copies(cfg.weight_sync.export))
+               * relay_copies(cfg.weight_sync.export, cfg.parallel.tp))
 
 
 def delta_choice(cfg, dtype=None, hf_config=None) -> tuple:
@@ -392,7 +392,7 @@ def _host_plan(cfg, model_gb: float, pinned_gb: float, ref_host_gb: float,
     shm_gb = host_gb / 2 if shm_default else float(cl.shm_gb)
     from ..weights.shards import relay_copies
 
-    shm_need = rv * model_gb * relay_copies(cfg.weight_sync.export)
+    shm_need = rv * model_gb * relay_copies(cfg.weight_sync.export, cfg.parallel.tp)
     rollout_gb = shm_need + PROCESS_HOST_GB * (engine_gpus + 1)  # engine workers, the relay
     trainer_gb = pinned_gb + ref_host_gb + PROCESS_HOST_GB * cl.trainer.nproc_per_node
     problems = []

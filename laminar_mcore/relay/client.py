@@ -149,12 +149,15 @@ class RelayClient:
             return None
         return Lease(out["version"], out["lease_id"], out["num_buckets"], out["nbytes"])
 
-    async def bucket(self, lease: Lease, index: int,
-                     applied: Sequence[int] = ()) -> Union[str, List[str]]:
+    async def bucket(self, lease: Lease, index: Optional[int],
+                     applied: Sequence[int] = ()) -> Union[str, List[str], None]:
         """Bucket ``index`` of ``lease``; ``applied``: buckets the engine has finished applying,
-        whose copies the relay may free. At most two may be outstanding (RelayError 409)."""
-        out = await self._call("POST", "/bucket", {"lease_id": lease.lease_id, "index": index,
-                                                   "applied": list(applied)})
+        whose copies the relay may free. At most two may be outstanding (RelayError 409).
+        ``index`` None: only the acknowledgements (answers None)."""
+        body = {"lease_id": lease.lease_id, "applied": list(applied)}
+        if index is not None:
+            body["index"] = index
+        out = await self._call("POST", "/bucket", body)
         return out["serialized"]
 
     async def buckets(self, lease: Lease) -> List[Union[str, List[str]]]:

@@ -134,7 +134,7 @@ class MasterRelay:
                         backend, session)
             receive_publishes(channel, self.store, self.stop_event,
                               lambda v: logger.info("version %d complete", v),
-                              on_bucket=self.metrics.bucket)
+                              on_bucket=self.metrics.bucket, stripes=self.cfg.stripes)
         except Exception as exc:  # noqa: BLE001 - the trainer went away
             if not self.stop_event.is_set():
                 logger.warning("publish stream from stage %d (session %d) ended: %s", stage,
@@ -220,7 +220,8 @@ class MasterRelay:
         _http("POST", url + "/register", {
             "relay_id": self.relay_id, "control_url": self.control_url,
             "data_host": self.host, "data_port": self.data_port,
-            "stripe": [self.cfg.stripe, self.cfg.stripes]}, self.token)
+            "stripe": [self.cfg.stripe, self.cfg.stripes],
+            "trainer_stages": self.trainer_stages}, self.token)
 
     def _register_loop(self) -> None:
         url = self.master_url
@@ -273,6 +274,12 @@ class MasterRelay:
                 f"relay {body['relay_id']} carries stripe {body.get('stripe', [0, 1])} (S, N) "
                 f"and this master relay stripe {mine}: a chained relay joins its own stripe's "
                 "master (--stripe S/N, weight_sync.master_relays)"))
+        # (in a striped tier a promoted relay takes its stripe's parts of these)
+        if self.cfg.stripes > 1 and body.get("trainer_stages") != self.trainer_stages:
+            return error_response(409, "LMC-E518", (
+                f"relay {body['relay_id']} was started for {body['trainer_stages']} trainer "
+                f"parts and this master relay for {self.trainer_stages} (--trainer-stages): "
+                "start every relay of the tier from one config"))
         entry = _chain_entry(body)
         with self.chain_lock:
             self.relays.pop(entry["relay_id"], None)  # a restarted relay rejoins at the end

@@ -27,7 +27,8 @@ logger = logging.getLogger("laminar_mcore.relay")
 
 def receive_publishes(channel, store: VersionStore, stop: threading.Event,
                       on_version: Callable[[int], None],
-                      on_bucket: Optional[Callable[[str, int, int], None]] = None) -> None:
+                      on_bucket: Optional[Callable[[str, int, int], None]] = None,
+                      stripes: int = 1) -> None:
     """Master relay: receive versions from one trainer stage lead over its publish ``channel``
     (a ``weights.transport.Channel``) until the trainer closes it or ``stop``.
 
@@ -38,7 +39,9 @@ def receive_publishes(channel, store: VersionStore, stop: threading.Event,
     them again whole. ``on_bucket(outcome, full_bytes, received_bytes)`` counts them (outcome
     full, delta or fallback). If the stream breaks (the trainer died mid-publish) the version
     it was sending is failed: a pull never sees part of it, and the restarted trainer sends a
-    newer one whole."""
+    newer one whole. ``stripes``: how many master relays this relay's tier has; a trainer
+    that publishes over another number is refused (LMC-E504): each master would otherwise
+    complete versions of part of the model."""
     sv = pinned = None  # the version being received; pinned while this thread writes it
     need = []
     note = on_bucket or (lambda outcome, full, got: None)
@@ -58,6 +61,13 @@ def receive_publishes(channel, store: VersionStore, stop: threading.Event,
             if kind == "version":
                 let_go()
                 sv, need = None, []
+                if int(header.get("stripes", 1)) != stripes:
+                    channel.send_header({"accept": False, "reason": (
+                        f"LMC-E504: the trainer publishes version {header['version']} over "
+                        f"{header.get('stripes', 1)} master relay(s) and this relay is one of "
+                        f"{stripes} (--stripe S/N, weight_sync.master_relays): start the relays "
+                        "and the trainer from one config")})
+                    continue
                 try:
                     sv = store.begin(int(header["version"]), int(header["num_stages"]),
                                      owner="trainer")

@@ -100,9 +100,10 @@ class PullService:
         driver). At most two buckets may be outstanding (served, not applied) -- the one being
         applied and the next -- so an engine GPU never holds more than two of the relay's;
         asking for a third is refused with 409. Every format follows the same protocol, so the
-        CPU pull exercises what the GPU pull does."""
+        CPU pull exercises what the GPU pull does. Without ``index`` it only takes the
+        ``applied`` acknowledgements (a striped pull done with one stripe's relay)."""
         body = await read_json(request, BUCKET)
-        lease_id, index, applied = body["lease_id"], body["index"], body.get("applied", [])
+        lease_id, index, applied = body["lease_id"], body.get("index"), body.get("applied", [])
         with self.store.cond:
             entry = self.store.leases.get(lease_id)
         state = self.pulls.get(lease_id)
@@ -111,7 +112,7 @@ class PullService:
             return error_response(404, "LMC-E405", f"lease {lease_id!r} is unknown, released or "
                                   "expired; pull again")
         sv = entry[0]
-        if not 0 <= index < sv.num_served:
+        if index is not None and not 0 <= index < sv.num_served:
             return error_response(400, "LMC-E400", f"bucket index {index} is not in "
                                   f"[0, {sv.num_served})", field="index")
         exporter = self.exporters[state.fmt]
@@ -120,6 +121,8 @@ class PullService:
         state.applied.update(done)
         if done:
             await asyncio.to_thread(exporter.free, lease_id, done)
+        if index is None:
+            return web.json_response({"index": None, "serialized": None, "freed": done})
         if index not in state.outstanding and len(state.outstanding) >= MAX_BUCKETS_OUTSTANDING:
             return error_response(
                 409, "LMC-E404", f"buckets {sorted(state.outstanding)} of lease {lease_id} are "

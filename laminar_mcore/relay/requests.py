@@ -26,8 +26,8 @@ PULL = {"min_version": Field("int", low=-1), "ttl_s": Field("number", low=0.001,
         "devices": Field("list", max_len=64, item=Field("str", max_len=64)),
         "device": Field("str", max_len=64)}
 
-# POST /bucket
-BUCKET = {"lease_id": LEASE_ID, "index": Field("int", required=True, low=0, high=2**31 - 1),
+# POST /bucket (without ``index``: only the ``applied`` acknowledgements)
+BUCKET = {"lease_id": LEASE_ID, "index": Field("int", low=0, high=2**31 - 1),
           "applied": Field("list", max_len=65536, item=INDEX)}
 
 # POST /release
@@ -47,7 +47,8 @@ CHAIN_ENTRY = {"relay_id": Field("str", required=True, max_len=128),
                "data_port": Field("int", required=True, low=1, high=65535)}
 # (a striped tier: the registering relay's [stripe, stripes]; its master's must be the same)
 REGISTER = {**CHAIN_ENTRY, "stripe": Field("list", max_len=2, item=Field("int", low=0,
-                                                                         high=4096))}
+                                                                         high=4096)),
+            "trainer_stages": Field("int", low=1, high=1_000_000)}
 
 # POST /report_failure: a relay's downstream (host:port of its data port) failed
 REPORT_FAILURE = {"data_addr": Field("str", required=True, max_len=300)}

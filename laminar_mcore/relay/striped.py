@@ -95,12 +95,13 @@ class StripedRelay:
         if not self._checked:
             await self.check()
         kw = dict(ttl_s=ttl_s, fmt=fmt, device=device, devices=devices)
-        got = await asyncio.gather(*(r.lease(min_version, **kw) for r in self.relays),
-                                   return_exceptions=True)
-        leases: List[Optional[Lease]] = [None if isinstance(g, BaseException) else g for g in got]
+        leases: List[Optional[Lease]] = [None] * len(self.relays)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.align_s
         try:
+            got = await asyncio.gather(*(self._lease_into(leases, k, min_version, kw)
+                                         for k in range(len(self.relays))),
+                                       return_exceptions=True)
             for g in got:
                 if isinstance(g, BaseException):
                     raise g
@@ -126,17 +127,38 @@ class StripedRelay:
                             Lease(-1, "", 0, 0)  # not there yet: ask again (until the deadline)
             return None
         finally:
-            for relay, lease in zip(self.relays, leases):
-                if lease is not None and lease.lease_id:
-                    await relay.release(lease)
+            await self._release_all(leases)
+
+    async def _lease_into(self, leases: list, k: int, min_version: int, kw: dict) -> None:
+        """Stripe k's lease into ``leases[k]`` (so that a cancelled ``lease`` lets it go)."""
+        leases[k] = await self.relays[k].lease(min_version, **kw)
+
+    async def _release_all(self, leases: Sequence[Optional[Lease]]) -> bool:
+        """Release every stripe's lease (one failing never keeps the others held)."""
+        done = await asyncio.gather(*(relay.release(lease) for relay, lease
+                                      in zip(self.relays, leases)
+                                      if lease is not None and lease.lease_id),
+                                    return_exceptions=True)
+        for outcome in done:
+            if isinstance(outcome, BaseException):
+                logger.warning("a striped lease's release failed: %s", outcome)
+        return all(outcome is True for outcome in done)
 
     async def bucket(self, lease: StripedLease, index: int,
                      applied: Sequence[int] = ()) -> Union[str, List[str]]:
-        """Bucket ``index`` of the whole lease; ``applied`` as ``RelayClient.bucket`` (a
-        stripe hears of its own buckets only: its last one is let go with the lease)."""
+        """Bucket ``index`` of the whole lease; ``applied`` as ``RelayClient.bucket``: each
+        stripe's relay hears of its own buckets (another stripe's in an acknowledgement of its
+        own), so no relay keeps more than two outstanding across a stripe's end."""
         stripe, local = lease.locate(index)
-        mine = [j for k, j in map(lease.locate, applied) if k == stripe]
-        return await self.relays[stripe].bucket(lease.parts[stripe], local, applied=mine)
+        acks: dict = {}
+        for k, j in map(lease.locate, applied):
+            acks.setdefault(k, []).append(j)
+        others = [self.relays[k].bucket(lease.parts[k], None, applied=js)
+                  for k, js in acks.items() if k != stripe]
+        if others:
+            await asyncio.gather(*others)
+        return await self.relays[stripe].bucket(lease.parts[stripe], local,
+                                                applied=acks.get(stripe, []))
 
     async def buckets(self, lease: StripedLease) -> List[Union[str, List[str]]]:
         """Every bucket of a host-memory lease, stripe by stripe (``RelayClient.buckets``)."""
@@ -147,5 +169,4 @@ class StripedRelay:
 
     async def release(self, lease: StripedLease) -> bool:
         """End the lease on every stripe (True when every relay took it now)."""
-        done = [await relay.release(part) for relay, part in zip(self.relays, lease.parts)]
-        return all(done)
+        return await self._release_all(lease.parts)

@@ -140,6 +140,13 @@ def rank_moe_shards(model, adapter, hf_config) -> Iterator[Tuple[str, torch.Tens
             yield name, t, None, 0
 
 
+def stage_has_experts(model, hf_config) -> bool:
+    """Whether this rank's pipeline stage holds a mixture-of-experts layer."""
+    model = _unwrap(model)
+    return any(is_expert_param(n) for _, names, _ in
+               _held_units(model, get_adapter(hf_config), hf_config) for n in names)
+
+
 def publish_part(hf_config) -> Tuple[bool, int, int]:
     """(publishes, part, parts per stage) of this rank with ``weight_sync.export=per_rank``:
     every rank of the first data-parallel replica, one part per TP rank; for a
@@ -147,12 +154,11 @@ def publish_part(hf_config) -> Tuple[bool, int, int]:
     per EP rank (``rank_moe_shards``)."""
     from megatron.core import parallel_state as ps
 
-    first = ps.get_context_parallel_rank() == 0
-    if get_adapter(hf_config).is_moe:
-        return (first and ps.get_expert_data_parallel_rank() == 0,
+    if get_adapter(hf_config).is_moe:  # (the expert grid has no CP axis)
+        return (ps.get_expert_data_parallel_rank() == 0,
                 ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size())
-    return (first and ps.get_data_parallel_rank() == 0, ps.get_tensor_model_parallel_rank(),
-            ps.get_tensor_model_parallel_world_size())
+    return (ps.get_context_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0,
+            ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
 
 
 def export_roles(hf_config) -> Tuple[bool, bool]:

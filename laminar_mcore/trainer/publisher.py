@@ -43,7 +43,8 @@ from ..weights.delta import DeltaEncoder, delta_enabled, digest, unit_for
 from ..weights.transport import (Channel, abort_group, gpu_uuid, host_identity, open_channel,
                                  write_shm)
 from ..weights.shards import EXPORTS, check_stripes, stripe_of, stripe_parts
-from .export import export_roles, iter_rank_hf_shards, iter_stage_hf_tensors, publish_part
+from .export import (export_roles, iter_rank_hf_shards, iter_stage_hf_tensors, publish_part,
+                     stage_has_experts)
 
 
 @dataclass
@@ -109,6 +110,14 @@ class WeightPublisher:
             raise ValueError("LMC-E112: weight_sync.export=per_rank exports a "
                              "mixture-of-experts model at parallel.tp=1 and expert TP 1 (each "
                              "EP rank its own experts, whole): use weight_sync.export=stage_lead")
+        if self.per_rank and get_adapter(hf_config).is_moe and \
+                ps.get_expert_model_parallel_world_size() > 1 and \
+                not stage_has_experts(model, hf_config):
+            raise ValueError(f"LMC-E112: pipeline stage {self.stage} holds no "
+                             "mixture-of-experts layer: with weight_sync.export=per_rank its EP "
+                             "ranks but the first would have nothing to publish and no version "
+                             "would complete; use weight_sync.export=stage_lead, or a pipeline "
+                             "layout that gives every stage an MoE layer")
         if self.per_rank:  # every rank of the first replica sends its own part (per TP rank;
             # for MoE per EP rank)
             publishes, part, per_stage = publish_part(hf_config)
@@ -121,6 +130,7 @@ class WeightPublisher:
                              "master_relays")
         check_stripes(len(masters), ps.get_pipeline_model_parallel_world_size())
         # the master relay this part publishes to, and how many parts complete a version there
+        self.stripes = len(masters)
         self.stripe = stripe_of(self.stage, len(masters), self.num_stages)
         self.version_parts = len(stripe_parts(self.stripe, len(masters), self.num_stages))
         self.packer = BucketPacker(bucket_bytes, dtype=dtype,
@@ -321,7 +331,7 @@ class WeightPublisher:
         holds ``base`` (the version the deltas would be against)."""
         self.channel.send_header({"type": "version", "version": header["version"],
                                   "stage": self.stage, "num_stages": self.version_parts,
-                                  "base": base})
+                                  "stripes": self.stripes, "base": base})
         reply = self.channel.recv_header()
         self._accepted = bool(reply.get("accept"))
         against = self.encoder.begin(header["version"], bool(reply.get("base_ok")))

@@ -69,10 +69,11 @@ def stripe_of(part: int, stripes: int, parts: int) -> int:
     return part // (parts // stripes)
 
 
-def relay_copies(export: str) -> int:
-    """Copies of a version a relay holds: the stored buckets, and for ``per_rank`` also the
-    whole tensors it puts together for pulls."""
-    return 2 if export == "per_rank" else 1
+def relay_copies(export: str, tp: int = 2) -> int:
+    """Copies of a version a relay holds: the stored buckets, and for ``per_rank`` with tensors
+    cut by TP (``tp`` > 1) also the whole tensors it puts together for pulls (at TP1 every part
+    holds whole tensors -- a mixture-of-experts' EP ranks too -- served as they are)."""
+    return 2 if export == "per_rank" and tp > 1 else 1
 
 
 @dataclass
