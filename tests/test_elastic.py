@@ -24,7 +24,8 @@ def test_an_engine_joins_and_one_leaves_with_its_trajectories_handed_back(tmp_pa
     procs = [relay]
     rows = [{"prompt_ids": [i % 50 + 1, 7, 3], "answer": ""} for i in range(200)]
     try:
-        engines = _incremental_engines(tmp_path, procs, n=2)
+        # (120 tokens take at least 0.6 s: none finishes between the poll and the retire)
+        engines = _incremental_engines(tmp_path, procs, n=2, decode_delay_s=0.005)
 
         async def scenario():
             buffer = RecordingBuffer(group_size=4)
@@ -59,7 +60,8 @@ def test_an_engine_joins_and_one_leaves_with_its_trajectories_handed_back(tmp_pa
     assert not buffer.discarded and not manager.stats.unhealthy and manager.error is None
     moved = [t for t in buffer.seen
              if [seg["engine"] for seg in t.metadata.get("segments", ())] == ["e0", "e1"]]
-    assert len(moved) == len(moving) == 8, [t.metadata.get("segments") for t in buffer.seen]
+    assert len(moved) == len(moving) == 8, [t.metadata.get("segments") for t in buffer.seen
+                                            if t not in moved][:4]
     for t in moved:  # continued with its tokens, all of one version
         assert len(t.response_ids) == 120 and t.versions_seen() == ["0"]
     assert manager.stats.generated == buffer.consumed + buffer.buffered
