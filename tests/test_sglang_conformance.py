@@ -184,7 +184,8 @@ def test_cpu_engine_answers_decode_under_sglangs_response_contract(api_types, tm
             chunks = [ch async for ch in c.generate_stream([3, 4], {"max_new_tokens": 3})]
             busy = asyncio.create_task(c.generate([1], {"max_new_tokens": 300, "ignore_eos": True},
                                                   rid="dup"))
-            await asyncio.sleep(0.2)
+            while not (await c.get_load()).num_running:  # running (300 tokens: a while yet)
+                await asyncio.sleep(0.01)                # when its rid is sent again
             raw = []
             async with c._sess().post(url + "/generate", json={
                     "input_ids": [1], "rid": "dup", "stream": True}) as resp:
@@ -369,7 +370,10 @@ def test_the_twin_at_scale_behaves_as_0_5_23s_source(sglang, tmp_path):
                     "serialized_named_tensors": ["not a handle"], "load_format": "flattened_bucket"},
                     timeout=30)
             deferred = asyncio.create_task(c.generate([1], {"max_new_tokens": 200}))
-            await asyncio.sleep(0.2)
+            for _ in range(500):  # running (it takes at least 1 s: 5 ms a token), then flush
+                if (await c.get_load()).num_running:
+                    break
+                await asyncio.sleep(0.01)
             flush = await c._request("POST", "/flush_cache?timeout=30", None, timeout=60,
                                      expect_json=False)
             finished_first = deferred.done()
@@ -379,7 +383,7 @@ def test_the_twin_at_scale_behaves_as_0_5_23s_source(sglang, tmp_path):
 
     env = {"SGLANG_HEALTH_CHECK_TIMEOUT": "2"}
     with EngineProcess(cpu_engine_command(str(tmp_path / "m"), incremental_streaming_output=True,
-                                          startup_delay_s=1.0),
+                                          startup_delay_s=3.0, decode_delay_s=0.005),
                        log_path=str(tmp_path / "e.log"), env=env,
                        ready_path="/model_info") as proc:
         (starting, raw, paused, aborted, idle_paused, waited, resumed, healthy, garbage, flush,

@@ -122,7 +122,8 @@ def test_an_error_chunk_in_a_started_stream_is_an_engine_error(engines):
         async with SGLangClient(a.url, api_key=KEY) as c:
             long = asyncio.create_task(c.generate([1, 2], {"max_new_tokens": 400, "ignore_eos": True},
                                                   rid="busy"))
-            await asyncio.sleep(0.2)
+            while not (await c.get_load()).num_running:  # running (400 tokens: a while yet)
+                await asyncio.sleep(0.01)                # when its rid is sent again
             with pytest.raises(EngineError) as err:  # HTTP 200, then data: {"error": ...}
                 async for _ in c.stream_tokens([3], {"max_new_tokens": 5}, rid="busy"):
                     pass
