@@ -28,7 +28,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import OrderedDict
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from aiohttp import web
@@ -42,6 +42,7 @@ from .rendezvous import PublishRendezvous
 from .requests import NO_QUERY, PROMOTE, REGISTER, REPORT_FAILURE, SET_MASTER
 
 logger = logging.getLogger("laminar_mcore.relay")
+SILENT_S = 5.0  # how long a relay that does not answer the master's probes stays in the chain
 
 
 def _http(method: str, url: str, body: Optional[dict] = None, token: Optional[str] = None,
@@ -199,21 +200,24 @@ class MasterRelay:
                 logger.warning("cannot reach relay %s: %s", relay["relay_id"], exc)
 
     def _heartbeat_loop(self) -> None:
-        misses: Dict[str, int] = {}
+        silent_since: Dict[str, Tuple[float, int]] = {}  # relay -> (first silent probe, misses)
         while not self.stop_event.wait(self.heartbeat_s):
             with self.chain_lock:
                 relays = list(self.relays.values())
             for relay in relays:
                 state = self._probe(relay)
+                rid = relay["relay_id"]
                 if state == "alive":
-                    misses[relay["relay_id"]] = 0
+                    silent_since.pop(rid, None)
                     continue
                 # a refused connection is a dead process: cut it out now; a relay that does
-                # not answer may be busy: after two heartbeats
-                misses[relay["relay_id"]] = misses.get(relay["relay_id"], 0) + 1
-                if state == "gone" or misses[relay["relay_id"]] >= 2:
-                    misses.pop(relay["relay_id"], None)
-                    self._remove(relay["relay_id"])
+                # not answer may only be busy (a loaded host): after two probes and SILENT_S
+                since, misses = silent_since.get(rid, (time.monotonic(), 0))
+                silent_since[rid] = (since, misses + 1)
+                if state == "gone" or (misses + 1 >= 2
+                                       and time.monotonic() - since >= SILENT_S):
+                    silent_since.pop(rid, None)
+                    self._remove(rid)
 
     def _register_with(self, url: str) -> None:
         """Join the chain of the master relay at ``url`` (at its end)."""
