@@ -42,8 +42,19 @@ def _score(path: str, response_text: str, answer, row: dict) -> float:
     return value
 
 
-def _worker_main(conn) -> None:
-    """A reward worker: score requests from ``conn`` until told to stop or the pipe closes."""
+START_TIMEOUT_S = 120.0  # a worker's start (interpreter, imports, the reward function's module)
+
+
+def _worker_main(conn, fn_path: Optional[str] = None) -> None:
+    """A reward worker: import the reward function (``fn_path``), say it is ready, then score
+    requests from ``conn`` until told to stop or the pipe closes."""
+    try:
+        if fn_path:
+            load_reward_fn(fn_path)
+        conn.send(("ready", None))
+    except Exception as exc:  # noqa: BLE001 - told to the service, which says it
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
     while True:
         try:
             msg = conn.recv()
@@ -59,12 +70,28 @@ def _worker_main(conn) -> None:
 
 
 class _Worker:
-    def __init__(self, ctx):
+    def __init__(self, ctx, fn_path: Optional[str] = None,
+                 start_timeout_s: float = START_TIMEOUT_S):
+        """A started worker, its reward function imported: a call's ``timeout_s`` counts the
+        scoring only, never the start (a cold worker on a loaded host takes seconds)."""
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child,), name="laminar-reward",
-                                daemon=True)
+        self.proc = ctx.Process(target=_worker_main, args=(child, fn_path),
+                                name="laminar-reward", daemon=True)
         self.proc.start()
         child.close()
+        try:
+            if not self.conn.poll(start_timeout_s):
+                raise RuntimeError(f"LMC-E703: a reward worker did not start within "
+                                   f"{start_timeout_s:g} s")
+            status, why = self.conn.recv()
+        except (EOFError, OSError):
+            status, why = "error", "the reward worker died while starting"
+        except BaseException:
+            self.kill()
+            raise
+        if status != "ready":
+            self.kill()
+            raise RuntimeError(f"LMC-E703: a reward worker could not start: {why}")
 
     def kill(self) -> None:
         with contextlib.suppress(Exception):
@@ -119,7 +146,7 @@ class RewardService:
                 raise RuntimeError("the reward service is closed")
             worker = self._idle.pop() if self._idle else None
         try:
-            worker = worker or _Worker(self._ctx)
+            worker = worker or _Worker(self._ctx, self.fn_path)
         except BaseException:
             self._free.release()
             raise
