@@ -92,9 +92,11 @@ def test_256_streams_on_one_engine_with_a_pause_and_an_update(checkpoints):
         await client.close()
         return (pause_s, running_at_pause, load_paused, load_after, info, results)
 
+    # (each step at least 60 ms: the first stream lives over 5 s, so all 256 are open and
+    # streaming before any finishes, however long the client takes to open them)
     cmd = cpu_engine_command(str(root / "m0"), max_running_requests=STREAMS,
                              kv_capacity_tokens=STREAMS * 128, incremental_streaming_output=True,
-                             stream_interval=4)
+                             stream_interval=4, decode_delay_s=0.06)
     with EngineProcess(cmd, log_path=str(root / "e256.log")) as proc:
         pause_s, running, load_paused, load_after, info, results = asyncio.run(
             scenario(proc.url))
