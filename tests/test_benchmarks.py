@@ -33,6 +33,10 @@ def test_weight_sync_benchmark_writes_its_keys(tmp_path):
     keys = {"trainer_blocked_s", "host_copy_s", "chain_gbps", "pull_gbps", "gloo_broadcast_gbps",
             "memcpy_gbps", "bit_exact"}
     assert keys <= set(figures) and figures["bit_exact"] is True
+    # an engine pulls the whole version today (issue 52: its shard only, once engines take
+    # shards), its buckets' 64-byte alignment aside
+    assert figures["engine_pull_bytes"] >= figures["bytes"]
+    assert 1.0 <= figures["engine_pull_fraction"] < 1.05
     assert all(figures[k] > 0 for k in keys - {"bit_exact"})
     from laminar_mcore.relay.transports import mooncake
 

@@ -276,9 +276,10 @@ def main(argv=None) -> dict:
                 async with RelayClient(last.url, token) as relay, SGLangClient(engine.url) as eng:
                     t = time.perf_counter()
                     version = await pull_latest_into_engine(relay, eng, current_version=0)
-                    return version, time.perf_counter() - t
+                    # the bytes the relay served this engine's lease (its /release answer)
+                    return version, time.perf_counter() - t, relay.last_release["bytes_served"]
 
-            pulled_version, pull_s = asyncio.run(pull_into_engine())
+            pulled_version, pull_s, engine_pull_bytes = asyncio.run(pull_into_engine())
             assert pulled_version == final_version
             if use_mooncake:
                 mc = _mooncake_pull(last.url, token, model_dir, tmp, reference, procs, final_version)
@@ -294,6 +295,8 @@ def main(argv=None) -> dict:
         "trainer_blocked_s": blocked_s, "host_copy_s": host_copy_s,
         "blocked_vs_host_copy": blocked_s / host_copy_s,
         "chain_s": chain_s, "chain_gbps": gb / chain_s, "pull_s": pull_s, "pull_gbps": gb / pull_s,
+        # issue 52: what one engine pulled against the whole version (1.0: whole versions)
+        "engine_pull_bytes": engine_pull_bytes, "engine_pull_fraction": engine_pull_bytes / nbytes,
         "gloo_broadcast_gbps": gb / gloo_s, "memcpy_gbps": gb / host_copy_s,
         "chain_vs_gloo": (gb / chain_s) / (gb / gloo_s), "bit_exact": bool(bit_exact),
         "publish_gb_per_s_same_host": gb / send_s["shm"],

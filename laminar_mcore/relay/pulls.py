@@ -44,6 +44,7 @@ class PullState:
     outstanding: set = field(default_factory=set)
     applied: set = field(default_factory=set)
     peak: int = 0
+    nbytes: int = 0  # bytes served (what the engine pulled: every serve of a bucket counts)
     started: float = field(default_factory=time.monotonic)
 
 
@@ -138,6 +139,7 @@ class PullService:
                                   f"{state.fmt!r}: {why}")
         state.outstanding.add(index)
         state.peak = max(state.peak, len(state.outstanding))
+        state.nbytes += bucket.nbytes
         self.metrics.served(bucket.nbytes)
         return web.json_response({"index": index, "serialized": data})
 
@@ -160,7 +162,8 @@ class PullService:
         if state is not None:
             self.metrics.released(time.monotonic() - state.started)
             out.update(peak_outstanding=state.peak,
-                       buckets_served=len(state.applied | state.outstanding))
+                       buckets_served=len(state.applied | state.outstanding),
+                       bytes_served=state.nbytes)
         return web.json_response(out)
 
     async def release_holder(self, request):
