@@ -264,7 +264,8 @@ def test_relay_stops_within_seconds_of_sigterm_with_a_long_poll_pending(tmp_path
 
         poller = threading.Thread(target=poll)
         poller.start()
-        time.sleep(0.5)
+        wait_until(lambda: "laminar_relay_long_polls_waiting 1" in _get(relay.url + "/metrics")[1],
+                   30, "the long poll waiting at the relay")  # (then SIGTERM, not before)
         assert not answers  # pending
         t0 = time.monotonic()
         relay.proc.send_signal(signal.SIGTERM)
@@ -419,7 +420,7 @@ def test_controller_stops_within_seconds_of_sigterm_with_long_polls_pending(tmp_
                                                        "POST"))]
         for t in pollers:
             t.start()
-        time.sleep(1.0)
+        time.sleep(2.0)  # (both requests at the controller before SIGTERM, even under load)
         assert set(answers) == {"first relay_role"}  # both pending
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
@@ -547,7 +548,7 @@ def test_cpu_engine_stops_within_seconds_of_sigterm_with_streams_pending(engine_
                         return r.status, await r.text()
 
                 waiting = asyncio.create_task(gated())
-                await asyncio.sleep(0.3)
+                await asyncio.sleep(1.0)  # (at the engine's gate before SIGTERM, under load too)
                 t0 = time.monotonic()
                 engine.proc.send_signal(signal.SIGTERM)
                 await asyncio.wait_for(streaming, 30)

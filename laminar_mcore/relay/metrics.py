@@ -178,6 +178,8 @@ def relay_families(server) -> Iterable[Metric]:
         gauge(p + "host_memory_bytes", "Bytes of shared host memory the relay's buffers take "
                                        "(held, arriving, pooled for reuse)", buffers),
         gauge(p + "leases_active", "Pulls leased and not yet released", leases),
+        gauge(p + "long_polls_waiting", "GET /latest long polls waiting for a newer version",
+              server.long_polls),
         counter(p + "downstream_changes", "Times this relay's downstream relay changed",
                 server.forwarder.downstream_changes),
     ]

@@ -179,6 +179,7 @@ class RelayServer(PullService, MasterRelay):
         self.data_port = self.data_sock.getsockname()[1]
         self._init_master()  # the chain, the publish group (relay/master.py)
         self._newer: Optional[asyncio.Event] = None  # set when a version completes (long polls)
+        self.long_polls = 0  # long polls waiting now (/metrics)
         self.closing = False  # SIGTERM: long polls answer now, new requests get 503
         self._init_pulls(cfg)  # leases and the weight transports' exporters (relay/pulls.py)
         # every endpoint but /health and /metrics (read-only, as SGLang's) proves the run token;
@@ -333,14 +334,18 @@ class RelayServer(PullService, MasterRelay):
                 loop.call_soon_threadsafe(self._announce)
             self.store.on_complete.append(completed)
         deadline = loop.time() + wait_s
-        while self.store.latest_version <= after and not self.closing:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return
-            try:
-                await asyncio.wait_for(self._newer.wait(), remaining)
-            except asyncio.TimeoutError:
-                return
+        self.long_polls += 1
+        try:
+            while self.store.latest_version <= after and not self.closing:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return
+                try:
+                    await asyncio.wait_for(self._newer.wait(), remaining)
+                except asyncio.TimeoutError:
+                    return
+        finally:
+            self.long_polls -= 1
 
     def _announce(self) -> None:
         """Wake every waiting long poll (a fresh event for the next version)."""
