@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -238,11 +237,7 @@ def _across_hosts(args, argv: List[str]) -> dict:
     out = os.path.join(args.logs, "worker.json")
     shm_mb = max(2048, int(3.3 * args.model_gb * 1024))  # a relay: <= 3 versions' buffers
     with Hosts(["trainer", "relay1"], shm_mb=shm_mb, workdir=args.logs) as hosts:
-        rate = f"{args.link_gbit:g}gbit"
-        for _ns, _addr, port in hosts.hosts.values():  # the bridge's port to each host
-            subprocess.run(["ip", "netns", "exec", hosts.switch, "tc", "qdisc", "add", "dev",
-                            port, "root", "tbf", "rate", rate, "burst", "4mb", "latency",
-                            "400ms"], check=True, capture_output=True, timeout=30)
+        hosts.limit_ingress(args.link_gbit)
         trainer, relay1 = hosts.addr("trainer"), hosts.addr("relay1")
         ws = WeightSyncConfig(publish_backend="gloo")
         env = Hosts.role_env(TOKEN)
@@ -305,16 +300,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
     args.logs = args.logs or tempfile.mkdtemp(prefix="laminar-bench-delta-")
     os.makedirs(args.logs, exist_ok=True)
     args.model_gb = 2 * (0.272 + 0.0149 * args.layers)  # bf16 GB: embeddings, head, layers
-    link = None
-    if not args.loopback:
-        from ..testing.netns import available
+    from ..testing.netns import hosts_or_loopback
 
-        ok, why = available()
-        if ok:
-            link = args.link_gbit
-        else:
-            print(f"[bench.delta] separate hosts unavailable ({why}): both relays on loopback, "
-                  "no rate limit", flush=True)
+    link = args.link_gbit if hosts_or_loopback(args.loopback, "bench.delta", "both relays on "
+                                                "loopback, no rate limit") else None
     passthrough = [a for a in raw if a not in ("--json",)]
     if "--json" in raw:
         i = raw.index("--json")

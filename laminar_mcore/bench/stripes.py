@@ -10,8 +10,8 @@ one run: both stages into one master relay on host ``m0`` (today's funnel: the w
 crosses ``m0``'s link), and each stage into its own stripe's master relay, on ``m0`` and ``m1``
 (``master_relays``: the version crosses two links). With root the three are separate hosts
 (network namespaces, ``testing/netns.py``), the link into every host rate-limited with
-``tc ... tbf`` to ``--link-gbit`` (a master relay's ingress is the funnel); without (or with ``--loopback``) all run on loopback, unlimited, where
-striping has no link to spread over.
+``tc ... tbf`` to ``--link-gbit`` (a master relay's ingress is the funnel); without (or with
+``--loopback``) all run on loopback, unlimited, where striping has no link to spread over.
 
 Figures (flat JSON): ``stripes_sync_s_one_master`` and ``stripes_sync_s_two_masters`` (median
 seconds from the publish call until every master relay of the tier holds the version),
@@ -41,14 +41,8 @@ TOKEN = "bench-stripes"
 PORTS = {"one": 18710, "s0": 18711, "s1": 18712}
 
 
-def _latest(url: str) -> Optional[int]:
-    req = urllib.request.Request(url + "/latest", headers={"Authorization": f"Bearer {TOKEN}"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        return json.loads(resp.read())["version"]
-
-
-def _health(url: str) -> dict:
-    req = urllib.request.Request(url + "/health", headers={"Authorization": f"Bearer {TOKEN}"})
+def _get(url: str, path: str) -> dict:
+    req = urllib.request.Request(url + path, headers={"Authorization": f"Bearer {TOKEN}"})
     with urllib.request.urlopen(req, timeout=30) as resp:
         return json.loads(resp.read())
 
@@ -74,7 +68,7 @@ def worker(args) -> None:
         masters = []
         for key in relays:
             deadline = time.time() + 120
-            while (port := _health(urls[key]).get("publish_port")) is None:
+            while (port := _get(urls[key], "/health").get("publish_port")) is None:
                 if time.time() > deadline:
                     raise RuntimeError(f"relay {key} has no publish port")
                 time.sleep(0.2)
@@ -94,7 +88,7 @@ def worker(args) -> None:
             start = time.perf_counter()
             stats = publishers[name].publish(version)
             if rank == 0:  # until every master of the tier holds the version
-                while any(_latest(urls[k]) != version for k in relays):
+                while any(_get(urls[k], "/latest")["version"] != version for k in relays):
                     if time.perf_counter() - start > 600:
                         raise RuntimeError(f"version {version} did not reach {relays} in "
                                            "600 s; see the relays' logs")
@@ -164,10 +158,7 @@ def _run(args, link: Optional[float]) -> dict:
 
         shm_mb = max(2048, int(2 * 3.3 * args.version_gb * 1024))
         with Hosts(["trainer", "m0", "m1"], shm_mb=shm_mb, workdir=args.logs) as net:
-            for _ns, _addr, port in net.hosts.values():  # the bridge's port to each host
-                subprocess.run(["ip", "netns", "exec", net.switch, "tc", "qdisc", "add", "dev",
-                                port, "root", "tbf", "rate", f"{link:g}gbit", "burst", "4mb",
-                                "latency", "400ms"], check=True, capture_output=True, timeout=30)
+            net.limit_ingress(link)
             renv = Hosts.role_env(TOKEN)
             # gloo binds the address the host name resolves to (127.0.1.1 here, as on Debian):
             # every role's sockets on the host's own link (what the launchers pin)
@@ -215,16 +206,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
     # bf16 GB: embeddings and head, the layers (Qwen2-0.5B's shape scaled by --hidden)
     args.version_gb = 2 * (2 * args.vocab * args.hidden + args.layers * 16.6e6 * (
         args.hidden / 896) ** 2) / 1e9
-    link = None
-    if not args.loopback:
-        from ..testing.netns import available
+    from ..testing.netns import hosts_or_loopback
 
-        ok, why = available()
-        if ok:
-            link = args.link_gbit
-        else:
-            print(f"[bench.stripes] separate hosts unavailable ({why}): loopback, no rate "
-                  "limit", flush=True)
+    link = args.link_gbit if hosts_or_loopback(args.loopback, "bench.stripes",
+                                               "loopback, no rate limit") else None
     result = _run(args, link)
     one = statistics.median(result["times"]["one_master"])
     two = statistics.median(result["times"]["two_masters"])
@@ -232,9 +217,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
         "stripes_sync_s_one_master": round(one, 3),
         "stripes_sync_s_two_masters": round(two, 3),
         "stripes_speedup": round(one / two, 3),
-        "stripes_blocked_s_one_master": round(statistics.median(result["blocked"]["one_master"]), 4),
-        "stripes_blocked_s_two_masters": round(
-            statistics.median(result["blocked"]["two_masters"]), 4),
+        **{f"stripes_blocked_s_{tier}": round(statistics.median(result["blocked"][tier]), 4)
+           for tier in ("one_master", "two_masters")},
         "stripes_version_gb": round(result["nbytes"] / 1e9, 3),
         "stripes_link_gbit": link or 0,
         "stripes_repeats": args.repeats,

@@ -68,6 +68,17 @@ def available() -> Tuple[bool, str]:
         subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
 
 
+def hosts_or_loopback(loopback: bool, who: str, instead: str) -> bool:
+    """Whether a benchmark runs its roles as separate hosts: not with ``--loopback``, nor where
+    namespaces cannot be made here (then it says why and what runs ``instead``)."""
+    if loopback:
+        return False
+    ok, why = available()
+    if not ok:
+        print(f"[{who}] separate hosts unavailable ({why}): {instead}", flush=True)
+    return ok
+
+
 class Hosts:
     """Hosts named ``names`` on one /24 (a random 10.77.x.0 unless ``subnet`` is given)."""
 
@@ -167,6 +178,14 @@ class Hosts:
             self._tmp = None
 
     # ------------------------------------------------------------------ use
+    def limit_ingress(self, gbit: float) -> None:
+        """Rate-limit the link into every host (the bridge's port to it) to ``gbit`` with
+        ``tc ... tbf`` (netem does not work here)."""
+        for _ns, _addr, port in self.hosts.values():
+            subprocess.run(["ip", "netns", "exec", self.switch, "tc", "qdisc", "add", "dev", port,
+                            "root", "tbf", "rate", f"{gbit:g}gbit", "burst", "4mb", "latency",
+                            "400ms"], check=True, capture_output=True, timeout=30)
+
     def addr(self, name: str) -> str:
         return self.hosts[name][1]
 
