@@ -95,25 +95,29 @@ CONTROLLER_ENDPOINTS = [
     Endpoint("GET", "/state"),
     Endpoint("POST", "/done", body={"steps": 1, "version": 1},
              fields={"steps": "int", "version": "int"}, required=("version",)),
-    Endpoint("POST", "/relay_role", body={}, query={"timeout": "0"},
-             query_fields={"timeout": "number"}),
+    Endpoint("POST", "/relay_role", body={"stripe": 0, "node": "n0"}, query={"timeout": "0"},
+             fields={"stripe": "int", "node": "str"}, query_fields={"timeout": "number"}),
     Endpoint("POST", "/register", body={"relay_url": LOCAL, "engines": [LOCAL],
-                                        "publish": PUBLISH, "pull_agent": LOCAL},
+                                        "publish": PUBLISH, "pull_agent": LOCAL,
+                                        "relay_urls": [LOCAL]},
              fields={"relay_url": "url", "engines": "list_url", "publish": "dict",
-                     "pull_agent": "url"}, required=("relay_url", "engines")),
+                     "pull_agent": "url", "relay_urls": "list_url"},
+             required=("relay_url", "engines")),
     Endpoint("GET", "/cluster"),
     Endpoint("GET", "/engine_states", query_fields={"url": "list_url"}),
     Endpoint("POST", "/resumed", body={"step": 1, "version": 1, "restarts": 0},
              fields={"step": "int", "version": "int", "restarts": "int"}, required=("version",)),
-    Endpoint("POST", "/register_relay", body={"relay_url": LOCAL, "publish": PUBLISH},
-             fields={"relay_url": "url", "publish": "dict"}, required=("relay_url", "publish")),
+    Endpoint("POST", "/register_relay", body={"relay_url": LOCAL, "publish": PUBLISH,
+                                              "stripe": 0},
+             fields={"relay_url": "url", "publish": "dict", "stripe": "int"},
+             required=("relay_url", "publish")),
     Endpoint("POST", "/engine_down", body={"url": LOCAL, "reason": "x", "evict": False},
              fields={"url": "url", "reason": "str", "evict": "bool"}, required=("url",)),
     Endpoint("POST", "/engine_replaced", body={"old_url": LOCAL, "new_url": LOCAL},
              fields={"old_url": "url", "new_url": "url"}, required=("old_url", "new_url")),
     Endpoint("POST", "/relay_replaced", body={"old_url": LOCAL, "new_url": LOCAL,
-                                              "publish": PUBLISH},
-             fields={"old_url": "url", "new_url": "url", "publish": "dict"},
+                                              "publish": PUBLISH, "stripe": 0},
+             fields={"old_url": "url", "new_url": "url", "publish": "dict", "stripe": "int"},
              required=("old_url", "new_url")),
     Endpoint("POST", "/trainer_alive", body={"rank": 0, "node": 0, "host": "t0", "restarts": 0},
              fields={"rank": "int", "node": "int", "host": "str", "restarts": "int"},
@@ -369,7 +373,7 @@ def test_controller_answers_every_malformed_request_with_a_4xx_naming_the_field(
     # nothing was changed by any of them
     assert controller.rollout_nodes == [] and controller.master_relay is None
     assert controller.trainer_done is None and controller.trainer_version == 0
-    assert not controller._master_claimed
+    assert not any(controller._master_claimed)
 
 
 def test_controller_discloses_nothing_without_the_token(controller):

@@ -258,16 +258,13 @@ class WeightSyncConfig:
     # or the restarted one) for up to failover_timeout_s and sends the version again, whole.
     publish_timeout_s: float = 300.0
     failover_timeout_s: float = 180.0  # how long to look for a new master relay
-    # Versions whose buffers a relay keeps in /dev/shm at once, its free buffers included
-    # (>= 2: the newest complete one, which pulls lease, and the one being received). A version
-    # arriving while an older one is still leased by a slow pull (or pinned by a push down the
-    # chain) waits until that lease is released or lapses (never cut short, never overwritten):
-    # a relay's push retries until then, a trainer's publish is refused at that relay after
-    # relay_full_wait_s (the next version is taken). One more lets a slow pull hold on without
-    # delaying anything, for one more model's worth of /dev/shm per rollout node (job=plan).
+    # Versions a relay keeps in /dev/shm at once (>= 2: the newest complete one, which pulls
+    # lease, and the one being received). A version arriving while an older one is leased by a
+    # slow pull (or pinned by a push down the chain) waits until that lease is released or
+    # lapses (never overwritten); a trainer's publish is refused there after relay_full_wait_s.
+    # One more lets a slow pull hold on, for one more model's /dev/shm per node (job=plan).
     relay_versions: int = 2
-    # Seconds a version waits at a relay whose relay_versions are all held (by leases of slow
-    # pulls, or pins of pushes down the chain) before it is refused there (LMC-E501).
+    # Seconds a version waits at a relay whose relay_versions are all held before it is refused.
     relay_full_wait_s: float = 30.0
     # Benchmark knob (bench.staleness): at step v publish the weights of step v - publish_lag
     # (the final weights go out at the end), so every trajectory is at least publish_lag
@@ -289,6 +286,9 @@ class WeightSyncConfig:
     # publishes its own shard: no gather, blocked for its local copy only; relays put the
     # slices together as engines pull; MoE at parallel.tp=1: each EP rank its own experts).
     export: str = "stage_lead"
+    # Master relays a version is striped over (whole pipeline stages each, chained down one
+    # relay per stripe on every rollout node; divides parallel.pp). null: gcd(trainer nodes, pp).
+    master_relays: Optional[int] = None
 
 
 @dataclass

@@ -61,6 +61,25 @@ def model_shape(cfg: DictConfig, arch_only: bool = False) -> dict:
                 experts=a.num_experts)
 
 
+def _check_stripes(cfg, problems: list) -> None:
+    """``weight_sync.master_relays`` divides ``parallel.pp`` (LMC-E127); a striped tier is read
+    by engines through their node's relays (not Mooncake, nor a pull agent: LMC-E110)."""
+    from ..weights.shards import stripes_for
+
+    ws = cfg.weight_sync
+    try:
+        stripes = stripes_for(ws.get("master_relays"), int(cfg.parallel.pp),
+                              int(cfg.cluster.trainer.nnodes))
+    except ValueError as exc:
+        problems.append(str(exc))
+        return
+    if stripes > 1 and (cfg.rollout.relay == "remote" or ws.engine_transport == "mooncake"):
+        problems.append(f"LMC-E110: a version striped over {stripes} master relays "
+                        "(weight_sync.master_relays) is pulled from the relays of the engines' "
+                        "own node; rollout.relay=remote and weight_sync.engine_transport="
+                        "mooncake read one relay: set weight_sync.master_relays=1")
+
+
 def validate_config(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` listing every problem of ``cfg``; return silently if it is valid."""
     problems: List[str] = []
@@ -223,6 +242,7 @@ def validate_config(cfg: DictConfig) -> None:
                         f"weight_sync.mooncake_protocol={cfg.weight_sync.mooncake_protocol!r} "
                         "must be null, tcp or rdma")
     et = cfg.weight_sync.engine_transport
+    _check_stripes(cfg, problems)
     if cfg.rollout.relay == "remote":
         if cfg.job == "train":
             problems.append("LMC-E110: "

@@ -108,13 +108,20 @@ class ControllerClient:
     def health(self, timeout: float = 10.0) -> dict:
         return self._call("GET", "/health", timeout=timeout)[1]
 
-    def relay_role(self, timeout_s: float) -> dict:
-        return self._call("POST", f"/relay_role?timeout={timeout_s:g}", {},
+    def relay_role(self, timeout_s: float, stripe: int = 0, node: Optional[str] = None) -> dict:
+        """The role of this node's relay of ``stripe`` (controller/masters.py): master, or
+        which master it chains from. ``node``: the node's name (striped, stripe s's master is
+        on the s-th node to ask, mod cluster.rollout_nodes)."""
+        body = {"stripe": stripe, **({"node": node} if node else {})}
+        return self._call("POST", f"/relay_role?timeout={timeout_s:g}", body,
                           timeout=timeout_s + 30)[1]
 
     def register(self, relay_url: str, engines: List[str], publish: Optional[dict] = None,
-                 pull_agent: Optional[str] = None) -> dict:
+                 pull_agent: Optional[str] = None,
+                 relay_urls: Optional[List[str]] = None) -> dict:
         body = {"relay_url": relay_url, "engines": list(engines)}
+        if relay_urls:
+            body["relay_urls"] = list(relay_urls)
         if publish is not None:
             body["publish"] = publish
         if pull_agent is not None:

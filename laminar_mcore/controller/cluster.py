@@ -1,19 +1,17 @@
 """The controller's cluster and fault-isolation API: how the roles of a run find each other and
 how failures are isolated.
 
-Rollout nodes register their relay and engines (``POST /register``; a master relay before its
-engines, ``/register_relay``) and ask whether their relay is the master (``/relay_role``); every
-role learns where the others are from ``GET /cluster``. Node supervisors report an engine that
-died or hung (``/engine_down``), its replacement (``/engine_replaced``) and a restarted relay
-(``/relay_replaced``), and ask whether an engine whose health check failed was busy -- paused,
-pulling or updating weights -- which is not a failure (``GET /engine_states``); trainer rank 0
-a restart of the trainer world (``/resumed``). The master
-relay is watched: when it is gone (or silent for 30 s) while other relays live, the first live
-one is promoted and the rest chain from it. Engines are watched too, for the case no supervisor
-reports: a host that went away (every process killed, powered off, its link down for long) --
-its engines are ``lost``, their streams ended, and relays on other hosts release the leases its
-pull agent held. Every event is recorded (``faults``, metrics "fault" records) and counted in
-the books.
+Rollout nodes register their relays and engines (``POST /register``); every role learns where
+the others are from ``GET /cluster``. The master relays -- which relay of each stripe the
+trainers publish to, and the election when one dies -- are controller/masters.py's. Node
+supervisors report an engine that died or hung (``/engine_down``) and its replacement
+(``/engine_replaced``), and ask whether an engine whose health check failed was busy --
+paused, pulling or updating weights -- which is not a failure (``GET /engine_states``); trainer
+rank 0 a restart of the trainer world (``/resumed``). Engines are watched too, for the case no
+supervisor reports: a host that went away (every process killed, powered off, its link down
+for long) -- its engines are ``lost``, their streams ended, and relays on other hosts release
+the leases its pull agent held. Every event is recorded (``faults``, metrics "fault" records)
+and counted in the books.
 
 Mixed into ``Controller`` (controller/server.py), which provides ``cfg``, ``token``, ``info``,
 ``metrics``, ``manager``, ``trainer_version``, ``ready``, ``finished``, ``closing`` and the
@@ -31,14 +29,16 @@ from typing import List, Optional
 
 from aiohttp import web
 
-from ..netutil import (Field, engine_api_key, error_response, is_loopback, read_json,
-                       read_query)
-from ..relay.client import RelayClient, RelayError, probe_relay
+from ..netutil import (BadRequest, Field, engine_api_key, error_response, is_loopback,
+                       read_json, read_query)
+from ..relay.client import RelayError
+from ..relay.striped import relay_client
 from ..relay.transports import make_puller
 from ..rollout.client import SGLangClient
 from ..rollout.launcher import engine_pull_spec
 from ..rollout.pull_agent import AgentPuller
 from .engines import EngineHandle
+from .masters import MasterRelays
 
 logger = logging.getLogger(__name__)
 
@@ -48,19 +48,17 @@ PUBLISH = Field("dict", fields={"host": Field("str", required=True, max_len=255)
                                 "port": Field("int", required=True, low=1, high=65535)})
 REGISTER = {"relay_url": Field("url", required=True, max_len=300),
             "engines": Field("list", required=True, max_len=4096, item=URL),
-            "publish": PUBLISH, "pull_agent": URL}
-REGISTER_RELAY = {"relay_url": Field("url", required=True, max_len=300),
-                  "publish": Field("dict", required=True, fields=PUBLISH.fields)}
+            "publish": PUBLISH, "pull_agent": URL,
+            # a striped tier (weight_sync.master_relays): the node's relay of every stripe
+            "relay_urls": Field("list", max_len=4096, item=URL)}
 LEAVE = {"engines": Field("list", required=True, max_len=4096, item=URL),
          "grace_s": Field("number", low=0, high=86400)}
 ENGINE_DOWN = {"url": Field("url", required=True, max_len=300),
                "reason": Field("str", max_len=65536), "evict": Field("bool")}
 ENGINE_REPLACED = {"old_url": Field("url", required=True, max_len=300),
                    "new_url": Field("url", required=True, max_len=300)}
-RELAY_REPLACED = {**ENGINE_REPLACED, "publish": PUBLISH}
 RESUMED = {"step": Field("int", low=0), "version": Field("int", required=True, low=0),
            "restarts": Field("int", low=0)}
-RELAY_ROLE_QUERY = {"timeout": Field("number", low=0, high=86400)}
 ENGINE_STATES_QUERY = {"url": Field("list", max_len=4096, item=URL)}
 
 
@@ -82,14 +80,13 @@ async def reach(url: str, timeout_s: float = 2.0) -> str:
     return "alive"
 
 
-class ClusterAPI:
+class ClusterAPI(MasterRelays):
     """The cluster and fault-isolation half of ``Controller`` (see the module docstring)."""
 
     def _init_cluster(self) -> None:
-        self.master_relay: Optional[dict] = None
+        self._init_masters()  # each stripe's master relay (controller/masters.py)
         self.rollout_nodes: List[dict] = []
         self._nodes_registered = 0  # names stay unique when nodes leave and others join
-        self._master_claimed = False
         # fault isolation: what failed and came back (books, metrics "fault" records)
         self.faults: List[dict] = []
         self.trainer_restarts = 0
@@ -98,25 +95,31 @@ class ClusterAPI:
         self.background: List[asyncio.Task] = []  # cancelled when the controller stops
 
     def _add_cluster_routes(self, router: web.UrlDispatcher) -> None:
-        router.add_post("/relay_role", self._relay_role)
         router.add_post("/register", self._register)
         router.add_get("/cluster", self._cluster)
         router.add_get("/engine_states", self._engine_states)
         router.add_post("/resumed", self._resumed)
-        router.add_post("/register_relay", self._register_relay)
         router.add_post("/engine_down", self._engine_down)
         router.add_post("/engine_replaced", self._engine_replaced)
-        router.add_post("/relay_replaced", self._relay_replaced)
         router.add_post("/leave", self._leave)
+        self._add_master_routes(router)  # controller/masters.py
 
     # ------------------------------------------------------------------ engines
     def _add_node(self, relay_url: str, engine_urls: List[str],
-                  pull_agent: Optional[str] = None) -> List[str]:
+                  pull_agent: Optional[str] = None,
+                  relay_urls: Optional[List[str]] = None) -> List[str]:
         """Register a rollout node's relay and engines (``POST /register``); returns the
         engines' names. They start on their own weights and pull from ``relay_url`` between
         trajectories, through ``weight_sync.engine_transport``. ``pull_agent``: the URL of the
         node's pull agent when its engines pull from a relay on another node
-        (``rollout.relay=remote``): pulls then run there, not here."""
+        (``rollout.relay=remote``): pulls then run there, not here. ``relay_urls``: the node's
+        relay of every stripe, in stripe order (``weight_sync.master_relays``), read by its
+        engines as one (``relay.striped.StripedRelay``)."""
+        relays = [u.rstrip("/") for u in (relay_urls or [relay_url])]
+        if len(relays) != self.stripes:
+            raise BadRequest("relay_urls", f"names {len(relays)} relays where this run's "
+                             f"versions take {self.stripes} stripes (weight_sync.master_relays):"
+                             " register one relay per stripe, in stripe order", "LMC-E518")
         node = self._nodes_registered
         self._nodes_registered += 1
         names = []
@@ -131,128 +134,18 @@ class ClusterAPI:
                 SGLangClient(url, retries=0, timeout_s=10, incremental_stream=True,
                              pause_timeout_s=self.cfg.rollout.pause_timeout_s,
                              api_key=engine_api_key(self.token)),
-                RelayClient(relay_url, self.token), puller,
+                relay_client(",".join(relays), self.token), puller,
                 capacity=self.cfg.rollout.max_running_requests)
             self.manager.add_engine(handle)
             names.append(handle.name)
-        self.rollout_nodes.append({"relay_url": relay_url, "engines": list(engine_urls)})
-        logger.info("rollout node %d registered: relay %s, engines %s", node, relay_url,
-                    engine_urls)
+        self.rollout_nodes.append({"relay_url": relays[0], "relay_urls": relays,
+                                   "engines": list(engine_urls)})
+        logger.info("rollout node %d registered: relay %s, engines %s", node,
+                    ",".join(relays), engine_urls)
         return names
 
     # ------------------------------------------------------------------ cluster API
-    async def _relay_role(self, request: web.Request):
-        """The first rollout node to ask hosts the master relay (trainers publish to it);
-        the others chain from it once it has registered."""
-        timeout = read_query(request, RELAY_ROLE_QUERY).get("timeout", 600.0)
-        await read_json(request, {}, RELAY_ROLE_QUERY)
-        if not self._master_claimed:
-            self._master_claimed = True
-            return web.json_response({"master": True, **self.info})
-        deadline = time.time() + timeout
-        while self.master_relay is None and time.time() < deadline and not self.closing:
-            await asyncio.sleep(0.2)
-        if self.closing:
-            return error_response(503, "LMC-E402", "shutting down")
-        if self.master_relay is None:
-            return error_response(503, "LMC-E406", "the master relay has not registered yet")
-        async with self._election:
-            # A relay restarting after a crash: join the master if it lives; else one of the
-            # other relays is elected; if none is left, the asker becomes the master.
-            # (a master that is only slow is waited for: two masters would split the chain)
-            state = "silent"
-            for _ in range(15):
-                state, _info = await self._relay_probe(self.master_relay["url"])
-                if state != "silent":
-                    break
-            if state == "gone" and await self._elect() is None:
-                return web.json_response({"master": True, **self.info})
-        return web.json_response({"master": False, "master_url": self.master_relay["url"],
-                                  **self.info})
-
     # ------------------------------------------------------------------ fault isolation
-    async def _relay_health(self, url: str) -> Optional[dict]:
-        """A relay's /health answer, or None if it does not answer within 2 s."""
-        return (await self._relay_probe(url))[1]
-
-    async def _relay_probe(self, url: str):
-        """``relay.client.probe_relay`` (alive / gone / silent within 2 s), off the loop."""
-        return await asyncio.to_thread(probe_relay, url, 2.0, self.token)
-
-    async def _relay_post(self, url: str, path: str, body: dict, timeout: float = 40.0) -> dict:
-        relay = RelayClient(url, self.token, timeout_s=timeout)
-        try:
-            return await relay._call("POST", path, body)
-        finally:
-            await relay.close()
-
-    async def _elect(self) -> Optional[dict]:
-        """The master relay is dead: promote the first live relay of the others (in the order
-        they registered), point the rest at it; returns the new ``master_relay`` or None when
-        no relay is left. Call holding ``self._election``."""
-        dead = self.master_relay["url"] if self.master_relay else None
-        live = []
-        for node in self.rollout_nodes:
-            url = node["relay_url"]
-            if url != dead:
-                info = await self._relay_health(url)
-                if info is not None:
-                    live.append((url, info))
-        for url, info in live:
-            t0 = time.time()
-            entries = [{k: i[k] for k in ("relay_id", "control_url", "data_host", "data_port")}
-                       for u, i in live if u != url]
-            try:
-                answer = await self._relay_post(url, "/promote", {"relays": entries})
-            except RelayError as exc:
-                logger.warning("relay %s could not be promoted: %s", url, exc)
-                continue
-            self.master_relay = {"url": url, "publish_host": str(info["data_host"]),
-                                 "publish_port": int(answer["publish_port"])}
-            await self._tell_master(exclude=url)
-            self.relay_failovers += 1
-            self._fault("master_relay", "elected", url=url, dead=dead,
-                        seconds=round(time.time() - t0, 3))
-            return self.master_relay
-        return None
-
-    async def _tell_master(self, exclude: str) -> None:
-        """Every other live relay chains from the current master from now on."""
-        for node in self.rollout_nodes:
-            url = node["relay_url"]
-            if url in (exclude, self.master_relay["url"]):
-                continue
-            try:
-                await self._relay_post(url, "/set_master", {"master_url": self.master_relay["url"]},
-                                       timeout=5.0)
-            except RelayError as exc:
-                logger.info("relay %s did not take the new master: %s", url, exc)
-
-    async def _watch_master(self) -> None:
-        """Elect a new master relay when the master is gone (nothing listens on its port,
-        twice in a row) or silent for 30 s, while other relays live (a lone master is
-        restarted by its node's supervisor instead). A master that is only slow must not be
-        replaced: trainers would go on publishing to it and the chain would split."""
-        misses, silent_since = 0, None
-        while True:
-            await asyncio.sleep(0.5)
-            master = self.master_relay
-            if master is None or len(self.rollout_nodes) < 2:
-                continue
-            state, _ = await self._relay_probe(master["url"])
-            if state == "alive":
-                misses, silent_since = 0, None
-                continue
-            if state == "silent":
-                silent_since = silent_since or time.time()
-            misses += 1
-            if misses >= 2 and (state == "gone" or time.time() - silent_since > 30.0):
-                async with self._election:
-                    if self.master_relay is master and \
-                            (await self._relay_probe(master["url"]))[0] != "alive":
-                        await self._elect()
-                misses, silent_since = 0, None
-
     async def _watch_engines(self) -> None:
         """Engines whose host went away. A node's supervisor reports an engine that died or
         hung, but a host that goes away takes its supervisor with it: every
@@ -324,9 +217,7 @@ class ClusterAPI:
                 self._release_leases_of(host)))
 
     async def _release_leases_of(self, host: str) -> None:
-        urls = {n["relay_url"] for n in self.rollout_nodes}
-        if self.master_relay:
-            urls.add(self.master_relay["url"])
+        urls = set(self.relay_urls())
         for url in sorted(urls):
             if urllib.parse.urlsplit(url).hostname == host:
                 continue  # that host's own relay went with it
@@ -402,27 +293,6 @@ class ClusterAPI:
         self._fault("engine", "restarted", engine=engine.name, url=body["new_url"])
         return web.json_response({"ok": True, "engine": engine.name})
 
-    async def _relay_replaced(self, request: web.Request):
-        """A node's supervisor restarted its relay (``publish``: as the master)."""
-        body = await read_json(request, RELAY_REPLACED)
-        old_url, new_url = body["old_url"].rstrip("/"), body["new_url"].rstrip("/")
-        for node in self.rollout_nodes:
-            if node["relay_url"] == old_url:
-                node["relay_url"] = new_url
-        for client in self.manager.replace_relay(old_url, RelayClient(new_url, self.token)):
-            self._retire(client)
-        publish = body.get("publish")
-        if isinstance(publish, dict):
-            async with self._election:
-                self.master_relay = {"url": new_url, "publish_host": str(publish["host"]),
-                                     "publish_port": int(publish["port"])}
-                await self._tell_master(exclude=new_url)
-            self.relay_failovers += 1
-            self._fault("master_relay", "restarted", url=new_url)
-        else:
-            self._fault("relay", "restarted", url=new_url)
-        return web.json_response({"ok": True})
-
     def _retire(self, client) -> None:
         """A replaced client is closed when the controller stops: calls still under way on it
         fail on their own (the process behind it is gone), never on a closed session."""
@@ -444,13 +314,19 @@ class ClusterAPI:
     async def _register(self, request: web.Request):
         body = await read_json(request, REGISTER)
         publish = body.get("publish")
-        if publish is not None:
+        if publish is not None:  # (an unstriped tier's master, registered with its engines)
+            if self.stripes > 1:
+                return error_response(409, "LMC-E518", "a striped tier's master relays "
+                                      "register by stripe (POST /register_relay)")
             if self.master_relay is not None and self.master_relay["url"] != body["relay_url"]:
                 return error_response(409, "LMC-E404", "a master relay is already registered")
-            self.master_relay = {"url": body["relay_url"], "publish_host": str(publish["host"]),
-                                 "publish_port": int(publish["port"])}
         node = self._nodes_registered
-        names = self._add_node(body["relay_url"], body["engines"], body.get("pull_agent"))
+        names = self._add_node(body["relay_url"], body["engines"], body.get("pull_agent"),
+                               body.get("relay_urls"))
+        if publish is not None:
+            self.master_relays[0] = {"url": body["relay_url"],
+                                     "publish_host": str(publish["host"]),
+                                     "publish_port": int(publish["port"])}
         return web.json_response({"ok": True, "node": node, "engines": names})
 
     async def _leave(self, request: web.Request):
@@ -462,9 +338,9 @@ class ClusterAPI:
         engines = [e for e in self.manager.engines if e.client.base_url in urls]
         node = next((n for n in self.rollout_nodes if urls & {u.rstrip("/") for u in
                                                               n["engines"]}), None)
-        if node is not None and self.master_relay is not None and \
-                node["relay_url"].rstrip("/") == self.master_relay["url"].rstrip("/"):
-            return error_response(409, "LMC-E404", "the master relay's node cannot leave a "
+        masters = {m["url"].rstrip("/") for m in self.master_relays if m is not None}
+        if node is not None and masters & set(node["relay_urls"]):
+            return error_response(409, "LMC-E404", "a master relay's node cannot leave a "
                                   "running job (trainers publish to it); stop it as a fault "
                                   "(a failover follows) or leave another node")
         grace = float(body.get("grace_s") or self.cfg.cluster.shutdown_grace_s)
@@ -475,26 +351,15 @@ class ClusterAPI:
                     ended)
         return web.json_response({"ok": True, "engines": [e.name for e in engines], **ended})
 
-    async def _register_relay(self, request: web.Request):
-        """A master relay, before its node's engines register (trainers may connect now)."""
-        body = await read_json(request, REGISTER_RELAY)
-        publish = body["publish"]
-        if self.master_relay is not None and \
-                await self._relay_health(self.master_relay["url"]) is not None:
-            return error_response(409, "LMC-E404", "a master relay is already registered")
-        self._master_claimed = True
-        self.master_relay = {"url": body["relay_url"].rstrip("/"),
-                             "publish_host": str(publish["host"]),
-                             "publish_port": int(publish["port"])}
-        return web.json_response({"ok": True})
-
     async def _cluster(self, request: web.Request):
         read_query(request, {})
-        ready = self.ready and self.master_relay is not None
-        # the newest version anyone holds (trainer, engines, relays): a restarted trainer
-        # numbers its weights above it
-        newest = max([self.trainer_version, self.manager.latest_relay_version]
+        ready = self.ready and all(m is not None for m in self.master_relays)
+        # the newest version anyone holds (trainer, engines, relays; striped: any stripe's
+        # master): a restarted trainer numbers its weights above it
+        newest = max([self.trainer_version, self.manager.latest_relay_version,
+                      await self.newest_at_masters()]
                      + [e.version for e in self.manager.engines])
         return web.json_response({"ready": ready, "master_relay": self.master_relay,
+                                  "master_relays": self.master_relays,
                                   "rollout_nodes": len(self.rollout_nodes), "done": self.finished,
                                   "trainer_version": newest, **self.info})

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
 from ..data.pools import InFlight
 from ..relay.client import RelayClient
@@ -162,14 +162,23 @@ class EngineHealth:
         self._start_engine_loop(engine)
         return old
 
-    def replace_relay(self, old_url: str, relay: RelayClient) -> List[RelayClient]:
+    def replace_relay(self, old_url: str, new_url: str,
+                      client: Callable[[str], RelayClient]) -> list:
         """A relay restarted (or its engines now pull from another): engines that pulled from
-        ``old_url`` pull from ``relay``. Returns the old clients (the caller closes them)."""
-        old = []
+        ``old_url`` -- alone, or as one stripe of their node's relays -- pull from ``new_url``
+        in its place, through ``client(url)`` (``relay.striped.relay_client``). Returns the
+        old clients (the caller closes them)."""
+        from ..relay.striped import replaced
+
+        old, new = [], {}  # (engines of one node share their new client)
         for e in self.engines:
-            if e.relay.url == old_url:
+            url = replaced(e.relay.url, old_url, new_url)
+            if url != e.relay.url:
+                self.relay_versions.forget(e.relay.url)
                 old.append(e.relay)
-                e.relay = relay
+                if url not in new:
+                    new[url] = client(url)
+                e.relay = new[url]
         self.relay_versions.forget(old_url)
         return old
 

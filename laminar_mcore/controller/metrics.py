@@ -114,11 +114,9 @@ def controller_metrics(ctrl) -> Iterable[Metric]:
 def scrape_targets(ctrl) -> List[dict]:
     """Prometheus HTTP service discovery (``http_sd_configs``): the controller and every relay
     it knows now (the master and each rollout node's; a restarted relay's new address)."""
-    relays = [node["relay_url"] for node in ctrl.rollout_nodes]
-    if ctrl.master_relay is not None:
-        relays.append(ctrl.master_relay["url"])
+    relays = ctrl.relay_urls()  # every stripe's (controller/masters.py)
     if ctrl.manager is not None:  # engines added by the local launcher, not as nodes
-        relays += [e.relay.url for e in ctrl.manager.engines]
+        relays += [u for e in ctrl.manager.engines for u in e.relay.url.split(",")]
     out = [{"targets": [urlsplit(ctrl.url).netloc], "labels": {"role": "controller"}}]
     hosts = sorted({urlsplit(u).netloc for u in relays if u})
     if hosts:

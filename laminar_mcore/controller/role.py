@@ -161,7 +161,8 @@ def finish_run(controller: Controller, result: dict, initial: EvalResult, t_star
     """After training: bring the engines in service to the final version, evaluate on the
     first, keep the books and write ``summary.json`` and the plot. Raises if the books do not
     balance."""
-    from ..relay.client import RelayClient, RelayError
+    from ..relay.client import RelayError
+    from ..relay.striped import relay_client
     from ..relay.transports import pull_latest_into_engine
     from ..rollout.client import EngineError, SGLangClient
     from ..rollout.launcher import engine_pull_spec, engine_transport
@@ -191,7 +192,7 @@ def finish_run(controller: Controller, result: dict, initial: EvalResult, t_star
                 served = await ec.get_weight_version()  # "default" before any update
                 current = int(served) if served.isdigit() else 0
                 while current < version and time.time() < deadline:
-                    async with RelayClient(handle.relay.url, controller.token) as rc:
+                    async with relay_client(handle.relay.url, controller.token) as rc:
                         try:
                             pulled = await pull_latest_into_engine(rc, ec, current, spec=spec)
                         except RelayError:  # its relay is being restarted: wait for the new one
@@ -407,7 +408,8 @@ def run(cfg: LaminarConfig, token: str) -> dict:
         log(f"[controller] mode={cfg.mode}; waiting for {cfg.cluster.rollout_nodes} rollout "
             f"node(s) and the trainer ranks (token in $LAMINAR_RUN_TOKEN)")
         deadline = time.time() + join_timeout_s(cfg)
-        while len(controller.rollout_nodes) < cfg.cluster.rollout_nodes or controller.master_relay is None:
+        while len(controller.rollout_nodes) < cfg.cluster.rollout_nodes or \
+                any(m is None for m in controller.master_relays):
             if time.time() > deadline:
                 raise ControllerError(f"LMC-E204: only {len(controller.rollout_nodes)} of "
                                       f"{cfg.cluster.rollout_nodes} rollout nodes registered "

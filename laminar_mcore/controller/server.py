@@ -284,7 +284,7 @@ class Controller(TrainerAPI, RunBooks, ClusterAPI, TrainerWatch):
         await self.episode.astart()
         self._manager_task = asyncio.create_task(self.manager.run())
         self._election = asyncio.Lock()
-        watches = [asyncio.create_task(self._watch_master()),
+        watches = [asyncio.create_task(self._watch_masters()),
                    asyncio.create_task(self._watch_engines())]  # controller/cluster.py
         self._ready.set()
         await self._shutdown_event.wait()

@@ -55,14 +55,16 @@ def run_train(cfg) -> dict:
         controller_url = controller.start()
         client = ControllerClient(controller_url, token)
         # cluster.rollout_nodes supervised rollout nodes on this machine: the first hosts the
-        # master relay, the others chain from it (rollout/supervisor.py)
+        # master relay, the others chain from it (rollout/supervisor.py); striped, stripe s's
+        # master is on the s-th node, so they start side by side
         for k in range(cfg.cluster.rollout_nodes):
-            node = NodeSupervisor(cfg, client, task.model_path, logs, f"node{k}", log=log,
-                                  gpus=gmap.node(k) if gmap is not None else None)
-            nodes.append(node)
-            node.start()
+            nodes.append(NodeSupervisor(cfg, client, task.model_path, logs, f"node{k}", log=log,
+                                        gpus=gmap.node(k) if gmap is not None else None))
+        _start_nodes(nodes, together=nodes[0].stripes > 1)
         engines = [e for node in nodes for e in node.engines]
-        log(f"[train] mode={cfg.mode}: {len(nodes)} relay(s) (master {nodes[0].relay.url}), "
+        masters = [r.url for n in nodes for r, m in zip(n.relays, n.masters) if m]
+        log(f"[train] mode={cfg.mode}: {len(nodes)} rollout node(s) (master relay(s) "
+            f"{', '.join(masters)}), "
             f"{len(engines)} {cfg.rollout.backend} engines, {nproc} trainer processes "
             f"(tp={cfg.parallel.tp} pp={cfg.parallel.pp}); Prometheus: "
             f"{controller_url}/metrics/targets")
@@ -90,6 +92,36 @@ def run_train(cfg) -> dict:
         for node in reversed(nodes):
             node.stop()
         metrics.close()
+
+
+def _start_nodes(nodes: list, together: bool) -> None:
+    """Start the rollout nodes one after the other, or ``together`` (each in a thread); the
+    first failure is raised once every start has ended (``run_train`` stops them all)."""
+    import threading
+
+    if not together:
+        for node in nodes:
+            node.start()
+        return
+    failed: list = []
+
+    def start(node) -> None:
+        try:
+            node.start()
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the caller
+            failed.append(exc)
+            for other in nodes:  # the others would wait for this node's master relays
+                if other is not node:
+                    other.stop()
+
+    threads = [threading.Thread(target=start, args=(n,), daemon=True,
+                                name=f"laminar-start-{n.name}") for n in nodes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failed:
+        raise failed[0]
 
 
 def _trainer_entry(*args):

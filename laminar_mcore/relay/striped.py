@@ -41,6 +41,21 @@ class StripedLease(Lease):
         raise AssertionError("unreachable")
 
 
+def relay_client(url: str, token: str, timeout_s: float = 30.0):
+    """A client of the relay at ``url``, or of a striped node's relays when ``url`` joins
+    theirs with commas in stripe order (``StripedRelay.url``): the same calls either way."""
+    urls = [u for u in url.split(",") if u]
+    if len(urls) > 1:
+        return StripedRelay(urls, token, timeout_s)
+    return RelayClient(url, token, timeout_s)
+
+
+def replaced(url: str, old: str, new: str) -> str:
+    """``url`` (one relay's, or a striped node's comma-joined ones) with relay ``old`` replaced
+    by ``new``."""
+    return ",".join(new if u.rstrip("/") == old.rstrip("/") else u for u in url.split(","))
+
+
 class StripedRelay:
     """``RelayClient``'s calls over one relay per stripe (``urls[k]``: stripe k's relay, which
     ``check`` verifies from each relay's ``/latest``)."""

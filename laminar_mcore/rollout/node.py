@@ -130,7 +130,9 @@ def _run_relay_node(cfg, client, name, logs, log, held: list, gpus=None):
     took = time.time() - started
     supervisor.register()
     supervisor.watch()
-    log(f"registered: {'master ' if supervisor.master else ''}relay {supervisor.relay.url}, "
+    relays = ", ".join(f"{'master ' if m else ''}relay {r.url}"  # (one per stripe)
+                       for r, m in zip(supervisor.relays, supervisor.masters))
+    log(f"registered: {relays}, "
         f"{len(supervisor.engines)} {cfg.rollout.backend} engines (supervised; started in "
         f"{took:.1f} s)")
     return supervisor

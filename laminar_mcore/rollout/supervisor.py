@@ -1,10 +1,13 @@
-"""A rollout node's supervisor: its relay and engines, kept alive.
+"""A rollout node's supervisor: its relay (one per stripe) and engines, kept alive.
 
 Laminar isolates failures: a rollout machine that loses an engine or its relay recovers on its
 own while the trainer and the other machines go on. ``NodeSupervisor`` starts this node's relay
 (the master, which trainers publish to, or one that chains from it: the controller says which
 in ``/relay_role``) and ``rollout.num_engines`` engines, registers them with the controller and
-then watches them:
+then watches them. With versions striped over ``weight_sync.master_relays`` master relays
+(issue 52) the node runs one relay per stripe, each in the role the controller gives it for
+that stripe (controller/masters.py), and its engines read them as one
+(``relay.striped.StripedRelay``):
 
 * engines start (all of a node at once) and restart within ``rollout.start_timeout_s`` (1800 s
   for SGLang, 180 s for the CPU engine by default): ready means SGLang's ``/ready`` answers 200,
@@ -51,7 +54,7 @@ from ..relay.launch import relay_process
 from ..relay.server import RelayConfig
 from ..server_process import ServerProcess
 from ..weights.bucket import reclaim_segments
-from ..weights.shards import publish_parts
+from ..weights.shards import publish_parts, stripes_for
 from .launcher import (EngineProcess, engine_health_window_s, engine_heartbeat_timeout_s,
                        engine_process, engine_start_timeout_s)
 
@@ -69,9 +72,12 @@ class NodeSupervisor:
         self.name = name
         self.log = log
         self.gpus = gpus
-        self.relay = None
-        self.master = False
-        self.publish_port: Optional[int] = None
+        self.stripes = stripes_for(cfg.weight_sync.master_relays, cfg.parallel.pp,
+                                   cfg.cluster.trainer.nnodes)
+        # per stripe: this node's relay, whether it is the stripe's master, its publish port
+        self.relays: List[Optional[ServerProcess]] = [None] * self.stripes
+        self.masters = [False] * self.stripes
+        self.publish_ports: List[Optional[int]] = [None] * self.stripes
         self.engines: List[EngineProcess] = []
         self.restarts: Dict[int, deque] = {}  # engine slot -> times of its restarts
         self.evicted: Dict[int, str] = {}
@@ -96,7 +102,12 @@ class NodeSupervisor:
         (a big model loads for minutes: one after the other would add them up), each within
         ``rollout.start_timeout_s``. The first that fails stops the others and the relay; its
         error (with its log's tail) is raised."""
-        self._start_relay()
+        for stripe in range(self.stripes):
+            try:
+                self._start_relay(stripe)
+            except BaseException:
+                self.stop()  # the relays of the stripes before: nothing is left running
+                raise
         engines = [self._new_engine(i) for i in range(self.cfg.rollout.num_engines)]
         failed: List[BaseException] = []  # the first failure, the cause (the rest follow it)
         failed_lock = threading.Lock()
@@ -134,13 +145,31 @@ class NodeSupervisor:
 
     def register(self) -> dict:
         """Register the engines: they take work from now on."""
-        return self.client.register(self.relay.url, [e.url for e in self.engines])
+        return self.client.register(self.relay.url, [e.url for e in self.engines],
+                                    relay_urls=[r.url for r in self.relays]
+                                    if self.stripes > 1 else None)
+
+    @property
+    def relay(self) -> Optional[ServerProcess]:
+        """Stripe 0's relay (the node's only one, unstriped)."""
+        return self.relays[0]
+
+    @property
+    def master(self) -> bool:
+        """Whether this node hosts a master relay (of any stripe)."""
+        return any(self.masters)
+
+    @property
+    def publish_port(self) -> Optional[int]:
+        """Stripe 0's publish port, when this node hosts its master."""
+        return self.publish_ports[0]
 
     def watch(self) -> None:
         """Start watching (background threads; ``stop`` ends them)."""
         for i in range(len(self.engines)):
             self._spawn(self._watch_engine, i, name=f"laminar-supervise-engine{i}")
-        self._spawn(self._watch_relay, name="laminar-supervise-relay")
+        for stripe in range(self.stripes):
+            self._spawn(self._watch_relay, stripe, name=f"laminar-supervise-relay{stripe}")
 
     def stop(self) -> None:
         self._stop.set()
@@ -151,7 +180,7 @@ class NodeSupervisor:
         for t in self._threads:
             t.join(timeout=30)
         with self._lock:
-            procs = list(self.engines) + ([self.relay] if self.relay else [])
+            procs = list(self.engines) + [r for r in self.relays if r]
         for p in reversed(procs):
             pid = p.proc.pid if p.proc is not None else None
             p.stop()
@@ -160,7 +189,7 @@ class NodeSupervisor:
 
     @property
     def procs(self) -> list:
-        return list(self.engines) + ([self.relay] if self.relay else [])
+        return list(self.engines) + [r for r in self.relays if r]
 
     def _spawn(self, fn, *args, name: str) -> None:
         t = threading.Thread(target=fn, args=args, name=name, daemon=True)
@@ -173,37 +202,43 @@ class NodeSupervisor:
                               api_key=engine_api_key(self.client.token),
                               visible=self.gpus.engines[index] if self.gpus else None)
 
-    def _relay_process(self, master: bool, master_url: Optional[str]) -> ServerProcess:
-        """This node's relay (not started); under the GPU map it sees its engines' GPUs and
-        its own (last), and stages on that one or, without one, on the host."""
+    def _relay_process(self, master: bool, master_url: Optional[str],
+                       stripe: int = 0) -> ServerProcess:
+        """This node's relay of ``stripe`` (not started); under the GPU map it sees its
+        engines' GPUs and its own (last), and stages on that one or, without one, on the
+        host."""
         ws = self.cfg.weight_sync
         if self.gpus is not None:
             ws = self.gpus.relay_weight_sync(ws)
+        striped = self.stripes > 1
+        relay_id = f"{self.name}-stripe{stripe}" if striped else self.name
         relay_cfg = RelayConfig(token=self.client.token, host=self.cfg.rollout.host,
-                                relay_id=self.name, master=master,
+                                relay_id=relay_id, master=master, stripe=stripe,
+                                stripes=self.stripes,
                                 master_url=None if master else master_url,
                                 trainer_stages=publish_parts(
                                     self.cfg.parallel.pp, self.cfg.parallel.tp, ws.export,
                                     self.cfg.parallel.ep),
                                 weight_sync=ws,
                                 # /dev/shm checked at start-up for relay_versions of these
-                                model_bytes=relay_model_bytes(self.cfg))
-        relay = relay_process(relay_cfg, os.path.join(self.logs, f"relay-{self.name}.log"))
+                                # (a stripe's share: whole pipeline stages of the model)
+                                model_bytes=-(-relay_model_bytes(self.cfg) // self.stripes))
+        relay = relay_process(relay_cfg, os.path.join(self.logs, f"relay-{relay_id}.log"))
         if self.gpus is not None:
             relay.env.update(self.gpus.relay_env())
         return relay
 
-    def _start_relay(self) -> None:
-        role = self.client.relay_role(join_timeout_s(self.cfg))
-        self.master = bool(role["master"])
-        relay = self._relay_process(self.master, role.get("master_url"))
+    def _start_relay(self, stripe: int = 0) -> None:
+        role = self.client.relay_role(join_timeout_s(self.cfg), stripe=stripe, node=self.name)
+        master = bool(role["master"])
+        relay = self._relay_process(master, role.get("master_url"), stripe)
         self._start(relay)
-        self.publish_port = int(relay.wait_printed("LAMINAR_RELAY_PUBLISH_PORT")) \
-            if self.master else None
-        self.relay = relay
-        if self.master:  # trainers may connect from now on
-            self._report("/register_relay", {"relay_url": relay.url, "publish": {
-                "host": relay.host, "port": self.publish_port}})
+        port = int(relay.wait_printed("LAMINAR_RELAY_PUBLISH_PORT")) if master else None
+        self.masters[stripe], self.publish_ports[stripe] = master, port
+        self.relays[stripe] = relay
+        if master:  # trainers may connect from now on
+            self._report("/register_relay", {"relay_url": relay.url, "stripe": stripe,
+                                             "publish": {"host": relay.host, "port": port}})
 
     def _start(self, proc: ServerProcess) -> None:
         with self._lock:
@@ -348,29 +383,35 @@ class NodeSupervisor:
         self._report("/engine_replaced", {"old_url": old.url, "new_url": new.url})
         self._event("restarted", f"engine{index}", url=new.url, seconds=round(time.time() - t0, 3))
 
-    def _watch_relay(self) -> None:
+    def _watch_relay(self, stripe: int = 0) -> None:
         while not self._stop.wait(self.cfg.rollout.engine_heartbeat_s / 2):
-            if self.relay.alive():
+            relay = self.relays[stripe]
+            if relay.alive():
                 continue
             try:
-                self._restart_relay(f"the process exited with {self.relay.proc.returncode}")
+                self._restart_relay(f"the process exited with {relay.proc.returncode}", stripe)
             except Exception as exc:  # noqa: BLE001 - keep supervising; the next round retries
-                self._event("restart_failed", "relay", error=str(exc)[:500])
+                self._event("restart_failed", self._relay_name(stripe), error=str(exc)[:500])
 
-    def _restart_relay(self, reason: str) -> None:
+    def _relay_name(self, stripe: int) -> str:
+        return f"relay{stripe}" if self.stripes > 1 else "relay"
+
+    def _restart_relay(self, reason: str, stripe: int = 0) -> None:
         t0 = time.time()
-        old = self.relay
-        was_master = self.master
+        old = self.relays[stripe]
+        name = self._relay_name(stripe)
         pid = old.proc.pid
         old.stop(grace_s=2.0)
         reclaimed = len(reclaim_segments(pid))
-        self._event("down", "relay", url=old.url, master=was_master, reason=reason,
+        self._event("down", name, url=old.url, master=self.masters[stripe], reason=reason,
                     reclaimed=reclaimed)
-        self._start_relay()
-        publish = {"host": self.relay.host, "port": self.publish_port} if self.master else None
-        self._report("/relay_replaced", {"old_url": old.url, "new_url": self.relay.url,
-                                        "publish": publish})
-        self._event("restarted", "relay", url=self.relay.url, master=self.master,
+        self._start_relay(stripe)
+        new = self.relays[stripe]
+        publish = {"host": new.host, "port": self.publish_ports[stripe]} \
+            if self.masters[stripe] else None
+        self._report("/relay_replaced", {"old_url": old.url, "new_url": new.url,
+                                        "publish": publish, "stripe": stripe})
+        self._event("restarted", name, url=new.url, master=self.masters[stripe],
                     seconds=round(time.time() - t0, 3))
 
     def _report(self, path: str, body: dict) -> None:

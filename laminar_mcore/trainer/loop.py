@@ -56,17 +56,18 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
             print(f"[trainer] {actor.describe()}", flush=True)
         ws = cfg.weight_sync
         # The master relay may have changed since this world was started (elected or
-        # restarted after a failure): the controller knows the current one.
-        relay_host, publish_port = _current_master(controller, (relay_host, publish_port))
+        # restarted after a failure): the controller knows the current one (striped
+        # over weight_sync.master_relays: one per stripe, controller/masters.py).
+        masters = _current_masters(controller, [(relay_host, publish_port)])
         delta_on, delta_why = delta_choice(cfg, parameter_dtype(actor.model), hf_config)
         if dist.get_rank() == 0:
             print(f"[trainer] {delta_why}", flush=True)
-        publisher = WeightPublisher(actor.model, hf_config, relay_host=relay_host,
-                                    publish_port=publish_port,
+        publisher = WeightPublisher(actor.model, hf_config, master_relays=masters,
                                     bucket_bytes=ws.bucket_mb * 2**20,
                                     chunk_bytes=ws.chunk_mb * 2**20,
                                     timeout_s=ws.publish_timeout_s,
-                                    locate_master=lambda failed: _next_master(controller, failed),
+                                    locate_master=lambda failed: _next_master(
+                                        controller, failed, publisher.stripe),
                                     failover_timeout_s=ws.failover_timeout_s, token=token,
                                     delta="on" if delta_on else "off",
                                     anchor_interval=ws.anchor_interval, export=ws.export)
@@ -147,24 +148,27 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
         destroy_trainer_parallel()
 
 
-def _current_master(controller, fallback):
-    """The master relay's publish address as the controller knows it (or ``fallback``)."""
+def _current_masters(controller, fallback):
+    """Each stripe's master relay's publish address as the controller knows it (or
+    ``fallback``, the launcher's address of the one master)."""
     try:
-        relay = controller.cluster().get("master_relay")
+        info = controller.cluster()
     except Exception:  # noqa: BLE001 - an older controller, or none yet: the launcher's address
         return fallback
-    if not relay or not relay.get("publish_port"):
+    relays = info.get("master_relays") or [info.get("master_relay")]
+    if not all(r and r.get("publish_port") for r in relays):
         return fallback
-    return str(relay["publish_host"]), int(relay["publish_port"])
+    return [(str(r["publish_host"]), int(r["publish_port"])) for r in relays]
 
 
-def _next_master(controller, failed, wait_s: float = 15.0):
-    """The publish address of the master relay that replaced ``failed`` (waits up to
-    ``wait_s`` for the controller to learn of one; else the newest it knows)."""
+def _next_master(controller, failed, stripe: int = 0, wait_s: float = 15.0):
+    """The publish address of the master relay of ``stripe`` that replaced ``failed`` (waits
+    up to ``wait_s`` for the controller to learn of one; else the newest it knows)."""
     deadline = time.time() + wait_s
-    current = failed
+    current = tuple(failed)
     while time.time() < deadline:
-        current = _current_master(controller, failed)
+        masters = _current_masters(controller, [failed])
+        current = tuple(masters[stripe] if stripe < len(masters) else failed)
         if current != tuple(failed):
             return current
         time.sleep(0.5)

@@ -16,15 +16,16 @@ other ranks' buckets), so their sizes follow the trainer's ``weight_sync.bucket_
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .bucket import TensorMeta, dtype_from_name, layout, slice_fits
 
 __all__ = ["EXPORTS", "WholeTensor", "is_sharded", "publish_parts", "relay_copies",
-           "check_stripes", "stripe_parts", "stripe_of", "whole_plan", "served_layout",
+           "check_stripes", "stripes_for", "stripe_parts", "stripe_of", "whole_plan", "served_layout",
            "assemble"]
 
 EXPORTS = ("stage_lead", "per_rank")  # weight_sync.export
@@ -47,6 +48,17 @@ def check_stripes(stripes: int, pp: int) -> None:
                          f"divide the trainer's {pp} pipeline stages (parallel.pp): each stripe "
                          "holds whole stages; use a divisor of parallel.pp (1: one master "
                          "relay)")
+
+
+def stripes_for(master_relays: Optional[int], pp: int, trainer_nodes: int = 1) -> int:
+    """How many stripes (master relays) a run's versions take: ``weight_sync.master_relays``
+    (checked: it divides ``pp``, LMC-E127), or, when it is null, one per trainer node where
+    that divides the pipeline stages -- the largest divisor of ``pp`` that is at most the
+    trainer's nodes and divides their number (1 on one trainer node)."""
+    if master_relays is None:
+        return math.gcd(max(1, int(trainer_nodes)), max(1, int(pp)))
+    check_stripes(int(master_relays), pp)
+    return int(master_relays)
 
 
 def stripe_parts(stripe: int, stripes: int, parts: int) -> range:
