@@ -185,7 +185,9 @@ def _corrupt(path):
 def test_versions_travel_as_deltas_down_the_chain_bit_for_bit(tmp_path, monkeypatch, channel):
     """Over gloo the master relay rebuilds each delta (digest checked); on one host (shm) the
     stage lead writes the whole bucket into the master's shared memory and sends the delta
-    beside it, which the master forwards down its chain (the other relays rebuild it)."""
+    beside it, which the master forwards down its chain (the other relays rebuild it). Over
+    gloo the host finds the changes; on shm the Triton kernels of kernels/delta.py do (on the
+    host under Triton's interpreter, as on a GPU), and every relay rebuilds their payloads."""
     from laminar_mcore.parallel import destroy_trainer_parallel, init_trainer_parallel
     from laminar_mcore.trainer.export import iter_stage_hf_tensors
     from laminar_mcore.trainer.model import build_gpt_model
@@ -209,7 +211,8 @@ def test_versions_travel_as_deltas_down_the_chain_bit_for_bit(tmp_path, monkeypa
         model = build_gpt_model(cfg, dtype=torch.bfloat16)
         publisher = WeightPublisher(model, cfg, relay_host="127.0.0.1", publish_port=port,
                                     bucket_bytes=40_000, chunk_bytes=16384, token=TOKEN,
-                                    delta="auto", anchor_interval=3)
+                                    delta="auto", anchor_interval=3,
+                                    delta_device="host" if channel == "gloo" else "cpu")
         g = torch.Generator().manual_seed(1)
         fp32 = {n: p.detach().float().clone() for n, p in model.named_parameters()}
         relays = {"master": master, "r1": r1, "r2": r2}
@@ -243,6 +246,7 @@ def test_versions_travel_as_deltas_down_the_chain_bit_for_bit(tmp_path, monkeypa
 
         check(1, publish(1))
         assert publisher.backend == channel
+        assert publisher.encoder.kernel == (channel == "shm")
         nb = publisher.sent_stats["buckets"]
         assert nb > 3 and publisher.sent_stats["delta_buckets"] == 0  # the first goes whole
         full_bytes = publisher.sent_stats["full_bytes"]

@@ -167,3 +167,58 @@ def test_delta_compaction_on_the_device_makes_the_cpu_encoders_bytes(kernel_devi
     target = base.cpu().clone()
     assert wdelta.apply(payload, target) == count
     assert torch.equal(target, new.cpu())
+
+
+def test_a_publishers_delta_encoder_on_the_device_sends_the_hosts_bytes(kernel_device):
+    """Issue 52, item 3, in the publisher's encoder: bases kept where the kernels run, each
+    version's buckets compared there; over versions (the first whole, deltas, an anchor, a
+    bucket that grows, a dense change) the device encoder's choices and payloads are the host
+    encoder's, byte for byte, and its bases live on the device, never aliasing the host bucket
+    that the next export overwrites."""
+    from laminar_mcore.weights.delta import DeltaEncoder
+
+    dev = kernel_device
+    host = DeltaEncoder(True, 2, anchor_interval=3)
+    device = DeltaEncoder(True, 2, anchor_interval=3, device=dev, kernel=True)
+    g = torch.Generator().manual_seed(5)
+    buckets = {0: torch.randint(0, 256, (6000,), generator=g, dtype=torch.uint8),
+               1: torch.randint(0, 256, (4002,), generator=g, dtype=torch.uint8)}
+    for version in range(1, 7):
+        if version > 1:
+            for i, b in buckets.items():
+                elems = b.view(torch.int16)
+                hit = torch.rand(elems.numel(), generator=g) < (0.6 if version == 5 else 0.01)
+                elems[hit] ^= 1
+        if version == 4:  # bucket 1 grows: whole, a new base
+            buckets[1] = torch.cat([buckets[1], buckets[1][:100]])
+        base_ok = True
+        assert host.begin(version, base_ok) == device.begin(version, base_ok)
+        for i, b in buckets.items():
+            out_host = host.encode(i, b)
+            out_device = device.encode(i, b)
+            assert out_device == out_host, (version, i)
+            assert host.last_changed == device.last_changed
+            assert device._base[i].device.type == torch.device(dev).type
+            assert device._base[i].data_ptr() != b.data_ptr()
+        host.end(list(buckets))
+        device.end(list(buckets))
+        if version == 2:
+            assert out_host[0] == "delta"  # the sparse change went as a delta
+    for i, b in buckets.items():  # the bases are the last version's bytes
+        assert torch.equal(device._base[i].cpu(), b)
+
+
+def test_where_deltas_are_found_is_decided_from_facts():
+    """A rank publishing its own shard on a GPU with Triton: its GPU, with the kernels; without
+    either, or a stage lead, the host."""
+    from laminar_mcore.weights.delta import delta_placement
+
+    gpu = torch.device("cuda", 3)
+    assert delta_placement(True, True, gpu)[:2] == (gpu, True)
+    assert delta_placement(True, False, gpu)[:2] == (None, False)
+    assert "no Triton" in delta_placement(True, False, gpu)[2]
+    assert delta_placement(False, True, None)[:2] == (None, False)
+    assert "no GPU" in delta_placement(False, True, None)[2]
+    # a stage lead would hold its whole stage a second time on its GPU: the host
+    assert delta_placement(True, True, gpu, per_rank=False)[:2] == (None, False)
+    assert "stage_lead" in delta_placement(True, True, gpu, per_rank=False)[2]

@@ -216,6 +216,11 @@ def capacity_plan(cfg, digits: int = 2) -> dict:
     layers_per_stage = arch["layers"] / pp
     tokens = t.max_tokens_per_microbatch
 
+    delta_on, delta_why = delta_choice(cfg)
+    # deltas of per-rank shards are found on the trainer's GPUs (weights.delta.delta_placement):
+    # each rank keeps its shard's previous version there, at the rollout dtype
+    base_b = (4 if fp32 else 2) if delta_on and cfg.weight_sync.export == "per_rank" \
+        and cl.gpus_per_node > 0 else 0
     # -------------------------------------------------------------- trainer GPU, first/last stage
     batch_tokens_per_dp = (t.train_batch_prompts * cfg.algo.n_samples_per_prompt
                            * (cfg.data.max_prompt_len + r.sampling.max_new_tokens) / dp)
@@ -264,9 +269,10 @@ def capacity_plan(cfg, digits: int = 2) -> dict:
                  "optimizer_gb": ((params - experts_per_rank) * optim_b + expert_optim) / GB,
                  "reference_gb": 0.0 if ref_offload else ref_gb,
                  "activations_gb": act / GB,
-                 "logits_gb": extra / GB, "publish_gather_gb": publish_gb}
+                 "logits_gb": extra / GB, "publish_gather_gb": publish_gb,
+                 "delta_base_gb": params * base_b / GB}
         static = (items["weights_gb"] + items["grads_gb"] + items["optimizer_gb"]
-                  + items["reference_gb"])
+                  + items["reference_gb"] + items["delta_base_gb"])
         visit = ref_gb + items["logits_gb"] if ref_offload else 0.0
         held = static + max(items["activations_gb"] + items["logits_gb"], publish_gb, visit)
         items["overhead_gb"] = OVERHEAD_FLOOR_GB + OVERHEAD_FRACTION * held
@@ -321,6 +327,7 @@ def capacity_plan(cfg, digits: int = 2) -> dict:
                     "optimizer_gb": "add trainer nodes (a larger DP shards Adam further) or "
                                     "raise parallel.pp",
                     "weights_gb": "raise parallel.tp or parallel.pp",
+                    "delta_base_gb": "set weight_sync.delta=off or raise parallel.tp",
                     "reference_gb": "set algo.ref_offload=true (the reference waits in host "
                                     "memory) or raise parallel.tp or parallel.pp",
                     "grads_gb": "raise parallel.tp or parallel.pp",
@@ -348,7 +355,6 @@ def capacity_plan(cfg, digits: int = 2) -> dict:
                     f"LMC-E122: an engine GPU holds {engine_weights_gb:.1f} GB of weights, leaving "
                     f"{max(kv_gb, 0):.1f} GB of KV cache under rollout.mem_fraction_static="
                     f"{r.mem_fraction_static}: raise rollout.engine_tp")
-    delta_on, delta_why = delta_choice(cfg)
     return {
         "model": cfg.model.name, "arch_source": arch["source"], "params_b": counts["total"] / 1e9,
         "tp": tp, "pp": pp, "dp": dp, "ep": ep, "expert_tp": etp, "expert_dp": edp,
@@ -453,8 +459,7 @@ def format_plan(plan: dict) -> str:
              f"{plan['in_flight_microbatches']} in flight on stage 0",
              f"  per trainer GPU (GB)        {'first stage':>12} {'last stage':>12}"]
     for item in ("weights", "grads", "optimizer", "reference", "activations", "logits",
-                 "publish_gather",
-                 "overhead", "peak"):
+                 "publish_gather", "delta_base", "overhead", "peak"):
         lines.append(f"    {item:<26} {plan[f'trainer_first_{item}_gb']:>12.1f} "
                      f"{plan[f'trainer_last_{item}_gb']:>12.1f}")
     lines += [

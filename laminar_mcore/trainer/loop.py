@@ -72,6 +72,8 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
                                     delta="on" if delta_on else "off",
                                     anchor_interval=ws.anchor_interval, export=ws.export)
         publisher.on_refused = controller.refused  # (stage leads: they talk to the relay)
+        if delta_on and dist.get_rank() == 0:
+            print(f"[trainer] {publisher.delta_where}", flush=True)
         start = 0
         rank = dist.get_rank()
         # A restart of this world after a crash (torchrun counts them) resumes from the newest

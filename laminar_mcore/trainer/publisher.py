@@ -25,6 +25,7 @@ which are sent again whole.
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import os
 import queue
 import threading
@@ -39,7 +40,7 @@ from ..models import get_adapter
 from ..netutil import TOKEN_ENV
 from ..relay.rendezvous import PublishSession, RendezvousRefused, join_publish_session
 from ..weights.bucket import BucketPacker
-from ..weights.delta import DeltaEncoder, delta_enabled, digest, unit_for
+from ..weights.delta import DeltaEncoder, delta_enabled, delta_placement, digest, unit_for
 from ..weights.transport import (Channel, abort_group, gpu_uuid, host_identity, open_channel,
                                  write_shm)
 from ..weights.shards import EXPORTS, check_stripes, stripe_of, stripe_parts
@@ -68,10 +69,14 @@ class WeightPublisher:
                  dtype: Optional[torch.dtype] = None, timeout_s: float = 300.0,
                  locate_master: Optional[Callable[[Tuple[str, int]], Tuple[str, int]]] = None,
                  failover_timeout_s: float = 180.0, token: Optional[str] = None,
-                 delta: str = "off", anchor_interval: int = 16, export: str = "stage_lead"):
+                 delta: str = "off", anchor_interval: int = 16, export: str = "stage_lead",
+                 delta_device: str = "auto"):
         """``delta`` (``weight_sync.delta``: auto, on, off) and ``anchor_interval``: buckets
         go as deltas against the previous version, every ``anchor_interval``-th version whole
-        (``weights/delta.py``). ``locate_master(failed)``: the publish address of the master relay that replaced
+        (``weights/delta.py``), found on ``delta_device``: auto (this rank's GPU with the
+        Triton kernels where it has both, else the host: ``weights.delta.delta_placement``),
+        host, or a device to run the kernels on (``cpu``: under Triton's interpreter, tests).
+        ``locate_master(failed)``: the publish address of the master relay that replaced
         ``failed`` (the controller knows; None: a lost master relay fails the publish).
         ``token``: the run's token (default ``$LAMINAR_RUN_TOKEN``), which the stage lead
         proves to the master relay before its publish group forms (relay/rendezvous.py).
@@ -136,8 +141,22 @@ class WeightPublisher:
         self.packer = BucketPacker(bucket_bytes, dtype=dtype,
                                    pin_memory=torch.cuda.is_available()) if self.is_lead else None
         weights_dtype = dtype or parameter_dtype(model)
-        self.encoder = DeltaEncoder(delta_enabled(delta, weights_dtype) and self.is_lead,
-                                    unit_for(weights_dtype), anchor_interval)
+        deltas = delta_enabled(delta, weights_dtype) and self.is_lead
+        # this rank's GPU, captured here: current_device() is per thread, and a failover runs
+        # on the sender thread (where it would be GPU 0)
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if torch.cuda.is_available() else None
+        if delta_device == "auto":
+            on, kernel, self.delta_where = delta_placement(
+                self.device is not None, importlib.util.find_spec("triton") is not None,
+                self.device, self.per_rank)
+        elif delta_device == "host":
+            on, kernel, self.delta_where = None, False, "deltas found on the host (asked)"
+        else:
+            on, kernel = torch.device(delta_device), True
+            self.delta_where = f"deltas found on {on} (Triton kernels/delta.py)"
+        self.encoder = DeltaEncoder(deltas, unit_for(weights_dtype), anchor_interval,
+                                    device=on if deltas else None, kernel=kernel)
         # the newest version sent: version, full_bytes, sent_bytes (what crossed the wire),
         # buckets, delta_buckets, base_version, encode_s (comparing, compressing, hashing),
         # compared_elements, changed_elements and digests (bucket index -> digest)
@@ -154,10 +173,6 @@ class WeightPublisher:
         self.master: Optional[Tuple[str, int]] = None
         self.failovers = 0
         self.error: Optional[BaseException] = None
-        # this rank's GPU, captured here: current_device() is per thread, and a failover runs
-        # on the sender thread (where it would be GPU 0)
-        self.device = torch.device("cuda", torch.cuda.current_device()) \
-            if torch.cuda.is_available() else None
         self.facts = {"host": host_identity(), "gpu": gpu_uuid(self.device)}
         self._queue: "queue.Queue" = queue.Queue()
         self._idle = threading.Event()

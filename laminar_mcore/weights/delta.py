@@ -263,6 +263,20 @@ def apply(payload: bytes, target: torch.Tensor, unit: Optional[int] = None) -> i
     return count
 
 
+def delta_placement(cuda: bool, triton: bool, device: Optional[torch.device] = None,
+                    per_rank: bool = True) -> tuple:
+    """Where a publisher's ``DeltaEncoder`` keeps its bases and finds the changes: (device,
+    kernel, why). A rank that publishes its own shard (``weight_sync.export=per_rank``) on a
+    GPU with Triton: its GPU (``device``), with the Triton kernels, its shard's base there
+    (``job=plan``: ``delta_base_gb``); else the host's encoder (a stage lead would hold its
+    whole stage again on its GPU). Facts only, so CPU tests decide it as a GPU machine would."""
+    if cuda and triton and device is not None and per_rank:
+        return device, True, f"deltas found on {device} (Triton kernels/delta.py)"
+    why = ("no GPU" if not cuda else "no Triton" if not triton else "no device"
+           if device is None else "a stage lead's whole stage: weight_sync.export=stage_lead")
+    return None, False, f"deltas found on the host ({why})"
+
+
 class DeltaEncoder:
     """The stage lead's half: the previous published version's bytes per bucket index, and
     the choice per bucket.
@@ -271,10 +285,17 @@ class DeltaEncoder:
     (None: every bucket whole -- the first version, the anchor every ``anchor_interval``
     versions, or a master relay that does not hold the base); ``encode(index, buffer)``
     returns ``(encoding, payload)`` with ``encoding`` "delta" or "full" and keeps ``buffer``
-    as the next version's base for ``index``."""
+    as the next version's base for ``index``.
+
+    ``device`` (``delta_placement``): where the bases are kept and each bucket is compared
+    with its base -- None, the host (this module's encoder, ~0.5 GB/s a core), or the
+    trainer's GPU, where ``kernels/delta.py``'s Triton kernels (``kernel``) find and compact
+    the changed elements and only they come back to the host to be compressed (issue 52,
+    item 3). The payloads are the same bytes either way."""
 
     def __init__(self, enabled: bool, unit: int, anchor_interval: int = 16,
-                 max_fraction: float = DEFAULT_MAX_FRACTION):
+                 max_fraction: float = DEFAULT_MAX_FRACTION,
+                 device: Optional[torch.device] = None, kernel: bool = False):
         if anchor_interval < 1:
             raise ValueError(f"LMC-E103: weight_sync.anchor_interval={anchor_interval} must be "
                              ">= 1 (1: every version whole)")
@@ -282,6 +303,7 @@ class DeltaEncoder:
             raise ValueError(f"delta max_fraction={max_fraction} must be in (0, 1]")
         self.enabled, self.unit = enabled, unit
         self.anchor_interval, self.max_fraction = anchor_interval, max_fraction
+        self.device, self.kernel = (torch.device(device) if device is not None else None), kernel
         self.base_version: Optional[int] = None  # the version ``self._base`` holds
         self._base: Dict[int, torch.Tensor] = {}
         self._since_anchor = 0
@@ -310,14 +332,26 @@ class DeltaEncoder:
         base = self._base.get(index)
         encoding, payload = "full", None
         self.last_changed = None  # elements that changed in this bucket (None: not compared)
+        new = buffer
+        if self.enabled and self.device is not None:  # the bucket where its base is
+            new = buffer.to(self.device)  # (synchronous: the host bucket is reused)
         if self.against is not None and base is not None and base.numel() == buffer.numel():
-            delta, self.last_changed = encode_counted(buffer, base, self.unit)
+            if self.device is None:
+                delta, self.last_changed = encode_counted(buffer, base, self.unit)
+            else:
+                from ..kernels import delta as kdelta  # (Triton: only where it runs)
+
+                delta, self.last_changed = kdelta.encode(new, base, self.unit,
+                                                         use_triton=self.kernel)
             if len(delta) <= self.max_fraction * buffer.numel():
                 encoding, payload = "delta", delta
         if self.enabled:
-            if base is None or base.numel() != buffer.numel():
-                base = self._base[index] = torch.empty_like(buffer, device="cpu")
-            base.copy_(buffer)
+            if self.device is not None:
+                self._base[index] = new if new is not buffer else new.clone()
+            else:
+                if base is None or base.numel() != buffer.numel():
+                    base = self._base[index] = torch.empty_like(buffer, device="cpu")
+                base.copy_(buffer)
         return encoding, payload
 
     def end(self, indices: List[int]) -> None:
