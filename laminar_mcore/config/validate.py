@@ -64,20 +64,19 @@ def model_shape(cfg: DictConfig, arch_only: bool = False) -> dict:
 def _check_stripes(cfg, problems: list) -> None:
     """``weight_sync.master_relays`` divides ``parallel.pp`` (LMC-E127); a striped tier is read
     by engines through their node's relays (not Mooncake, nor a pull agent: LMC-E110)."""
-    from ..weights.shards import stripes_for
+    from ..weights.shards import run_stripes
 
-    ws = cfg.weight_sync
     try:
-        stripes = stripes_for(ws.get("master_relays"), int(cfg.parallel.pp),
-                              int(cfg.cluster.trainer.nnodes))
+        stripes = run_stripes(cfg)
     except ValueError as exc:
         problems.append(str(exc))
         return
+    ws = cfg.weight_sync
     if stripes > 1 and (cfg.rollout.relay == "remote" or ws.engine_transport == "mooncake"):
-        problems.append(f"LMC-E110: a version striped over {stripes} master relays "
-                        "(weight_sync.master_relays) is pulled from the relays of the engines' "
+        problems.append(f"LMC-E110: weight_sync.master_relays={stripes} stripes every version "
+                        "over that many master relays, pulled from the relays of the engines' "
                         "own node; rollout.relay=remote and weight_sync.engine_transport="
-                        "mooncake read one relay: set weight_sync.master_relays=1")
+                        "mooncake read one relay: set weight_sync.master_relays=1 (or null)")
 
 
 def validate_config(cfg: DictConfig) -> None:

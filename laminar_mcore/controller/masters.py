@@ -4,10 +4,12 @@ who takes over when it dies.
 A version is published to one master relay, or striped over ``weight_sync.master_relays`` of
 them (issue 52: whole pipeline stages each, ``weights/shards.py``); every rollout node runs one
 relay per stripe, chained from that stripe's master. Rollout nodes ask each of their relays'
-role (``POST /relay_role`` with ``stripe`` and ``node``): stripe ``s``'s master is the relay of
-the ``s mod cluster.rollout_nodes``-th node to ask (so the trainers' versions enter the tier
-through as many hosts as there are stripes, up to the rollout nodes); the others chain from it
-once it has registered (``/register_relay``). Unstriped, the first node to ask hosts the master.
+role (``POST /relay_role`` with ``stripe`` and ``node``): a stripe's master is the relay of
+the first node to ask that hosts fewer than ``ceil(stripes / cluster.rollout_nodes)`` masters
+(so the trainers' versions enter the tier through as many hosts as there are stripes, up to
+the rollout nodes); the others chain from it once it has registered (``/register_relay``). A
+claim whose relay has not registered within ``CLAIM_S`` lapses (its node died starting it) and
+the next asker may take it. Unstriped, the first node to ask hosts the master.
 
 Each stripe's master is watched: when it is gone (or silent for 30 s) while other relays of the
 stripe live, the first live one of them is promoted and the rest chain from it; a node's
@@ -32,7 +34,7 @@ from aiohttp import web
 from ..netutil import BadRequest, Field, error_response, read_json, read_query
 from ..relay.client import RelayClient, RelayError, probe_relay
 from ..relay.striped import relay_client
-from ..weights.shards import stripes_for
+from ..weights.shards import run_stripes
 
 logger = logging.getLogger(__name__)
 
@@ -48,18 +50,24 @@ RELAY_REPLACED = {"old_url": Field("url", required=True, max_len=300),
                   "new_url": Field("url", required=True, max_len=300), "publish": PUBLISH,
                   "stripe": STRIPE}
 SILENT_S = 30.0  # a master relay silent this long while others live is replaced
+CLAIM_S = 120.0  # a master's claim lapses if its relay has not registered by then
+NEWEST_TTL_S = 1.0  # how long ``newest_at_masters``'s answer is reused
 
 
 class MasterRelays:
     """The master relays half of ``Controller`` (see the module docstring)."""
 
     def _init_masters(self) -> None:
-        self.stripes = stripes_for(self.cfg.weight_sync.master_relays, self.cfg.parallel.pp,
-                                   self.cfg.cluster.trainer.nnodes)
+        self.stripes = run_stripes(self.cfg)
         # stripe -> {"url", "publish_host", "publish_port"} of its master relay (None: none yet)
         self.master_relays: List[Optional[dict]] = [None] * self.stripes
         self._master_claimed = [False] * self.stripes
-        self._node_order: Dict[str, int] = {}  # node name -> the order it first asked a role
+        self._claims: Dict[int, tuple] = {}  # stripe -> (the claiming node, when)
+        self._locks: Dict[int, asyncio.Lock] = {}  # one election at a time per stripe
+        self._newest = (0.0, 0)  # (when, newest_at_masters's answer)
+
+    def _election_of(self, stripe: int) -> asyncio.Lock:
+        return self._locks.setdefault(stripe, asyncio.Lock())
 
     @property
     def master_relay(self) -> Optional[dict]:
@@ -88,16 +96,28 @@ class MasterRelays:
         urls += [m["url"] for m in self.master_relays if m is not None]
         return list(dict.fromkeys(urls))
 
-    def _claims(self, node: Optional[str], stripe: int) -> bool:
-        """Whether ``node`` hosts ``stripe``'s master: unstriped (or a node that gives no name),
-        the first to ask; striped, the ``stripe mod cluster.rollout_nodes``-th node to ask."""
-        if self._master_claimed[stripe]:
+    def _claim(self, node: Optional[str], stripe: int) -> bool:
+        """Whether ``node`` now hosts ``stripe``'s master (claimed here): the stripe has none
+        and no live claim, and ``node`` hosts fewer than its share of the masters
+        (``ceil(stripes / cluster.rollout_nodes)``; unstriped, or a node that gives no name:
+        the first to ask)."""
+        if self.master_relays[stripe] is not None:
             return False
-        if self.stripes == 1 or not node:
-            return True
-        order = self._node_order.setdefault(node, len(self._node_order))
-        nodes = max(1, int(self.cfg.cluster.rollout_nodes))
-        return order < nodes and stripe % nodes == order
+        claim = self._claims.get(stripe)
+        if claim is not None and time.time() - claim[1] < CLAIM_S:
+            return False
+        if self.stripes > 1 and node:
+            share = -(-self.stripes // max(1, int(self.cfg.cluster.rollout_nodes)))
+            held = sum(1 for s, (n, _t) in self._claims.items() if n == node and s != stripe)
+            if held >= share:
+                return False
+        if claim is not None:
+            logger.warning("the claim of node %s on stripe %d's master lapsed (no relay "
+                           "registered within %g s); %s takes it", claim[0], stripe, CLAIM_S,
+                           node)
+        self._claims[stripe] = (node, time.time())
+        self._master_claimed[stripe] = True
+        return True
 
     async def _relay_role(self, request: web.Request):
         """Whether the asking relay of ``stripe`` is its master (trainers publish to it), or
@@ -106,21 +126,22 @@ class MasterRelays:
         body = await read_json(request, RELAY_ROLE, RELAY_ROLE_QUERY)
         stripe = self._stripe(body)
         answer = {"stripe": stripe, "stripes": self.stripes, **self.info}
-        if self._claims(body.get("node"), stripe):
-            self._master_claimed[stripe] = True
-            return web.json_response({"master": True, **answer})
         deadline = time.time() + timeout
-        while self.master_relays[stripe] is None and time.time() < deadline and not self.closing:
+        while self.master_relays[stripe] is None and not self.closing:
+            if self._claim(body.get("node"), stripe):
+                return web.json_response({"master": True, **answer})
+            if time.time() >= deadline:
+                break
             await asyncio.sleep(0.2)
         if self.closing:
             return error_response(503, "LMC-E402", "shutting down")
         if self.master_relays[stripe] is None:
+            claim = self._claims.get(stripe)
             return error_response(503, "LMC-E406", f"the master relay of stripe {stripe} has "
                                   "not registered yet" + (
-                                      f" (it is the relay of rollout node number {stripe} mod "
-                                      f"cluster.rollout_nodes={self.cfg.cluster.rollout_nodes} "
-                                      "to start)" if self.stripes > 1 else ""))
-        async with self._election:
+                                      f" (rollout node {claim[0]} is starting it)"
+                                      if claim and claim[0] else ""))
+        async with self._election_of(stripe):
             # A relay restarting after a crash: join the master if it lives; else one of the
             # other relays is elected; if none is left, the asker becomes the master.
             # (a master that is only slow is waited for: two masters would split the chain)
@@ -152,7 +173,7 @@ class MasterRelays:
     async def _elect(self, stripe: int = 0) -> Optional[dict]:
         """``stripe``'s master relay is dead: promote the first live relay of the stripe's
         others (in the order their nodes registered), point the rest at it; returns the new
-        master or None when no relay of the stripe is left. Call holding ``self._election``."""
+        master or None when no relay of the stripe is left. Call holding ``self._election_of(stripe)``."""
         master = self.master_relays[stripe]
         dead = master["url"] if master else None
         live = []
@@ -212,7 +233,7 @@ class MasterRelays:
                 silent_since = silent_since or time.time()
             misses += 1
             if misses >= 2 and (state == "gone" or time.time() - silent_since > SILENT_S):
-                async with self._election:
+                async with self._election_of(stripe):
                     if self.master_relays[stripe] is master and \
                             (await self._relay_probe(master["url"]))[0] != "alive":
                         await self._elect(stripe)
@@ -227,6 +248,7 @@ class MasterRelays:
             return error_response(409, "LMC-E404", f"a master relay of stripe {stripe} is "
                                   "already registered")
         self._master_claimed[stripe] = True
+        self._claims.setdefault(stripe, (None, time.time()))
         self.master_relays[stripe] = {"url": body["relay_url"].rstrip("/"),
                                       "publish_host": str(publish["host"]),
                                       "publish_port": int(publish["port"])}
@@ -245,7 +267,7 @@ class MasterRelays:
             self._retire(client)
         publish = body.get("publish")
         if isinstance(publish, dict):
-            async with self._election:
+            async with self._election_of(stripe):
                 self.master_relays[stripe] = {"url": new_url,
                                               "publish_host": str(publish["host"]),
                                               "publish_port": int(publish["port"])}
@@ -257,22 +279,27 @@ class MasterRelays:
         return web.json_response({"ok": True})
 
     async def newest_at_masters(self) -> int:
-        """The newest version any stripe's master holds (0: none, or unstriped: the relay
+        """The newest version any relay of any stripe holds (0: none, or unstriped: the relay
         watcher sees it). A striped node's relays count a version once every stripe holds it;
-        a restarted trainer must number its weights above each stripe's newest, or one number
-        would name two different versions on the stripes that kept the old one."""
+        a restarted trainer must number its weights above each stripe's newest -- its master's,
+        or, when that master died with the trainer, its chained relays' -- or one number would
+        name two different versions on the stripes that kept the old one. Asked of every relay
+        at once (2 s each), the answer kept ``NEWEST_TTL_S``."""
         if self.stripes == 1:
             return 0
+        when, newest = self._newest
+        if time.time() - when < NEWEST_TTL_S:
+            return newest
 
-        async def one(master: Optional[dict]) -> int:
-            if master is None:
-                return 0
-            client = RelayClient(master["url"], self.token, timeout_s=5.0)
+        async def one(url: str) -> int:
+            client = RelayClient(url, self.token, timeout_s=2.0)
             try:
                 return int((await client.latest()).get("version") or 0)
             except (RelayError, OSError, asyncio.TimeoutError):
-                return 0
+                return 0  # gone: what it held is no longer anyone's to pull
             finally:
                 await client.close()
 
-        return max(await asyncio.gather(*(one(m) for m in self.master_relays)))
+        newest = max([0] + list(await asyncio.gather(*(one(u) for u in self.relay_urls()))))
+        self._newest = (time.time(), newest)
+        return newest

@@ -41,6 +41,22 @@ class StripedLease(Lease):
         raise AssertionError("unreachable")
 
 
+async def _all_or_none(calls: list) -> list:
+    """Every call's answer, in order; the first to fail cancels the others (a stripe's relay
+    that is down must not leave the other stripes' long polls running) and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception()]
+        if failed:
+            raise failed[0].exception()
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def relay_client(url: str, token: str, timeout_s: float = 30.0):
     """A client of the relay at ``url``, or of a striped node's relays when ``url`` joins
     theirs with commas in stripe order (``StripedRelay.url``): the same calls either way."""
@@ -94,7 +110,7 @@ class StripedRelay:
         """The newest version every stripe holds (``version``: None while one holds none) and
         each stripe's answer (``stripes``); with ``after``, a long poll on every stripe at once,
         answered once each holds a version newer than ``after`` (or after ``wait_s``)."""
-        infos = await asyncio.gather(*(r.latest(after, wait_s) for r in self.relays))
+        infos = await _all_or_none([r.latest(after, wait_s) for r in self.relays])
         versions = [info.get("version") for info in infos]
         common = None if any(v is None for v in versions) else min(versions)
         return {"version": common, "stripes": list(infos)}

@@ -54,7 +54,7 @@ from ..relay.launch import relay_process
 from ..relay.server import RelayConfig
 from ..server_process import ServerProcess
 from ..weights.bucket import reclaim_segments
-from ..weights.shards import publish_parts, stripes_for
+from ..weights.shards import publish_parts, run_stripes
 from .launcher import (EngineProcess, engine_health_window_s, engine_heartbeat_timeout_s,
                        engine_process, engine_start_timeout_s)
 
@@ -72,8 +72,7 @@ class NodeSupervisor:
         self.name = name
         self.log = log
         self.gpus = gpus
-        self.stripes = stripes_for(cfg.weight_sync.master_relays, cfg.parallel.pp,
-                                   cfg.cluster.trainer.nnodes)
+        self.stripes = run_stripes(cfg)
         # per stripe: this node's relay, whether it is the stripe's master, its publish port
         self.relays: List[Optional[ServerProcess]] = [None] * self.stripes
         self.masters = [False] * self.stripes
@@ -220,16 +219,40 @@ class NodeSupervisor:
                                     self.cfg.parallel.pp, self.cfg.parallel.tp, ws.export,
                                     self.cfg.parallel.ep),
                                 weight_sync=ws,
-                                # /dev/shm checked at start-up for relay_versions of these
-                                # (a stripe's share: whole pipeline stages of the model)
-                                model_bytes=-(-relay_model_bytes(self.cfg) // self.stripes))
+                                # /dev/shm checked at start-up for relay_versions of these:
+                                # striped, stripe 0's relay checks the node's whole need (its
+                                # relays share the mount), the others once a version comes
+                                model_bytes=relay_model_bytes(self.cfg) if stripe == 0 else 0)
         relay = relay_process(relay_cfg, os.path.join(self.logs, f"relay-{relay_id}.log"))
         if self.gpus is not None:
             relay.env.update(self.gpus.relay_env())
         return relay
 
+    def _relay_role(self, stripe: int) -> dict:
+        """The controller's role for this node's relay of ``stripe``, asked in rounds of up to
+        10 s (a stripe's master may be another node's, still starting) until
+        ``cluster.join_timeout_s``, or until this node stops (another node's start failed)."""
+        deadline = time.time() + join_timeout_s(self.cfg)
+        while True:
+            try:
+                role = self.client.relay_role(min(10.0, max(deadline - time.time(), 0.0)),
+                                              stripe=stripe, node=self.name)
+                break
+            except RuntimeError as exc:  # (ControllerError) LMC-E406: not registered yet
+                if "LMC-E406" not in str(exc) or time.time() >= deadline:
+                    raise
+                if self._stop.is_set():
+                    raise RuntimeError("the node is stopping") from None
+        if int(role.get("stripes", 1)) != self.stripes:
+            raise RuntimeError(
+                f"LMC-E518: the controller stripes this run's versions over {role.get('stripes')}"
+                f" master relays and this node's config over {self.stripes} "
+                "(weight_sync.master_relays, parallel.pp, cluster.trainer.nnodes): give every "
+                "role of the run the same values")
+        return role
+
     def _start_relay(self, stripe: int = 0) -> None:
-        role = self.client.relay_role(join_timeout_s(self.cfg), stripe=stripe, node=self.name)
+        role = self._relay_role(stripe)
         master = bool(role["master"])
         relay = self._relay_process(master, role.get("master_url"), stripe)
         self._start(relay)

@@ -149,8 +149,10 @@ def _age_s(p: psutil.Process) -> float:
         return 0.0
 
 
-def find_victim(root_pid: int, kind: str, rng) -> Optional[psutil.Process]:
-    """A live process of ``kind`` under ``root_pid`` (chosen with ``rng`` among several)."""
+def find_victim(root_pid: int, kind: str, rng,
+                stripe: Optional[list] = None) -> Optional[psutil.Process]:
+    """A live process of ``kind`` under ``root_pid`` (chosen with ``rng`` among several); a
+    relay of ``stripe`` only (``[S, N]``, a striped tier's), when given."""
     candidates = []
     for p in _descendants(root_pid):
         cmd = _cmdline(p)
@@ -160,7 +162,8 @@ def find_victim(root_pid: int, kind: str, rng) -> Optional[psutil.Process]:
             if _age_s(p) < MIN_RELAY_AGE_S:
                 continue  # still being (re)started by its supervisor: not yet a relay to kill
             health = _relay_health(p)
-            if health is not None and bool(health.get("master")) == (kind == "master_relay"):
+            if health is not None and bool(health.get("master")) == (kind == "master_relay") \
+                    and (stripe is None or health.get("stripe", [0, 1]) == stripe):
                 p.laminar_health = health
                 candidates.append(p)
         elif kind == "trainer" and process_name(p.pid) == TRAINER:
@@ -289,9 +292,12 @@ class ChaosRun:
 
         if kill.kind != "relay":
             return None
-        master = find_victim(root_pid, "master_relay", rng)
         health = getattr(victim, "laminar_health", None)
-        if master is None or health is None:
+        if health is None:
+            return None
+        # the master of the victim's stripe (a striped tier's other masters never chain it)
+        master = find_victim(root_pid, "master_relay", rng, stripe=health.get("stripe"))
+        if master is None:
             return None
         url = master.laminar_health["control_url"]
         chain_request = urllib.request.Request(url + "/chain", headers={

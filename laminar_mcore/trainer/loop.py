@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ import torch.distributed as dist
 def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: str,
                  relay_host: str, publish_port: int, ckpt_dir: str) -> dict:
     from ..config import typed
+    from ..weights.shards import run_stripes
     from ..controller.client import STOP, ControllerClient
     from ..data.checkpoints import resolve_resume
     from ..models.hf import SafetensorsReader, load_hf_config
@@ -58,7 +60,8 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
         # The master relay may have changed since this world was started (elected or
         # restarted after a failure): the controller knows the current one (striped
         # over weight_sync.master_relays: one per stripe, controller/masters.py).
-        masters = _current_masters(controller, [(relay_host, publish_port)])
+        masters = _current_masters(controller, [(relay_host, publish_port)],
+                                   stripes=run_stripes(cfg))
         delta_on, delta_why = delta_choice(cfg, parameter_dtype(actor.model), hf_config)
         if dist.get_rank() == 0:
             print(f"[trainer] {delta_why}", flush=True)
@@ -150,17 +153,29 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
         destroy_trainer_parallel()
 
 
-def _current_masters(controller, fallback):
-    """Each stripe's master relay's publish address as the controller knows it (or
-    ``fallback``, the launcher's address of the one master)."""
-    try:
-        info = controller.cluster()
-    except Exception:  # noqa: BLE001 - an older controller, or none yet: the launcher's address
-        return fallback
-    relays = info.get("master_relays") or [info.get("master_relay")]
-    if not all(r and r.get("publish_port") for r in relays):
-        return fallback
-    return [(str(r["publish_host"]), int(r["publish_port"])) for r in relays]
+def _current_masters(controller, fallback, stripes: Optional[int] = None,
+                     wait_s: float = 60.0):
+    """Each stripe's master relay's publish address as the controller knows it (or, unstriped,
+    ``fallback``: the launcher's address of the one master). ``stripes``: how many the run
+    has (None: as many as the controller names). A striped run's trainer never falls back to
+    one master: it asks for up to ``wait_s``, then raises (LMC-E406)."""
+    deadline = time.time() + wait_s
+    while True:
+        try:
+            info = controller.cluster()
+        except Exception:  # noqa: BLE001 - an older controller, or none yet
+            info = {}
+        relays = info.get("master_relays") or [info.get("master_relay")]
+        if all(r and r.get("publish_port") for r in relays) and \
+                len(relays) == (stripes or len(relays)):
+            return [(str(r["publish_host"]), int(r["publish_port"])) for r in relays]
+        if (stripes or 1) == 1:
+            return fallback
+        if time.time() > deadline:
+            raise RuntimeError(f"LMC-E406: the controller did not name the master relays of "
+                               f"the {stripes} stripes (weight_sync.master_relays) within "
+                               f"{wait_s:g} s: it names {relays}")
+        time.sleep(1.0)
 
 
 def _next_master(controller, failed, stripe: int = 0, wait_s: float = 15.0):
@@ -169,7 +184,7 @@ def _next_master(controller, failed, stripe: int = 0, wait_s: float = 15.0):
     deadline = time.time() + wait_s
     current = tuple(failed)
     while time.time() < deadline:
-        masters = _current_masters(controller, [failed])
+        masters = _current_masters(controller, [failed], wait_s=0.0)
         current = tuple(masters[stripe] if stripe < len(masters) else failed)
         if current != tuple(failed):
             return current

@@ -25,7 +25,7 @@ import torch
 from .bucket import TensorMeta, dtype_from_name, layout, slice_fits
 
 __all__ = ["EXPORTS", "WholeTensor", "is_sharded", "publish_parts", "relay_copies",
-           "check_stripes", "stripes_for", "stripe_parts", "stripe_of", "whole_plan", "served_layout",
+           "check_stripes", "stripes_for", "run_stripes", "stripe_parts", "stripe_of", "whole_plan", "served_layout",
            "assemble"]
 
 EXPORTS = ("stage_lead", "per_rank")  # weight_sync.export
@@ -59,6 +59,18 @@ def stripes_for(master_relays: Optional[int], pp: int, trainer_nodes: int = 1) -
         return math.gcd(max(1, int(trainer_nodes)), max(1, int(pp)))
     check_stripes(int(master_relays), pp)
     return int(master_relays)
+
+
+def run_stripes(cfg) -> int:
+    """The stripes of a run (``cfg``: its config): ``stripes_for`` of its
+    ``weight_sync.master_relays``, parallel.pp and trainer nodes -- except that the null
+    default stays 1 where engines read one relay (``rollout.relay=remote``,
+    ``weight_sync.engine_transport=mooncake``), which a striped tier cannot serve."""
+    ws = cfg.weight_sync
+    value = getattr(ws, "master_relays", None)
+    if value is None and (cfg.rollout.relay == "remote" or ws.engine_transport == "mooncake"):
+        return 1
+    return stripes_for(value, int(cfg.parallel.pp), int(cfg.cluster.trainer.nnodes))
 
 
 def stripe_parts(stripe: int, stripes: int, parts: int) -> range:
