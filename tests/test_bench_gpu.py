@@ -38,6 +38,8 @@ def test_cpu_rehearsal_runs_every_check_without_hydra_or_sglang(tmp_path):
     assert figures["pytest_passed"] and " passed" in figures["pytest_summary"]
     assert "[PASS] pytest -m gpu" in proc.stdout
     assert figures["checkpoint_adam_err"] == 0.0 and figures["train_step_weight_change"] > 0
+    # the publisher's delta encoder on the device: the host encoder's bytes (issue 52, item 3)
+    assert figures["delta_kernel_equal"] and figures["delta_encoder_device_gb_per_s"] > 0
     assert figures["world_backend"] == "gloo" and figures["cuda_ipc_classes"] == "stand-in"
     for n in names:
         assert f"[PASS] {n}" in proc.stdout

@@ -175,11 +175,15 @@ def test_a_publishers_delta_encoder_on_the_device_sends_the_hosts_bytes(kernel_d
     bucket that grows, a dense change) the device encoder's choices and payloads are the host
     encoder's, byte for byte, and its bases live on the device, never aliasing the host bucket
     that the next export overwrites."""
+    import functools
+
+    from laminar_mcore.kernels import delta as kdelta
     from laminar_mcore.weights.delta import DeltaEncoder
 
     dev = kernel_device
     host = DeltaEncoder(True, 2, anchor_interval=3)
-    device = DeltaEncoder(True, 2, anchor_interval=3, device=dev, kernel=True)
+    device = DeltaEncoder(True, 2, anchor_interval=3, device=dev,
+                          kernel=functools.partial(kdelta.encode, use_triton=True))
     g = torch.Generator().manual_seed(5)
     buckets = {0: torch.randint(0, 256, (6000,), generator=g, dtype=torch.uint8),
                1: torch.randint(0, 256, (4002,), generator=g, dtype=torch.uint8)}

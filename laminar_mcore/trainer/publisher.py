@@ -25,6 +25,7 @@ which are sent again whole.
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib.util
 import os
 import queue
@@ -155,8 +156,13 @@ class WeightPublisher:
         else:
             on, kernel = torch.device(delta_device), True
             self.delta_where = f"deltas found on {on} (Triton kernels/delta.py)"
+        if deltas and on is not None:
+            from ..kernels import delta as kdelta  # (Triton: only where it runs)
+
+            kernel = functools.partial(kdelta.encode, use_triton=kernel)
         self.encoder = DeltaEncoder(deltas, unit_for(weights_dtype), anchor_interval,
-                                    device=on if deltas else None, kernel=kernel)
+                                    device=on if deltas else None,
+                                    kernel=kernel if deltas and on is not None else None)
         # the newest version sent: version, full_bytes, sent_bytes (what crossed the wire),
         # buckets, delta_buckets, base_version, encode_s (comparing, compressing, hashing),
         # compared_elements, changed_elements and digests (bucket index -> digest)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import struct
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import xxhash
@@ -289,13 +289,14 @@ class DeltaEncoder:
 
     ``device`` (``delta_placement``): where the bases are kept and each bucket is compared
     with its base -- None, the host (this module's encoder, ~0.5 GB/s a core), or the
-    trainer's GPU, where ``kernels/delta.py``'s Triton kernels (``kernel``) find and compact
-    the changed elements and only they come back to the host to be compressed (issue 52,
-    item 3). The payloads are the same bytes either way."""
+    trainer's GPU, where ``kernel(new, base, unit) -> (payload, changed)`` encodes
+    (``kernels.delta.encode``: Triton kernels find and compact the changed elements and only
+    they come back to the host to be compressed; issue 52, item 3). The payloads are the same
+    bytes either way."""
 
     def __init__(self, enabled: bool, unit: int, anchor_interval: int = 16,
                  max_fraction: float = DEFAULT_MAX_FRACTION,
-                 device: Optional[torch.device] = None, kernel: bool = False):
+                 device: Optional[torch.device] = None, kernel: Optional[Callable] = None):
         if anchor_interval < 1:
             raise ValueError(f"LMC-E103: weight_sync.anchor_interval={anchor_interval} must be "
                              ">= 1 (1: every version whole)")
@@ -303,6 +304,8 @@ class DeltaEncoder:
             raise ValueError(f"delta max_fraction={max_fraction} must be in (0, 1]")
         self.enabled, self.unit = enabled, unit
         self.anchor_interval, self.max_fraction = anchor_interval, max_fraction
+        if device is not None and kernel is None:
+            raise ValueError("a DeltaEncoder on a device needs its kernel (kernels.delta.encode)")
         self.device, self.kernel = (torch.device(device) if device is not None else None), kernel
         self.base_version: Optional[int] = None  # the version ``self._base`` holds
         self._base: Dict[int, torch.Tensor] = {}
@@ -339,10 +342,7 @@ class DeltaEncoder:
             if self.device is None:
                 delta, self.last_changed = encode_counted(buffer, base, self.unit)
             else:
-                from ..kernels import delta as kdelta  # (Triton: only where it runs)
-
-                delta, self.last_changed = kdelta.encode(new, base, self.unit,
-                                                         use_triton=self.kernel)
+                delta, self.last_changed = self.kernel(new, base, self.unit)
             if len(delta) <= self.max_fraction * buffer.numel():
                 encoding, payload = "delta", delta
         if self.enabled:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
@@ -146,7 +147,8 @@ def _delta_kernel(b: Bench, notes: List[str]) -> bool:
     # the publisher's encoder (weights.delta.DeltaEncoder on the device): its bases kept
     # there, each packed host bucket copied up and compared by the kernels
     pinned = {k: v.pin_memory() if b.cuda else v for k, v in (("base", base_h), ("new", new_h))}
-    encoder = wdelta.DeltaEncoder(True, 2, device=b.device, kernel=True)
+    encoder = wdelta.DeltaEncoder(True, 2, device=b.device, kernel=functools.partial(
+        kdelta.encode, use_triton=True))
     encoder.begin(1, True)
     encoder.encode(0, pinned["base"])
     encoder.end([0])
