@@ -140,6 +140,17 @@ def test_the_plan_says_what_auto_chose_and_the_trainer_follows_it():
     slow = plan("weight_sync.link_gbit=1")
     assert slow["weight_sync_delta"] is True and "2 stage leads" in slow["weight_sync_delta_why"]
     assert plan("weight_sync.delta=on")["weight_sync_delta"] is True
+    # 72B (TP8 PP4) over 25 Gbit/s: its 4 stage leads encoding on their hosts would take
+    # longer than the whole version; its 32 ranks finding their deltas on their GPUs (the
+    # kernels, weights.delta.delta_placement) are faster, and the relays' rebuild sets the pace
+    big = ["experiment=qwen2_5_72b_math", "weight_sync.link_gbit=25"]
+    leads = plan(*big)
+    assert leads["weight_sync_delta"] is False and "4 stage leads" in leads[
+        "weight_sync_delta_why"]
+    ranks = plan(*big, "weight_sync.export=per_rank")
+    assert ranks["weight_sync_delta"] is True
+    assert "32 ranks' GPUs" in ranks["weight_sync_delta_why"]
+    assert ranks["trainer_first_delta_base_gb"] > 0 and leads["trainer_first_delta_base_gb"] == 0
 
 
 # ---------------------------------------------------------------------------- relays

@@ -88,16 +88,21 @@ def relay_model_bytes(cfg) -> int:
                * relay_copies(cfg.weight_sync.export, cfg.parallel.tp))
 
 
-def delta_choice(cfg, dtype=None, hf_config=None) -> tuple:
+def delta_choice(cfg, dtype=None, hf_config=None, device_encode=None) -> tuple:
     """``weight_sync.delta`` resolved for ``cfg`` (weights/delta.py, ``choose_delta``): (on,
     why). ``dtype``: the trainer's weights (default from ``model.dtype``; auto is taken as bf16
     for SGLang engines, a GPU run, and fp32 for the CPU engine: the trainer resolves auto by
     the GPU it has, so a GPU trainer beside CPU engines may decide otherwise and says so in
     its log); ``hf_config``: the model's
-    transformers config (default: ``model_arch``'s)."""
+    transformers config (default: ``model_arch``'s). The encoders: every publishing part
+    (``weights.shards.publish_parts``), on its GPU with the Triton kernels where the publisher
+    would put them there (``device_encode``: per-rank export on a GPU with Triton, as the
+    trainer knows; None: per-rank export and ``cluster.gpus_per_node`` > 0, as the plan
+    assumes), else on its host."""
     import torch
 
-    from ..weights.delta import choose_delta
+    from ..weights.delta import DEVICE_ENCODE_BYTES_S, ENCODE_BYTES_S, choose_delta
+    from ..weights.shards import publish_parts
 
     if dtype is None:
         name = cfg.model.dtype
@@ -106,9 +111,18 @@ def delta_choice(cfg, dtype=None, hf_config=None) -> tuple:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
     arch = model_arch(cfg) if hf_config is None else arch_of_hf_config(hf_config)
     model_bytes = int(param_counts(arch)["total"]) * dtype.itemsize
-    return choose_delta(cfg.weight_sync.delta, dtype, model_bytes=model_bytes,
-                        stages=max(cfg.parallel.pp, 1), link_gbit=cfg.weight_sync.link_gbit,
-                        lr=cfg.trainer.lr)
+    p, ws = cfg.parallel, cfg.weight_sync
+    per_rank = ws.export == "per_rank"
+    if device_encode is None:
+        device_encode = per_rank and cfg.cluster.gpus_per_node > 0
+    on_gpu = per_rank and device_encode
+    return choose_delta(ws.delta, dtype, model_bytes=model_bytes,
+                        stages=publish_parts(max(p.pp, 1), max(p.tp, 1), ws.export,
+                                             max(getattr(p, "ep", 1) or 1, 1)),
+                        link_gbit=ws.link_gbit, lr=cfg.trainer.lr,
+                        encode_bytes_s=DEVICE_ENCODE_BYTES_S if on_gpu else ENCODE_BYTES_S,
+                        encoders=("ranks' GPUs" if on_gpu else "ranks" if per_rank
+                                  else "stage leads"))
 
 
 def model_arch(cfg) -> dict:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 from typing import Dict
 
+from ..weights.delta import DEVICE_ENCODE_BYTES_S  # bench.gpu on an H200 (docs/gpu.md)
 from .costs import BUCKET_BYTES, BYTES_PER_PARAM, DELTA, LINKS
 
 # A trainer GPU's device -> pinned host copy: the `publish` check of bench.gpu on an H200
@@ -47,10 +48,6 @@ EXPORT_BYTES_S = 48.1e9
 # Host -> engine GPU for the pause's bound: the same PCIe copy the other way (an assumption:
 # only device -> host was measured).
 H2D_BYTES_S = EXPORT_BYTES_S
-# The delta kernel on the GPU, its compacted changes copied out and compressed on the host,
-# per bucket byte: bench.gpu's `delta_kernel_gb_per_s` on an H200 (docs/gpu.md, 2026-11-28:
-# 13.1 and 17.5 GB/s on a 512 MiB bf16 bucket with 1% changed; the lower one).
-DEVICE_ENCODE_BYTES_S = 13.1e9
 GPUS_PER_NODE = 8
 
 # The anchors' GPU counts (issue 52): 1T as Perplexity's Kimi-K2 update, 256 trainer GPUs to

@@ -12,6 +12,7 @@ lags again from there.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 from typing import Optional
@@ -62,7 +63,11 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
         # over weight_sync.master_relays: one per stripe, controller/masters.py).
         masters = _current_masters(controller, [(relay_host, publish_port)],
                                    stripes=run_stripes(cfg))
-        delta_on, delta_why = delta_choice(cfg, parameter_dtype(actor.model), hf_config)
+        # (deltas found on this GPU where the publisher will: weights.delta.delta_placement)
+        delta_on, delta_why = delta_choice(
+            cfg, parameter_dtype(actor.model), hf_config,
+            device_encode=torch.cuda.is_available()
+            and importlib.util.find_spec("triton") is not None)
         if dist.get_rank() == 0:
             print(f"[trainer] {delta_why}", flush=True)
         publisher = WeightPublisher(actor.model, hf_config, master_relays=masters,

@@ -85,6 +85,11 @@ def delta_enabled(mode: str, dtype: Optional[torch.dtype]) -> bool:
 # Adam learning rate (interpolated in log-log between the points, held beyond them).
 ENCODE_BYTES_S = 0.51e9
 APPLY_BYTES_S = 6.2e9
+# A rank's deltas found on its GPU (``delta_placement``): the Triton kernels with the compacted
+# changes' copy to the host and zstd, bucket bytes per second: bench.gpu's
+# ``delta_kernel_gb_per_s`` on an H200 (docs/gpu.md, 2026-11-28: 13.1 and 17.5 GB/s on a 512 MiB
+# bf16 bucket with 1% changed; the lower one).
+DEVICE_ENCODE_BYTES_S = 13.1e9
 BYTES_RATIO_BY_LR = ((1e-6, 93.6), (1e-5, 13.6), (1e-4, 5.37))
 
 
@@ -102,14 +107,17 @@ def bytes_ratio_for_lr(lr: float) -> float:
 
 def choose_delta(mode: str, dtype: Optional[torch.dtype], *, model_bytes: int, stages: int,
                  link_gbit: float, lr: float, encode_bytes_s: float = ENCODE_BYTES_S,
-                 apply_bytes_s: float = APPLY_BYTES_S) -> Tuple[bool, str]:
+                 apply_bytes_s: float = APPLY_BYTES_S,
+                 encoders: str = "stage leads") -> Tuple[bool, str]:
     """``weight_sync.delta`` resolved: (deltas on, why). ``on`` and ``off`` are kept; ``auto``
     turns deltas on only where they make a version reach the relays sooner than whole buckets:
 
     * whole: the version's ``model_bytes`` over the slowest link it crosses (``link_gbit``:
       the master relay's ingress, where every stage lead sends, or a hop of the chain);
     * delta: the slowest of its pipelined stages (buckets overlap, so the slowest stage sets
-      the pace): each of the ``stages`` stage leads encodes its share at ``encode_bytes_s``,
+      the pace): each of the ``stages`` encoders (``encoders`` says which: stage leads, or
+      with per-rank export every rank, on its host or its GPU) encodes its share at
+      ``encode_bytes_s``,
       ``model_bytes / bytes_ratio_for_lr(lr)`` over the link, each relay rebuilds the whole
       version at ``apply_bytes_s``.
 
@@ -142,7 +150,7 @@ def choose_delta(mode: str, dtype: Optional[torch.dtype], *, model_bytes: int, s
     return on, (f"weight_sync.delta=auto: {'deltas' if on else 'whole versions'}: a version "
                 f"of {model_bytes / 1e9:.3g} GB reaches the relays in ~{sec(whole)} whole over "
                 f"{link_gbit:g} Gbit/s, ~{sec(delta)} as deltas (encode {sec(encode)} on each "
-                f"of {max(stages, 1)} stage leads, {sec(wire)} on the wire at "
+                f"of {max(stages, 1)} {encoders}, {sec(wire)} on the wire at "
                 f"{ratio:.3g}x fewer bytes for lr {lr:g}, rebuild {sec(rebuild)} per relay)")
 
 
