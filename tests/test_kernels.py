@@ -185,13 +185,17 @@ def test_a_publishers_delta_encoder_on_the_device_sends_the_hosts_bytes(kernel_d
     device = DeltaEncoder(True, 2, anchor_interval=3, device=dev,
                           kernel=functools.partial(kdelta.encode, use_triton=True))
     g = torch.Generator().manual_seed(5)
-    buckets = {0: torch.randint(0, 256, (6000,), generator=g, dtype=torch.uint8),
-               1: torch.randint(0, 256, (4002,), generator=g, dtype=torch.uint8)}
+    host_mem = "cpu"  # the publisher's packed buckets are host memory, whatever the device
+    buckets = {0: torch.randint(0, 256, (6000,), generator=g, dtype=torch.uint8,
+                                device=host_mem),
+               1: torch.randint(0, 256, (4002,), generator=g, dtype=torch.uint8,
+                                device=host_mem)}
     for version in range(1, 7):
         if version > 1:
             for i, b in buckets.items():
                 elems = b.view(torch.int16)
-                hit = torch.rand(elems.numel(), generator=g) < (0.6 if version == 5 else 0.01)
+                hit = torch.rand(elems.numel(), generator=g, device=host_mem) < (
+                    0.6 if version == 5 else 0.01)
                 elems[hit] ^= 1
         if version == 4:  # bucket 1 grows: whole, a new base
             buckets[1] = torch.cat([buckets[1], buckets[1][:100]])

@@ -25,6 +25,7 @@ from laminar_mcore.testing.dist import run_torchrun
 
 from .conftest import WORKERS, wait_until
 from .test_relay_chain import TOKEN, _get, _reference, _relay
+from .test_stripes_job import striped_controller
 
 pytestmark = pytest.mark.multiprocess
 PARTS = 4  # per-rank export at TP2 x PP2: parts 0-1 are stage 0 (stripe 0), 2-3 stage 1
@@ -195,6 +196,16 @@ def test_a_stripes_master_killed_is_replaced_and_a_pull_waits_for_its_version(tm
             (tmp_path / "v3.go").touch()
             wait_until(lambda: _get(nodes[1].url, "/latest")["version"] == 3, what="v3, stripe 1")
             assert _get(nodes[0].url, "/latest")["version"] == 2  # stripe 0 cannot go on
+            # a trainer restarting now must number its weights above 3, the newest version
+            # any stripe holds, not above 2, the newest both do (a second "version 3" on
+            # stripe 0 beside stripe 1's would be mixed): the controller's floor says 3
+            with striped_controller(tmp_path, rollout_nodes=1) as client:
+                for stripe, master in enumerate(masters):
+                    client.call_post("/register_relay", {
+                        "relay_url": master.url, "stripe": stripe,
+                        "publish": {"host": "127.0.0.1", "port": ports[stripe]}})
+                client.register(nodes[0].url, [], relay_urls=urls)
+                assert client.cluster()["trainer_version"] == 3
 
             seen, names = set(), {}
             pull = threading.Thread(target=lambda: asyncio.run(

@@ -3,10 +3,40 @@ trainer publishing per-rank shards, two rollout nodes each with one relay per st
 s's master on node s; a stripe's master relay and a trainer rank are killed with -9 mid-run
 (real processes on loopback, the chaos harness of test_faults)."""
 
+import contextlib
 import os
 import time
 
 import pytest
+
+
+@contextlib.contextmanager
+def striped_controller(tmp_path, stripes=2, rollout_nodes=2):
+    """A real controller of a PP2 run striped over ``stripes`` master relays and
+    ``rollout_nodes`` nodes (a toy task, no engines); yields a ``ControllerClient`` of it."""
+    from dataclasses import replace
+
+    from laminar_mcore.config.schema import LaminarConfig
+    from laminar_mcore.controller.client import ControllerClient
+    from laminar_mcore.controller.episode import TaskCodec
+    from laminar_mcore.controller.server import Controller, TaskData
+    from laminar_mcore.metrics import MetricsWriter
+
+    from .test_relay_chain import TOKEN
+
+    base = LaminarConfig(output_dir=str(tmp_path))
+    cfg = replace(base, parallel=replace(base.parallel, pp=2),
+                  weight_sync=replace(base.weight_sync, master_relays=stripes),
+                  cluster=replace(base.cluster, rollout_nodes=rollout_nodes))
+    task = TaskData(rows=[{"prompt": "ab", "answer": "ba"}] * 4, evals=[],
+                    codec=TaskCodec(lambda row: [1, 2], lambda ids: ""), model_path="/none")
+    metrics = MetricsWriter(str(tmp_path), loggers=["jsonl"])
+    controller = Controller(cfg, task, metrics, TOKEN, info={"model_path": "/none"})
+    try:
+        yield ControllerClient(controller.start(), TOKEN)
+    finally:
+        controller.stop()
+        metrics.close()
 
 
 @pytest.mark.multiprocess
@@ -71,54 +101,39 @@ def test_the_controller_places_each_stripes_master_on_a_node_of_its_own(tmp_path
     register per stripe, a node's relay of a stripe chains from that stripe's, ``GET /cluster``
     names both; a node registering one relay for two stripes, or a stripe the run has not,
     is refused with what to fix."""
-    from dataclasses import replace
-
-    from laminar_mcore.config.schema import LaminarConfig
     from laminar_mcore.controller import masters
-    from laminar_mcore.controller.client import ControllerClient, ControllerError
-    from laminar_mcore.controller.episode import TaskCodec
-    from laminar_mcore.controller.server import Controller, TaskData
-    from laminar_mcore.metrics import MetricsWriter
+    from laminar_mcore.controller.client import ControllerError
 
-    from .test_relay_chain import TOKEN, _relay
+    from .test_relay_chain import _relay
 
     monkeypatch.setattr(masters, "CLAIM_S", 1.0)
-    base = LaminarConfig(output_dir=str(tmp_path))
-    cfg = replace(base, parallel=replace(base.parallel, pp=2),
-                  weight_sync=replace(base.weight_sync, master_relays=2),
-                  cluster=replace(base.cluster, rollout_nodes=2))
-    task = TaskData(rows=[{"prompt": "ab", "answer": "ba"}] * 4, evals=[],
-                    codec=TaskCodec(lambda row: [1, 2], lambda ids: ""), model_path="/none")
-    metrics = MetricsWriter(str(tmp_path), loggers=["jsonl"])
-    controller = Controller(cfg, task, metrics, TOKEN, info={"model_path": "/none"})
     relays = []
-    try:
-        client = ControllerClient(controller.start(), TOKEN)
-        first = client.relay_role(5, stripe=0, node="a")
-        assert first["master"] is True and first["stripes"] == 2
-        with pytest.raises(ControllerError, match="LMC-E406"):  # a hosts its one master
-            client.relay_role(0, stripe=1, node="a")
-        assert client.relay_role(5, stripe=1, node="b")["master"] is True
-        time.sleep(1.2)  # b's relay never registered: its claim lapses
-        assert client.relay_role(0, stripe=1, node="c")["master"] is True
-        for stripe in (0, 1):
-            relay = _relay(tmp_path, f"m{stripe}", master=True, trainer_stages=2, stripe=stripe,
-                           stripes=2)
-            relays.append(relay)
-            port = int(relay.wait_printed("LAMINAR_RELAY_PUBLISH_PORT"))
-            client.call_post("/register_relay", {"relay_url": relay.url, "stripe": stripe,
-                                                 "publish": {"host": "127.0.0.1", "port": port}})
-            if stripe == 0:  # one stripe's master is not the run's: not ready for trainers
-                assert client.cluster()["master_relays"][1] is None
-        role = client.relay_role(5, stripe=0, node="b")
-        assert role["master"] is False and role["master_url"] == relays[0].url
-        assert [m["url"] for m in client.cluster()["master_relays"]] == [r.url for r in relays]
-        with pytest.raises(ControllerError, match="LMC-E518"):  # one relay for two stripes
-            client.register(relays[0].url, ["http://127.0.0.1:9"])
-        with pytest.raises(ControllerError, match="'stripe' is 2"):
-            client.relay_role(0, stripe=2, node="a")
-    finally:
-        for relay in relays:
-            relay.stop()
-        controller.stop()
-        metrics.close()
+    with striped_controller(tmp_path) as client:
+        try:
+            first = client.relay_role(5, stripe=0, node="a")
+            assert first["master"] is True and first["stripes"] == 2
+            with pytest.raises(ControllerError, match="LMC-E406"):  # a hosts its one master
+                client.relay_role(0, stripe=1, node="a")
+            assert client.relay_role(5, stripe=1, node="b")["master"] is True
+            time.sleep(1.2)  # b's relay never registered: its claim lapses
+            assert client.relay_role(0, stripe=1, node="c")["master"] is True
+            for stripe in (0, 1):
+                relay = _relay(tmp_path, f"m{stripe}", master=True, trainer_stages=2, stripe=stripe,
+                               stripes=2)
+                relays.append(relay)
+                port = int(relay.wait_printed("LAMINAR_RELAY_PUBLISH_PORT"))
+                client.call_post("/register_relay", {
+                    "relay_url": relay.url, "stripe": stripe,
+                    "publish": {"host": "127.0.0.1", "port": port}})
+                if stripe == 0:  # one stripe's master is not the run's: not ready for trainers
+                    assert client.cluster()["master_relays"][1] is None
+            role = client.relay_role(5, stripe=0, node="b")
+            assert role["master"] is False and role["master_url"] == relays[0].url
+            assert [m["url"] for m in client.cluster()["master_relays"]] == [r.url for r in relays]
+            with pytest.raises(ControllerError, match="LMC-E518"):  # one relay for two stripes
+                client.register(relays[0].url, ["http://127.0.0.1:9"])
+            with pytest.raises(ControllerError, match="'stripe' is 2"):
+                client.relay_role(0, stripe=2, node="a")
+        finally:
+            for relay in relays:
+                relay.stop()

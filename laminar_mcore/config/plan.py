@@ -90,15 +90,12 @@ def relay_model_bytes(cfg) -> int:
 
 def delta_choice(cfg, dtype=None, hf_config=None, device_encode=None) -> tuple:
     """``weight_sync.delta`` resolved for ``cfg`` (weights/delta.py, ``choose_delta``): (on,
-    why). ``dtype``: the trainer's weights (default from ``model.dtype``; auto is taken as bf16
-    for SGLang engines, a GPU run, and fp32 for the CPU engine: the trainer resolves auto by
-    the GPU it has, so a GPU trainer beside CPU engines may decide otherwise and says so in
-    its log); ``hf_config``: the model's
-    transformers config (default: ``model_arch``'s). The encoders: every publishing part
-    (``weights.shards.publish_parts``), on its GPU with the Triton kernels where the publisher
-    would put them there (``device_encode``: per-rank export on a GPU with Triton, as the
-    trainer knows; None: per-rank export and ``cluster.gpus_per_node`` > 0, as the plan
-    assumes), else on its host."""
+    why). ``dtype``: the trainer's weights (default from ``model.dtype``; auto is bf16 for
+    SGLang engines, fp32 for the CPU engine: a GPU trainer beside CPU engines may decide
+    otherwise and says so in its log); ``hf_config``: the model's transformers config (default:
+    ``model_arch``'s). The encoders: every publishing part (``weights.shards.publish_parts``),
+    on its GPU with the Triton kernels where the publisher puts them (``device_encode``: a
+    per-rank export on a GPU with Triton; None: per-rank and ``cluster.gpus_per_node`` > 0)."""
     import torch
 
     from ..weights.delta import DEVICE_ENCODE_BYTES_S, ENCODE_BYTES_S, choose_delta
@@ -116,7 +113,7 @@ def delta_choice(cfg, dtype=None, hf_config=None, device_encode=None) -> tuple:
     if device_encode is None:
         device_encode = per_rank and cfg.cluster.gpus_per_node > 0
     on_gpu = per_rank and device_encode
-    return choose_delta(ws.delta, dtype, model_bytes=model_bytes,
+    return choose_delta(ws.delta, dtype, model_bytes=model_bytes,  # (encoders in parallel)
                         stages=publish_parts(max(p.pp, 1), max(p.tp, 1), ws.export,
                                              max(getattr(p, "ep", 1) or 1, 1)),
                         link_gbit=ws.link_gbit, lr=cfg.trainer.lr,
@@ -229,12 +226,10 @@ def capacity_plan(cfg, digits: int = 2) -> dict:
     fp32 = cfg.model.dtype == "fp32"
     layers_per_stage = arch["layers"] / pp
     tokens = t.max_tokens_per_microbatch
-
     delta_on, delta_why = delta_choice(cfg)
-    # deltas of per-rank shards are found on the trainer's GPUs (weights.delta.delta_placement):
-    # each rank keeps its shard's previous version there, at the rollout dtype
-    base_b = (4 if fp32 else 2) if delta_on and cfg.weight_sync.export == "per_rank" \
-        and cl.gpus_per_node > 0 else 0
+    # per-rank deltas: each rank keeps its shard's base on its GPU (weights.delta_placement)
+    base_b = (4 if fp32 else 2) * (delta_on and cfg.weight_sync.export == "per_rank"
+                                   and cl.gpus_per_node > 0)
     # -------------------------------------------------------------- trainer GPU, first/last stage
     batch_tokens_per_dp = (t.train_batch_prompts * cfg.algo.n_samples_per_prompt
                            * (cfg.data.max_prompt_len + r.sampling.max_new_tokens) / dp)
