@@ -3,6 +3,7 @@ processes; a few steps in laminar and sync modes; books balance; outputs are wri
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -249,18 +250,22 @@ def test_an_interrupt_or_a_dead_role_stops_every_process(tmp_path, how):
 
 
 @pytest.mark.slow
-def test_moe_train_job_with_expert_parallelism_and_routing_replay(tmp_path):
+@pytest.mark.parametrize("layout", ["ep2", "ep2_pp2_striped"])
+def test_moe_train_job_with_expert_parallelism_and_routing_replay(tmp_path, layout):
     """experiment=cpu_moe in mode=sync: a Qwen3-MoE trained by two EP ranks, published per rank
     (weight_sync.export=per_rank: each EP rank sends its own experts, no gather; issue 52;
     test_moe checks the stage lead's EP gather), served by the CPU engine with routed experts
-    returned and
-    replayed. Every step consumes tokens of the trainer's own version, so every step's
+    returned and replayed; ``ep2_pp2_striped``: EP2 x PP2 (four ranks), the version striped
+    over two master relays, one per stage, on two rollout nodes (weight_sync.master_relays=2).
+    Every step consumes tokens of the trainer's own version, so every step's
     mismatch says the engine served exactly the trainer's weights (fp32: below 1e-4) -- each
     published version, not only the first; the books balance; the MoE losses are reported."""
+    extra = ["parallel.pp=2", "cluster.trainer.nproc_per_node=4", "weight_sync.master_relays=2",
+             "cluster.rollout_nodes=2"] if layout == "ep2_pp2_striped" else []
     out = subprocess.run(
         [sys.executable, "-m", "laminar_mcore.launch", "experiment=cpu_moe", "mode=sync",
          "output_dir=out", "run_name=moe", "trainer.total_steps=3", "data.num_eval=16",
-         "data.warmup_steps=20", "weight_sync.export=per_rank"],
+         "data.warmup_steps=20", "weight_sync.export=per_rank", *extra],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
         env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
@@ -274,3 +279,6 @@ def test_moe_train_job_with_expert_parallelism_and_routing_replay(tmp_path):
         assert {"mismatch_mean", "mismatch_p99", "mismatch_max", "mismatch_frac_above",
                 "moe_load_balancing_loss", "moe_z_loss"} <= set(r)
         assert r["moe_load_balancing_loss"] > 0
+    if layout == "ep2_pp2_striped":  # parts 0-1 (stage 0's EP ranks) to one master, 2-3 another
+        to = dict(re.findall(r"\[publish\] stage (\d+): channel \w+ to (\S+)", out.stdout))
+        assert to["0"] == to["1"] != to["2"] == to["3"], to
