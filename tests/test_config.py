@@ -318,7 +318,8 @@ def test_plan_counts_the_reference_model_held_or_offloaded():
     """algo.kl_coef > 0 keeps a frozen copy of the stage's weights (2 bytes per parameter in
     bf16, no gradients or optimizer state); offloaded, it costs host memory instead, and the GPU
     holds it only for the reference's forward pass (beside that pass's logits)."""
-    from laminar_mcore.config.plan import capacity_plan, format_plan
+    from laminar_mcore.config.plan import capacity_plan
+    from laminar_mcore.config.plan_text import format_plan
 
     base = capacity_plan(_compose("experiment=qwen2_5_7b_math"), digits=None)
     held = capacity_plan(_compose("experiment=qwen2_5_7b_math", "algo.kl_coef=0.001"),

@@ -122,7 +122,8 @@ def test_the_plan_says_what_auto_chose_and_the_trainer_follows_it():
 
     from laminar_mcore.config import register_configs
     from laminar_mcore.config.paths import conf_dir
-    from laminar_mcore.config.plan import capacity_plan, format_plan
+    from laminar_mcore.config.plan import capacity_plan
+    from laminar_mcore.config.plan_text import format_plan
 
     register_configs()
 
@@ -151,6 +152,15 @@ def test_the_plan_says_what_auto_chose_and_the_trainer_follows_it():
     assert ranks["weight_sync_delta"] is True
     assert "32 ranks' GPUs" in ranks["weight_sync_delta_why"]
     assert ranks["trainer_first_delta_base_gb"] > 0 and leads["trainer_first_delta_base_gb"] == 0
+    # the relay tier: one master relay per trainer node by default (4 nodes, PP4: 4 stripes),
+    # one where engines read a single relay (Mooncake), or as set
+    multi = ["experiment=qwen2_5_72b_math", "cluster=multinode"]
+    assert plan(*multi, "cluster.trainer.nnodes=1")["weight_sync_stripes"] == 1
+    assert plan(*multi)["weight_sync_stripes"] == 4
+    assert "relay tier: 4 master relay(s)" in format_plan(plan(*multi))
+    assert plan(*multi, "weight_sync.master_relays=2")["weight_sync_stripes"] == 2
+    assert plan(*multi, "weight_sync.engine_transport=mooncake",
+                "weight_sync.mooncake_protocol=tcp")["weight_sync_stripes"] == 1
 
 
 # ---------------------------------------------------------------------------- relays

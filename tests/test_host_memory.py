@@ -17,7 +17,8 @@ from hydra import compose, initialize_config_dir
 
 from laminar_mcore.config import ConfigError, register_configs, typed, validate_config
 from laminar_mcore.config.paths import conf_dir
-from laminar_mcore.config.plan import capacity_plan, format_plan, relay_model_bytes
+from laminar_mcore.config.plan import capacity_plan, relay_model_bytes
+from laminar_mcore.config.plan_text import format_plan
 from laminar_mcore.config.schema import WeightSyncConfig
 from laminar_mcore.relay.chain import ReceiverBusy, push_version
 from laminar_mcore.relay.launch import relay_process

@@ -28,6 +28,8 @@ size):
 * the publish-time gather (MoE): ``trainer/export.py`` gathers one layer's experts over EP on
   every rank of the stage -- a whole layer's experts, plus their Hugging Face copies -- between
   training steps, when activations are freed: the peak is the larger of the two phases;
+* per-rank deltas (``weight_sync.export=per_rank`` with deltas on, on GPUs): each rank's shard
+  once more at the rollout dtype, its previous version, where the kernels compare the next;
 * the reference policy (``algo.kl_coef > 0``): the stage's weights once more, frozen (no
   gradients, no optimizer state); with ``algo.ref_offload`` they live in host memory and visit
   the GPU for the reference's forward pass, before the training pass, beside that pass's logits;
@@ -56,7 +58,7 @@ import math
 from typing import Dict
 
 from .budgets import controller_open_files, controller_streams
-from .gpu_map import format_gpu_maps, plan_gpu_maps
+from .gpu_map import plan_gpu_maps
 
 # The CUDA context (~0.5 GB with the kernels of torch, Transformer Engine and NCCL loaded) and
 # NCCL's communicators: each keeps NCCL_BUFFSIZE (4 MiB) per channel and peer, and a trainer rank
@@ -217,6 +219,8 @@ def _activation_bytes_per_token_layer(arch: dict, tp: int, sp: bool, etp: int = 
 def capacity_plan(cfg, digits: int = 2) -> dict:
     """The plan of ``cfg`` (a composed run config) as a flat-ish dict; see the module doc.
     ``digits``: the GB figures' rounding (None: unrounded, for comparisons)."""
+    from ..weights.shards import run_stripes
+
     arch = model_arch(cfg)
     counts = param_counts(arch)
     p, t, r, cl = cfg.parallel, cfg.trainer, cfg.rollout, cfg.cluster
@@ -227,9 +231,8 @@ def capacity_plan(cfg, digits: int = 2) -> dict:
     layers_per_stage = arch["layers"] / pp
     tokens = t.max_tokens_per_microbatch
     delta_on, delta_why = delta_choice(cfg)
-    # per-rank deltas: each rank keeps its shard's base on its GPU (weights.delta_placement)
     base_b = (4 if fp32 else 2) * (delta_on and cfg.weight_sync.export == "per_rank"
-                                   and cl.gpus_per_node > 0)
+                                   and cl.gpus_per_node > 0)  # per-rank deltas' GPU bases
     # -------------------------------------------------------------- trainer GPU, first/last stage
     batch_tokens_per_dp = (t.train_batch_prompts * cfg.algo.n_samples_per_prompt
                            * (cfg.data.max_prompt_len + r.sampling.max_new_tokens) / dp)
@@ -390,6 +393,7 @@ def capacity_plan(cfg, digits: int = 2) -> dict:
         "reference_host_gb_per_trainer_node": round(ref_host_gb, 1),
         **{k: v for k, v in host.items() if k not in ("problems", "shm_need_gb")},
         "weight_sync_delta": delta_on, "weight_sync_delta_why": delta_why,
+        "weight_sync_stripes": run_stripes(cfg),  # master relays (weight_sync.master_relays)
         "controller_streams": controller_streams(cfg),
         "controller_open_files": controller_open_files(cfg),
         "fits_gpu": not problems, "fits_host": not host["problems"],
@@ -454,47 +458,3 @@ def _host_plan(cfg, model_gb: float, pinned_gb: float, ref_host_gb: float,
     return {"host_memory_gb": host_gb, "shm_gb": shm_gb, "relay_versions": rv,
             "shm_need_gb": shm_need, "rollout_host_gb_per_node": round(rollout_gb, 1),
             "trainer_host_gb_per_node": round(trainer_gb, 1), "problems": problems}
-
-
-def format_plan(plan: dict) -> str:
-    """A human-readable table of ``plan``."""
-    lines = [f"capacity plan: {plan['model']} ({plan['params_b']:.1f} B params, "
-             f"{plan['arch_source']}), TP{plan['tp']} PP{plan['pp']} DP{plan['dp']}"
-             + (f" EP{plan['ep']} expert-TP{plan['expert_tp']} expert-DP{plan['expert_dp']} "
-                f"({plan['experts']} experts, {plan['active_params_b']:.1f} B active)"
-                if plan["experts"] else "") + ", "
-             f"SP={'on' if plan['sequence_parallel'] else 'off'}, recompute={plan['recompute']}, "
-             f"{plan['micro_batch_tokens']} tokens/micro-batch, "
-             f"{plan['in_flight_microbatches']} in flight on stage 0",
-             f"  per trainer GPU (GB)        {'first stage':>12} {'last stage':>12}"]
-    for item in ("weights", "grads", "optimizer", "reference", "activations", "logits",
-                 "publish_gather", "delta_base", "overhead", "peak"):
-        lines.append(f"    {item:<26} {plan[f'trainer_first_{item}_gb']:>12.1f} "
-                     f"{plan[f'trainer_last_{item}_gb']:>12.1f}")
-    lines += [
-        f"  trainer GPU peak {plan['trainer_gpu_peak_gb']:.1f} GB ({plan['trainer_peak_stage']} "
-        f"stage; largest item {plan['trainer_largest_item']}) of {plan['gpu_memory_gb']:g} GB",
-        f"  rollout node: {plan['engine_gpus_per_node']} of {plan['gpus_per_node']} GPUs for "
-        f"engines (TP{plan['engine_tp']}): {plan['engine_weights_gb_per_gpu']:.1f} GB weights + "
-        f"{plan['engine_kv_gb_per_gpu']:.1f} GB KV per GPU, + at most "
-        f"{plan['relay_buckets_gb_per_engine_gpu']:.2f} GB of relay buckets while pulling; relay "
-        f"on {plan['relay_device']}", *format_gpu_maps(plan["gpu_map"]),
-        f"  host: relay /dev/shm {plan['relay_shm_gb_per_rollout_node']:.0f} GB per rollout node "
-        f"({plan['relay_versions']} versions)"
-        + (f" of {plan['shm_gb']:g} GB" if plan["host_memory_gb"] else "") + "; "
-        f"pinned publish buffers {plan['pinned_publish_gb_per_trainer_node']:.0f} GB per trainer "
-        "node" + (f"; offloaded reference model {plan['reference_host_gb_per_trainer_node']:.0f} "
-                  "GB per trainer node" if plan["reference_model"] == "offloaded" else ""),
-        f"  host memory per node: rollout {plan['rollout_host_gb_per_node']:.0f} GB, trainer "
-        f"{plan['trainer_host_gb_per_node']:.0f} GB"
-        + (f", of {plan['host_memory_gb']:g} GB" if plan["host_memory_gb"] else
-           " (not checked: cluster.host_memory_gb=0)"),
-        f"  weight sync: {plan['weight_sync_delta_why']}",
-        f"  controller: up to {plan['controller_streams']} streams at once, "
-        f"{plan['controller_open_files']} open files (RLIMIT_NOFILE: raised to the hard limit "
-        "at start, which must be at least this)",
-        "  fits: " + ("yes" if plan["fits"] else
-                      f"NO (GPU: {'yes' if plan['fits_gpu'] else 'no'}, host: "
-                      f"{'yes' if plan['fits_host'] else 'no'})\n    - "
-                      + "\n    - ".join(plan["problems"]))]
-    return "\n".join(lines)

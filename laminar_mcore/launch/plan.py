@@ -12,7 +12,8 @@ import os
 
 
 def run_plan(cfg) -> dict:
-    from ..config.plan import capacity_plan, format_plan
+    from ..config.plan import capacity_plan
+    from ..config.plan_text import format_plan
 
     plan = capacity_plan(cfg)
     out_dir = os.path.join(cfg.output_dir, cfg.run_name)
