@@ -17,7 +17,7 @@ same signature; ``encode`` builds ``weights.delta``'s payload from either: the s
 from __future__ import annotations
 
 import contextlib
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -71,8 +71,11 @@ if triton is not None:
 _INTERPRETED = triton is not None and is_interpreted(_count_kernel)
 
 
-def changes_triton(new: torch.Tensor, base: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``changes_torch`` by the two kernels (one host sync: the number of changes)."""
+def changes_triton(new: torch.Tensor, base: torch.Tensor,
+                   dense_above: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``changes_torch`` by the two kernels (one host sync: the number of changes). With
+    ``dense_above``: more changes than that are not compacted (a dense delta sends every
+    element's XOR): (None, the count as a 0-d tensor)."""
     if triton is None:
         raise RuntimeError("changes_triton needs Triton (pip install triton); changes_torch "
                            "computes the same on any device")
@@ -92,6 +95,8 @@ def changes_triton(new: torch.Tensor, base: torch.Tensor) -> Tuple[torch.Tensor,
         _count_kernel[(blocks,)](new, base, counts, n, BLOCK=BLOCK)
         ends = torch.cumsum(counts, 0, dtype=torch.int64)
         total = int(ends[-1])
+        if dense_above is not None and total > dense_above:
+            return None, torch.tensor(total)
         positions = torch.empty(total, dtype=torch.int64, device=new.device)
         xor = torch.empty(total, dtype=new.dtype, device=new.device)
         if total:
@@ -110,8 +115,23 @@ def encode(new: torch.Tensor, base: torch.Tensor, unit: int = 2, level: int = 1,
     wdelta.check_pair(new, base, unit)
     a, b = new.view(_UNITS[unit]), base.view(_UNITS[unit])
     use_triton = (a.is_cuda and triton is not None) if use_triton is None else use_triton
-    positions, xor = (changes_triton if use_triton else changes_torch)(a, b)
-    count = positions.numel()
-    if count > wdelta.DENSE_FRACTION * a.numel():
-        return wdelta.payload(count, unit, None, (a ^ b).cpu(), level), count
+    dense_above = int(wdelta.DENSE_FRACTION * a.numel())
+    if use_triton:  # counted first: a dense delta is never compacted
+        positions, xor = changes_triton(a, b, dense_above)
+    else:
+        positions, xor = changes_torch(a, b)
+    count = int(xor) if positions is None else positions.numel()
+    if count > dense_above:
+        return wdelta.payload(count, unit, None, _xor_to_host(a, b), level), count
     return wdelta.payload(count, unit, positions.cpu(), xor.cpu(), level), count
+
+
+def _xor_to_host(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 26) -> torch.Tensor:
+    """``(a ^ b)`` in host memory, made ``chunk`` elements at a time where ``a`` lives (a
+    dense delta of a large bucket never holds a second whole bucket on the device)."""
+    if not a.is_cuda:
+        return a ^ b
+    out = torch.empty(a.numel(), dtype=a.dtype, device="cpu")
+    for i in range(0, a.numel(), chunk):
+        out[i:i + chunk].copy_(a[i:i + chunk] ^ b[i:i + chunk])
+    return out

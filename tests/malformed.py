@@ -124,6 +124,8 @@ def _wrong_query_values(kind: str) -> List[Tuple[str, str]]:
                 ("hex", "0x10")] + ([("float", "1.5")] if kind == "int" else [])
     if kind in ("url", "list_url"):
         return [("not a URL", "ftp%3A%2F%2Fx"), ("huge", "http%3A%2F%2F" + "x" * 20_000)]
+    if kind == "bool":
+        return [("text", "yes"), ("empty", ""), ("number", "2"), ("huge", "x" * 20_000)]
     return [("huge", "x" * 20_000)]
 
 

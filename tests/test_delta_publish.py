@@ -331,3 +331,30 @@ def test_versions_travel_as_deltas_down_the_chain_bit_for_bit(tmp_path, monkeypa
         destroy_trainer_parallel()
         for p in procs:
             p.stop()
+
+
+def test_a_device_encoder_that_fails_sends_the_bucket_whole_and_goes_on_on_the_host(caplog):
+    """Deltas found on the GPU can fail (out of memory beside a training step, a kernel that
+    cannot compile): the bucket goes whole -- never a failover of a healthy master relay --
+    and from then on the host finds the deltas, the same bytes as a host encoder's."""
+    def out_of_memory(new, base, unit):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 512.00 MiB")
+
+    host = delta.DeltaEncoder(True, 2)
+    dev = delta.DeltaEncoder(True, 2, device="cpu", kernel=out_of_memory)
+    g = torch.Generator().manual_seed(3)
+    bucket = torch.randint(0, 256, (4000,), generator=g, dtype=torch.uint8)
+    outs = []
+    for version in (1, 2, 3, 4):
+        if version > 1:
+            bucket.view(torch.int16)[::50] ^= 1
+        for enc in (host, dev):
+            enc.begin(version, True)
+        outs.append((host.encode(0, bucket), dev.encode(0, bucket)))
+        for enc in (host, dev):
+            enc.end([0])
+    assert outs[0] == (("full", None), ("full", None))  # the first version: whole
+    assert outs[1][0][0] == "delta" and outs[1][1] == ("full", None)  # the kernel failed
+    assert dev.device is None and "found on the host from now on" in caplog.text
+    assert outs[2][1] == ("full", None)  # its base went with the device: whole once more
+    assert outs[3][1] == outs[3][0] and outs[3][0][0] == "delta"  # then the host's bytes

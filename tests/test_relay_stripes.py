@@ -205,7 +205,7 @@ def test_a_stripes_master_killed_is_replaced_and_a_pull_waits_for_its_version(tm
                         "relay_url": master.url, "stripe": stripe,
                         "publish": {"host": "127.0.0.1", "port": ports[stripe]}})
                 client.register(nodes[0].url, [], relay_urls=urls)
-                assert client.cluster()["trainer_version"] == 3
+                assert client.cluster(newest=True)["trainer_version"] == 3
 
             seen, names = set(), {}
             pull = threading.Thread(target=lambda: asyncio.run(

@@ -100,7 +100,7 @@ def delta_choice(cfg, dtype=None, hf_config=None, device_encode=None) -> tuple:
     per-rank export on a GPU with Triton; None: per-rank and ``cluster.gpus_per_node`` > 0)."""
     import torch
 
-    from ..weights.delta import DEVICE_ENCODE_BYTES_S, ENCODE_BYTES_S, choose_delta
+    from ..weights.delta import DEVICE_PATH_BYTES_S, ENCODE_BYTES_S, choose_delta
     from ..weights.shards import publish_parts
 
     if dtype is None:
@@ -119,7 +119,7 @@ def delta_choice(cfg, dtype=None, hf_config=None, device_encode=None) -> tuple:
                         stages=publish_parts(max(p.pp, 1), max(p.tp, 1), ws.export,
                                              max(getattr(p, "ep", 1) or 1, 1)),
                         link_gbit=ws.link_gbit, lr=cfg.trainer.lr,
-                        encode_bytes_s=DEVICE_ENCODE_BYTES_S if on_gpu else ENCODE_BYTES_S,
+                        encode_bytes_s=DEVICE_PATH_BYTES_S if on_gpu else ENCODE_BYTES_S,
                         encoders=("ranks' GPUs" if on_gpu else "ranks" if per_rank
                                   else "stage leads"))
 
@@ -282,7 +282,9 @@ def capacity_plan(cfg, digits: int = 2) -> dict:
                  "reference_gb": 0.0 if ref_offload else ref_gb,
                  "activations_gb": act / GB,
                  "logits_gb": extra / GB, "publish_gather_gb": publish_gb,
-                 "delta_base_gb": params * base_b / GB}
+                 # (and while a bucket is compared: it and its changes, about two buckets)
+                 "delta_base_gb": (params * base_b + 2 * cfg.weight_sync.bucket_mb * 2**20
+                                   * bool(base_b)) / GB}
         static = (items["weights_gb"] + items["grads_gb"] + items["optimizer_gb"]
                   + items["reference_gb"] + items["delta_base_gb"])
         visit = ref_gb + items["logits_gb"] if ref_offload else 0.0

@@ -134,8 +134,10 @@ class ControllerClient:
         return self._call("POST", "/leave", {"engines": list(engines), "grace_s": grace_s},
                           timeout=grace_s + 60.0)[1]
 
-    def cluster(self) -> dict:
-        return self._call("GET", "/cluster", timeout=10)[1]
+    def cluster(self, newest: bool = False) -> dict:
+        """Where the roles are. ``newest``: ``trainer_version`` also counts every relay of a
+        striped tier (asked of each relay: for a restarted trainer's version floor)."""
+        return self._call("GET", "/cluster?newest=1" if newest else "/cluster", timeout=30)[1]
 
     def engine_states(self, urls: Optional[List[str]] = None, timeout: float = 10.0) -> dict:
         """{engine url: {paused, pulling, updating, busy, busy_ago_s, ...}} as the controller's

@@ -60,6 +60,7 @@ ENGINE_REPLACED = {"old_url": Field("url", required=True, max_len=300),
 RESUMED = {"step": Field("int", low=0), "version": Field("int", required=True, low=0),
            "restarts": Field("int", low=0)}
 ENGINE_STATES_QUERY = {"url": Field("list", max_len=4096, item=URL)}
+CLUSTER_QUERY = {"newest": Field("bool")}  # trainer_version counts every stripe's relays
 
 
 async def reach(url: str, timeout_s: float = 2.0) -> str:
@@ -352,12 +353,13 @@ class ClusterAPI(MasterRelays):
         return web.json_response({"ok": True, "engines": [e.name for e in engines], **ended})
 
     async def _cluster(self, request: web.Request):
-        read_query(request, {})
+        newest_asked = read_query(request, CLUSTER_QUERY).get("newest", False)
         ready = self.ready and all(m is not None for m in self.master_relays)
-        # the newest version anyone holds (trainer, engines, relays; striped: any stripe's
-        # master): a restarted trainer numbers its weights above it
+        # the newest version anyone holds (trainer, engines, relays; with ?newest=1 in a
+        # striped tier every relay of every stripe): a restarted trainer numbers its weights
+        # above it
         newest = max([self.trainer_version, self.manager.latest_relay_version,
-                      await self.newest_at_masters()]
+                      await self.newest_at_masters() if newest_asked else 0]
                      + [e.version for e in self.manager.engines])
         return web.json_response({"ready": ready, "master_relay": self.master_relay,
                                   "master_relays": self.master_relays,

@@ -45,12 +45,14 @@ RELAY_ROLE = {"stripe": STRIPE, "node": Field("str", max_len=255)}
 RELAY_ROLE_QUERY = {"timeout": Field("number", low=0, high=86400)}
 REGISTER_RELAY = {"relay_url": Field("url", required=True, max_len=300),
                   "publish": Field("dict", required=True, fields=PUBLISH.fields),
-                  "stripe": STRIPE}
+                  "stripe": STRIPE, "node": Field("str", max_len=255)}
 RELAY_REPLACED = {"old_url": Field("url", required=True, max_len=300),
                   "new_url": Field("url", required=True, max_len=300), "publish": PUBLISH,
                   "stripe": STRIPE}
 SILENT_S = 30.0  # a master relay silent this long while others live is replaced
-CLAIM_S = 120.0  # a master's claim lapses if its relay has not registered by then
+# A master's claim lapses if its relay has not registered by then: longer than a relay's start
+# budget (ServerProcess: 180 s, its publish port 60 s, the report's retries 60 s).
+CLAIM_S = 360.0
 NEWEST_TTL_S = 1.0  # how long ``newest_at_masters``'s answer is reused
 
 
@@ -104,6 +106,8 @@ class MasterRelays:
         if self.master_relays[stripe] is not None:
             return False
         claim = self._claims.get(stripe)
+        if claim is not None and node and claim[0] == node:
+            return True  # the claimant asks again (its relay's start failed, an answer lost)
         if claim is not None and time.time() - claim[1] < CLAIM_S:
             return False
         if self.stripes > 1 and node:
@@ -248,7 +252,7 @@ class MasterRelays:
             return error_response(409, "LMC-E404", f"a master relay of stripe {stripe} is "
                                   "already registered")
         self._master_claimed[stripe] = True
-        self._claims.setdefault(stripe, (None, time.time()))
+        self._claims[stripe] = (body.get("node"), time.time())
         self.master_relays[stripe] = {"url": body["relay_url"].rstrip("/"),
                                       "publish_host": str(publish["host"]),
                                       "publish_port": int(publish["port"])}
@@ -284,7 +288,8 @@ class MasterRelays:
         a restarted trainer must number its weights above each stripe's newest -- its master's,
         or, when that master died with the trainer, its chained relays' -- or one number would
         name two different versions on the stripes that kept the old one. Asked of every relay
-        at once (2 s each), the answer kept ``NEWEST_TTL_S``."""
+        at once (2 s each) when a trainer asks (``GET /cluster?newest=1``), the answer kept
+        ``NEWEST_TTL_S``."""
         if self.stripes == 1:
             return 0
         when, newest = self._newest

@@ -261,6 +261,7 @@ class NodeSupervisor:
         self.relays[stripe] = relay
         if master:  # trainers may connect from now on
             self._report("/register_relay", {"relay_url": relay.url, "stripe": stripe,
+                                             "node": self.name,
                                              "publish": {"host": relay.host, "port": port}})
 
     def _start(self, proc: ServerProcess) -> None:

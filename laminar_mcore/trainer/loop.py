@@ -96,7 +96,8 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
             # AReaL's recovery of the version counter: versions published before the crash
             # (after the checkpoint) are held by relays and engines; the resumed weights get a
             # newer number, so every engine pulls them and versions stay monotone.
-            floor = broadcast_int(int(controller.cluster().get("trainer_version") or 0)
+            floor = broadcast_int(int(controller.cluster(newest=True).get("trainer_version")
+                                      or 0)
                                   if rank == 0 else 0)
             if floor > actor.version:
                 actor.version = floor + 1

@@ -153,8 +153,10 @@ class WeightPublisher:
                 self.device, self.per_rank)
         elif delta_device == "host":
             on, kernel, self.delta_where = None, False, "deltas found on the host (asked)"
-        else:
+        else:  # (a bare "cuda" is this rank's GPU, not GPU 0 of the sender's thread)
             on, kernel = torch.device(delta_device), True
+            if on.type == "cuda" and on.index is None and self.device is not None:
+                on = self.device
             self.delta_where = f"deltas found on {on} (Triton kernels/delta.py)"
         if deltas and on is not None:
             from ..kernels import delta as kdelta  # (Triton: only where it runs)

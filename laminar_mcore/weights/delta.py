@@ -27,6 +27,8 @@ published version's bytes per bucket and decides per version and bucket whether 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import struct
 import warnings
@@ -35,6 +37,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import xxhash
 import zstandard
+
+logger = logging.getLogger("laminar_mcore.weights")
 
 CODEC = "zstd-xor-gap-v1"
 DIGEST = "xxh3-128"
@@ -90,6 +94,11 @@ APPLY_BYTES_S = 6.2e9
 # ``delta_kernel_gb_per_s`` on an H200 (docs/gpu.md, 2026-11-28: 13.1 and 17.5 GB/s on a 512 MiB
 # bf16 bucket with 1% changed; the lower one).
 DEVICE_ENCODE_BYTES_S = 13.1e9
+# The publisher's path also copies each packed host bucket up to the GPU first: at the H200's
+# measured device -> pinned-host rate (bench.gpu ``publish``, 48.1 GB/s; the way up assumed
+# alike), so a bucket's deltas are found at 1 / (1/13.1 + 1/48.1) = 10.3 GB/s. (Sparse deltas,
+# about 1% changed: at lr 1e-4 more than 10% change and the dense XOR comes to the host whole.)
+DEVICE_PATH_BYTES_S = 1.0 / (1.0 / DEVICE_ENCODE_BYTES_S + 1.0 / 48.1e9)
 BYTES_RATIO_BY_LR = ((1e-6, 93.6), (1e-5, 13.6), (1e-4, 5.37))
 
 
@@ -315,6 +324,7 @@ class DeltaEncoder:
         if device is not None and kernel is None:
             raise ValueError("a DeltaEncoder on a device needs its kernel (kernels.delta.encode)")
         self.device, self.kernel = (torch.device(device) if device is not None else None), kernel
+        self._stream = None  # (a GPU's: created on first use, on the sender's thread)
         self.base_version: Optional[int] = None  # the version ``self._base`` holds
         self._base: Dict[int, torch.Tensor] = {}
         self._since_anchor = 0
@@ -340,19 +350,34 @@ class DeltaEncoder:
         return self.against
 
     def encode(self, index: int, buffer: torch.Tensor) -> Tuple[str, Optional[bytes]]:
+        if self.device is not None:
+            try:
+                return self._encode(index, buffer)
+            except Exception as exc:  # noqa: BLE001 - out of memory, a kernel that fails
+                # not the master relay's fault: this bucket goes whole, the rest on the host
+                logger.warning("deltas on %s failed (%s): bucket %d goes whole and deltas are "
+                               "found on the host from now on", self.device, exc, index)
+                self.device, self.kernel, self._stream = None, None, None
+                self._base.clear()
+                self.last_changed = None
+                return "full", None
+        return self._encode(index, buffer)
+
+    def _encode(self, index: int, buffer: torch.Tensor) -> Tuple[str, Optional[bytes]]:
         base = self._base.get(index)
         encoding, payload = "full", None
         self.last_changed = None  # elements that changed in this bucket (None: not compared)
         new = buffer
-        if self.enabled and self.device is not None:  # the bucket where its base is
-            new = buffer.to(self.device)  # (synchronous: the host bucket is reused)
-        if self.against is not None and base is not None and base.numel() == buffer.numel():
-            if self.device is None:
-                delta, self.last_changed = encode_counted(buffer, base, self.unit)
-            else:
-                delta, self.last_changed = self.kernel(new, base, self.unit)
-            if len(delta) <= self.max_fraction * buffer.numel():
-                encoding, payload = "delta", delta
+        with self._on_stream():
+            if self.enabled and self.device is not None:  # the bucket where its base is
+                new = buffer.to(self.device)  # (synchronous: the host bucket is reused)
+            if self.against is not None and base is not None and base.numel() == buffer.numel():
+                if self.device is None:
+                    delta, self.last_changed = encode_counted(buffer, base, self.unit)
+                else:
+                    delta, self.last_changed = self.kernel(new, base, self.unit)
+                if len(delta) <= self.max_fraction * buffer.numel():
+                    encoding, payload = "delta", delta
         if self.enabled:
             if self.device is not None:
                 self._base[index] = new if new is not buffer else new.clone()
@@ -361,6 +386,15 @@ class DeltaEncoder:
                     base = self._base[index] = torch.empty_like(buffer, device="cpu")
                 base.copy_(buffer)
         return encoding, payload
+
+    def _on_stream(self):
+        """On a GPU, a CUDA stream of the encoder's own (the copy up and the kernels never
+        queue behind the training step's work on the default stream, nor it behind them)."""
+        if self.device is None or self.device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return torch.cuda.stream(self._stream)
 
     def end(self, indices: List[int]) -> None:
         """The version was sent (buckets ``indices``): it is the next one's base."""
