@@ -96,7 +96,7 @@ def changes_triton(new: torch.Tensor, base: torch.Tensor,
         ends = torch.cumsum(counts, 0, dtype=torch.int64)
         total = int(ends[-1])
         if dense_above is not None and total > dense_above:
-            return None, torch.tensor(total)
+            return None, torch.tensor(total, device=new.device)
         positions = torch.empty(total, dtype=torch.int64, device=new.device)
         xor = torch.empty(total, dtype=new.dtype, device=new.device)
         if total:

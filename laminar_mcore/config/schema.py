@@ -286,8 +286,8 @@ class WeightSyncConfig:
     # publishes its own shard: no gather, blocked for its local copy only; relays put the
     # slices together as engines pull; MoE at parallel.tp=1: each EP rank its own experts).
     export: str = "stage_lead"
-    # Master relays a version is striped over (whole pipeline stages each, chained down one
-    # relay per stripe on every rollout node; divides parallel.pp). null: gcd(trainer nodes, pp).
+    # Master relays a version is striped over (whole pipeline stages each, one relay per stripe
+    # on every rollout node; divides parallel.pp). null: gcd(trainer nodes, pp); 1 for Mooncake.
     master_relays: Optional[int] = None
 
 
