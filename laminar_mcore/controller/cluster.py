@@ -346,6 +346,11 @@ class ClusterAPI(MasterRelays):
                                   "(a failover follows) or leave another node")
         grace = float(body.get("grace_s") or self.cfg.cluster.shutdown_grace_s)
         ended = await self.manager.retire(engines, grace)
+        for e in engines:  # their clients close when the controller stops (none is used now)
+            self._retire(e.client)
+            if not any(o.relay is e.relay for o in self.manager.engines) and \
+                    not any(c is e.relay for c in self._retired_clients):
+                self._retire(e.relay)  # (a node's engines share theirs: once all have left)
         if node is not None:
             self.rollout_nodes.remove(node)
         logger.info("rollout node left: engines %s (%s)", ", ".join(e.name for e in engines),
