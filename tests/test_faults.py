@@ -58,30 +58,35 @@ def test_segments_of_dead_processes_are_reclaimed_without_their_pid(tmp_path):
         os.unlink(mine)
 
 
-@pytest.mark.multiprocess
-@pytest.mark.slow
-def test_chaos_engine_relay_master_relay_and_trainer_die_and_the_run_loses_nothing(tmp_path,
-                                                                                     monkeypatch):
-    """One run: kill -9 an engine, a chained relay, the master relay and a trainer process and
-    SIGSTOP another engine, in a seeded order (printed), each once the previous has recovered."""
+# The chaos runs' common settings: a laminar run over two rollout nodes of one engine each,
+# checkpoints every 2 steps, engines probed every second (each test adds its trainer layout).
+CHAOS_RUN = [
+    "experiment=cpu_reverse", "mode=laminar", "trainer.total_steps=1000",
+    "trainer.train_batch_prompts=4", "data.num_eval=8", "data.warmup_steps=20",
+    "rollout.num_engines=1", "cluster.rollout_nodes=2", "trainer.save_interval=2",
+    "rollout.engine_heartbeat_s=1", "rollout.engine_heartbeat_timeout_s=5"]
+
+
+def run_chaos(tmp_path, monkeypatch, kinds, overrides):
+    """A chaos run of ``CHAOS_RUN`` + ``overrides`` killing ``kinds`` in a seeded order
+    (``LAMINAR_CHAOS_SEED``, printed), each once the previous has recovered, then ended by its
+    STOP file; returns (its result, the seed)."""
     from laminar_mcore.testing.chaos import ChaosRun, plan
 
     # the engines' health window (and so the supervisor's probe floor, window + 5 s): 2 s
     monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "2")
-
     seed = int(os.environ.get("LAMINAR_CHAOS_SEED", time.time_ns() % 1000))
-    # the four kinds of the issue, and an engine that hangs instead of dying
-    kills = plan(seed, ("engine", "relay", "master_relay", "trainer", "engine_hang"))
+    kills = plan(seed, kinds)
     print(f"chaos seed {seed}: " + ", ".join(k.kind for k in kills))
-    result = ChaosRun(tmp_path, [
-        "experiment=cpu_reverse", "mode=laminar", "trainer.total_steps=1000",
-        "trainer.train_batch_prompts=4", "data.num_eval=8", "data.warmup_steps=20",
-        "rollout.num_engines=1", "cluster.rollout_nodes=2", "trainer.save_interval=2",
-        "rollout.engine_heartbeat_s=1", "rollout.engine_heartbeat_timeout_s=5",
-        # two trainer ranks publishing their own shards (TP2): a master relay killed mid-version
-        # is survived by each rank's part, and the relays put every version together whole
-        "parallel.tp=2", "cluster.trainer.nproc_per_node=2", "weight_sync.export=per_rank"], kills,
-        seed=seed, stop_after_s=5.0).run(timeout_s=600)  # then its STOP file ends it
+    return ChaosRun(tmp_path, CHAOS_RUN + list(overrides), kills, seed=seed,
+                    stop_after_s=5.0).run(timeout_s=600), seed
+
+
+def assert_the_run_lost_nothing(result, seed) -> None:
+    """A chaos run's outcome: it ended well, every kill happened and recovered, the books
+    balance, no trajectory was lost or mixed versions, versions stayed monotone across the
+    trainer's restart, both engines end on the last version with equal weights, and nothing
+    is left behind."""
     tail = result.output[-6000:]
     assert result.returncode == 0, tail
     for k in result.kills:
@@ -95,6 +100,33 @@ def test_chaos_engine_relay_master_relay_and_trainer_die_and_the_run_loses_nothi
     assert "lost" not in s["discarded_reasons"] and s["trajectories_in_flight_at_stop"] == 0
     # every consumed trajectory came from exactly one version
     assert s["trajectories_mixed_versions"] == 0
+    # versions are monotone: each step's version is newer than the last, also across the
+    # trainer's restart from an older checkpoint (its first version is newer than any held)
+    versions = [r["version"] for r in result.records if r["kind"] == "train"]
+    assert all(b > a for a, b in zip(versions, versions[1:])), versions
+    # every engine (restarted or not) ends on the last published version, with equal weights:
+    # greedy log-probs of one prompt agree exactly
+    assert set(s["final_engine_versions"].values()) == {s["final_version"]}, s
+    assert len(s["final_engine_versions"]) == 2 and s["engines_agree"]
+    # nothing is left behind: no process, no shared memory
+    assert result.leftover_processes == []
+    assert result.leftover_segments == []
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_chaos_engine_relay_master_relay_and_trainer_die_and_the_run_loses_nothing(tmp_path,
+                                                                                     monkeypatch):
+    """One run: kill -9 an engine, a chained relay, the master relay and a trainer process and
+    SIGSTOP another engine, in a seeded order (printed), each once the previous has recovered."""
+    # the four kinds of the issue, and an engine that hangs instead of dying
+    result, seed = run_chaos(tmp_path, monkeypatch,
+                             ("engine", "relay", "master_relay", "trainer", "engine_hang"), [
+        # two trainer ranks publishing their own shards (TP2): a master relay killed mid-version
+        # is survived by each rank's part, and the relays put every version together whole
+        "parallel.tp=2", "cluster.trainer.nproc_per_node=2", "weight_sync.export=per_rank"])
+    assert_the_run_lost_nothing(result, seed)
+    s = result.summary
     # each role came back
     assert s["engine_restarts"] >= 2 and s["relay_failovers"] >= 1 and s["trainer_restarts"] == 1
     # the heartbeat's own reason (an engine taken out of service after a failed weight update
@@ -103,19 +135,8 @@ def test_chaos_engine_relay_master_relay_and_trainer_die_and_the_run_loses_nothi
             and r.get("reason", "").startswith("/health_generate failed")]
     assert len(hung) == 1, "the stopped engine was found by its heartbeat"
     assert s["evicted_engines"] == {}
-    # versions are monotone: each step's version is newer than the last, also across the
-    # trainer's restart from an older checkpoint (its first version is newer than any held)
-    versions = [r["version"] for r in result.records if r["kind"] == "train"]
-    assert all(b > a for a, b in zip(versions, versions[1:])), versions
     resumed = [r for r in result.records if r["kind"] == "fault" and r["event"] == "resumed"]
     assert len(resumed) == 1
-    # every engine (restarted or not) ends on the last published version, with equal weights:
-    # greedy log-probs of one prompt agree exactly
-    assert set(s["final_engine_versions"].values()) == {s["final_version"]}
-    assert len(s["final_engine_versions"]) == 2 and s["engines_agree"]
-    # nothing is left behind: no process, no shared memory
-    assert result.leftover_processes == []
-    assert result.leftover_segments == []
     summary_text = json.dumps(s)
     assert "restart_failed" not in result.output, summary_text
 

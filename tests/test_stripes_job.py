@@ -1,10 +1,9 @@
 """A striped relay tier in a real run (issue 52): ``weight_sync.master_relays=2`` over a PP2
-trainer publishing per-rank shards, two rollout nodes each with one relay per stripe, stripe
-s's master on node s; a stripe's master relay and a trainer rank are killed with -9 mid-run
-(real processes on loopback, the chaos harness of test_faults)."""
+trainer publishing per-rank shards, two rollout nodes each with one relay per stripe, each
+stripe's master on a node of its own; a stripe's master relay and a trainer rank are killed
+with -9 mid-run (real processes on loopback, the chaos harness of test_faults)."""
 
 import contextlib
-import os
 import time
 
 import pytest
@@ -42,26 +41,17 @@ def striped_controller(tmp_path, stripes=2, rollout_nodes=2):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_striped_tier_survives_a_stripe_master_and_a_trainer_killed(tmp_path, monkeypatch):
-    from laminar_mcore.testing.chaos import ChaosRun, plan
+    from .test_faults import assert_the_run_lost_nothing, run_chaos
 
-    monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "2")
-    seed = int(os.environ.get("LAMINAR_CHAOS_SEED", time.time_ns() % 1000))
-    kills = plan(seed, ("master_relay", "trainer"))
-    print(f"chaos seed {seed}: " + ", ".join(k.kind for k in kills))
-    result = ChaosRun(tmp_path, [
-        "experiment=cpu_reverse", "mode=laminar", "trainer.total_steps=1000",
-        "trainer.train_batch_prompts=4", "data.num_eval=8", "data.warmup_steps=20",
-        "rollout.num_engines=1", "cluster.rollout_nodes=2", "trainer.save_interval=2",
-        "rollout.engine_heartbeat_s=1", "rollout.engine_heartbeat_timeout_s=5",
+    result, seed = run_chaos(tmp_path, monkeypatch, ("master_relay", "trainer"), [
         "parallel.pp=2", "cluster.trainer.nproc_per_node=2", "weight_sync.master_relays=2",
         "weight_sync.export=per_rank",
         # bf16 weights sent as deltas (on loopback no link is named for auto to weigh)
-        "model.dtype=bf16", "weight_sync.delta=on"], kills,
-        seed=seed, stop_after_s=5.0).run(timeout_s=600)
-    tail = result.output[-6000:]
-    assert result.returncode == 0, tail
-    for k in result.kills:
-        assert k.recovered_at is not None, (f"seed {seed}: {k.kind} did not recover", tail)
+        "model.dtype=bf16", "weight_sync.delta=on"])
+    # nothing lost: the books, one version per trajectory (the same on both stripes),
+    # versions monotone across the trainer's restart (its first newer than any stripe holds),
+    # both engines on the last version with equal weights, nothing left behind
+    assert_the_run_lost_nothing(result, seed)
     records = result.records
     # each stripe's master took its own stages' parts: stage 0 and stage 1 published to two
     # different relays, one on each node
@@ -73,24 +63,11 @@ def test_a_striped_tier_survives_a_stripe_master_and_a_trainer_killed(tmp_path, 
     masters = [line for line in result.output.splitlines() if "master relay(s)" in line]
     assert masters and len(masters[0].split("master relay(s) ")[1].split(")")[0]
                            .split(", ")) == 2, masters
-    # the killed master's stripe elected (or restarted) a master; nothing else was lost
+    # the killed master's stripe elected (or restarted) a master
     elected = [r for r in records if r["kind"] == "fault" and r["fault"] == "master_relay"]
     assert elected and all("stripe" in r for r in elected), elected
     s = result.summary
-    assert s["books_balance"] and s["trajectories_generated"] == (
-        s["trajectories_consumed"] + s["trajectories_buffered"] + s["trajectories_discarded"])
-    assert "lost" not in s["discarded_reasons"] and s["trajectories_in_flight_at_stop"] == 0
-    # every consumed trajectory came from one version, the same on both stripes
-    assert s["trajectories_mixed_versions"] == 0
     assert s["relay_failovers"] >= 1 and s["trainer_restarts"] == 1
-    # versions stay monotone across the trainer's restart: its first version is newer than
-    # any stripe holds (a number never names two versions)
-    versions = [r["version"] for r in records if r["kind"] == "train"]
-    assert all(b > a for a, b in zip(versions, versions[1:])), versions
-    # both engines end on the last version with equal weights (greedy log-probs agree)
-    assert set(s["final_engine_versions"].values()) == {s["final_version"]}, s
-    assert len(s["final_engine_versions"]) == 2 and s["engines_agree"]
-    assert result.leftover_processes == [] and result.leftover_segments == []
 
 
 @pytest.mark.multiprocess

@@ -53,7 +53,6 @@ SILENT_S = 30.0  # a master relay silent this long while others live is replaced
 # A master's claim lapses if its relay has not registered by then: longer than a relay's start
 # budget (ServerProcess: 180 s, its publish port 60 s, the report's retries 60 s).
 CLAIM_S = 360.0
-NEWEST_TTL_S = 1.0  # how long ``newest_at_masters``'s answer is reused
 
 
 class MasterRelays:
@@ -63,13 +62,16 @@ class MasterRelays:
         self.stripes = run_stripes(self.cfg)
         # stripe -> {"url", "publish_host", "publish_port"} of its master relay (None: none yet)
         self.master_relays: List[Optional[dict]] = [None] * self.stripes
-        self._master_claimed = [False] * self.stripes
         self._claims: Dict[int, tuple] = {}  # stripe -> (the claiming node, when)
         self._locks: Dict[int, asyncio.Lock] = {}  # one election at a time per stripe
-        self._newest = (0.0, 0)  # (when, newest_at_masters's answer)
 
     def _election_of(self, stripe: int) -> asyncio.Lock:
         return self._locks.setdefault(stripe, asyncio.Lock())
+
+    @property
+    def _master_claimed(self) -> List[bool]:
+        """Per stripe: whether a node has claimed (or registered) its master."""
+        return [s in self._claims for s in range(self.stripes)]
 
     @property
     def master_relay(self) -> Optional[dict]:
@@ -120,7 +122,6 @@ class MasterRelays:
                            "registered within %g s); %s takes it", claim[0], stripe, CLAIM_S,
                            node)
         self._claims[stripe] = (node, time.time())
-        self._master_claimed[stripe] = True
         return True
 
     async def _relay_role(self, request: web.Request):
@@ -251,7 +252,6 @@ class MasterRelays:
         if master is not None and await self._relay_health(master["url"]) is not None:
             return error_response(409, "LMC-E404", f"a master relay of stripe {stripe} is "
                                   "already registered")
-        self._master_claimed[stripe] = True
         self._claims[stripe] = (body.get("node"), time.time())
         self.master_relays[stripe] = {"url": body["relay_url"].rstrip("/"),
                                       "publish_host": str(publish["host"]),
@@ -288,13 +288,9 @@ class MasterRelays:
         a restarted trainer must number its weights above each stripe's newest -- its master's,
         or, when that master died with the trainer, its chained relays' -- or one number would
         name two different versions on the stripes that kept the old one. Asked of every relay
-        at once (2 s each) when a trainer asks (``GET /cluster?newest=1``), the answer kept
-        ``NEWEST_TTL_S``."""
+        at once (2 s each), only when a restarted trainer asks (``GET /cluster?newest=1``)."""
         if self.stripes == 1:
             return 0
-        when, newest = self._newest
-        if time.time() - when < NEWEST_TTL_S:
-            return newest
 
         async def one(url: str) -> int:
             client = RelayClient(url, self.token, timeout_s=2.0)
@@ -305,6 +301,4 @@ class MasterRelays:
             finally:
                 await client.close()
 
-        newest = max([0] + list(await asyncio.gather(*(one(u) for u in self.relay_urls()))))
-        self._newest = (time.time(), newest)
-        return newest
+        return max([0] + list(await asyncio.gather(*(one(u) for u in self.relay_urls()))))

@@ -39,12 +39,11 @@ from __future__ import annotations
 import math
 from typing import Dict
 
-from ..weights.delta import DEVICE_ENCODE_BYTES_S  # bench.gpu on an H200 (docs/gpu.md)
+from ..weights.delta import DEVICE_COPY_BYTES_S, DEVICE_ENCODE_BYTES_S  # bench.gpu, H200
 from .costs import BUCKET_BYTES, BYTES_PER_PARAM, DELTA, LINKS
 
-# A trainer GPU's device -> pinned host copy: the `publish` check of bench.gpu on an H200
-# (docs/gpu.md, 2026-11-28: a 5.44 GB stage in 0.113 s, 48.1 GB/s).
-EXPORT_BYTES_S = 48.1e9
+# A trainer GPU's device -> pinned host copy (bench.gpu on an H200, docs/gpu.md).
+EXPORT_BYTES_S = DEVICE_COPY_BYTES_S
 # Host -> engine GPU for the pause's bound: the same PCIe copy the other way (an assumption:
 # only device -> host was measured).
 H2D_BYTES_S = EXPORT_BYTES_S

@@ -12,7 +12,6 @@ lags again from there.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 from typing import Optional
@@ -24,6 +23,7 @@ import torch.distributed as dist
 def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: str,
                  relay_host: str, publish_port: int, ckpt_dir: str) -> dict:
     from ..config import typed
+    from ..weights.delta import triton_importable
     from ..weights.shards import run_stripes
     from ..controller.client import STOP, ControllerClient
     from ..data.checkpoints import resolve_resume
@@ -66,8 +66,7 @@ def trainer_main(cfg_dict: dict, model_path: str, controller_url: str, token: st
         # (deltas found on this GPU where the publisher will: weights.delta.delta_placement)
         delta_on, delta_why = delta_choice(
             cfg, parameter_dtype(actor.model), hf_config,
-            device_encode=torch.cuda.is_available()
-            and importlib.util.find_spec("triton") is not None)
+            device_encode=torch.cuda.is_available() and triton_importable())
         if dist.get_rank() == 0:
             print(f"[trainer] {delta_why}", flush=True)
         publisher = WeightPublisher(actor.model, hf_config, master_relays=masters,

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import importlib.util
 import os
 import queue
 import threading
@@ -41,7 +40,8 @@ from ..models import get_adapter
 from ..netutil import TOKEN_ENV
 from ..relay.rendezvous import PublishSession, RendezvousRefused, join_publish_session
 from ..weights.bucket import BucketPacker
-from ..weights.delta import DeltaEncoder, delta_enabled, delta_placement, digest, unit_for
+from ..weights.delta import (DeltaEncoder, delta_enabled, delta_placement, digest,
+                             triton_importable, unit_for)
 from ..weights.transport import (Channel, abort_group, gpu_uuid, host_identity, open_channel,
                                  write_shm)
 from ..weights.shards import EXPORTS, check_stripes, stripe_of, stripe_parts
@@ -148,23 +148,22 @@ class WeightPublisher:
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if torch.cuda.is_available() else None
         if delta_device == "auto":
-            on, kernel, self.delta_where = delta_placement(
-                self.device is not None, importlib.util.find_spec("triton") is not None,
-                self.device, self.per_rank)
+            on, use_triton, self.delta_where = delta_placement(
+                self.device is not None, triton_importable(), self.device, self.per_rank)
         elif delta_device == "host":
-            on, kernel, self.delta_where = None, False, "deltas found on the host (asked)"
+            on, use_triton, self.delta_where = None, False, "deltas found on the host (asked)"
         else:  # (a bare "cuda" is this rank's GPU, not GPU 0 of the sender's thread)
-            on, kernel = torch.device(delta_device), True
+            on, use_triton = torch.device(delta_device), True
             if on.type == "cuda" and on.index is None and self.device is not None:
                 on = self.device
             self.delta_where = f"deltas found on {on} (Triton kernels/delta.py)"
+        kernel = None
         if deltas and on is not None:
             from ..kernels import delta as kdelta  # (Triton: only where it runs)
 
-            kernel = functools.partial(kdelta.encode, use_triton=kernel)
+            kernel = functools.partial(kdelta.encode, use_triton=use_triton)
         self.encoder = DeltaEncoder(deltas, unit_for(weights_dtype), anchor_interval,
-                                    device=on if deltas else None,
-                                    kernel=kernel if deltas and on is not None else None)
+                                    device=on if kernel else None, kernel=kernel)
         # the newest version sent: version, full_bytes, sent_bytes (what crossed the wire),
         # buckets, delta_buckets, base_version, encode_s (comparing, compressing, hashing),
         # compared_elements, changed_elements and digests (bucket index -> digest)

@@ -94,11 +94,13 @@ APPLY_BYTES_S = 6.2e9
 # ``delta_kernel_gb_per_s`` on an H200 (docs/gpu.md, 2026-11-28: 13.1 and 17.5 GB/s on a 512 MiB
 # bf16 bucket with 1% changed; the lower one).
 DEVICE_ENCODE_BYTES_S = 13.1e9
-# The publisher's path also copies each packed host bucket up to the GPU first: at the H200's
-# measured device -> pinned-host rate (bench.gpu ``publish``, 48.1 GB/s; the way up assumed
-# alike), so a bucket's deltas are found at 1 / (1/13.1 + 1/48.1) = 10.3 GB/s. (Sparse deltas,
-# about 1% changed: at lr 1e-4 more than 10% change and the dense XOR comes to the host whole.)
-DEVICE_PATH_BYTES_S = 1.0 / (1.0 / DEVICE_ENCODE_BYTES_S + 1.0 / 48.1e9)
+# A trainer GPU's device -> pinned host copy: the `publish` check of bench.gpu on an H200
+# (docs/gpu.md, 2026-11-28: a 5.44 GB stage in 0.113 s, 48.1 GB/s; the way up assumed alike).
+DEVICE_COPY_BYTES_S = 48.1e9
+# The publisher's path also copies each packed host bucket up to the GPU first, so a bucket's
+# deltas are found at 1 / (1/13.1 + 1/48.1) = 10.3 GB/s. (Sparse deltas, about 1% changed: at
+# lr 1e-4 more than 10% change and the dense XOR comes to the host whole.)
+DEVICE_PATH_BYTES_S = 1.0 / (1.0 / DEVICE_ENCODE_BYTES_S + 1.0 / DEVICE_COPY_BYTES_S)
 BYTES_RATIO_BY_LR = ((1e-6, 93.6), (1e-5, 13.6), (1e-4, 5.37))
 
 
@@ -278,6 +280,13 @@ def apply(payload: bytes, target: torch.Tensor, unit: Optional[int] = None) -> i
         raise DeltaError("LMC-E505: a delta position outside its bucket")
     t[positions] = t[positions] ^ xor
     return count
+
+
+def triton_importable() -> bool:
+    """Whether Triton is installed (what ``delta_placement``'s ``triton`` fact says)."""
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 def delta_placement(cuda: bool, triton: bool, device: Optional[torch.device] = None,

@@ -25,8 +25,8 @@ import torch
 from .bucket import TensorMeta, dtype_from_name, layout, slice_fits
 
 __all__ = ["EXPORTS", "WholeTensor", "is_sharded", "publish_parts", "relay_copies",
-           "check_stripes", "stripes_for", "run_stripes", "stripe_parts", "stripe_of", "whole_plan", "served_layout",
-           "assemble"]
+           "check_stripes", "stripes_for", "run_stripes", "stripe_parts", "stripe_of",
+           "whole_plan", "served_layout", "assemble"]
 
 EXPORTS = ("stage_lead", "per_rank")  # weight_sync.export
 
