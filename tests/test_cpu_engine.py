@@ -278,7 +278,7 @@ def test_bad_weight_updates_are_refused_and_change_nothing(engine, models):
         for call in (
             c.update_weights_from_tensor([encode_handle(bucket.handle(metas))]),
             c.update_weights_from_tensor(["not base64!"]),
-            c.update_weights_from_tensor([encode_handle(bucket.handle(metas))], load_format="direct"),
+            c.update_weights_from_tensor([encode_handle(bucket.handle(metas))], load_format="npz"),
             c.update_weights_from_disk(str(root / "missing")),
         ):
             with pytest.raises(EngineError) as err:

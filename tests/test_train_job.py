@@ -46,7 +46,9 @@ def test_train_job_runs_and_keeps_the_books(tmp_path, mode):
     # loopback), as engines reading from a relay on another machine do; areal's through shm.
     transport = "mooncake" if mode == "laminar" and _mooncake_available() else "shm"
     extra = (["weight_sync.mooncake_protocol=tcp", "weight_sync.engine_transport=mooncake"]
-             if transport == "mooncake" else [])
+             if transport == "mooncake" else
+             # engines of TP2 (a TP1 trainer): each rank pulls only its shard, SGLang's layout
+             ["rollout.engine_tp=2"])
     if mode == "laminar":  # bf16 weights, published as deltas (auto would send them whole
         extra += ["model.dtype=bf16", "weight_sync.delta=on",  # on loopback: no link named)
                   # by a TP2 trainer whose two ranks publish their own shards (deltas of
@@ -57,6 +59,8 @@ def test_train_job_runs_and_keeps_the_books(tmp_path, mode):
             "trainer.train_batch_prompts=4", "data.num_eval=16", "data.warmup_steps=20",
             "rollout.num_engines=2", "trainer.eval_interval=2", *extra)
     _check_books(tmp_path / "out" / "e2e", mode, 3, transport)
+    summary = json.loads((tmp_path / "out" / "e2e" / "summary.json").read_text())
+    assert summary["engine_pull"] == ("whole" if transport == "mooncake" else "shard")
 
 
 def _check_books(run_dir, mode, steps, transport, every=2):

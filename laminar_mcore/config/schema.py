@@ -234,24 +234,25 @@ class WeightSyncConfig:
     # over NCCL): larger chunks mean fewer round trips, more staging memory on one GPU.
     chunk_mb: int = 64
     chain_chunks: Optional[int] = None  # null: from Laminar's T(p, k) model
-    # Trainer -> master relay channel: auto (decided per trainer from both ends: shm, the
-    # trainer writing into the relay's shared memory, on one host; NCCL across hosts when both
-    # have a GPU; else gloo), or forced: shm, nccl, gloo (never NCCL on one GPU: refused).
+    # Trainer -> master relay channel: auto (per trainer from both ends: shm, writing into the
+    # relay's shared memory, on one host; NCCL across hosts when both have a GPU; else gloo),
+    # or forced: shm, nccl, gloo (never NCCL on one GPU: refused).
     publish_backend: str = "auto"
-    # The GPU an NCCL publish session stages on (the relay makes no CUDA context until such a
-    # session forms): auto (a GPU of the node that no trainer or engine holds, if one is left;
-    # else none), cpu (none: no NCCL), or cuda:N (the node's GPU N, which no other role may
-    # hold). job=plan shows the GPU map.
+    # The GPU an NCCL publish session stages on (no CUDA context before one forms): auto (a GPU
+    # of the node no trainer or engine holds, if any), cpu (none: no NCCL), or cuda:N (the
+    # node's GPU N, held by no other role). job=plan shows the GPU map.
     relay_device: str = "auto"
-    # Relays also serve cross-node pulls through Mooncake's transfer engine: null (off), tcp or
-    # rdma; mooncake_device names the RDMA NIC(s), e.g. mlx5_0 (empty: auto-discover).
+    # Relays also serve cross-node pulls through Mooncake's transfer engine: null, tcp, rdma.
     mooncake_protocol: Optional[str] = None
     mooncake_device: str = ""  # RDMA NIC(s), e.g. mlx5_0; empty: auto
     # How engines take a version from their relay (relay/transports): auto (sglang_cuda_ipc
     # for SGLang, shm for the CPU engine, from the relay on their machine), or mooncake (reads
-    # through Mooncake's transfer engine, as from a relay on another machine; needs
-    # mooncake_protocol), or any registered transport.
+    # from a relay on another machine; needs mooncake_protocol), or any registered transport.
     engine_transport: str = "auto"
+    # What each engine GPU copies: shard (its TP rank's own parameters, SGLang's per-rank
+    # layout, load_format=direct), whole (every tensor), auto (shard at rollout.engine_tp > 1
+    # for dense models pulling from their node's relay).
+    engine_pull: str = "auto"
     # Deadlines: a trainer's send to the master relay (forming the group, each bucket) fails
     # after publish_timeout_s with an error naming the relay; when the master relay is gone,
     # the publisher asks the controller for the new one (elected among the remaining relays,
@@ -266,9 +267,8 @@ class WeightSyncConfig:
     relay_versions: int = 2
     # Seconds a version waits at a relay whose relay_versions are all held before it is refused.
     relay_full_wait_s: float = 30.0
-    # Benchmark knob (bench.staleness): at step v publish the weights of step v - publish_lag
-    # (the final weights go out at the end), so every trajectory is at least publish_lag
-    # versions stale. 0: every version is published as it is made.
+    # Benchmark knob (bench.staleness): at step v publish step v - publish_lag's weights (the
+    # final ones at the end), so trajectories are publish_lag versions stale. 0: off.
     publish_lag: int = 0
     # Delta publication (weights/delta.py): auto (on where a version reaches the relays sooner
     # as deltas than whole over link_gbit; job=plan says which and why), on, off. A bucket

@@ -264,6 +264,13 @@ def validate_config(cfg: DictConfig) -> None:
     elif et == "sglang_cuda_ipc" and cfg.rollout.backend != "sglang":
         problems.append("LMC-E110: weight_sync.engine_transport=sglang_cuda_ipc needs "
                         "rollout.backend=sglang; the CPU engine takes auto (shm) or mooncake")
+    ep = cfg.weight_sync.engine_pull
+    if ep not in ("auto", "shard", "whole"):
+        problems.append(f"LMC-E102: weight_sync.engine_pull={ep!r} must be auto, shard or whole")
+    elif ep == "shard" and et == "mooncake":
+        problems.append("LMC-E110: weight_sync.engine_pull=shard needs engines pulling from "
+                        "their own node's relay (shm or sglang_cuda_ipc): Mooncake reads whole "
+                        "buckets; use engine_pull=auto or whole")
     tr = cfg.trainer
     if tr.max_tokens_per_microbatch < 1:
         problems.append("LMC-E103: trainer.max_tokens_per_microbatch must be >= 1")

@@ -128,7 +128,8 @@ class ClusterAPI(MasterRelays):
             if pull_agent:
                 puller = AgentPuller(pull_agent, i, self.token)
             else:
-                puller = make_puller(engine_pull_spec(self.cfg.rollout, i, self.cfg.weight_sync))
+                puller = make_puller(engine_pull_spec(self.cfg.rollout, i, self.cfg.weight_sync,
+                                                      self.task.model_path))
             # engines of a run stream incrementally (rollout.launcher.engine_command_from_config)
             handle = EngineHandle(
                 f"node{node}-engine{i}",

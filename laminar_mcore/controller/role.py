@@ -165,7 +165,7 @@ def finish_run(controller: Controller, result: dict, initial: EvalResult, t_star
     from ..relay.striped import relay_client
     from ..relay.transports import pull_latest_into_engine
     from ..rollout.client import EngineError, SGLangClient
-    from ..rollout.launcher import engine_pull_spec, engine_transport
+    from ..rollout.launcher import engine_pull_spec, engine_transport, shard_pull
 
     cfg, metrics, task = controller.cfg, controller.metrics, controller.task
     version = result["version"]
@@ -184,7 +184,7 @@ def finish_run(controller: Controller, result: dict, initial: EvalResult, t_star
         """Bring ``handle``'s engine to the final version through its relay (read again on
         every try: a relay restarted meanwhile has a new URL)."""
         spec = engine_pull_spec(cfg.rollout, int(handle.name.rsplit("engine", 1)[-1]),
-                                cfg.weight_sync)  # its slot on its node
+                                cfg.weight_sync, task.model_path)  # its slot on its node
         handle.updating = True  # its supervisor does not count a failed check meanwhile
         try:
             async with SGLangClient(handle.client.base_url, api_key=handle.client.api_key) as ec:
@@ -259,7 +259,12 @@ def finish_run(controller: Controller, result: dict, initial: EvalResult, t_star
                "engines_agree": len({json.dumps(p) for p in probes.values()}) <= 1,
                "trajectories_in_flight_at_stop": len(controller.partial), **utilisation,
                "wall_seconds": time.time() - t_start, "model_path": task.model_path,
-               "engine_transport": engine_transport(cfg.rollout, cfg.weight_sync)}
+               "engine_transport": engine_transport(cfg.rollout, cfg.weight_sync),
+               # each engine rank its own shard (weight_sync.engine_pull), or every tensor
+               "engine_pull": "shard" if shard_pull(cfg.rollout, cfg.weight_sync,
+                                                    task.model_path, engine_transport(
+                                                        cfg.rollout, cfg.weight_sync))
+               else "whole"}
     balanced = books["trajectories_generated"] == (books["trajectories_consumed"]
                                                    + books["trajectories_buffered"]
                                                    + books["trajectories_discarded"])

@@ -133,11 +133,16 @@ class RelayClient:
 
     async def lease(self, min_version: int = -1, ttl_s: Optional[float] = None,
                     fmt: str = "shm", device: Optional[str] = None,
-                    devices: Optional[Sequence[str]] = None) -> Optional[Lease]:
+                    devices: Optional[Sequence[str]] = None,
+                    shard: Optional[dict] = None) -> Optional[Lease]:
         """Lease the newest version at or above ``min_version``: shared-memory handles (CPU
         engines) or, with ``fmt="sglang_cuda_ipc"``, SGLang's CUDA IPC payloads for the
-        engine's ``devices`` (one per TP rank; ``device`` is the one-GPU shorthand)."""
+        engine's ``devices`` (one per TP rank; ``device`` is the one-GPU shorthand). With
+        ``shard`` ({tp_size, heads}) each bucket holds each rank's own parameters in SGLang's
+        per-rank layout (``load_format="direct"``; relay/shard_pulls.py)."""
         body = {"min_version": min_version, "format": fmt}
+        if shard is not None:
+            body["shard"] = dict(shard)
         if devices is not None:
             body["devices"] = list(devices)
         elif device is not None:
@@ -219,7 +224,7 @@ BucketSource = Union[Sequence[Sequence[str]], Tuple[int, Callable[[int], Awaitab
 
 
 async def apply_version(engine, buckets: BucketSource, version: int, *,
-                        attempts: int = 2) -> None:
+                        attempts: int = 2, load_format: str = "flattened_bucket") -> None:
     """Apply one complete version to ``engine`` (an ``SGLangClient``) as SGLang 0.5.23 requires:
     ``begin_weight_update``, every bucket through ``update_weights_from_tensor`` (one payload
     per engine TP rank), the last one setting ``weight_version`` and flushing the cache (so no
@@ -230,7 +235,8 @@ async def apply_version(engine, buckets: BucketSource, version: int, *,
     part of the new version; if it still fails the error has ``mixed=True``. Never aborts
     requests.
 
-    ``buckets``: per bucket the payloads (one per engine TP rank), or ``(count, fetch)`` where
+    ``buckets``: per bucket the payloads (one per engine TP rank; ``load_format`` "direct" when
+    each holds its rank's own parameters), or ``(count, fetch)`` where
     ``await fetch(i)`` returns bucket i's payloads: bucket i+1 is then fetched while the engine
     applies bucket i, never earlier, so the source holds at most two buckets at a time."""
     if isinstance(buckets, tuple) and len(buckets) == 2 and callable(buckets[1]):
@@ -259,7 +265,7 @@ async def apply_version(engine, buckets: BucketSource, version: int, *,
             for i in range(count):
                 final = i == count - 1
                 apply = engine.update_weights_from_tensor(
-                    list(per_rank), load_format="flattened_bucket", abort_all_requests=False,
+                    list(per_rank), load_format=load_format, abort_all_requests=False,
                     flush_cache=final, weight_version=str(version) if final else None)
                 if final:
                     await apply

@@ -24,6 +24,7 @@ from aiohttp import web
 from ..errors import split
 from ..netutil import error_response, read_json
 from .requests import BUCKET, PULL, RELEASE, RELEASE_HOLDER
+from .shard_pulls import ShardPlan
 from .transports import (TRANSPORTS, Exporter, TransportUnavailable, enabled_at_start,
                          make_exporter)
 
@@ -45,6 +46,7 @@ class PullState:
     applied: set = field(default_factory=set)
     peak: int = 0
     nbytes: int = 0  # bytes served (what the engine pulled: every serve of a bucket counts)
+    shard: Any = None  # a ShardPlan: each engine rank's own parameters (relay/shard_pulls.py)
     started: float = field(default_factory=time.monotonic)
 
 
@@ -82,6 +84,11 @@ class PullService:
             # e.g. no GPU on this machine for CUDA IPC, Mooncake not configured
             code, why = split(exc)
             return error_response(400, code or "LMC-E506", f"cannot serve format {fmt!r}: {why}")
+        shard = body.get("shard")
+        if shard is not None and not exporter.shards:
+            return error_response(400, "LMC-E519", f"format {fmt!r} serves whole tensors only: "
+                                  "pull without 'shard' (weight_sync.engine_pull=whole)",
+                                  field="shard")
         leased = self.store.lease_latest(min_version, float(ttl) if ttl is not None else None)
         if leased is None:
             return web.json_response({"version": None})
@@ -90,10 +97,21 @@ class PullService:
             expired = [k for k in self.pulls if k not in self.store.leases]
         for stale in expired:
             await asyncio.to_thread(self._forget_lease, stale)
-        self.pulls[lease_id] = PullState(fmt, params, holder=request.remote or "")
+        state = PullState(fmt, params, holder=request.remote or "")
+        count, nbytes = sv.num_served, sv.nbytes
+        if shard is not None:
+            try:
+                state.shard = await asyncio.to_thread(ShardPlan, self.store, sv,
+                                                      shard["tp_size"], shard["heads"])
+            except ValueError as exc:  # a model the per-rank layout cannot hold at this TP
+                self.store.release(lease_id)
+                code, why = split(exc)
+                return error_response(400, code or "LMC-E519", why, field="shard")
+            count, nbytes = len(state.shard.groups), state.shard.nbytes
+        self.pulls[lease_id] = state
         self.metrics.leased(fmt)
         return web.json_response({"version": sv.version, "lease_id": lease_id, "format": fmt,
-                                  "num_buckets": sv.num_served, "nbytes": sv.nbytes})
+                                  "num_buckets": count, "nbytes": nbytes})
 
     async def bucket(self, request):
         """One bucket of a lease, in the lease's format. ``applied`` lists the buckets the engine
@@ -113,9 +131,10 @@ class PullService:
             return error_response(404, "LMC-E405", f"lease {lease_id!r} is unknown, released or "
                                   "expired; pull again")
         sv = entry[0]
-        if index is not None and not 0 <= index < sv.num_served:
+        count = len(state.shard.groups) if state.shard is not None else sv.num_served
+        if index is not None and not 0 <= index < count:
             return error_response(400, "LMC-E400", f"bucket index {index} is not in "
-                                  f"[0, {sv.num_served})", field="index")
+                                  f"[0, {count})", field="index")
         exporter = self.exporters[state.fmt]
         done = [i for i in applied if i in state.outstanding]
         state.outstanding.difference_update(done)
@@ -130,17 +149,23 @@ class PullService:
                 f"not applied yet: at most {MAX_BUCKETS_OUTSTANDING} may be outstanding; list "
                 "the applied ones in 'applied'")
         try:
-            bucket = await asyncio.to_thread(self.store.served, sv, index)
-            data = await asyncio.to_thread(exporter.serve, lease_id, index, bucket,
-                                           state.params)
+            if state.shard is not None:
+                data = await asyncio.to_thread(exporter.serve_shard, lease_id, index,
+                                               state.shard, state.params)
+                nbytes = state.shard.rank_bytes(index) * state.shard.layout.tp
+            else:
+                bucket = await asyncio.to_thread(self.store.served, sv, index)
+                data = await asyncio.to_thread(exporter.serve, lease_id, index, bucket,
+                                               state.params)
+                nbytes = bucket.nbytes
         except Exception as exc:  # noqa: BLE001 - e.g. a GPU error: say it, keep serving
             code, why = split(exc)
             return error_response(500, code or "LMC-E506", f"cannot serve bucket {index} as "
                                   f"{state.fmt!r}: {why}")
         state.outstanding.add(index)
         state.peak = max(state.peak, len(state.outstanding))
-        state.nbytes += bucket.nbytes
-        self.metrics.served(bucket.nbytes)
+        state.nbytes += nbytes
+        self.metrics.served(nbytes)
         return web.json_response({"index": index, "serialized": data})
 
     def _exporter(self, name: str) -> Exporter:

@@ -24,7 +24,11 @@ LATEST = {"after": Field("int", low=-1), "wait_s": Field("number", low=0, high=8
 PULL = {"min_version": Field("int", low=-1), "ttl_s": Field("number", low=0.001, high=86400 * 7),
         "format": Field("str", max_len=64),
         "devices": Field("list", max_len=64, item=Field("str", max_len=64)),
-        "device": Field("str", max_len=64)}
+        "device": Field("str", max_len=64),
+        # each engine rank's own shard (relay/shard_pulls.py): the engine's TP size, heads
+        "shard": Field("dict", fields={"tp_size": Field("int", required=True, low=1, high=1024),
+                                       "heads": Field("int", required=True, low=1,
+                                                      high=1_000_000)})}
 
 # POST /bucket (without ``index``: only the ``applied`` acknowledgements)
 BUCKET = {"lease_id": LEASE_ID, "index": Field("int", low=0, high=2**31 - 1),

@@ -117,7 +117,8 @@ class StripedRelay:
 
     async def lease(self, min_version: int = -1, ttl_s: Optional[float] = None,
                     fmt: str = "shm", device: Optional[str] = None,
-                    devices: Optional[Sequence[str]] = None) -> Optional[StripedLease]:
+                    devices: Optional[Sequence[str]] = None,
+                    shard: Optional[dict] = None) -> Optional[StripedLease]:
         """Lease the newest version at or above ``min_version`` that every stripe holds: each
         stripe's newest, then the lagging stripes again once they hold the leading one's (the
         leading leases keep it held meanwhile). None when a stripe has nothing at or above
@@ -125,7 +126,7 @@ class StripedRelay:
         lost: the engine keeps its weights and asks again later)."""
         if not self._checked:
             await self.check()
-        kw = dict(ttl_s=ttl_s, fmt=fmt, device=device, devices=devices)
+        kw = dict(ttl_s=ttl_s, fmt=fmt, device=device, devices=devices, shard=shard)
         leases: List[Optional[Lease]] = [None] * len(self.relays)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.align_s

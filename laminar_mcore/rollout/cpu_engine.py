@@ -37,7 +37,7 @@ from .engine_core import EngineCore, Request, RequestError, SamplingParams
 from .engine_http import (HTTPError, RWLock, auth_allowed, error_response, generate_result,
                           unauthorized, waiting_abort_result)
 from .engine_control import ControlRoutes
-from .engine_weights import WeightUpdateRoutes
+from .engine_weights import WeightUpdateRoutes, rank_layout
 from .model import DecoderLM, load_decoder
 
 logger = logging.getLogger("laminar_mcore.cpu_engine")
@@ -45,6 +45,7 @@ logger = logging.getLogger("laminar_mcore.cpu_engine")
 # manager every this many tokens
 FORCE_STREAM_INTERVAL = int(os.environ.get("SGLANG_FORCE_STREAM_INTERVAL", 50))
 SHUTDOWN_S = 1.0  # how long pending handlers get to finish after SIGTERM
+
 
 def load_tokenizer(model_path: str):
     """The checkpoint's tokenizer, or None when it has none (token-id prompts only)."""
@@ -72,9 +73,9 @@ class ServerArgs:
     stream_interval: int = 1
     served_model_name: Optional[str] = None
     enable_return_routed_experts: bool = False
-    # Twin knobs (not SGLang flags): a big model's start-up -- the server listens at once and
-    # answers 503 on /health, /health_generate and /ready ("Starting") this many seconds; a
-    # slower GPU's decode step -- each step takes at least ``decode_delay_s`` longer.
+    tp_size: int = 1  # TP ranks: weight payloads per rank (engine_weights); one CPU computes
+    # Twin knobs (not SGLang flags): a big model's start-up (503 "Starting" on /health,
+    # /health_generate, /ready this long); a slower GPU's decode step (each this much longer).
     startup_delay_s: float = 0.0
     decode_delay_s: float = 0.0
 
@@ -92,6 +93,7 @@ class CpuEngineServer(ControlRoutes, WeightUpdateRoutes):
                                deterministic=args.enable_deterministic_inference,
                                decode=self.decode, decode_delay_s=args.decode_delay_s)
         self.model_path = args.model_path
+        self.tp_size, self.layout = rank_layout(model, args.tp_size)
         self.served_model_name = args.served_model_name or args.model_path
         self.context_length = int(args.context_length or model.config.max_position_embeddings)
         self.incremental = args.incremental_streaming_output
@@ -130,15 +132,13 @@ class CpuEngineServer(ControlRoutes, WeightUpdateRoutes):
             r.add_post("/" + path, getattr(self, path))
         r.add_route("GET", "/flush_cache", self.flush_cache)
         r.add_route("POST", "/flush_cache", self.flush_cache)
-        r.add_get("/model_info", self.model_info)
-        r.add_get("/get_model_info", self.model_info)  # deprecated alias, still served by 0.5.23
-        r.add_get("/server_info", self.server_info)
-        r.add_get("/get_server_info", self.server_info)  # deprecated alias
-        r.add_get("/v1/loads", self.loads)
-        r.add_get("/health", self.health)
-        r.add_get("/health_generate", self.health)
-        r.add_get("/ready", self.ready)
-        r.add_get("/metrics", self.metrics)
+        for path, handler in {"model_info": self.model_info, "server_info": self.server_info,
+                              "get_model_info": self.model_info,  # deprecated aliases, still
+                              "get_server_info": self.server_info,  # served by 0.5.23
+                              "v1/loads": self.loads, "health": self.health,
+                              "health_generate": self.health, "ready": self.ready,
+                              "metrics": self.metrics}.items():
+            r.add_get("/" + path, handler)
         from .openai_api import add_openai_routes
 
         add_openai_routes(self)
@@ -446,6 +446,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--api-key", default=os.environ.get("LAMINAR_ENGINE_API_KEY"))
     ap.add_argument("--kv-capacity-tokens", type=int, default=16384)
     ap.add_argument("--max-running-requests", type=int, default=64)
+    ap.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=1, help="TP ranks")
     ap.add_argument("--weight-version", default="default",
                     help="the version /model_info reports until an update sets one (SGLang's)")
     ap.add_argument("--context-length", type=int, default=None,
@@ -480,7 +481,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         enable_deterministic_inference=args.enable_deterministic_inference,
         incremental_streaming_output=args.incremental_streaming_output,
         stream_interval=args.stream_interval, served_model_name=args.served_model_name,
-        enable_return_routed_experts=args.enable_return_routed_experts,
+        enable_return_routed_experts=args.enable_return_routed_experts, tp_size=args.tp_size,
         startup_delay_s=args.startup_delay_s, decode_delay_s=args.decode_delay_s),
         tokenizer=load_tokenizer(args.model))
     # Bind first so that --port 0 works: the chosen port is printed for launchers to read.

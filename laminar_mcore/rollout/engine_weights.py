@@ -7,7 +7,11 @@
 - an update waits for every running request (the model-update writer lock) unless generation
   is paused, so no request mixes versions unless the caller paused it in place;
 - ``flush_cache`` (default true) flushes after loading and fails the call while requests are
-  kept, as SGLang's does; ``weight_version`` is recorded on success.
+  kept, as SGLang's does; ``weight_version`` is recorded on success;
+- ``serialized_named_tensors`` holds one payload per TP rank (``--tp-size``): whole Hugging Face
+  tensors each rank narrows (``flattened_bucket``), or each rank's own parameters in SGLang's
+  fused per-rank layout (``direct``, ``weights/engine_layout.py``); the served model is their
+  union (one CPU computes every rank's part).
 
 Mixed into ``CpuEngineServer``; it never imports trainer code.
 """
@@ -15,12 +19,15 @@ Mixed into ``CpuEngineServer``; it never imports trainer code.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from aiohttp import web
 
 from ..weights.bucket import decode_handle, open_handle
+from ..weights.engine_layout import Layout, LayoutError, layout_for_config
 from .engine_http import HTTPError
 
 SESSION_REQUIRED = "{op} must run between begin_weight_update() and end_weight_update()"
@@ -38,8 +45,76 @@ def torch_dtype(name) -> torch.dtype:
     return dtype
 
 
+def rank_layout(model, tp: int) -> Tuple[int, Optional[Layout]]:
+    """(TP size, SGLang's per-rank layout of ``model`` at it: None for an MoE family, which
+    then takes whole tensors only); a TP size the model's heads do not split over is refused
+    at start-up, as SGLang refuses it."""
+    if int(tp) < 1:
+        raise ValueError(f"--tp-size {tp} must be >= 1")
+    if model.adapter.is_moe:
+        return int(tp), None
+    try:
+        return int(tp), layout_for_config(model.config, int(tp), model.adapter)
+    except LayoutError as exc:
+        raise ValueError(f"--tp-size {tp}: {exc}") from None
+
+
+def load_rank_parameters(model, layout: Layout, ranks: List[Dict[str, torch.Tensor]]) -> int:
+    """``load_format="direct"``: rank r's payload holds its own SGLang parameters, each copied
+    whole (SGLang's ``_model_load_weights_direct``: ``params_dict[name]``, then
+    ``default_weight_loader``'s size check); every rank's names and sizes are checked before
+    anything is written. The served model takes each rank's pieces back."""
+    for r, named in enumerate(ranks):
+        for name, t in named.items():
+            if name not in layout.shapes:
+                raise ValueError(f"rank {r}: {name!r} is not a parameter of the model (SGLang's "
+                                 "per-rank names, e.g. model.layers.0.self_attn.qkv_proj.weight)")
+            if tuple(t.shape) != layout.shapes[name]:
+                raise ValueError(f"rank {r}: Attempted to load weight ({tuple(t.shape)}) into "
+                                 f"parameter ({layout.shapes[name]}) {name}")
+    written = set()
+    with torch.no_grad():
+        for r, named in enumerate(ranks):
+            for name, t in named.items():
+                for p in layout.pieces(name, r):
+                    model.params[p.hf].narrow(p.dim, p.start, p.length).copy_(
+                        t.narrow(p.dim, p.at, p.length))
+                    written.add(p.hf)
+    return len(written)
+
+
+def load_rank_slices(model, layout: Layout, ranks: List[Dict[str, torch.Tensor]]) -> int:
+    """``load_format="flattened_bucket"`` at TP > 1: rank r's payload holds whole Hugging Face
+    tensors, of which rank r keeps its slices (SGLang's weight loaders narrow them); checked
+    as ``load_weights`` checks, before anything is written."""
+    ranks = [{k: v for k, v in named.items() if not k.endswith("rotary_emb.inv_freq")
+              and not (model.tied and k == model.adapter.HF_LM_HEAD)} for named in ranks]
+    for named in ranks:
+        for name, t in named.items():
+            if name not in model.expected:
+                raise ValueError(f"unknown weight names: [{name!r}]")
+            if tuple(t.shape) != model.expected[name]:
+                raise ValueError(f"{name}: shape {tuple(t.shape)}, expected "
+                                 f"{model.expected[name]}")
+    by_hf = [{} for _ in ranks]
+    for r in range(len(ranks)):
+        for name in layout.names:
+            for p in layout.pieces(name, r):
+                by_hf[r].setdefault(p.hf, []).append(p)
+    written = set()
+    with torch.no_grad():
+        for r, named in enumerate(ranks):
+            for hf, t in named.items():
+                for p in by_hf[r].get(hf, []):
+                    model.params[hf].narrow(p.dim, p.start, p.length).copy_(
+                        t.narrow(p.dim, p.start, p.length))
+                    written.add(hf)
+    return len(written)
+
+
 class WeightUpdateRoutes:
-    """Weight-update handlers; the server provides ``core``, ``session_open``, ``paused``,
+    """Weight-update handlers; the server provides ``core``, ``tp_size``, ``layout``,
+    ``session_open``, ``paused``,
     ``pause_cond``, ``model_update_lock``, ``dist_group``, ``_command`` and ``_json``."""
 
     async def _model_update(self, fn, *, abort_all: bool = False):
@@ -110,21 +185,30 @@ class WeightUpdateRoutes:
 
         async def load():
             fmt = body.get("load_format")
-            if fmt != "flattened_bucket":
+            if fmt not in ("flattened_bucket", "direct"):
                 raise HTTPError(400, f"load_format {fmt!r} is not supported by the CPU engine; "
-                                     "use 'flattened_bucket'")
+                                     "use 'flattened_bucket' (whole tensors) or 'direct' (each "
+                                     "rank's own parameters, SGLang's per-rank layout)")
             serialized = body.get("serialized_named_tensors")
-            if not isinstance(serialized, list) or len(serialized) != 1:
+            if not isinstance(serialized, list) or len(serialized) != self.tp_size:
                 raise HTTPError(400, "serialized_named_tensors must be a list with one entry per "
-                                     "TP rank (the CPU engine has one)")
+                                     f"TP rank (this engine has {self.tp_size})")
             try:
-                handle = decode_handle(serialized[0])
+                handles = [decode_handle(data) for data in serialized]
             except ValueError as exc:
                 raise HTTPError(400, str(exc)) from None
+            if fmt == "direct" and self.layout is None:
+                raise HTTPError(400, "load_format 'direct' needs SGLang's per-rank layout, which "
+                                     "this model has not here (a mixture-of-experts family)")
 
             def read():
-                with open_handle(handle) as named:
-                    return self.core.model.load_weights(named)
+                with contextlib.ExitStack() as stack:
+                    ranks = [stack.enter_context(open_handle(h)) for h in handles]
+                    if fmt == "direct":
+                        return load_rank_parameters(self.core.model, self.layout, ranks)
+                    if self.layout is None or self.tp_size == 1:
+                        return sum(self.core.model.load_weights(named) for named in ranks)
+                    return load_rank_slices(self.core.model, self.layout, ranks)
 
             return await self._command("call", read)
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import List, Mapping, Optional, Sequence
+from dataclasses import replace
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 from ..config.budgets import DEFAULT_START_TIMEOUT_S, engine_start_timeout_s  # noqa: F401
 from ..netutil import free_port  # noqa: F401  (re-exported)
@@ -99,7 +100,7 @@ def cpu_engine_command(model_path: str, *, port: int = 0, host: str = "127.0.0.1
                        incremental_streaming_output: bool = False, stream_interval: int = 1,
                        deterministic: bool = False, routed_experts: bool = False,
                        startup_delay_s: float = 0.0, decode_delay_s: float = 0.0,
-                       python: str = sys.executable) -> List[str]:
+                       tp: int = 1, python: str = sys.executable) -> List[str]:
     """The CPU engine's command line; stream style and determinism default to SGLang's
     defaults (cumulative chunks every token, ``sampling_seed`` ignored). ``startup_delay_s``
     (a test/twin knob, ``rollout.cpu_startup_delay_s``): it answers 503 ("Starting") on
@@ -113,6 +114,8 @@ def cpu_engine_command(model_path: str, *, port: int = 0, host: str = "127.0.0.1
         cmd += ["--api-key", api_key]
     if routed_experts:
         cmd.append("--enable-return-routed-experts")
+    if int(tp) > 1:  # one weight payload per rank (the CPU computes every rank's part)
+        cmd += ["--tp-size", str(int(tp))]
     if startup_delay_s and float(startup_delay_s) > 0:
         cmd += ["--startup-delay-s", f"{float(startup_delay_s):g}"]
     if decode_delay_s and float(decode_delay_s) > 0:
@@ -148,7 +151,7 @@ def engine_command_from_config(rollout_cfg, model_path: str, *, port: int,
     return cpu_engine_command(model_path, port=port, host=rollout_cfg.host, api_key=api_key,
                               kv_capacity_tokens=rollout_cfg.kv_capacity_tokens,
                               max_running_requests=rollout_cfg.max_running_requests,
-                              seed=index,
+                              seed=index, tp=int(rollout_cfg.engine_tp),
                               startup_delay_s=float(getattr(rollout_cfg, "cpu_startup_delay_s",
                                                             0.0) or 0.0),
                               **common)
@@ -210,17 +213,50 @@ def engine_transport(rollout_cfg, weight_sync=None) -> str:
     return name
 
 
-def engine_pull_spec(rollout_cfg, index: int, weight_sync=None) -> PullSpec:
+def engine_pull_spec(rollout_cfg, index: int, weight_sync=None,
+                     model_path: Optional[str] = None) -> PullSpec:
     """How engine ``index`` of a rollout node takes weights from its relay (the transport's
     ``spec_for``: CUDA IPC payloads on its GPUs for SGLang, shared-memory handles for the CPU
-    engine, Mooncake reads from a relay on another machine)."""
+    engine, Mooncake reads from a relay on another machine), and whether each of its TP ranks
+    pulls only its own shard (``shard_pull``; needs the served model, ``model_path``)."""
     if weight_sync is None:
         from ..config.schema import WeightSyncConfig
 
         weight_sync = WeightSyncConfig()
     name = engine_transport(rollout_cfg, weight_sync)
     devices = tuple(f"cuda:{g}" for g in engine_gpu_ids(rollout_cfg, index))
-    return transport_module(name).spec_for(rollout_cfg, weight_sync, devices)
+    spec = transport_module(name).spec_for(rollout_cfg, weight_sync, devices)
+    shard = shard_pull(rollout_cfg, weight_sync, model_path, name)
+    return replace(spec, options=spec.options + (("shard", shard),)) if shard else spec
+
+
+def shard_pull(rollout_cfg, weight_sync, model_path: Optional[str],
+               transport: str) -> Optional[Tuple[int, int]]:
+    """(engine TP, attention heads) when an engine's ranks pull only their own shards
+    (``weight_sync.engine_pull``: shard; auto: at ``rollout.engine_tp`` > 1 for a dense model
+    pulling from its node's relay), else None. ``shard`` where it cannot be is refused."""
+    mode, tp = getattr(weight_sync, "engine_pull", "auto"), int(rollout_cfg.engine_tp)
+    if mode == "whole" or (mode == "auto" and tp < 2):
+        return None
+    why = None
+    if transport not in ("shm", "sglang_cuda_ipc"):
+        why = f"weight_sync.engine_transport={transport} reads whole buckets"
+    elif model_path is None:
+        why = "the served model is not known here"
+    else:
+        from ..models import load_hf_config
+        from ..weights.engine_layout import LayoutError, layout_for_config
+
+        config = load_hf_config(model_path)
+        try:
+            heads = layout_for_config(config, tp).heads
+        except LayoutError as exc:
+            why = str(exc)
+    if why is None:
+        return tp, heads
+    if mode == "shard":
+        raise ValueError(f"LMC-E519: weight_sync.engine_pull=shard: {why}")
+    return None
 
 
 def engine_process(cfg, model_path: str, log_path: str, index: int,

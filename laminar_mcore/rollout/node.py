@@ -151,7 +151,7 @@ def _run_remote_node(cfg, client, name, logs, procs, log, gpus=None):
                             api_key=engine_api_key(client.token), gpus=gpus)
     took = time.time() - started
     agent = PullAgent(relay_url, [e.url for e in engines],
-                      [engine_pull_spec(cfg.rollout, i, cfg.weight_sync)
+                      [engine_pull_spec(cfg.rollout, i, cfg.weight_sync, info["model_path"])
                        for i in range(len(engines))], client.token, host=cfg.rollout.host)
     agent.start()
     client.register(relay_url, [e.url for e in engines], pull_agent=agent.url)

@@ -30,7 +30,10 @@ FILES = ("sglang/api/v1/api_types.py", "sglang/srt/entrypoints/http_server.py",
          "sglang/srt/model_executor/model_runner_components/weight_updater.py",
          "sglang/srt/managers/tokenizer_manager.py", "sglang/srt/managers/scheduler.py",
          "sglang/srt/managers/scheduler_components/flush_wrapper.py",
-         "sglang/srt/managers/scheduler_components/output_streamer.py")
+         "sglang/srt/managers/scheduler_components/output_streamer.py",
+         # the per-rank parameter layout (weights/engine_layout.py)
+         "sglang/srt/layers/vocab_parallel_embedding.py", "sglang/srt/layers/linear.py",
+         "sglang/srt/models/qwen2.py", "sglang/srt/models/qwen3.py", "sglang/srt/models/llama.py")
 
 
 def cache_dir() -> str:

@@ -14,13 +14,20 @@ class Exporter:
     needs for it, raising ``ValueError`` for a bad request (answered 400); ``serve`` returns
     bucket ``index``'s JSON-ready payload; ``free`` is told the buckets the engine has
     applied, ``release`` that the lease ended. ``serve``/``free``/``release`` run in a worker
-    thread. ``info`` goes into the relay's ``/latest``."""
+    thread. ``info`` goes into the relay's ``/latest``. A transport that can serve each
+    engine rank its own shard (``shards``) has ``serve_shard``: group ``index`` of a
+    ``relay.shard_pulls.ShardPlan``, one payload per rank."""
+
+    shards = False
 
     def check(self, body: dict) -> Any:
         return None
 
     def serve(self, lease_id: str, index: int, bucket, params: Any) -> Any:
         raise NotImplementedError
+
+    def serve_shard(self, lease_id: str, index: int, plan, params: Any) -> List[Any]:
+        raise TransportUnavailable("LMC-E519: this transport serves whole tensors only")
 
     def free(self, lease_id: str, indices: Sequence[int]) -> None:
         pass
@@ -52,8 +59,11 @@ class Puller:
         return self.spec.fmt
 
     async def pull(self, relay, engine, current_version: int) -> Optional[int]:
+        shard = self.spec.option("shard")  # (tp_size, heads): each rank pulls its own shard
         lease = await relay.lease(min_version=current_version + 1, fmt=self.lease_format(),
-                                  devices=self.spec.devices or None)
+                                  devices=self.spec.devices or None,
+                                  shard={"tp_size": shard[0], "heads": shard[1]}
+                                  if shard else None)
         if lease is None:
             return None
         from ..client import apply_version
@@ -67,10 +77,12 @@ class Puller:
             data = await relay.bucket(lease, i, applied=done)
             given.difference_update(done)
             given.add(i)
-            return data if isinstance(data, list) else [data]
+            # one payload per engine TP rank (a host handle: the same one for every rank)
+            return data if isinstance(data, list) else [data] * int(self.spec.option("ranks", 1))
 
         try:
-            await apply_version(engine, (lease.num_buckets, fetch), lease.version)
+            await apply_version(engine, (lease.num_buckets, fetch), lease.version,
+                                load_format="direct" if shard else "flattened_bucket")
         finally:
             await relay.release(lease)
         return lease.version

@@ -184,6 +184,36 @@ class CudaIpcExporter:
             keep.append(flat)
             per_rank.append(serializer.serialize(
                 {"flattened_tensor": flat, "metadata": bucket.get_metadata()}, output_str=True))
+        self._keep(lease_id, index, keep, targets)
+        return per_rank
+
+    def payload_shard(self, lease_id: str, index: int, plan, devices: Sequence[str]) -> List[str]:
+        """Group ``index`` of a shard pull (``relay.shard_pulls.ShardPlan``): rank r's own
+        parameters cut straight onto ``devices[r]`` (only its slices cross the bus), serialized
+        as SGLang's ``load_format="direct"`` payload -- a list of (name, tensor), the tensors
+        views of one allocation per GPU (``weight_updater._model_load_weights_direct``)."""
+        from ...weights.bucket import read_bucket
+
+        targets = self.check_devices(devices)
+        if len(targets) != plan.layout.tp:
+            raise ValueError(f"{len(targets)} GPUs for an engine of TP {plan.layout.tp}: name one "
+                             "device per TP rank")
+        if self._classes is None:
+            self._classes = _sglang_bucket_classes()
+        serializer = self._classes[2]
+        metas, total = plan.group_layout(index)
+        keep, per_rank = [], []
+        for rank, device in enumerate(targets):
+            flat = torch.zeros(total, dtype=torch.uint8, device=device)
+            views = read_bucket(flat, metas)
+            plan.fill(index, rank, views)
+            keep.append(flat)
+            per_rank.append(serializer.serialize([(m.name, views[m.name]) for m in metas],
+                                                 output_str=True))
+        self._keep(lease_id, index, keep, targets)
+        return per_rank
+
+    def _keep(self, lease_id: str, index: int, keep: List[torch.Tensor], targets) -> None:
         for device in targets:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -191,7 +221,6 @@ class CudaIpcExporter:
             held = self._alive.setdefault(lease_id, {})
             held[index] = keep
             self.peak_buckets_held = max(self.peak_buckets_held, len(held))
-        return per_rank
 
     def held(self, lease_id: str) -> List[int]:
         with self._lock:
@@ -229,6 +258,8 @@ def spec_for(rollout_cfg, weight_sync, devices):
 class Exporter(_Exporter):
     """The relay side: a lease names the engine's GPUs (``devices``, one per TP rank)."""
 
+    shards = True
+
     def __init__(self, relay_cfg=None):
         self._ipc: Optional[CudaIpcExporter] = None
 
@@ -252,6 +283,9 @@ class Exporter(_Exporter):
 
         return self.ipc.payload(lease_id, index, read_bucket(bucket.shm.buffer, bucket.metas),
                                 devices)
+
+    def serve_shard(self, lease_id, index, plan, devices):
+        return self.ipc.payload_shard(lease_id, index, plan, devices)
 
     def free(self, lease_id, indices):
         if self._ipc is not None:

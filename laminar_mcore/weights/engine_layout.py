@@ -1,0 +1,244 @@
+"""SGLang 0.5.23's per-rank parameter layout of a dense model: what each engine TP rank holds.
+
+An SGLang engine of TP size N keeps, on each rank, its slice of every parameter under
+SGLang's own names, with the projections fused (``models/qwen2.py``, ``llama.py``,
+``qwen3.py``: ``stacked_params_mapping``):
+
+* ``self_attn.qkv_proj`` (``layers/linear.py`` ``QKVParallelLinear``): the rank's query heads,
+  then its key and value heads, along dim 0 -- ``heads / N`` query heads; ``kv_heads / N``
+  key/value heads, or one replicated head (head ``rank // (N / kv_heads)``) when N exceeds
+  them. The bias (Qwen2) the same way;
+* ``mlp.gate_up_proj`` (``MergedColumnParallelLinear``): the rank's rows of gate, then of up;
+* ``self_attn.o_proj``, ``mlp.down_proj`` (``RowParallelLinear``): the rank's columns;
+* ``model.embed_tokens``, ``lm_head`` (``layers/vocab_parallel_embedding.py``): the rank's rows
+  of the vocabulary padded to a multiple of 64 (64 x N when that does not divide by N), the
+  padding rows zero;
+* norms (``input_layernorm``, ``post_attention_layernorm``, ``model.norm``, Qwen3's
+  ``q_norm``/``k_norm``): whole on every rank. A tied ``lm_head`` is the embedding (no
+  parameter of its own).
+
+``/update_weights_from_tensor`` with ``load_format="direct"`` copies each rank's payload
+(``serialized_named_tensors[rank]``: a list of (SGLang name, tensor)) straight into these
+parameters (``default_weight_loader``: names must exist, sizes must be equal), so a relay that
+serves this layout lets each engine GPU copy only its own shard. ``Layout`` is computed from a
+checkpoint's tensor names and shapes plus the attention head count (the only fact the shapes do
+not carry); the relay builds each rank's tensors with ``fill`` and the CPU engine takes them
+back with ``pieces`` (``rollout/engine_weights.py``). MoE families are not covered (SGLang's
+fused experts layout): their engines take whole tensors.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Mapping, Sequence, Tuple
+
+import torch
+
+VOCAB_PADDING = 64  # sglang layers/vocab_parallel_embedding.py DEFAULT_VOCAB_PADDING_SIZE
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_REPLICATED = {"input_layernorm.weight", "post_attention_layernorm.weight",
+               "self_attn.q_norm.weight", "self_attn.k_norm.weight"}
+_FUSED = {"self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+          "self_attn.v_proj": ("self_attn.qkv_proj", 2), "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+          "mlp.up_proj": ("mlp.gate_up_proj", 1)}
+_ROW_PARALLEL = {"self_attn.o_proj.weight", "mlp.down_proj.weight"}
+_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+class LayoutError(ValueError):
+    """A model that SGLang's per-rank layout cannot hold at this TP size (the message says why)."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rank tensor ``out.narrow(dim, at, length)`` is Hugging Face tensor
+    ``hf.narrow(dim, start, length)``."""
+
+    hf: str
+    dim: int
+    start: int
+    length: int
+    at: int
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    """SGLang's padded vocabulary size at TP ``tp`` (``VocabParallelEmbedding.__init__``)."""
+    pad = VOCAB_PADDING
+    if -(-vocab // pad) * pad % tp:
+        pad *= tp
+    return -(-vocab // pad) * pad
+
+
+class Layout:
+    """SGLang's parameters of a dense checkpoint at TP ``tp``: ``shapes`` (name -> the rank's
+    shape, equal on every rank), ``dtypes``, and each rank's ``pieces``."""
+
+    def __init__(self, hf_shapes: Mapping[str, Sequence[int]], heads: int, tp: int,
+                 hf_dtypes: Mapping[str, torch.dtype] = None):
+        if tp < 1:
+            raise LayoutError(f"tp size {tp} must be >= 1")
+        self.tp, self.heads = int(tp), int(heads)
+        self.hf_shapes = {k: tuple(int(d) for d in v) for k, v in hf_shapes.items()
+                          if not k.endswith("rotary_emb.inv_freq")}
+        self._plan: Dict[str, List[Tuple[str, str, int]]] = {}  # name -> [(hf, role, part)]
+        for hf in self.hf_shapes:
+            name, role, part = self._place(hf)
+            self._plan.setdefault(name, []).append((hf, role, part))
+        for parts in self._plan.values():
+            parts.sort(key=lambda p: p[2])
+        self._check_heads()
+        self.shapes = {name: self._shape(name) for name in self._plan}
+        self.dtypes = {name: (hf_dtypes or {}).get(parts[0][0], torch.float32)
+                       for name, parts in self._plan.items()}
+
+    # ------------------------------------------------------------- names
+    def _place(self, hf: str) -> Tuple[str, str, int]:
+        """(SGLang name, role, part index in a fused parameter) of Hugging Face tensor ``hf``."""
+        if hf in _VOCAB:
+            return hf, "vocab", 0
+        if hf == "model.norm.weight":
+            return hf, "whole", 0
+        m = _LAYER.match(hf)
+        if m:
+            prefix, rest = f"model.layers.{m.group(1)}.", m.group(2)
+            if rest in _REPLICATED:
+                return hf, "whole", 0
+            if rest in _ROW_PARALLEL:
+                return hf, "columns", 0
+            stem, _, kind = rest.rpartition(".")
+            if stem in _FUSED and kind in ("weight", "bias"):
+                fused, part = _FUSED[stem]
+                return f"{prefix}{fused}.{kind}", "qkv" if fused.endswith("qkv_proj") else "rows", \
+                    part
+        raise LayoutError(f"LMC-E519: {hf!r} has no place in SGLang's per-rank layout of a dense "
+                          "model (MoE experts, or a family it does not cover): pull whole tensors "
+                          "(weight_sync.engine_pull=whole)")
+
+    def _check_heads(self) -> None:
+        tp = self.tp
+        q = next((s for k, s in self.hf_shapes.items() if k.endswith("self_attn.q_proj.weight")),
+                 None)
+        k = next((s for k, s in self.hf_shapes.items() if k.endswith("self_attn.k_proj.weight")),
+                 None)
+        if q is None or k is None or q[0] % self.heads:
+            raise LayoutError(f"LMC-E519: cannot find {self.heads} attention heads in the "
+                              "checkpoint's q_proj")
+        self.head_dim = q[0] // self.heads
+        self.kv_heads = k[0] // self.head_dim
+        if self.heads % tp or (tp % self.kv_heads if tp >= self.kv_heads else self.kv_heads % tp):
+            raise LayoutError(f"LMC-E519: {self.heads} query and {self.kv_heads} key/value heads "
+                              f"do not split over TP {tp} (SGLang's QKVParallelLinear divides "
+                              "them): choose rollout.engine_tp dividing the heads")
+        for hf, shape in self.hf_shapes.items():
+            role = self._place(hf)[1]
+            dim = 1 if role == "columns" else 0
+            if role in ("rows", "columns") and shape[dim] % tp:
+                raise LayoutError(f"LMC-E519: {hf} {list(shape)} does not split over TP {tp} "
+                                  f"along dim {dim}: choose rollout.engine_tp dividing it")
+
+    # ------------------------------------------------------------- shapes and pieces
+    def _shape(self, name: str) -> Tuple[int, ...]:
+        parts = self._plan[name]
+        hf, role, _ = parts[0]
+        shape = list(self.hf_shapes[hf])
+        if role == "vocab":
+            shape[0] = padded_vocab(shape[0], self.tp) // self.tp
+        elif role == "columns":
+            shape[1] //= self.tp
+        elif role in ("rows", "qkv"):
+            shape[0] = sum(self._rows(h, r)[1] for h, r, _ in parts)
+        return tuple(shape)
+
+    def _rows(self, hf: str, role: str) -> Tuple[int, int]:
+        """(ranks sharing a slice, rows a rank takes) of a row-split tensor: key/value heads
+        are replicated over ``tp / kv_heads`` ranks when TP exceeds them."""
+        rows = self.hf_shapes[hf][0]
+        if role == "qkv" and not re.search(r"q_proj\.(weight|bias)$", hf) \
+                and self.tp >= self.kv_heads:
+            return self.tp // self.kv_heads, self.head_dim
+        return 1, rows // self.tp
+
+    def pieces(self, name: str, rank: int) -> List[Piece]:
+        """Where rank ``rank``'s ``name`` comes from, in order."""
+        if not 0 <= rank < self.tp:
+            raise LayoutError(f"rank {rank} is not in [0, {self.tp})")
+        out, at = [], 0
+        for hf, role, _ in self._plan[name]:
+            shape = self.hf_shapes[hf]
+            if role == "whole":
+                out.append(Piece(hf, 0, 0, shape[0], 0))
+            elif role == "columns":
+                n = shape[1] // self.tp
+                out.append(Piece(hf, 1, rank * n, n, 0))
+            elif role == "vocab":
+                per = padded_vocab(shape[0], self.tp) // self.tp
+                start = rank * per
+                if start < shape[0]:
+                    out.append(Piece(hf, 0, start, min(per, shape[0] - start), 0))
+            else:
+                replicas, n = self._rows(hf, role)
+                out.append(Piece(hf, 0, (rank // replicas) * n, n, at))
+                at += n
+        return out
+
+    @property
+    def names(self) -> List[str]:
+        return list(self._plan)
+
+    def sources(self, name: str) -> List[str]:
+        """The Hugging Face tensors SGLang parameter ``name`` is made of."""
+        return [hf for hf, _, _ in self._plan[name]]
+
+    def nbytes(self, name: str) -> int:
+        n = 1
+        for d in self.shapes[name]:
+            n *= d
+        return n * torch.empty((), dtype=self.dtypes[name]).element_size()
+
+    def fill(self, name: str, rank: int, hf: Callable[[str], torch.Tensor],
+             out: torch.Tensor) -> torch.Tensor:
+        """Write rank ``rank``'s ``name`` into ``out`` (its shape; any device) from the Hugging
+        Face tensors ``hf(name)`` returns; vocabulary padding rows are zero."""
+        if tuple(out.shape) != self.shapes[name]:
+            raise LayoutError(f"{name}: out has shape {list(out.shape)}, the rank's is "
+                              f"{list(self.shapes[name])}")
+        covered = 0
+        for p in self.pieces(name, rank):
+            out.narrow(p.dim, p.at, p.length).copy_(hf(p.hf).narrow(p.dim, p.start, p.length),
+                                                    non_blocking=True)
+            covered = max(covered, p.at + p.length) if p.dim == 0 else out.shape[0]
+        if covered < out.shape[0]:
+            out[covered:].zero_()
+        return out
+
+    def groups(self, bucket_bytes: int) -> List[List[str]]:
+        """The parameters in pulls of about ``bucket_bytes`` per rank each (a parameter is
+        never split: SGLang's direct load copies it whole)."""
+        out: List[List[str]] = []
+        size = 0
+        for name in self._plan:
+            n = self.nbytes(name)
+            if out and size + n <= bucket_bytes:
+                out[-1].append(name)
+                size += n
+            else:
+                out.append([name])
+                size = n
+        return out
+
+
+def layout_for_config(hf_config, tp: int, adapter=None) -> Layout:
+    """The layout of a model the CPU engine (or a launcher) has the config of."""
+    from ..models import get_adapter
+
+    adapter = adapter or get_adapter(hf_config)
+    if adapter.is_moe:
+        raise LayoutError(f"LMC-E519: {adapter.name} is a mixture-of-experts family: SGLang's "
+                          "per-rank layout of its experts is not covered; its engines take whole "
+                          "tensors (weight_sync.engine_pull=whole)")
+    return Layout(adapter.hf_shapes(hf_config), adapter.shape(hf_config).heads, tp)
+
+
+__all__ = ["Layout", "LayoutError", "Piece", "VOCAB_PADDING", "layout_for_config",
+           "padded_vocab"]

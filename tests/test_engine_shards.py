@@ -1,0 +1,277 @@
+"""Each engine rank pulls only its own shard (issue 52): SGLang 0.5.23's per-rank parameter
+layout (weights/engine_layout.py) checked against SGLang's own source, taken back bit for bit
+by the CPU engine, and served by a real relay to real TP2 CPU engines on loopback."""
+
+import ast
+import asyncio
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from laminar_mcore.models import get_adapter
+from laminar_mcore.models.hf import save_hf_checkpoint, tiny_hf_config
+from laminar_mcore.rollout.engine_weights import load_rank_parameters, load_rank_slices
+from laminar_mcore.rollout.model import DecoderLM
+from laminar_mcore.testing import sglang_source
+from laminar_mcore.weights.engine_layout import (Layout, LayoutError, layout_for_config,
+                                                 padded_vocab)
+
+TOKEN = "run-token"
+# (family, overrides): GQA with 2 key/value heads (replicated at TP4), a vocabulary that is no
+# multiple of 64 (SGLang pads it), Qwen2's qkv bias, Qwen3's q/k norms, Llama's tied embedding
+MODELS = [("qwen2", dict(vocab_size=200)), ("qwen3", dict(vocab_size=130)),
+          ("llama", dict(vocab_size=100, tie_word_embeddings=True))]
+
+
+def _state(cfg, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(s, generator=g).to(dtype)
+            for k, s in get_adapter(cfg).hf_shapes(cfg).items()}
+
+
+def _sglang_shape(cfg, name, tp):
+    """A rank's parameter shape by SGLang's formulas, written out here (not the layout's)."""
+    s = get_adapter(cfg).shape(cfg)
+    kv = max(1, s.groups // tp)
+    if name.endswith("qkv_proj.weight"):
+        return ((s.heads // tp + 2 * kv) * s.head_dim, s.hidden)
+    if name.endswith("qkv_proj.bias"):
+        return ((s.heads // tp + 2 * kv) * s.head_dim,)
+    if name.endswith("gate_up_proj.weight"):
+        return (2 * s.ffn // tp, s.hidden)
+    if name.endswith("down_proj.weight"):
+        return (s.hidden, s.ffn // tp)
+    if name.endswith("o_proj.weight"):
+        return (s.hidden, s.heads * s.head_dim // tp)
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return (padded_vocab(s.vocab, tp) // tp, s.hidden)
+    return tuple(get_adapter(cfg).hf_shapes(cfg)[name])
+
+
+@pytest.mark.parametrize("family,overrides", MODELS)
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_each_rank_holds_sglangs_slices_and_the_ranks_give_back_the_model_bit_for_bit(
+        family, overrides, tp):
+    cfg = tiny_hf_config(family, **overrides)
+    state = _state(cfg)
+    layout = layout_for_config(cfg, tp)
+    ranks = []
+    for r in range(tp):
+        named = {n: layout.fill(n, r, state.__getitem__,
+                                torch.full(layout.shapes[n], float("nan"), dtype=torch.bfloat16))
+                 for n in layout.names}
+        assert {n: tuple(t.shape) for n, t in named.items()} == \
+            {n: _sglang_shape(cfg, n, tp) for n in named}
+        ranks.append(named)
+    # fused in SGLang's order: rank r's query heads, then its key, then its value head
+    s = get_adapter(cfg).shape(cfg)
+    q, d = s.heads * s.head_dim // tp, s.head_dim
+    kv_head = (tp - 1) // (tp // s.groups) if tp >= s.groups else None
+    last = ranks[-1]["model.layers.1.self_attn.qkv_proj.weight"]
+    assert torch.equal(last[:q], state["model.layers.1.self_attn.q_proj.weight"][-q:])
+    if kv_head is not None:  # TP4 over 2 key/value heads: ranks 2 and 3 share head 1
+        k = state["model.layers.1.self_attn.k_proj.weight"][kv_head * d:(kv_head + 1) * d]
+        assert torch.equal(last[q:q + d], k)
+    # the vocabulary's padding rows are zero; no value is left unwritten
+    embed = ranks[-1]["model.embed_tokens.weight"]
+    real = max(0, s.vocab - (tp - 1) * embed.shape[0])  # (Qwen3 at TP4: padding only)
+    assert torch.equal(embed[:real], state["model.embed_tokens.weight"][s.vocab - real:])
+    assert not embed[real:].any()
+    assert not any(t.isnan().any() for named in ranks for t in named.values())
+
+    # the CPU engine takes every rank's parameters back into the model (direct), and whole
+    # tensors narrowed per rank (flattened_bucket at TP > 1): bit for bit either way
+    for load, payloads in ((load_rank_parameters, ranks), (load_rank_slices, [state] * tp)):
+        model = DecoderLM(cfg, {k: torch.zeros_like(v) for k, v in state.items()})
+        load(model, layout, payloads)
+        differ = [k for k, v in state.items() if not torch.equal(model.params[k], v.float())]
+        assert not differ, f"{load.__name__}: {differ[:3]}"
+
+
+def test_shapes_sglang_refuses_are_refused_with_a_fix():
+    cfg = tiny_hf_config("qwen2")  # 4 heads, 2 key/value heads
+    with pytest.raises(LayoutError, match="LMC-E519.*rollout.engine_tp"):
+        layout_for_config(cfg, 3)
+    with pytest.raises(LayoutError, match="LMC-E519.*mixture-of-experts"):
+        layout_for_config(tiny_hf_config("qwen3_moe"), 2)
+    shapes = get_adapter(cfg).hf_shapes(cfg)
+    with pytest.raises(LayoutError, match="LMC-E519.*no place"):
+        Layout({**shapes, "model.layers.0.mlp.experts.0.up_proj.weight": (8, 64)}, 4, 2)
+    rank = {"model.layers.0.mlp.gate_up_proj.weight": torch.zeros(3, 64)}
+    model = DecoderLM(cfg, _state(cfg, dtype=torch.float32))
+    with pytest.raises(ValueError, match=r"Attempted to load weight \(\(3, 64\)\)"):
+        load_rank_parameters(model, layout_for_config(cfg, 2), [rank, rank])
+
+
+def _sglang_functions(source: str, names, method_of=None):
+    """Top-level functions and classes ``names`` of an SGLang module (and, with ``method_of``,
+    that class's ``_get_indices``), executed alone."""
+    tree = ast.parse(source)
+    body = [n for n in tree.body if getattr(n, "name", None) in names or (
+        isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "DEFAULT_VOCAB_PADDING_SIZE"
+                                          for t in n.targets))]
+    if method_of:
+        cls = next(n for n in tree.body if getattr(n, "name", None) == method_of)
+        fn = next(n for n in cls.body if getattr(n, "name", None) == "_get_indices")
+        fn.decorator_list = []
+        body.append(fn)
+    scope = {"dataclass": dataclasses.dataclass, "Sequence": list, "Optional": object,
+             "divide": lambda a, b: a // b if a % b == 0 else (_ for _ in ()).throw(
+                 AssertionError(f"{a} is not divisible by {b}"))}
+    exec(compile(ast.Module(body=body, type_ignores=[]), "sglang", "exec"), scope)
+    return scope
+
+
+def test_the_layout_is_sglangs_own():
+    """Read from SGLang 0.5.23's source: the fused names of every family (its
+    stacked_params_mapping), the vocabulary rows of each rank (its own functions, run here),
+    and the rules of QKVParallelLinear the layout follows."""
+    for family in ("qwen2", "qwen3", "llama"):
+        tree = ast.parse(sglang_source.read(f"sglang/srt/models/{family}.py"))
+        mapping = next(ast.literal_eval(n.value) for n in ast.walk(tree)
+                       if isinstance(n, ast.Assign) and "stacked_params_mapping" in ast.unparse(
+                           n.targets[0]) and isinstance(n.value, ast.List))
+        cfg = tiny_hf_config(family)
+        layout = layout_for_config(cfg, 2)
+        for hf in get_adapter(cfg).hf_shapes(cfg):
+            name = hf  # SGLang's load_weights: the first shard name found is replaced
+            for param, shard, _ in mapping:
+                if shard in hf:
+                    name = hf.replace(shard, param)
+                    break
+            assert hf in layout.sources(name), (family, hf, name)
+        order = [s for _, s, _ in mapping if "proj" in s]
+        assert [o.strip(".") for o in order] == ["q_proj", "k_proj", "v_proj", "gate_proj",
+                                                 "up_proj"]
+
+    source = sglang_source.read("sglang/srt/layers/vocab_parallel_embedding.py")
+    assert "if pad_vocab_size(self.org_vocab_size, padding_size) % self.tp_size != 0:\n" \
+           "            padding_size *= self.tp_size" in source
+    sg = _sglang_functions(source, {"pad_vocab_size", "vocab_range_from_per_partition_vocab_size",
+                                    "vocab_range_from_global_vocab_size",
+                                    "VocabParallelEmbeddingShardIndices"}, "VocabParallelEmbedding")
+    assert sg["DEFAULT_VOCAB_PADDING_SIZE"] == 64
+    for vocab in (100, 128, 151936, 152064, 32000, 128256):
+        for tp in (1, 2, 3, 4, 8):
+            pad = 64 * (tp if sg["pad_vocab_size"](vocab, 64) % tp else 1)
+            padded = sg["pad_vocab_size"](sg["pad_vocab_size"](vocab, pad), pad)
+            assert padded_vocab(vocab, tp) == padded
+            shapes = {"model.embed_tokens.weight": (vocab, 8),
+                      "model.layers.0.self_attn.q_proj.weight": (8 * tp, 8),
+                      "model.layers.0.self_attn.k_proj.weight": (8 * tp, 8)}
+            layout = Layout(shapes, tp, tp)
+            for r in range(tp):
+                ix = sg["_get_indices"](None, padded, sg["pad_vocab_size"](vocab, pad), vocab,
+                                        vocab, r, tp)
+                pieces = layout.pieces("model.embed_tokens.weight", r)
+                got = (pieces[0].start, pieces[0].start + pieces[0].length) if pieces else None
+                want = (ix.org_vocab_start_index, ix.org_vocab_end_index)
+                assert got == (want if want[1] > want[0] else None), (vocab, tp, r)
+
+    linear = sglang_source.read("sglang/srt/layers/linear.py")
+    for rule in ("self.num_kv_head_replicas = divide(kv_tp_size, self.total_num_kv_heads)",
+                 "shard_id = kv_tp_rank // self.num_kv_head_replicas",
+                 "shard_offset = (self.num_heads + self.num_kv_heads) * self.head_size"):
+        assert rule in linear, rule
+
+
+def _generate(url, prompt):
+    """Greedy tokens and their log-probs from an engine."""
+    import urllib.request
+
+    body = {"input_ids": prompt, "return_logprob": True,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 6}}
+    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        out = json.loads(resp.read())
+    return out["output_ids"], [lp[0] for lp in out["meta_info"]["output_token_logprobs"]]
+
+
+@pytest.mark.multiprocess
+def test_tp2_engines_pull_only_their_shards_from_a_real_relay(tmp_path, monkeypatch):
+    """A TP1 trainer publishes bf16 versions to a real relay; a TP2 CPU engine pulls each
+    rank's own parameters (SGLang's direct payload), another TP2 engine and a TP1 engine pull
+    whole tensors: all three generate the same tokens with the same log-probs, each rank of
+    the shard pull received about half the version, and what the relay and engine refuse is
+    refused with the reason."""
+    from laminar_mcore.netutil import TOKEN_ENV
+    from laminar_mcore.parallel import destroy_trainer_parallel, init_trainer_parallel
+    from laminar_mcore.relay.client import RelayClient, RelayError
+    from laminar_mcore.relay.transports import PullSpec, pull_latest_into_engine
+    from laminar_mcore.rollout.client import EngineError, SGLangClient
+    from laminar_mcore.rollout.launcher import EngineProcess, cpu_engine_command
+    from laminar_mcore.trainer.model import build_gpt_model
+    from laminar_mcore.trainer.publisher import WeightPublisher
+
+    from .conftest import wait_until
+    from .test_relay_chain import _get, _relay
+
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    cfg = tiny_hf_config("qwen2", vocab_size=200)
+    init_trainer_parallel(tp=1, pp=1, seed=0)
+    procs, publisher = [], None
+    try:
+        master = _relay(tmp_path, "master", master=True, trainer_stages=1)
+        procs.append(master)
+        model = build_gpt_model(cfg, dtype=torch.bfloat16)
+        publisher = WeightPublisher(model, cfg, relay_host="127.0.0.1", token=TOKEN,
+                                    publish_port=int(master.wait_printed(
+                                        "LAMINAR_RELAY_PUBLISH_PORT")), bucket_bytes=40_000)
+        publisher.publish(1)
+        publisher.wait()
+        wait_until(lambda: _get(master.url, "/latest")["version"] == 1, what="version 1")
+        model_dir = str(tmp_path / "model")
+        save_hf_checkpoint(model_dir, cfg, {k: torch.zeros(s) for k, s in
+                                            get_adapter(cfg).hf_shapes(cfg).items()})
+        engines = [EngineProcess(cpu_engine_command(model_dir, tp=tp, kv_capacity_tokens=512),
+                                 log_path=str(tmp_path / f"engine{i}.log")).start()
+                   for i, tp in enumerate((2, 2, 1))]
+        procs += engines
+        shard = PullSpec("shm", options=(("shard", (2, cfg.num_attention_heads)),))
+
+        async def pulls():
+            served = []
+            async with RelayClient(master.url, TOKEN) as relay:
+                whole2 = PullSpec("shm", options=(("ranks", 2),))  # a handle for each rank
+                for engine, spec in zip(engines, (shard, whole2, PullSpec("shm"))):
+                    async with SGLangClient(engine.url) as eng:
+                        assert await pull_latest_into_engine(relay, eng, 0, spec=spec) == 1
+                    served.append(relay.last_release["bytes_served"])
+                # refused: heads that do not split over the TP size (SGLang refuses the TP)
+                with pytest.raises(RelayError, match="LMC-E519.*engine_tp"):
+                    await relay.lease(shard={"tp_size": 3, "heads": 4})
+                # an engine refuses a direct payload of the wrong shapes, keeping its weights
+                lease = await relay.lease(shard={"tp_size": 2, "heads": 4})
+                wrong = await relay.bucket(lease, 0)
+                async with SGLangClient(engines[2].url) as eng:  # TP1: one payload, not two
+                    await eng.begin_weight_update()
+                    with pytest.raises(EngineError, match="one entry per TP rank"):
+                        await eng.update_weights_from_tensor(wrong, load_format="direct")
+                    with pytest.raises(EngineError, match="Attempted to load weight"):
+                        await eng.update_weights_from_tensor(wrong[:1], load_format="direct")
+                    await eng.end_weight_update()
+                await relay.release(lease)
+            return served
+
+        served = asyncio.run(pulls())
+        version_bytes = sum(torch.Size(s).numel() * 2
+                            for s in get_adapter(cfg).hf_shapes(cfg).values())
+        per_rank = served[0] / 2
+        print(f"shard pull: {per_rank / version_bytes:.3f} of the version per rank; whole: "
+              f"{served[1] / version_bytes:.3f} per rank")
+        # each rank of the shard pull: half the version plus its replicated norms, the padding
+        # rows of its vocabulary and its key/value heads (replicated: no) -- never the whole
+        assert served[1] == served[2] >= version_bytes  # whole tensors: every byte, per rank
+        assert version_bytes / 2 <= per_rank < 0.56 * version_bytes, (per_rank, version_bytes)
+        outputs = [_generate(e.url, [3, 17, 42, 5]) for e in engines]
+        assert outputs[0] == outputs[1] == outputs[2], outputs
+        assert len(outputs[0][0]) == 6
+    finally:
+        if publisher is not None:
+            publisher.close()
+        for p in procs:
+            p.stop()
+        destroy_trainer_parallel()
