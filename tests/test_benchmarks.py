@@ -33,10 +33,12 @@ def test_weight_sync_benchmark_writes_its_keys(tmp_path):
     keys = {"trainer_blocked_s", "host_copy_s", "chain_gbps", "pull_gbps", "gloo_broadcast_gbps",
             "memcpy_gbps", "bit_exact"}
     assert keys <= set(figures) and figures["bit_exact"] is True
-    # an engine pulls the whole version today (issue 52: its shard only, once engines take
-    # shards), its buckets' 64-byte alignment aside
+    # a TP1 engine pulls the whole version, its buckets' 64-byte alignment aside; each rank of
+    # a TP2 engine every whole bucket, or (issue 52) only its shard: about half
     assert figures["engine_pull_bytes"] >= figures["bytes"]
     assert 1.0 <= figures["engine_pull_fraction"] < 1.05
+    assert 1.0 <= figures["tp2_rank_pull_fraction_whole"] < 1.05
+    assert 0.5 <= figures["tp2_rank_pull_fraction_shard"] < 0.6
     assert all(figures[k] > 0 for k in keys - {"bit_exact"})
     from laminar_mcore.relay.transports import mooncake
 

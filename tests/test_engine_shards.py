@@ -275,3 +275,60 @@ def test_tp2_engines_pull_only_their_shards_from_a_real_relay(tmp_path, monkeypa
         for p in procs:
             p.stop()
         destroy_trainer_parallel()
+
+
+class _Keep:
+    """A serializer keeping the payload object (SGLang's pickling needs SGLang; the layout of
+    what is pickled is tested)."""
+
+    kept = []
+
+    @staticmethod
+    def serialize(obj, output_str=False):
+        _Keep.kept.append(obj)
+        return "kept"
+
+
+def test_the_cuda_ipc_exporter_cuts_each_ranks_parameters_onto_its_device():
+    """The GPU path of a shard pull, on CPU devices: group by group, rank r's payload is
+    SGLang's direct list of (name, tensor) with exactly the layout's rank-r tensors, whatever
+    stored bucket each source tensor sits in (the version spread over many small buckets)."""
+    from laminar_mcore.relay.shard_pulls import ShardPlan
+    from laminar_mcore.relay.store import VersionStore
+    from laminar_mcore.relay.transports.cuda_ipc import CudaIpcExporter, standin_bucket_classes
+    from laminar_mcore.weights.bucket import BucketPacker
+
+    cfg = tiny_hf_config("qwen2", vocab_size=200)
+    state = _state(cfg, seed=3)
+    store = VersionStore()
+    try:
+        sv = store.begin(1, 1, owner="t")
+        buckets = list(BucketPacker(20_000).pack(iter(state.items())))
+        for index, b in enumerate(buckets):
+            stored = store.add_bucket(sv, (0, index), b.buffer.numel(), b.metas,
+                                      last_of_stage=index == len(buckets) - 1)
+            stored.shm.buffer.copy_(b.buffer)
+            store.progress(sv, stored, b.buffer.numel())
+        assert len(buckets) > 4 and store.try_complete(sv)
+        plan = ShardPlan(store, sv, 2, cfg.num_attention_heads)
+        bucket_cls, meta_cls, _ = standin_bucket_classes()
+        exporter = CudaIpcExporter(classes=(bucket_cls, meta_cls, _Keep), require_cuda=False)
+        layout = layout_for_config(cfg, 2)
+        seen = set()
+        for i in range(len(plan.groups)):
+            _Keep.kept.clear()
+            assert exporter.payload_shard("lease", i, plan, ["cpu", "cpu"]) == ["kept", "kept"]
+            for rank, pairs in enumerate(_Keep.kept):
+                assert [n for n, _ in pairs] == plan.groups[i]
+                for name, t in pairs:
+                    want = layout.fill(name, rank, state.__getitem__,
+                                       torch.empty(layout.shapes[name], dtype=torch.bfloat16))
+                    assert torch.equal(t, want), (name, rank)
+                    seen.add(name)
+            exporter.free("lease", [i])
+        assert seen == set(layout.names)
+        with pytest.raises(ValueError, match="one device per TP rank"):
+            exporter.payload_shard("lease", 0, plan, ["cpu"])
+        exporter.release("lease")
+    finally:
+        store.close()

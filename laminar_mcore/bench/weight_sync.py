@@ -163,7 +163,7 @@ def main(argv=None) -> dict:
     from ..relay.client import RelayClient, open_lease
     from ..relay.launch import relay_process
     from ..relay.server import RelayConfig
-    from ..relay.transports import mooncake, pull_latest_into_engine
+    from ..relay.transports import PullSpec, mooncake, pull_latest_into_engine
     from ..rollout.client import SGLangClient
     from ..rollout.launcher import EngineProcess, cpu_engine_command
     from ..trainer.model import build_gpt_model, stage_full_tensors
@@ -281,6 +281,27 @@ def main(argv=None) -> dict:
 
             pulled_version, pull_s, engine_pull_bytes = asyncio.run(pull_into_engine())
             assert pulled_version == final_version
+            # a TP2 engine: every rank reading each whole bucket, then each rank its own shard
+            engine2 = EngineProcess(cpu_engine_command(model_dir, kv_capacity_tokens=256, tp=2),
+                                    log_path=os.path.join(tmp, "engine-tp2.log")).start()
+            procs.append(engine2)
+            tp2 = {"whole": PullSpec("shm", options=(("ranks", 2),)),
+                   "shard": PullSpec("shm", options=(("shard", (2, cfg.num_attention_heads)),))}
+
+            async def tp2_pulls():
+                out = {}
+                async with RelayClient(last.url, token) as relay, \
+                        SGLangClient(engine2.url) as eng:
+                    for how, spec in tp2.items():
+                        t = time.perf_counter()
+                        assert await pull_latest_into_engine(relay, eng, 0, spec=spec) == \
+                            final_version
+                        served = relay.last_release["bytes_served"]
+                        # bytes each rank reads: every whole bucket, or its own shard
+                        out[how] = (time.perf_counter() - t, served / (2 if how == "shard" else 1))
+                return out
+
+            tp2_pull = asyncio.run(tp2_pulls())
             if use_mooncake:
                 mc = _mooncake_pull(last.url, token, model_dir, tmp, reference, procs, final_version)
             gloo_s = gloo_broadcast_seconds(nbytes, args.relays, args.repeats)
@@ -297,6 +318,10 @@ def main(argv=None) -> dict:
         "chain_s": chain_s, "chain_gbps": gb / chain_s, "pull_s": pull_s, "pull_gbps": gb / pull_s,
         # issue 52: what one engine pulled against the whole version (1.0: whole versions)
         "engine_pull_bytes": engine_pull_bytes, "engine_pull_fraction": engine_pull_bytes / nbytes,
+        # a TP2 engine's rank: its own shard (SGLang's per-rank layout) against whole buckets
+        "tp2_rank_pull_fraction_shard": tp2_pull["shard"][1] / nbytes,
+        "tp2_rank_pull_fraction_whole": tp2_pull["whole"][1] / nbytes,
+        "tp2_pull_s_shard": tp2_pull["shard"][0], "tp2_pull_s_whole": tp2_pull["whole"][0],
         "gloo_broadcast_gbps": gb / gloo_s, "memcpy_gbps": gb / host_copy_s,
         "chain_vs_gloo": (gb / chain_s) / (gb / gloo_s), "bit_exact": bool(bit_exact),
         "publish_gb_per_s_same_host": gb / send_s["shm"],

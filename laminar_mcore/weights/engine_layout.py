@@ -39,9 +39,10 @@ VOCAB_PADDING = 64  # sglang layers/vocab_parallel_embedding.py DEFAULT_VOCAB_PA
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _REPLICATED = {"input_layernorm.weight", "post_attention_layernorm.weight",
                "self_attn.q_norm.weight", "self_attn.k_norm.weight"}
-_FUSED = {"self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-          "self_attn.v_proj": ("self_attn.qkv_proj", 2), "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-          "mlp.up_proj": ("mlp.gate_up_proj", 1)}
+_FUSED = {"self_attn.q_proj": ("self_attn.qkv_proj", 0),
+          "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+          "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+          "mlp.gate_proj": ("mlp.gate_up_proj", 0), "mlp.up_proj": ("mlp.gate_up_proj", 1)}
 _ROW_PARALLEL = {"self_attn.o_proj.weight", "mlp.down_proj.weight"}
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
