@@ -84,6 +84,9 @@ def _assert_coverage(figures, stdout):
     assert figures["reference_kl_step1"] < 1e-3 < figures["reference_kl_step2"]
     # a second process rebuilt every bucket from the payloads, byte for byte
     assert figures["cuda_ipc_second_process_equal"] is True
+    # a shard pull's direct payloads (each rank's own parameters), opened in the engine process
+    assert figures["shard_pull_equal"] is True and figures["shard_pull_groups_checked"] == 2
+    assert 0.5 <= figures["shard_pull_rank_fraction"] < 0.55
     assert figures["cuda_ipc_second_process_buckets"] == figures["publish_buckets"] > 1
     assert figures["cuda_ipc_second_process_device"] == "cpu"
     opened = _entry(figures["cuda_ipc_exercised"], "second_process_open")

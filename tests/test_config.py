@@ -220,6 +220,17 @@ def test_engine_transport_and_remote_relay_choices_are_checked():
     assert spec.fmt == "mooncake" and spec.option("protocol") == "tcp"
     default = typed(_compose())
     assert engine_pull_spec(default.rollout, 0, default.weight_sync).fmt == "shm"  # CPU engines
+    # what each engine rank copies (issue 52): checked too
+    with pytest.raises(ConfigError, match="engine_pull='half' must be auto, shard or whole"):
+        validate_config(_compose("weight_sync.engine_pull=half"))
+    with pytest.raises(ConfigError, match="engine_pull=shard needs engines pulling from their "
+                                          "own node's relay"):
+        validate_config(_compose("job=rollout", "rollout.relay=remote",
+                                 "weight_sync.mooncake_protocol=tcp",
+                                 "weight_sync.engine_pull=shard"))
+    with pytest.raises(ConfigError, match="CPU engine of rollout.engine_tp > 1 takes one payload"):
+        validate_config(_compose("rollout.engine_tp=2", "weight_sync.mooncake_protocol=tcp",
+                                 "weight_sync.engine_transport=mooncake"))
 
 
 def test_plan_job_needs_no_checkpoint_and_the_gpu_recipes_fit(tmp_path):

@@ -65,15 +65,28 @@ def test_each_rank_holds_sglangs_slices_and_the_ranks_give_back_the_model_bit_fo
         assert {n: tuple(t.shape) for n, t in named.items()} == \
             {n: _sglang_shape(cfg, n, tp) for n in named}
         ranks.append(named)
-    # fused in SGLang's order: rank r's query heads, then its key, then its value head
+    # each rank's fused parameters rebuilt here the way SGLang's weight loaders place them
+    # (linear.py: q at rank * shard, k/v at (rank // replicas) * shard, gate then up; row
+    # parallel columns), not from the layout
     s = get_adapter(cfg).shape(cfg)
-    q, d = s.heads * s.head_dim // tp, s.head_dim
-    kv_head = (tp - 1) // (tp // s.groups) if tp >= s.groups else None
-    last = ranks[-1]["model.layers.1.self_attn.qkv_proj.weight"]
-    assert torch.equal(last[:q], state["model.layers.1.self_attn.q_proj.weight"][-q:])
-    if kv_head is not None:  # TP4 over 2 key/value heads: ranks 2 and 3 share head 1
-        k = state["model.layers.1.self_attn.k_proj.weight"][kv_head * d:(kv_head + 1) * d]
-        assert torch.equal(last[q:q + d], k)
+    replicas = tp // s.groups if tp >= s.groups else 1
+    kv = s.head_dim * max(1, s.groups // tp)
+    for r, named in enumerate(ranks):
+        for i in range(s.layers):
+            p = f"model.layers.{i}."
+            rows = lambda n, size, at: state[p + n].narrow(0, at * size, size)  # noqa: E731
+            qkv = [rows(f"self_attn.{x}_proj.weight", q, at) for x, q, at in (
+                ("q", s.heads * s.head_dim // tp, r), ("k", kv, r // replicas),
+                ("v", kv, r // replicas))]
+            assert torch.equal(named[p + "self_attn.qkv_proj.weight"], torch.cat(qkv)), (r, i)
+            f = s.ffn // tp
+            assert torch.equal(named[p + "mlp.gate_up_proj.weight"], torch.cat(
+                [rows("mlp.gate_proj.weight", f, r), rows("mlp.up_proj.weight", f, r)]))
+            cols = s.heads * s.head_dim // tp
+            assert torch.equal(named[p + "self_attn.o_proj.weight"],
+                               state[p + "self_attn.o_proj.weight"][:, r * cols:(r + 1) * cols])
+            assert torch.equal(named[p + "mlp.down_proj.weight"],
+                               state[p + "mlp.down_proj.weight"][:, r * f:(r + 1) * f])
     # the vocabulary's padding rows are zero; no value is left unwritten
     embed = ranks[-1]["model.embed_tokens.weight"]
     real = max(0, s.vocab - (tp - 1) * embed.shape[0])  # (Qwen3 at TP4: padding only)
@@ -195,8 +208,8 @@ def test_tp2_engines_pull_only_their_shards_from_a_real_relay(tmp_path, monkeypa
     """A TP1 trainer publishes bf16 versions to a real relay; a TP2 CPU engine pulls each
     rank's own parameters (SGLang's direct payload), another TP2 engine and a TP1 engine pull
     whole tensors: all three generate the same tokens with the same log-probs, each rank of
-    the shard pull received about half the version, and what the relay and engine refuse is
-    refused with the reason."""
+    the shard pull received about half the version; the relay refuses a TP the heads do not
+    split over, and an engine given another TP's payload ends as SGLang's scheduler does."""
     from laminar_mcore.netutil import TOKEN_ENV
     from laminar_mcore.parallel import destroy_trainer_parallel, init_trainer_parallel
     from laminar_mcore.relay.client import RelayClient, RelayError
@@ -243,17 +256,6 @@ def test_tp2_engines_pull_only_their_shards_from_a_real_relay(tmp_path, monkeypa
                 # refused: heads that do not split over the TP size (SGLang refuses the TP)
                 with pytest.raises(RelayError, match="LMC-E519.*engine_tp"):
                     await relay.lease(shard={"tp_size": 3, "heads": 4})
-                # an engine refuses a direct payload of the wrong shapes, keeping its weights
-                lease = await relay.lease(shard={"tp_size": 2, "heads": 4})
-                wrong = await relay.bucket(lease, 0)
-                async with SGLangClient(engines[2].url) as eng:  # TP1: one payload, not two
-                    await eng.begin_weight_update()
-                    with pytest.raises(EngineError, match="one entry per TP rank"):
-                        await eng.update_weights_from_tensor(wrong, load_format="direct")
-                    with pytest.raises(EngineError, match="Attempted to load weight"):
-                        await eng.update_weights_from_tensor(wrong[:1], load_format="direct")
-                    await eng.end_weight_update()
-                await relay.release(lease)
             return served
 
         served = asyncio.run(pulls())
@@ -269,6 +271,22 @@ def test_tp2_engines_pull_only_their_shards_from_a_real_relay(tmp_path, monkeypa
         outputs = [_generate(e.url, [3, 17, 42, 5]) for e in engines]
         assert outputs[0] == outputs[1] == outputs[2], outputs
         assert len(outputs[0][0]) == 6
+
+        async def wrong_payload():
+            """TP2 payloads to the TP1 engine: it reads entry 0 (SGLang ignores the rest), whose
+            sizes are not its parameters'; SGLang's scheduler dies on that, and so does it."""
+            async with RelayClient(master.url, TOKEN) as relay:
+                lease = await relay.lease(shard={"tp_size": 2, "heads": 4})
+                wrong = await relay.bucket(lease, 0)
+                async with SGLangClient(engines[2].url, retries=0) as eng:
+                    await eng.begin_weight_update()
+                    with pytest.raises(EngineError):
+                        await eng.update_weights_from_tensor(wrong, load_format="direct")
+                await relay.release(lease)
+
+        asyncio.run(wrong_payload())
+        wait_until(lambda: engines[2].proc.poll() is not None, timeout=30, what="engine exit")
+        assert "SGLang 0.5.23's scheduler exits on it" in (tmp_path / "engine2.log").read_text()
     finally:
         if publisher is not None:
             publisher.close()
@@ -310,7 +328,7 @@ def test_the_cuda_ipc_exporter_cuts_each_ranks_parameters_onto_its_device():
             stored.shm.buffer.copy_(b.buffer)
             store.progress(sv, stored, b.buffer.numel())
         assert len(buckets) > 4 and store.try_complete(sv)
-        plan = ShardPlan(store, sv, 2, cfg.num_attention_heads)
+        plan = ShardPlan.of_version(store, sv, 2, cfg.num_attention_heads)
         bucket_cls, meta_cls, _ = standin_bucket_classes()
         exporter = CudaIpcExporter(classes=(bucket_cls, meta_cls, _Keep), require_cuda=False)
         layout = layout_for_config(cfg, 2)
@@ -332,3 +350,32 @@ def test_the_cuda_ipc_exporter_cuts_each_ranks_parameters_onto_its_device():
         exporter.release("lease")
     finally:
         store.close()
+
+
+def test_each_engine_ranks_pull_is_decided_from_the_config_and_the_model(tmp_path):
+    """``weight_sync.engine_pull``: auto pulls shards at engine TP > 1 for a dense model (with
+    its head count and tie in the spec), whole tensors at TP1, for an MoE model or a model the
+    TP does not divide; ``shard`` where it cannot be is refused with the reason."""
+    from laminar_mcore.config.schema import RolloutConfig, WeightSyncConfig
+    from laminar_mcore.rollout.launcher import engine_pull_spec
+
+    dirs = {}
+    for name, cfg in (("qwen2", tiny_hf_config("qwen2")),
+                      ("llama", tiny_hf_config("llama", tie_word_embeddings=True)),
+                      ("moe", tiny_hf_config("qwen3_moe"))):
+        dirs[name] = str(tmp_path / name)
+        save_hf_checkpoint(dirs[name], cfg, _state(cfg, dtype=torch.float32))
+
+    def spec(model, tp, mode="auto", transport="auto"):
+        return engine_pull_spec(RolloutConfig(engine_tp=tp), 0,
+                                WeightSyncConfig(engine_pull=mode, engine_transport=transport),
+                                dirs[model]).option("shard")
+
+    assert spec("qwen2", 2) == (2, 4, False) and spec("llama", 4) == (4, 4, True)
+    assert spec("qwen2", 1) is None and spec("qwen2", 2, "whole") is None
+    assert spec("qwen2", 3) is None and spec("moe", 2) is None  # auto: whole tensors there
+    assert spec("qwen2", 1, "shard") == (1, 4, False)
+    with pytest.raises(ValueError, match="LMC-E519.*mixture-of-experts"):
+        spec("moe", 2, "shard")
+    with pytest.raises(ValueError, match="LMC-E519.*engine_tp"):
+        spec("qwen2", 3, "shard")

@@ -1,7 +1,8 @@
 """A striped relay tier in a real run (issue 52): ``weight_sync.master_relays=2`` over a PP2
 trainer publishing per-rank shards, two rollout nodes each with one relay per stripe, each
-stripe's master on a node of its own; a stripe's master relay and a trainer rank are killed
-with -9 mid-run (real processes on loopback, the chaos harness of test_faults)."""
+stripe's master on a node of its own, TP2 engines pulling each rank's own shard; a stripe's
+master relay and a trainer rank are killed with -9 mid-run (real processes on loopback, the
+chaos harness of test_faults)."""
 
 import contextlib
 import time
@@ -47,7 +48,10 @@ def test_a_striped_tier_survives_a_stripe_master_and_a_trainer_killed(tmp_path, 
         "parallel.pp=2", "cluster.trainer.nproc_per_node=2", "weight_sync.master_relays=2",
         "weight_sync.export=per_rank",
         # bf16 weights sent as deltas (on loopback no link is named for auto to weigh)
-        "model.dtype=bf16", "weight_sync.delta=on"])
+        "model.dtype=bf16", "weight_sync.delta=on",
+        # engines of TP2 (the trainer's stages are TP1): each rank pulls its own shard from
+        # both stripes' relays, SGLang's per-rank layout
+        "rollout.engine_tp=2"])
     # nothing lost: the books, one version per trajectory (the same on both stripes),
     # versions monotone across the trainer's restart (its first newer than any stripe holds),
     # both engines on the last version with equal weights, nothing left behind
@@ -68,6 +72,7 @@ def test_a_striped_tier_survives_a_stripe_master_and_a_trainer_killed(tmp_path, 
     assert elected and all("stripe" in r for r in elected), elected
     s = result.summary
     assert s["relay_failovers"] >= 1 and s["trainer_restarts"] == 1
+    assert s["engine_pull"] == "shard"
 
 
 @pytest.mark.multiprocess

@@ -142,7 +142,7 @@ class SamplingConfig:
 class RolloutConfig:
     backend: str = "cpu"  # cpu (built-in engine) | sglang
     num_engines: int = 2  # engines per rollout node
-    engine_tp: int = 1  # GPUs per SGLang engine (its tensor parallel size)
+    engine_tp: int = 1  # an engine's TP ranks (SGLang: its GPUs; the CPU engine: its payloads)
     mem_fraction_static: float = 0.8  # SGLang's --mem-fraction-static (weights + KV)
     kv_capacity_tokens: int = 16384  # CPU engine KV cache size
     max_running_requests: int = 64  # an engine's concurrent requests: its capacity

@@ -264,6 +264,9 @@ def validate_config(cfg: DictConfig) -> None:
     elif et == "sglang_cuda_ipc" and cfg.rollout.backend != "sglang":
         problems.append("LMC-E110: weight_sync.engine_transport=sglang_cuda_ipc needs "
                         "rollout.backend=sglang; the CPU engine takes auto (shm) or mooncake")
+    if et == "mooncake" and cfg.rollout.backend == "cpu" and cfg.rollout.engine_tp > 1:
+        problems.append("LMC-E110: a CPU engine of rollout.engine_tp > 1 takes one payload per "
+                        "rank from its node's relay; Mooncake reads one: use engine_tp=1 there")
     ep = cfg.weight_sync.engine_pull
     if ep not in ("auto", "shard", "whole"):
         problems.append(f"LMC-E102: weight_sync.engine_pull={ep!r} must be auto, shard or whole")

@@ -101,10 +101,14 @@ class PullService:
         count, nbytes = sv.num_served, sv.nbytes
         if shard is not None:
             try:
-                state.shard = await asyncio.to_thread(ShardPlan, self.store, sv,
-                                                      shard["tp_size"], shard["heads"])
-            except ValueError as exc:  # a model the per-rank layout cannot hold at this TP
+                state.shard = await asyncio.to_thread(ShardPlan.of_version, self.store, sv,
+                                                      shard["tp_size"], shard["heads"],
+                                                      bool(shard.get("tied")))
+                exporter.check_shard(params, shard["tp_size"])
+            except BaseException as exc:  # e.g. a model the layout cannot hold at this TP
                 self.store.release(lease_id)
+                if not isinstance(exc, (ValueError, ArithmeticError)):
+                    raise
                 code, why = split(exc)
                 return error_response(400, code or "LMC-E519", why, field="shard")
             count, nbytes = len(state.shard.groups), state.shard.nbytes
@@ -162,6 +166,10 @@ class PullService:
             code, why = split(exc)
             return error_response(500, code or "LMC-E506", f"cannot serve bucket {index} as "
                                   f"{state.fmt!r}: {why}")
+        if self.pulls.get(lease_id) is not state:  # released while this bucket was made
+            await asyncio.to_thread(exporter.free, lease_id, [index])
+            return error_response(404, "LMC-E405", f"lease {lease_id!r} was released while "
+                                  f"bucket {index} was being served; pull again")
         state.outstanding.add(index)
         state.peak = max(state.peak, len(state.outstanding))
         state.nbytes += nbytes

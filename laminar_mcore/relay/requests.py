@@ -28,7 +28,8 @@ PULL = {"min_version": Field("int", low=-1), "ttl_s": Field("number", low=0.001,
         # each engine rank's own shard (relay/shard_pulls.py): the engine's TP size, heads
         "shard": Field("dict", fields={"tp_size": Field("int", required=True, low=1, high=1024),
                                        "heads": Field("int", required=True, low=1,
-                                                      high=1_000_000)})}
+                                                      high=1_000_000),
+                                       "tied": Field("bool")})}
 
 # POST /bucket (without ``index``: only the ``applied`` acknowledgements)
 BUCKET = {"lease_id": LEASE_ID, "index": Field("int", low=0, high=2**31 - 1),

@@ -13,7 +13,9 @@ into the transport's buffer (shared memory, or the rank's GPU for CUDA IPC).
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+import functools
+import threading
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
@@ -22,32 +24,58 @@ from ..weights.engine_layout import Layout
 
 
 class ShardPlan:
-    """Lease ``sv`` (a ``StoredVersion`` of ``store``) in the per-rank layout of TP ``tp``."""
+    """A version in the per-rank layout of TP ``tp``: ``tensors`` maps each Hugging Face name to
+    (shape, dtype, a callable returning a view of the whole tensor); ``groups`` are the pulls,
+    about ``bucket_bytes`` per rank each. ``of_version`` plans a relay's leased version."""
 
-    def __init__(self, store, sv, tp: int, heads: int):
-        self.store, self.sv = store, sv
-        self.index: Dict[str, int] = {}
-        shapes, dtypes, sizes = {}, {}, {}
+    def __init__(self, tensors: Dict[str, Tuple[tuple, torch.dtype, Callable[[], torch.Tensor]]],
+                 tp: int, heads: int, bucket_bytes: int):
+        self._get = {name: get for name, (_, _, get) in tensors.items()}
+        self.layout = Layout({n: t[0] for n, t in tensors.items()}, heads, tp,
+                             {n: t[1] for n, t in tensors.items()})
+        self.groups: List[List[str]] = self.layout.groups(max(int(bucket_bytes), 1))
+
+    @classmethod
+    def of_version(cls, store, sv, tp: int, heads: int, tied: bool = False) -> "ShardPlan":
+        """Lease ``sv`` (a ``StoredVersion`` of ``store``): each whole tensor read from the
+        bucket a whole pull would get (``store.served``, mapped once per lease), in groups of
+        about its largest bucket. ``tied``: the engine's output layer is its embedding (SGLang
+        has no ``lm_head.weight`` parameter then): an ``lm_head.weight`` in the version is
+        not served."""
         entries = (sv.whole if sv.whole is not None
                    else [[(m.name, m.dtype, m.shape) for m in b.metas] for b in sv.ordered()])
+        views: Dict[int, Dict[str, torch.Tensor]] = {}
+        lock = threading.Lock()
+
+        def view(i: int, name: str) -> torch.Tensor:
+            with lock:  # /bucket serves in worker threads
+                if i not in views:
+                    bucket = store.served(sv, i)
+                    views[i] = read_bucket(bucket.shm.buffer, bucket.metas)
+                return views[i][name]
+
+        tensors, sizes = {}, {}
         for i, entry in enumerate(entries):
             for t in entry:
                 name, dtype, shape = (t.name, t.dtype, t.shape) if sv.whole is not None else t
-                self.index[name] = i
-                shapes[name], dtypes[name] = tuple(shape), dtype_from_name(dtype)
-                n = torch.Size(shape).numel() * torch.empty((), dtype=dtypes[name]).element_size()
-                sizes[i] = sizes.get(i, 0) + n
-        self.layout = Layout(shapes, heads, tp, dtypes)
-        self.groups: List[List[str]] = self.layout.groups(max(sizes.values(), default=1))
-        self._views: Dict[int, Dict[str, torch.Tensor]] = {}
+                if tied and name == "lm_head.weight":
+                    continue
+                dtype = dtype_from_name(dtype)
+                tensors[name] = (tuple(shape), dtype, functools.partial(view, i, name))
+                sizes[i] = sizes.get(i, 0) + torch.Size(shape).numel() * torch.empty(
+                    (), dtype=dtype).element_size()
+        return cls(tensors, tp, heads, max(sizes.values(), default=1))
+
+    @classmethod
+    def of_tensors(cls, named: Dict[str, torch.Tensor], tp: int, heads: int,
+                   bucket_bytes: int) -> "ShardPlan":
+        """Whole tensors in memory (``bench.gpu``)."""
+        return cls({n: (tuple(t.shape), t.dtype, functools.partial(named.__getitem__, n))
+                    for n, t in named.items()}, tp, heads, bucket_bytes)
 
     def tensor(self, hf: str) -> torch.Tensor:
-        """A view of whole Hugging Face tensor ``hf`` in the version (valid for the lease)."""
-        i = self.index[hf]
-        if i not in self._views:
-            bucket = self.store.served(self.sv, i)
-            self._views[i] = read_bucket(bucket.shm.buffer, bucket.metas)
-        return self._views[i][hf]
+        """A view of whole Hugging Face tensor ``hf`` (valid for the lease)."""
+        return self._get[hf]()
 
     def group_layout(self, index: int) -> Tuple[list, int]:
         """(metas, bytes) of one rank's payload of group ``index`` (64-byte aligned)."""

@@ -11,7 +11,9 @@
 - ``serialized_named_tensors`` holds one payload per TP rank (``--tp-size``): whole Hugging Face
   tensors each rank narrows (``flattened_bucket``), or each rank's own parameters in SGLang's
   fused per-rank layout (``direct``, ``weights/engine_layout.py``); the served model is their
-  union (one CPU computes every rank's part).
+  union (one CPU computes every rank's part). Entries past the TP size are ignored, as SGLang
+  ignores them; a direct payload SGLang cannot load ends the engine, as it ends SGLang's
+  scheduler (``scheduler_dies``).
 
 Mixed into ``CpuEngineServer``; it never imports trainer code.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 from typing import Dict, List, Optional, Tuple
 
@@ -30,6 +33,7 @@ from ..weights.bucket import decode_handle, open_handle
 from ..weights.engine_layout import Layout, LayoutError, layout_for_config
 from .engine_http import HTTPError
 
+logger = logging.getLogger("laminar_mcore.cpu_engine")
 SESSION_REQUIRED = "{op} must run between begin_weight_update() and end_weight_update()"
 FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still "
                  "running or queued. Retract or finish them, then call /flush_cache.")
@@ -59,11 +63,23 @@ def rank_layout(model, tp: int) -> Tuple[int, Optional[Layout]]:
         raise ValueError(f"--tp-size {tp}: {exc}") from None
 
 
+def scheduler_dies(exc: BaseException) -> None:
+    """What SGLang 0.5.23 does with a direct payload it cannot load (a name that is not one of
+    its parameters, a size that differs): nothing catches the error
+    (``scheduler_components/weight_updater.py``), the scheduler process ends and takes the
+    server down (``run_scheduler_process``). The twin ends the same way, saying why."""
+    logger.error("a direct weight payload failed to load (%s): SGLang 0.5.23's scheduler "
+                 "exits on it, and so does this engine", exc)
+    logging.shutdown()
+    os._exit(1)
+
+
 def load_rank_parameters(model, layout: Layout, ranks: List[Dict[str, torch.Tensor]]) -> int:
     """``load_format="direct"``: rank r's payload holds its own SGLang parameters, each copied
     whole (SGLang's ``_model_load_weights_direct``: ``params_dict[name]``, then
     ``default_weight_loader``'s size check); every rank's names and sizes are checked before
-    anything is written. The served model takes each rank's pieces back."""
+    anything is written (``ValueError``: the caller ends the engine, as SGLang's scheduler
+    ends). The served model takes each rank's pieces back."""
     for r, named in enumerate(ranks):
         for name, t in named.items():
             if name not in layout.shapes:
@@ -190,11 +206,11 @@ class WeightUpdateRoutes:
                                      "use 'flattened_bucket' (whole tensors) or 'direct' (each "
                                      "rank's own parameters, SGLang's per-rank layout)")
             serialized = body.get("serialized_named_tensors")
-            if not isinstance(serialized, list) or len(serialized) != self.tp_size:
+            if not isinstance(serialized, list) or len(serialized) < self.tp_size:
                 raise HTTPError(400, "serialized_named_tensors must be a list with one entry per "
                                      f"TP rank (this engine has {self.tp_size})")
-            try:
-                handles = [decode_handle(data) for data in serialized]
+            try:  # rank r reads entry r; SGLang never reads entries past its TP size
+                handles = [decode_handle(data) for data in serialized[:self.tp_size]]
             except ValueError as exc:
                 raise HTTPError(400, str(exc)) from None
             if fmt == "direct" and self.layout is None:
@@ -205,7 +221,10 @@ class WeightUpdateRoutes:
                 with contextlib.ExitStack() as stack:
                     ranks = [stack.enter_context(open_handle(h)) for h in handles]
                     if fmt == "direct":
-                        return load_rank_parameters(self.core.model, self.layout, ranks)
+                        try:
+                            return load_rank_parameters(self.core.model, self.layout, ranks)
+                        except ValueError as exc:
+                            scheduler_dies(exc)
                     if self.layout is None or self.tp_size == 1:
                         return sum(self.core.model.load_weights(named) for named in ranks)
                     return load_rank_slices(self.core.model, self.layout, ranks)

@@ -231,10 +231,11 @@ def engine_pull_spec(rollout_cfg, index: int, weight_sync=None,
 
 
 def shard_pull(rollout_cfg, weight_sync, model_path: Optional[str],
-               transport: str) -> Optional[Tuple[int, int]]:
-    """(engine TP, attention heads) when an engine's ranks pull only their own shards
-    (``weight_sync.engine_pull``: shard; auto: at ``rollout.engine_tp`` > 1 for a dense model
-    pulling from its node's relay), else None. ``shard`` where it cannot be is refused."""
+               transport: str) -> Optional[Tuple[int, int, bool]]:
+    """(engine TP, attention heads, tied embeddings) when an engine's ranks pull only their own
+    shards (``weight_sync.engine_pull``: shard; auto: at ``rollout.engine_tp`` > 1 for a dense
+    model pulling from its node's relay), else None. ``shard`` where it cannot be is refused;
+    ``auto`` falls back to whole tensors where the model cannot be read or laid out."""
     mode, tp = getattr(weight_sync, "engine_pull", "auto"), int(rollout_cfg.engine_tp)
     if mode == "whole" or (mode == "auto" and tp < 2):
         return None
@@ -244,16 +245,17 @@ def shard_pull(rollout_cfg, weight_sync, model_path: Optional[str],
     elif model_path is None:
         why = "the served model is not known here"
     else:
-        from ..models import load_hf_config
-        from ..weights.engine_layout import LayoutError, layout_for_config
+        from ..models import get_adapter, load_hf_config
+        from ..weights.engine_layout import layout_for_config
 
-        config = load_hf_config(model_path)
         try:
+            config = load_hf_config(model_path)
             heads = layout_for_config(config, tp).heads
-        except LayoutError as exc:
+            tied = get_adapter(config).tied_embeddings(config)
+        except (ValueError, OSError) as exc:  # LayoutError, AdapterError, no config.json
             why = str(exc)
     if why is None:
-        return tp, heads
+        return tp, heads, tied
     if mode == "shard":
         raise ValueError(f"LMC-E519: weight_sync.engine_pull=shard: {why}")
     return None

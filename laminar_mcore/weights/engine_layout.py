@@ -127,6 +127,9 @@ class Layout:
                               "checkpoint's q_proj")
         self.head_dim = q[0] // self.heads
         self.kv_heads = k[0] // self.head_dim
+        if self.kv_heads < 1 or k[0] % self.head_dim:
+            raise LayoutError(f"LMC-E519: k_proj's {k[0]} rows are not whole heads of "
+                              f"{self.head_dim} ({self.heads} attention heads?)")
         if self.heads % tp or (tp % self.kv_heads if tp >= self.kv_heads else self.kv_heads % tp):
             raise LayoutError(f"LMC-E519: {self.heads} query and {self.kv_heads} key/value heads "
                               f"do not split over TP {tp} (SGLang's QKVParallelLinear divides "

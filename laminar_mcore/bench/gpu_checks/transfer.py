@@ -213,6 +213,7 @@ def check_cuda_ipc(b: Bench) -> Tuple[bool, str]:
                 where.add(on)
             held = exporter.held("lease")
             exporter.release("lease")
+        shard = _shard_pull(b, exporter, engine, buffers)
     finally:
         engine.close()
     left = (torch.cuda.memory_allocated() / GB) if b.cuda else 0.0
@@ -222,7 +223,8 @@ def check_cuda_ipc(b: Bench) -> Tuple[bool, str]:
                       "cuda_ipc_second_process_buckets": opened,
                       "cuda_ipc_second_process_equal": equal,
                       "cuda_ipc_second_process_device": ",".join(sorted(where))})
-    reopened = opened == len(buffers) and equal and where == {b.device.type}
+    b.figures.update(shard[1])
+    reopened = opened == len(buffers) and equal and where == {b.device.type} and shard[0]
     ok = (exporter.peak_buckets_held <= 2 and held == sorted(held)[-2:] and
           mem["pull"] <= 2 * largest / GB * 1.05 + 0.01 and not exporter.held("lease") and
           reopened)
@@ -243,6 +245,45 @@ def check_cuda_ipc(b: Bench) -> Tuple[bool, str]:
                 f"held, engine-GPU peak {mem['pull']:.2f} GB (largest bucket {largest / GB:.2f} GB), "
                 f"{payload_bytes} payload bytes, {left:.2f} GB allocated after release; "
                 f"{opened} rebuilt in pid {engine.pid}, bytes {'equal' if equal else 'DIFFERENT'}")
+
+
+SHARD_GROUPS = 2  # groups of a shard pull sent to the engine (the embedding and first layers)
+
+
+def _shard_pull(b: Bench, exporter, engine, buffers) -> Tuple[bool, dict]:
+    """Each TP rank's own parameters (``weight_sync.engine_pull=shard``): the stage as SGLang's
+    per-rank layout at TP2 (both ranks on this device), the first ``SHARD_GROUPS`` groups cut
+    onto the device and opened by the engine process as SGLang's direct load does (a list of
+    (name, tensor), views of one allocation per rank); each rank's tensors equal the layout's."""
+    from ...relay.shard_pulls import ShardPlan
+    from ...weights.bucket import read_bucket
+
+    named = {}
+    for bucket in buffers:
+        named.update(read_bucket(bucket.buffer, bucket.metas))
+    q = next(t for n, t in named.items() if n.endswith("self_attn.q_proj.weight"))
+    heads = q.shape[0] // 128 if b.cuda else 4  # Qwen2.5-7B's head_dim 128; the tiny model's 4
+    plan = ShardPlan.of_tensors(named, 2, heads, max(bkt.nbytes for bkt in buffers))
+    groups, equal, opened = min(SHARD_GROUPS, len(plan.groups)), True, 0
+    for i in range(groups):
+        per_rank = exporter.payload_shard("shard", i, plan, [str(b.device)] * 2)
+        for rank, payload in enumerate(per_rank):
+            want = [(n, plan.layout.fill(n, rank, plan.tensor, torch.empty(
+                plan.layout.shapes[n], dtype=plan.layout.dtypes[n]))) for n in plan.groups[i]]
+            index, digest, _ = engine.ask((i, payload, "direct"))
+            opened += index == i
+            equal &= digest == _digest(want)
+        exporter.free("shard", [i])
+    exporter.release("shard")
+    ok = opened == 2 * groups and equal
+    b.covered("shard_pull_direct_payloads", ok,
+              f"{groups} groups x 2 ranks opened in another process, equal to the layout",
+              "a rank's payload was not opened, or differed")
+    version = sum(t.numel() * t.element_size() for t in named.values())
+    return ok, {"shard_pull_groups_checked": groups, "shard_pull_equal": bool(equal),
+                "shard_pull_groups": len(plan.groups),
+                "shard_pull_rank_fraction": sum(plan.rank_bytes(i) for i in range(
+                    len(plan.groups))) / max(version, 1)}
 
 
 def _engine_main(conn, sglang: bool) -> None:
@@ -280,8 +321,19 @@ def _engine_main(conn, sglang: bool) -> None:
                 obj = ForkingPickler.loads(base64.b64decode(payload))
                 flat = obj["flattened_tensor"]
                 return flat, reconstruct_tensors(flat, obj["metadata"])
+        def direct(payload):  # weight_updater.update_weights_from_tensor, load_format=direct
+            if sglang:
+                return MultiprocessingSerializer.deserialize(payload)
+            return ForkingPickler.loads(base64.b64decode(payload))
+
         conn.send(os.getpid())
         while (msg := conn.recv()) is not None:
+            if len(msg) == 3:  # a shard pull's rank payload: a list of (name, tensor)
+                named = direct(msg[1])
+                answer = (msg[0], _digest(named), named[0][1].device.type)
+                del named
+                conn.send(answer)
+                continue
             index, payload = msg
             flat, named = rebuild(payload)
             answer = (index, _digest(named), flat.device.type)

@@ -26,6 +26,9 @@ class Exporter:
     def serve(self, lease_id: str, index: int, bucket, params: Any) -> Any:
         raise NotImplementedError
 
+    def check_shard(self, params: Any, tp: int) -> None:
+        """Whether a shard lease of TP ``tp`` can be served with ``params`` (``ValueError``)."""
+
     def serve_shard(self, lease_id: str, index: int, plan, params: Any) -> List[Any]:
         raise TransportUnavailable("LMC-E519: this transport serves whole tensors only")
 
@@ -59,10 +62,11 @@ class Puller:
         return self.spec.fmt
 
     async def pull(self, relay, engine, current_version: int) -> Optional[int]:
-        shard = self.spec.option("shard")  # (tp_size, heads): each rank pulls its own shard
+        shard = self.spec.option("shard")  # (tp, heads, tied): each rank its own shard
         lease = await relay.lease(min_version=current_version + 1, fmt=self.lease_format(),
                                   devices=self.spec.devices or None,
-                                  shard={"tp_size": shard[0], "heads": shard[1]}
+                                  shard={"tp_size": shard[0], "heads": shard[1],
+                                         "tied": bool(shard[2:] and shard[2])}
                                   if shard else None)
         if lease is None:
             return None

@@ -202,14 +202,13 @@ class CudaIpcExporter:
             self._classes = _sglang_bucket_classes()
         serializer = self._classes[2]
         metas, total = plan.group_layout(index)
-        keep, per_rank = [], []
-        for rank, device in enumerate(targets):
-            flat = torch.zeros(total, dtype=torch.uint8, device=device)
-            views = read_bucket(flat, metas)
-            plan.fill(index, rank, views)
-            keep.append(flat)
-            per_rank.append(serializer.serialize([(m.name, views[m.name]) for m in metas],
-                                                 output_str=True))
+        keep, views = [], []
+        for rank, device in enumerate(targets):  # every rank filled before any is shared
+            keep.append(torch.zeros(total, dtype=torch.uint8, device=device))
+            views.append(read_bucket(keep[-1], metas))
+            plan.fill(index, rank, views[-1])
+        per_rank = [serializer.serialize([(m.name, v[m.name]) for m in metas], output_str=True)
+                    for v in views]
         self._keep(lease_id, index, keep, targets)
         return per_rank
 
@@ -283,6 +282,11 @@ class Exporter(_Exporter):
 
         return self.ipc.payload(lease_id, index, read_bucket(bucket.shm.buffer, bucket.metas),
                                 devices)
+
+    def check_shard(self, devices, tp):
+        if len(devices) != tp:
+            raise ValueError(f"LMC-E519: {len(devices)} GPUs for an engine of TP {tp}: name one "
+                             "device per TP rank")
 
     def serve_shard(self, lease_id, index, plan, devices):
         return self.ipc.payload_shard(lease_id, index, plan, devices)
