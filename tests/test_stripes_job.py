@@ -72,7 +72,8 @@ def test_a_striped_tier_survives_a_stripe_master_and_a_trainer_killed(tmp_path, 
     assert elected and all("stripe" in r for r in elected), elected
     s = result.summary
     assert s["relay_failovers"] >= 1 and s["trainer_restarts"] == 1
-    assert s["engine_pull"] == "shard"
+    assert s["engine_pull"] == "shard" and s["engine_pull_loads"]["direct"] >= 2
+    assert "flattened_bucket" not in s["engine_pull_loads"]
 
 
 @pytest.mark.multiprocess

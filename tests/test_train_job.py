@@ -61,6 +61,9 @@ def test_train_job_runs_and_keeps_the_books(tmp_path, mode):
     _check_books(tmp_path / "out" / "e2e", mode, 3, transport)
     summary = json.loads((tmp_path / "out" / "e2e" / "summary.json").read_text())
     assert summary["engine_pull"] == ("whole" if transport == "mooncake" else "shard")
+    if transport != "mooncake":  # the versions engines applied were each rank's own shard
+        assert summary["engine_pull_loads"]["direct"] >= 2, summary["engine_pull_loads"]
+        assert "flattened_bucket" not in summary["engine_pull_loads"]
 
 
 def _check_books(run_dir, mode, steps, transport, every=2):

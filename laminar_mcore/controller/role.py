@@ -156,6 +156,16 @@ def resume_state(cfg: LaminarConfig, out_dir: str, log) -> Optional[dict]:
     return None
 
 
+def _pull_loads(handles) -> dict:
+    """Versions the engines' pullers applied, by SGLang ``load_format`` (an agent's pulls run
+    on its node and are not counted here)."""
+    out: dict = {}
+    for handle in handles:
+        for fmt, n in getattr(handle.puller, "loads", {}).items():
+            out[fmt] = out.get(fmt, 0) + n
+    return out
+
+
 def finish_run(controller: Controller, result: dict, initial: EvalResult, t_start: float,
                out_dir: str, log) -> dict:
     """After training: bring the engines in service to the final version, evaluate on the
@@ -264,7 +274,9 @@ def finish_run(controller: Controller, result: dict, initial: EvalResult, t_star
                "engine_pull": "shard" if shard_pull(cfg.rollout, cfg.weight_sync,
                                                     task.model_path, engine_transport(
                                                         cfg.rollout, cfg.weight_sync))
-               else "whole"}
+               else "whole",
+               # versions the engines applied, by SGLang load_format (direct: their own shards)
+               "engine_pull_loads": _pull_loads(controller.manager.engines)}
     balanced = books["trajectories_generated"] == (books["trajectories_consumed"]
                                                    + books["trajectories_buffered"]
                                                    + books["trajectories_discarded"])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 
 class TransportUnavailable(RuntimeError):
@@ -57,6 +57,7 @@ class Puller:
 
     def __init__(self, spec):
         self.spec = spec
+        self.loads: Dict[str, int] = {}  # versions applied, by load_format (a run's summary)
 
     def lease_format(self) -> str:
         return self.spec.fmt
@@ -85,8 +86,10 @@ class Puller:
             return data if isinstance(data, list) else [data] * int(self.spec.option("ranks", 1))
 
         try:
+            fmt = "direct" if shard else "flattened_bucket"
             await apply_version(engine, (lease.num_buckets, fetch), lease.version,
-                                load_format="direct" if shard else "flattened_bucket")
+                                load_format=fmt)
+            self.loads[fmt] = self.loads.get(fmt, 0) + 1
         finally:
             await relay.release(lease)
         return lease.version
