@@ -112,6 +112,11 @@ def test_shapes_sglang_refuses_are_refused_with_a_fix():
     shapes = get_adapter(cfg).hf_shapes(cfg)
     with pytest.raises(LayoutError, match="LMC-E519.*no place"):
         Layout({**shapes, "model.layers.0.mlp.experts.0.up_proj.weight": (8, 64)}, 4, 2)
+    # a stripe of the version without attention (its norm and output layer) lays out alone
+    tail = {n: shapes[n] for n in ("model.norm.weight", "lm_head.weight")}
+    assert Layout(tail, 4, 2).shapes == {"model.norm.weight": (64,), "lm_head.weight": (64, 64)}
+    with pytest.raises(LayoutError, match="LMC-E519.*attention heads"):
+        Layout({**tail, "model.layers.0.self_attn.q_proj.weight": (64, 64)}, 4, 2)
     rank = {"model.layers.0.mlp.gate_up_proj.weight": torch.zeros(3, 64)}
     model = DecoderLM(cfg, _state(cfg, dtype=torch.float32))
     with pytest.raises(ValueError, match=r"Attempted to load weight \(\(3, 64\)\)"):

@@ -122,15 +122,20 @@ class Layout:
                  None)
         k = next((s for k, s in self.hf_shapes.items() if k.endswith("self_attn.k_proj.weight")),
                  None)
-        if q is None or k is None or q[0] % self.heads:
+        if q is None and k is None:  # no attention here (a stripe of other tensors)
+            self.head_dim = self.kv_heads = 0
+            q = k = ()
+        elif q is None or k is None or q[0] % self.heads:
             raise LayoutError(f"LMC-E519: cannot find {self.heads} attention heads in the "
                               "checkpoint's q_proj")
-        self.head_dim = q[0] // self.heads
-        self.kv_heads = k[0] // self.head_dim
-        if self.kv_heads < 1 or k[0] % self.head_dim:
+        else:
+            self.head_dim = q[0] // self.heads
+            self.kv_heads = k[0] // self.head_dim
+        if q and (self.kv_heads < 1 or k[0] % self.head_dim):
             raise LayoutError(f"LMC-E519: k_proj's {k[0]} rows are not whole heads of "
                               f"{self.head_dim} ({self.heads} attention heads?)")
-        if self.heads % tp or (tp % self.kv_heads if tp >= self.kv_heads else self.kv_heads % tp):
+        if q and (self.heads % tp or (tp % self.kv_heads if tp >= self.kv_heads
+                                      else self.kv_heads % tp)):
             raise LayoutError(f"LMC-E519: {self.heads} query and {self.kv_heads} key/value heads "
                               f"do not split over TP {tp} (SGLang's QKVParallelLinear divides "
                               "them): choose rollout.engine_tp dividing the heads")
