@@ -45,7 +45,9 @@ class PullState:
     outstanding: set = field(default_factory=set)
     applied: set = field(default_factory=set)
     peak: int = 0
-    nbytes: int = 0  # bytes served (what the engine pulled: every serve of a bucket counts)
+    # bytes served: what the engine pulled, every serve of a bucket counted (a CUDA IPC bucket
+    # once per engine GPU it is copied to; a shard group, each rank's part)
+    nbytes: int = 0
     shard: Any = None  # a ShardPlan: each engine rank's own parameters (relay/shard_pulls.py)
     started: float = field(default_factory=time.monotonic)
 
@@ -161,7 +163,7 @@ class PullService:
                 bucket = await asyncio.to_thread(self.store.served, sv, index)
                 data = await asyncio.to_thread(exporter.serve, lease_id, index, bucket,
                                                state.params)
-                nbytes = bucket.nbytes
+                nbytes = bucket.nbytes * exporter.copies(state.params)
         except Exception as exc:  # noqa: BLE001 - e.g. a GPU error: say it, keep serving
             code, why = split(exc)
             return error_response(500, code or "LMC-E506", f"cannot serve bucket {index} as "

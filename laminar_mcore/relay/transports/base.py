@@ -26,6 +26,10 @@ class Exporter:
     def serve(self, lease_id: str, index: int, bucket, params: Any) -> Any:
         raise NotImplementedError
 
+    def copies(self, params: Any) -> int:
+        """How many copies of a whole bucket ``serve`` makes (what ``bytes_served`` counts)."""
+        return 1
+
     def check_shard(self, params: Any, tp: int) -> None:
         """Whether a shard lease of TP ``tp`` can be served with ``params`` (``ValueError``)."""
 

@@ -283,6 +283,9 @@ class Exporter(_Exporter):
         return self.ipc.payload(lease_id, index, read_bucket(bucket.shm.buffer, bucket.metas),
                                 devices)
 
+    def copies(self, devices):
+        return len(devices)  # the bucket on every GPU of the engine
+
     def check_shard(self, devices, tp):
         if len(devices) != tp:
             raise ValueError(f"LMC-E519: {len(devices)} GPUs for an engine of TP {tp}: name one "
