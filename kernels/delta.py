@@ -17,7 +17,7 @@ same signature; ``encode`` builds ``weights.delta``'s payload from either: the s
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -71,11 +71,11 @@ if triton is not None:
 _INTERPRETED = triton is not None and is_interpreted(_count_kernel)
 
 
-def changes_triton(new: torch.Tensor, base: torch.Tensor,
-                   dense_above: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def changes_triton(new: torch.Tensor, base: torch.Tensor, dense_above: Optional[int] = None
+                   ) -> Tuple[Optional[torch.Tensor], Union[torch.Tensor, int]]:
     """``changes_torch`` by the two kernels (one host sync: the number of changes). With
     ``dense_above``: more changes than that are not compacted (a dense delta sends every
-    element's XOR): (None, the count as a 0-d tensor)."""
+    element's XOR): (None, the count)."""
     if triton is None:
         raise RuntimeError("changes_triton needs Triton (pip install triton); changes_torch "
                            "computes the same on any device")
@@ -96,7 +96,7 @@ def changes_triton(new: torch.Tensor, base: torch.Tensor,
         ends = torch.cumsum(counts, 0, dtype=torch.int64)
         total = int(ends[-1])
         if dense_above is not None and total > dense_above:
-            return None, torch.tensor(total, device=new.device)
+            return None, total
         positions = torch.empty(total, dtype=torch.int64, device=new.device)
         xor = torch.empty(total, dtype=new.dtype, device=new.device)
         if total:
@@ -120,7 +120,7 @@ def encode(new: torch.Tensor, base: torch.Tensor, unit: int = 2, level: int = 1,
         positions, xor = changes_triton(a, b, dense_above)
     else:
         positions, xor = changes_torch(a, b)
-    count = int(xor) if positions is None else positions.numel()
+    count = xor if positions is None else positions.numel()
     if count > dense_above:
         return wdelta.payload(count, unit, None, _xor_to_host(a, b), level), count
     return wdelta.payload(count, unit, positions.cpu(), xor.cpu(), level), count

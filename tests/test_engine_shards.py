@@ -5,7 +5,6 @@ by the CPU engine, and served by a real relay to real TP2 CPU engines on loopbac
 import ast
 import asyncio
 import dataclasses
-import json
 
 import pytest
 import torch
@@ -197,14 +196,13 @@ def test_the_layout_is_sglangs_own():
 
 def _generate(url, prompt):
     """Greedy tokens and their log-probs from an engine."""
-    import urllib.request
+    from laminar_mcore.rollout.client import SGLangClient
 
-    body = {"input_ids": prompt, "return_logprob": True,
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": 6}}
-    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        out = json.loads(resp.read())
+    async def go():
+        async with SGLangClient(url) as engine:
+            return await engine.generate(prompt, {"temperature": 0.0, "max_new_tokens": 6})
+
+    out = asyncio.run(go())
     return out["output_ids"], [lp[0] for lp in out["meta_info"]["output_token_logprobs"]]
 
 
@@ -248,7 +246,7 @@ def test_tp2_engines_pull_only_their_shards_from_a_real_relay(tmp_path, monkeypa
                                  log_path=str(tmp_path / f"engine{i}.log")).start()
                    for i, tp in enumerate((2, 2, 1))]
         procs += engines
-        shard = PullSpec("shm", options=(("shard", (2, cfg.num_attention_heads)),))
+        shard = PullSpec("shm", options=(("shard", (2, cfg.num_attention_heads, False)),))
 
         async def pulls():
             served = []

@@ -286,7 +286,8 @@ def main(argv=None) -> dict:
                                     log_path=os.path.join(tmp, "engine-tp2.log")).start()
             procs.append(engine2)
             tp2 = {"whole": PullSpec("shm", options=(("ranks", 2),)),
-                   "shard": PullSpec("shm", options=(("shard", (2, cfg.num_attention_heads)),))}
+                   "shard": PullSpec("shm", options=(
+                       ("shard", (2, cfg.num_attention_heads, False)),))}
 
             async def tp2_pulls():
                 out = {}

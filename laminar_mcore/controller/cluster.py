@@ -38,14 +38,12 @@ from ..rollout.client import SGLangClient
 from ..rollout.launcher import engine_pull_spec
 from ..rollout.pull_agent import AgentPuller
 from .engines import EngineHandle
-from .masters import MasterRelays
+from .masters import PUBLISH, MasterRelays
 
 logger = logging.getLogger(__name__)
 
 # what each cluster endpoint accepts (netutil.check_fields: a bad field is a 400 naming it)
 URL = Field("url", max_len=300)
-PUBLISH = Field("dict", fields={"host": Field("str", required=True, max_len=255),
-                                "port": Field("int", required=True, low=1, high=65535)})
 REGISTER = {"relay_url": Field("url", required=True, max_len=300),
             "engines": Field("list", required=True, max_len=4096, item=URL),
             "publish": PUBLISH, "pull_agent": URL,
@@ -326,9 +324,7 @@ class ClusterAPI(MasterRelays):
         names = self._add_node(body["relay_url"], body["engines"], body.get("pull_agent"),
                                body.get("relay_urls"))
         if publish is not None:
-            self.master_relays[0] = {"url": body["relay_url"],
-                                     "publish_host": str(publish["host"]),
-                                     "publish_port": int(publish["port"])}
+            self._set_master(0, body["relay_url"], publish["host"], publish["port"])
         return web.json_response({"ok": True, "node": node, "engines": names})
 
     async def _leave(self, request: web.Request):

@@ -170,16 +170,17 @@ class EngineHealth:
         old clients (the caller closes them)."""
         from ..relay.striped import replaced
 
-        old, new = [], {}  # (engines of one node share their new client)
+        old, new, gone = [], {}, {old_url}  # (engines of one node share their new client)
         for e in self.engines:
             url = replaced(e.relay.url, old_url, new_url)
             if url != e.relay.url:
-                self.relay_versions.forget(e.relay.url)
+                gone.add(e.relay.url)
                 old.append(e.relay)
                 if url not in new:
                     new[url] = client(url)
                 e.relay = new[url]
-        self.relay_versions.forget(old_url)
+        for url in gone:
+            self.relay_versions.forget(url)
         return old
 
     async def _engine_of_version(self, item: InFlight) -> EngineHandle:

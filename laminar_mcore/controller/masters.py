@@ -90,6 +90,11 @@ class MasterRelays:
                              "stripes (weight_sync.master_relays)")
         return stripe
 
+    def _set_master(self, stripe: int, url: str, publish_host, publish_port) -> None:
+        """Stripe ``stripe``'s master relay: its URL and where trainers publish to it."""
+        self.master_relays[stripe] = {"url": url, "publish_host": str(publish_host),
+                                      "publish_port": int(publish_port)}
+
     def stripe_relays(self, stripe: int) -> List[str]:
         """Every registered rollout node's relay of ``stripe``, in the order they registered."""
         return [n["relay_urls"][stripe] for n in self.rollout_nodes]
@@ -196,8 +201,7 @@ class MasterRelays:
             except RelayError as exc:
                 logger.warning("relay %s could not be promoted: %s", url, exc)
                 continue
-            self.master_relays[stripe] = {"url": url, "publish_host": str(info["data_host"]),
-                                          "publish_port": int(answer["publish_port"])}
+            self._set_master(stripe, url, info["data_host"], answer["publish_port"])
             await self._tell_master(stripe, exclude=url)
             self.relay_failovers += 1
             self._fault("master_relay", "elected", url=url, dead=dead, stripe=stripe,
@@ -253,9 +257,7 @@ class MasterRelays:
             return error_response(409, "LMC-E404", f"a master relay of stripe {stripe} is "
                                   "already registered")
         self._claims[stripe] = (body.get("node"), time.time())
-        self.master_relays[stripe] = {"url": body["relay_url"].rstrip("/"),
-                                      "publish_host": str(publish["host"]),
-                                      "publish_port": int(publish["port"])}
+        self._set_master(stripe, body["relay_url"].rstrip("/"), publish["host"], publish["port"])
         return web.json_response({"ok": True})
 
     async def _relay_replaced(self, request: web.Request):
@@ -272,9 +274,7 @@ class MasterRelays:
         publish = body.get("publish")
         if isinstance(publish, dict):
             async with self._election_of(stripe):
-                self.master_relays[stripe] = {"url": new_url,
-                                              "publish_host": str(publish["host"]),
-                                              "publish_port": int(publish["port"])}
+                self._set_master(stripe, new_url, publish["host"], publish["port"])
                 await self._tell_master(stripe, exclude=new_url)
             self.relay_failovers += 1
             self._fault("master_relay", "restarted", url=new_url, stripe=stripe)

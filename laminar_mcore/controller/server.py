@@ -283,7 +283,6 @@ class Controller(TrainerAPI, RunBooks, ClusterAPI, TrainerWatch):
         self.url = f"http://{self.host}:{port}"
         await self.episode.astart()
         self._manager_task = asyncio.create_task(self.manager.run())
-        self._election = asyncio.Lock()
         watches = [asyncio.create_task(self._watch_masters()),
                    asyncio.create_task(self._watch_engines())]  # controller/cluster.py
         self._ready.set()

@@ -62,8 +62,7 @@ class ShardPlan:
                     continue
                 dtype = dtype_from_name(dtype)
                 tensors[name] = (tuple(shape), dtype, functools.partial(view, i, name))
-                sizes[i] = sizes.get(i, 0) + torch.Size(shape).numel() * torch.empty(
-                    (), dtype=dtype).element_size()
+                sizes[i] = sizes.get(i, 0) + torch.Size(shape).numel() * dtype.itemsize
         return cls(tensors, tp, heads, max(sizes.values(), default=1))
 
     @classmethod

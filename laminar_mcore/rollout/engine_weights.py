@@ -103,25 +103,12 @@ def load_rank_slices(model, layout: Layout, ranks: List[Dict[str, torch.Tensor]]
     """``load_format="flattened_bucket"`` at TP > 1: rank r's payload holds whole Hugging Face
     tensors, of which rank r keeps its slices (SGLang's weight loaders narrow them); checked
     as ``load_weights`` checks, before anything is written."""
-    ranks = [{k: v for k, v in named.items() if not k.endswith("rotary_emb.inv_freq")
-              and not (model.tied and k == model.adapter.HF_LM_HEAD)} for named in ranks]
-    for named in ranks:
-        for name, t in named.items():
-            if name not in model.expected:
-                raise ValueError(f"unknown weight names: [{name!r}]")
-            if tuple(t.shape) != model.expected[name]:
-                raise ValueError(f"{name}: shape {tuple(t.shape)}, expected "
-                                 f"{model.expected[name]}")
-    by_hf = [{} for _ in ranks]
-    for r in range(len(ranks)):
-        for name in layout.names:
-            for p in layout.pieces(name, r):
-                by_hf[r].setdefault(p.hf, []).append(p)
+    ranks = [model.checked(named) for named in ranks]
     written = set()
     with torch.no_grad():
         for r, named in enumerate(ranks):
             for hf, t in named.items():
-                for p in by_hf[r].get(hf, []):
+                for p in layout.hf_pieces(r).get(hf, []):
                     model.params[hf].narrow(p.dim, p.start, p.length).copy_(
                         t.narrow(p.dim, p.start, p.length))
                     written.add(hf)

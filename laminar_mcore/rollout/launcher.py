@@ -15,6 +15,7 @@ polled every second): a probe of it must wait longer (``engine_heartbeat_timeout
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from dataclasses import replace
@@ -230,6 +231,20 @@ def engine_pull_spec(rollout_cfg, index: int, weight_sync=None,
     return replace(spec, options=spec.options + (("shard", shard),)) if shard else spec
 
 
+@functools.lru_cache(maxsize=16)
+def _layout_facts(model_path: str, tp: int):
+    """(attention heads, tied embeddings) of the checkpoint at ``model_path`` laid out at TP
+    ``tp``, or why it cannot be (read once per run, not once per engine)."""
+    from ..models import get_adapter, load_hf_config
+    from ..weights.engine_layout import layout_for_config
+
+    try:
+        config = load_hf_config(model_path)
+        return layout_for_config(config, tp).heads, get_adapter(config).tied_embeddings(config)
+    except (ValueError, OSError) as exc:  # LayoutError, AdapterError, no config.json
+        return str(exc)
+
+
 def shard_pull(rollout_cfg, weight_sync, model_path: Optional[str],
                transport: str) -> Optional[Tuple[int, int, bool]]:
     """(engine TP, attention heads, tied embeddings) when an engine's ranks pull only their own
@@ -239,23 +254,15 @@ def shard_pull(rollout_cfg, weight_sync, model_path: Optional[str],
     mode, tp = getattr(weight_sync, "engine_pull", "auto"), int(rollout_cfg.engine_tp)
     if mode == "whole" or (mode == "auto" and tp < 2):
         return None
-    why = None
     if transport not in ("shm", "sglang_cuda_ipc"):
         why = f"weight_sync.engine_transport={transport} reads whole buckets"
     elif model_path is None:
         why = "the served model is not known here"
     else:
-        from ..models import get_adapter, load_hf_config
-        from ..weights.engine_layout import layout_for_config
-
-        try:
-            config = load_hf_config(model_path)
-            heads = layout_for_config(config, tp).heads
-            tied = get_adapter(config).tied_embeddings(config)
-        except (ValueError, OSError) as exc:  # LayoutError, AdapterError, no config.json
-            why = str(exc)
-    if why is None:
-        return tp, heads, tied
+        facts = _layout_facts(model_path, tp)
+        if isinstance(facts, tuple):
+            return (tp, *facts)
+        why = facts
     if mode == "shard":
         raise ValueError(f"LMC-E519: weight_sync.engine_pull=shard: {why}")
     return None

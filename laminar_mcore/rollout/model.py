@@ -67,10 +67,9 @@ class DecoderLM:
                              for i, moe in enumerate(self.moe.moe_layers) if moe} if self.moe else {}
         self.load_weights(state, strict=True)
 
-    @torch.no_grad()
-    def load_weights(self, named: Mapping[str, torch.Tensor], strict: bool = False) -> int:
-        """Copy tensors in by name (all of them when ``strict``); every name and shape is checked
-        before anything is written, so a bad update leaves the weights untouched."""
+    def checked(self, named: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """``named`` without what the model does not keep (rotary frequencies, a tied
+        ``lm_head``), every name and shape checked (``ValueError``)."""
         named = {k: v for k, v in named.items() if not k.endswith("rotary_emb.inv_freq")}
         if self.tied and self.adapter.HF_LM_HEAD in named:
             named.pop(self.adapter.HF_LM_HEAD)
@@ -80,6 +79,13 @@ class DecoderLM:
         for name, tensor in named.items():
             if tuple(tensor.shape) != self.expected[name]:
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {self.expected[name]}")
+        return named
+
+    @torch.no_grad()
+    def load_weights(self, named: Mapping[str, torch.Tensor], strict: bool = False) -> int:
+        """Copy tensors in by name (all of them when ``strict``); every name and shape is checked
+        before anything is written, so a bad update leaves the weights untouched."""
+        named = self.checked(named)
         if strict:
             missing = sorted(set(self.expected) - set(named))
             if missing:

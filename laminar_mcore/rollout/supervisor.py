@@ -154,11 +154,6 @@ class NodeSupervisor:
         return self.relays[0]
 
     @property
-    def master(self) -> bool:
-        """Whether this node hosts a master relay (of any stripe)."""
-        return any(self.masters)
-
-    @property
     def publish_port(self) -> Optional[int]:
         """Stripe 0's publish port, when this node hosts its master."""
         return self.publish_ports[0]

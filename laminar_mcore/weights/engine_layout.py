@@ -83,6 +83,7 @@ class Layout:
         self.hf_shapes = {k: tuple(int(d) for d in v) for k, v in hf_shapes.items()
                           if not k.endswith("rotary_emb.inv_freq")}
         self._plan: Dict[str, List[Tuple[str, str, int]]] = {}  # name -> [(hf, role, part)]
+        self._by_hf: Dict[int, Dict[str, List[Piece]]] = {}  # rank -> hf name -> its pieces
         for hf in self.hf_shapes:
             name, role, part = self._place(hf)
             self._plan.setdefault(name, []).append((hf, role, part))
@@ -191,6 +192,16 @@ class Layout:
                 at += n
         return out
 
+    def hf_pieces(self, rank: int) -> Dict[str, List[Piece]]:
+        """Rank ``rank``'s pieces by the Hugging Face tensor they come from (made once)."""
+        if rank not in self._by_hf:
+            by_hf: Dict[str, List[Piece]] = {}
+            for name in self._plan:
+                for p in self.pieces(name, rank):
+                    by_hf.setdefault(p.hf, []).append(p)
+            self._by_hf[rank] = by_hf
+        return self._by_hf[rank]
+
     @property
     def names(self) -> List[str]:
         return list(self._plan)
@@ -200,10 +211,7 @@ class Layout:
         return [hf for hf, _, _ in self._plan[name]]
 
     def nbytes(self, name: str) -> int:
-        n = 1
-        for d in self.shapes[name]:
-            n *= d
-        return n * torch.empty((), dtype=self.dtypes[name]).element_size()
+        return torch.Size(self.shapes[name]).numel() * self.dtypes[name].itemsize
 
     def fill(self, name: str, rank: int, hf: Callable[[str], torch.Tensor],
              out: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,7 @@ def check_publish(b: Bench) -> Tuple[bool, str]:
     steady = b.timed(publish, 3 if b.cuda else 1)
     nbytes = sum(sizes)
     b.shared["publish"] = (packer, len(sizes), max(sizes))
+    b.shared["publish_heads"] = cfg.num_attention_heads  # the shard pull's layout
     b.figures.update({"publish_blocked_s": steady, "publish_first_s": first,
                       "publish_bytes_gb": nbytes / GB, "publish_pinned_gb": packer.nbytes() / GB,
                       "publish_gb_per_s": nbytes / GB / max(steady, 1e-9), "publish_buckets": len(sizes)})
@@ -261,9 +262,8 @@ def _shard_pull(b: Bench, exporter, engine, buffers) -> Tuple[bool, dict]:
     named = {}
     for bucket in buffers:
         named.update(read_bucket(bucket.buffer, bucket.metas))
-    q = next(t for n, t in named.items() if n.endswith("self_attn.q_proj.weight"))
-    heads = q.shape[0] // 128 if b.cuda else 4  # Qwen2.5-7B's head_dim 128; the tiny model's 4
-    plan = ShardPlan.of_tensors(named, 2, heads, max(bkt.nbytes for bkt in buffers))
+    plan = ShardPlan.of_tensors(named, 2, b.shared["publish_heads"],
+                                max(bkt.nbytes for bkt in buffers))
     groups, equal, opened = min(SHARD_GROUPS, len(plan.groups)), True, 0
     for i in range(groups):
         per_rank = exporter.payload_shard("shard", i, plan, [str(b.device)] * 2)

@@ -70,8 +70,7 @@ class Puller:
         shard = self.spec.option("shard")  # (tp, heads, tied): each rank its own shard
         lease = await relay.lease(min_version=current_version + 1, fmt=self.lease_format(),
                                   devices=self.spec.devices or None,
-                                  shard={"tp_size": shard[0], "heads": shard[1],
-                                         "tied": bool(shard[2:] and shard[2])}
+                                  shard=dict(zip(("tp_size", "heads", "tied"), shard))
                                   if shard else None)
         if lease is None:
             return None
