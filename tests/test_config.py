@@ -231,6 +231,9 @@ def test_engine_transport_and_remote_relay_choices_are_checked():
     with pytest.raises(ConfigError, match="CPU engine of rollout.engine_tp > 1 takes one payload"):
         validate_config(_compose("rollout.engine_tp=2", "weight_sync.mooncake_protocol=tcp",
                                  "weight_sync.engine_transport=mooncake"))
+    with pytest.raises(ConfigError, match="engine_ep=3 must be >= 1, engine_ep dividing"):
+        validate_config(_compose("rollout.engine_tp=4", "rollout.engine_ep=3"))
+    validate_config(_compose("rollout.engine_tp=4", "rollout.engine_ep=2"))
 
 
 def test_plan_job_needs_no_checkpoint_and_the_gpu_recipes_fit(tmp_path):

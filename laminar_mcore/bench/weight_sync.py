@@ -287,7 +287,7 @@ def main(argv=None) -> dict:
             procs.append(engine2)
             tp2 = {"whole": PullSpec("shm", options=(("ranks", 2),)),
                    "shard": PullSpec("shm", options=(
-                       ("shard", (2, cfg.num_attention_heads, False)),))}
+                       ("shard", (2, cfg.num_attention_heads, False, 1)),))}
 
             async def tp2_pulls():
                 out = {}

@@ -143,17 +143,17 @@ class RolloutConfig:
     backend: str = "cpu"  # cpu (built-in engine) | sglang
     num_engines: int = 2  # engines per rollout node
     engine_tp: int = 1  # an engine's TP ranks (SGLang: its GPUs; the CPU engine: its payloads)
+    engine_ep: int = 1  # SGLang's --ep-size: its experts split over this many of its TP ranks
+    moe_runner_backend: str = "auto"  # SGLang's --moe-runner-backend (auto: SGLang picks)
     mem_fraction_static: float = 0.8  # SGLang's --mem-fraction-static (weights + KV)
     kv_capacity_tokens: int = 16384  # CPU engine KV cache size
     max_running_requests: int = 64  # an engine's concurrent requests: its capacity
     base_port: int = 0  # 0: pick free ports
     host: str = "127.0.0.1"  # address engines and relay bind to and advertise
-    # Where a rollout node's engines take weights from: local (a relay on this node, the
-    # default) or remote (no relay here: a relay on another node, read through Mooncake's
-    # transfer engine; needs weight_sync.mooncake_protocol; job=rollout only).
+    # Where a node's engines take weights from: local (a relay on this node) or remote (a relay
+    # on another node, read through Mooncake; needs weight_sync.mooncake_protocol; job=rollout).
     relay: str = "local"
-    # Sampling parameters of every trajectory.
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)  # every trajectory's
     # Agent episodes (data.agent): limits per episode. An episode that reaches one ends with
     # it as its reason (the books count them), keeping the reward its agent returns (0 if the
     # agent gives none). sampling.max_new_tokens caps each turn.
@@ -251,7 +251,7 @@ class WeightSyncConfig:
     engine_transport: str = "auto"
     # What each engine GPU copies: shard (its TP rank's own parameters, SGLang's per-rank
     # layout, load_format=direct), whole (every tensor), auto (shard at rollout.engine_tp > 1
-    # for dense models pulling from their node's relay).
+    # pulling from the node's relay, for MoE where rollout.moe_runner_backend's layout is known).
     engine_pull: str = "auto"
     # Deadlines: a trainer's send to the master relay (forming the group, each bucket) fails
     # after publish_timeout_s with an error naming the relay; when the master relay is gone,

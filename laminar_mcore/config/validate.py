@@ -220,6 +220,10 @@ def validate_config(cfg: DictConfig) -> None:
                         "'module:function' (e.g. laminar_mcore.agents.builtin:calculator)")
     if cfg.rollout.num_engines < 1:
         problems.append(f"LMC-E103: rollout.num_engines={cfg.rollout.num_engines} must be >= 1")
+    if r.engine_tp < 1 or r.engine_ep < 1 or r.engine_tp % r.engine_ep:
+        problems.append(f"LMC-E103: rollout.engine_tp={r.engine_tp} and rollout.engine_ep="
+                        f"{r.engine_ep} must be >= 1, engine_ep dividing engine_tp (SGLang "
+                        "splits the experts over engine_ep of the TP ranks)")
     if cfg.rollout.stream_interval < 1:
         problems.append(f"LMC-E103: rollout.stream_interval={cfg.rollout.stream_interval} must be "
                         ">= 1 (tokens per stream chunk)")

@@ -105,7 +105,8 @@ class PullService:
             try:
                 state.shard = await asyncio.to_thread(ShardPlan.of_version, self.store, sv,
                                                       shard["tp_size"], shard["heads"],
-                                                      bool(shard.get("tied")))
+                                                      bool(shard.get("tied")),
+                                                      int(shard.get("ep_size", 1)))
                 exporter.check_shard(params, shard["tp_size"])
             except BaseException as exc:  # e.g. a model the layout cannot hold at this TP
                 self.store.release(lease_id)

@@ -25,11 +25,13 @@ PULL = {"min_version": Field("int", low=-1), "ttl_s": Field("number", low=0.001,
         "format": Field("str", max_len=64),
         "devices": Field("list", max_len=64, item=Field("str", max_len=64)),
         "device": Field("str", max_len=64),
-        # each engine rank's own shard (relay/shard_pulls.py): the engine's TP size, heads
+        # each engine rank's own shard (relay/shard_pulls.py): the engine's TP size, heads,
+        # tied output layer, expert parallel size
         "shard": Field("dict", fields={"tp_size": Field("int", required=True, low=1, high=1024),
                                        "heads": Field("int", required=True, low=1,
                                                       high=1_000_000),
-                                       "tied": Field("bool")})}
+                                       "tied": Field("bool"),
+                                       "ep_size": Field("int", low=1, high=1024)})}
 
 # POST /bucket (without ``index``: only the ``applied`` acknowledgements)
 BUCKET = {"lease_id": LEASE_ID, "index": Field("int", low=0, high=2**31 - 1),

@@ -1,7 +1,7 @@
 """Pulls of each engine rank's own shard: a leased version served in SGLang's per-rank layout.
 
-A lease asked with ``shard: {tp_size, heads}`` (an engine of TP ``tp_size`` whose model has
-``heads`` attention heads) is served as SGLang's fused per-rank parameters
+A lease asked with ``shard: {tp_size, heads, tied, ep_size}`` (an engine of TP ``tp_size`` and
+expert parallel size ``ep_size`` whose model has ``heads`` attention heads) is served as SGLang's fused per-rank parameters
 (``weights/engine_layout.py``) instead of whole Hugging Face tensors: the version's parameters
 in groups of about one stored bucket's size per rank, each ``/bucket`` one group with one
 payload per rank holding only that rank's slices, for ``/update_weights_from_tensor`` with
@@ -29,14 +29,15 @@ class ShardPlan:
     about ``bucket_bytes`` per rank each. ``of_version`` plans a relay's leased version."""
 
     def __init__(self, tensors: Dict[str, Tuple[tuple, torch.dtype, Callable[[], torch.Tensor]]],
-                 tp: int, heads: int, bucket_bytes: int):
+                 tp: int, heads: int, bucket_bytes: int, ep: int = 1):
         self._get = {name: get for name, (_, _, get) in tensors.items()}
         self.layout = Layout({n: t[0] for n, t in tensors.items()}, heads, tp,
-                             {n: t[1] for n, t in tensors.items()})
+                             {n: t[1] for n, t in tensors.items()}, ep=ep)
         self.groups: List[List[str]] = self.layout.groups(max(int(bucket_bytes), 1))
 
     @classmethod
-    def of_version(cls, store, sv, tp: int, heads: int, tied: bool = False) -> "ShardPlan":
+    def of_version(cls, store, sv, tp: int, heads: int, tied: bool = False,
+                   ep: int = 1) -> "ShardPlan":
         """Lease ``sv`` (a ``StoredVersion`` of ``store``): each whole tensor read from the
         bucket a whole pull would get (``store.served``, mapped once per lease), in groups of
         about its largest bucket. ``tied``: the engine's output layer is its embedding (SGLang
@@ -63,14 +64,14 @@ class ShardPlan:
                 dtype = dtype_from_name(dtype)
                 tensors[name] = (tuple(shape), dtype, functools.partial(view, i, name))
                 sizes[i] = sizes.get(i, 0) + torch.Size(shape).numel() * dtype.itemsize
-        return cls(tensors, tp, heads, max(sizes.values(), default=1))
+        return cls(tensors, tp, heads, max(sizes.values(), default=1), ep)
 
     @classmethod
     def of_tensors(cls, named: Dict[str, torch.Tensor], tp: int, heads: int,
-                   bucket_bytes: int) -> "ShardPlan":
+                   bucket_bytes: int, ep: int = 1) -> "ShardPlan":
         """Whole tensors in memory (``bench.gpu``)."""
         return cls({n: (tuple(t.shape), t.dtype, functools.partial(named.__getitem__, n))
-                    for n, t in named.items()}, tp, heads, bucket_bytes)
+                    for n, t in named.items()}, tp, heads, bucket_bytes, ep)
 
     def tensor(self, hf: str) -> torch.Tensor:
         """A view of whole Hugging Face tensor ``hf`` (valid for the lease)."""

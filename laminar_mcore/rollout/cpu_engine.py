@@ -74,6 +74,7 @@ class ServerArgs:
     served_model_name: Optional[str] = None
     enable_return_routed_experts: bool = False
     tp_size: int = 1  # TP ranks: weight payloads per rank (engine_weights); one CPU computes
+    ep_size: int = 1  # expert parallel size: which experts a rank's payload holds
     # Twin knobs (not SGLang flags): a big model's start-up (503 "Starting" on /health,
     # /health_generate, /ready this long); a slower GPU's decode step (each this much longer).
     startup_delay_s: float = 0.0
@@ -93,7 +94,7 @@ class CpuEngineServer(ControlRoutes, WeightUpdateRoutes):
                                deterministic=args.enable_deterministic_inference,
                                decode=self.decode, decode_delay_s=args.decode_delay_s)
         self.model_path = args.model_path
-        self.tp_size, self.layout = rank_layout(model, args.tp_size)
+        self.tp_size, self.layout = rank_layout(model, args.tp_size, args.ep_size)
         self.served_model_name = args.served_model_name or args.model_path
         self.context_length = int(args.context_length or model.config.max_position_embeddings)
         self.incremental = args.incremental_streaming_output
@@ -447,6 +448,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--kv-capacity-tokens", type=int, default=16384)
     ap.add_argument("--max-running-requests", type=int, default=64)
     ap.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=1, help="TP ranks")
+    ap.add_argument("--ep-size", "--expert-parallel-size", "--ep", dest="ep_size", type=int,
+                    default=1, help="expert parallel size (SGLang's; divides --tp-size)")
     ap.add_argument("--weight-version", default="default",
                     help="the version /model_info reports until an update sets one (SGLang's)")
     ap.add_argument("--context-length", type=int, default=None,
@@ -474,15 +477,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     if not os.path.isdir(args.model):
         ap.error(f"--model {args.model!r} is not a directory")
     model = load_decoder(args.model)
+    same = {k: v for k, v in vars(args).items() if k in ServerArgs.__dataclass_fields__}
     server = CpuEngineServer(model, ServerArgs(
-        model_path=args.model, api_key=args.api_key, max_total_tokens=args.kv_capacity_tokens,
-        max_running_requests=args.max_running_requests, weight_version=args.weight_version,
-        random_seed=args.seed, context_length=args.context_length,
-        enable_deterministic_inference=args.enable_deterministic_inference,
-        incremental_streaming_output=args.incremental_streaming_output,
-        stream_interval=args.stream_interval, served_model_name=args.served_model_name,
-        enable_return_routed_experts=args.enable_return_routed_experts, tp_size=args.tp_size,
-        startup_delay_s=args.startup_delay_s, decode_delay_s=args.decode_delay_s),
+        model_path=args.model, max_total_tokens=args.kv_capacity_tokens, random_seed=args.seed,
+        **same),
         tokenizer=load_tokenizer(args.model))
     # Bind first so that --port 0 works: the chosen port is printed for launchers to read.
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)

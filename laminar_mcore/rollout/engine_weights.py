@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 from aiohttp import web
@@ -49,18 +49,16 @@ def torch_dtype(name) -> torch.dtype:
     return dtype
 
 
-def rank_layout(model, tp: int) -> Tuple[int, Optional[Layout]]:
-    """(TP size, SGLang's per-rank layout of ``model`` at it: None for an MoE family, which
-    then takes whole tensors only); a TP size the model's heads do not split over is refused
-    at start-up, as SGLang refuses it."""
+def rank_layout(model, tp: int, ep: int = 1) -> Tuple[int, Layout]:
+    """(TP size, SGLang's per-rank layout of ``model`` at it and expert parallel size ``ep``:
+    the experts as SGLang's default runner keeps them); a TP size the model's heads (or an EP
+    size its experts) do not split over is refused at start-up, as SGLang refuses it."""
     if int(tp) < 1:
         raise ValueError(f"--tp-size {tp} must be >= 1")
-    if model.adapter.is_moe:
-        return int(tp), None
     try:
-        return int(tp), layout_for_config(model.config, int(tp), model.adapter)
+        return int(tp), layout_for_config(model.config, int(tp), model.adapter, int(ep))
     except LayoutError as exc:
-        raise ValueError(f"--tp-size {tp}: {exc}") from None
+        raise ValueError(f"--tp-size {tp} --ep-size {ep}: {exc}") from None
 
 
 def scheduler_dies(exc: BaseException) -> None:
@@ -94,7 +92,7 @@ def load_rank_parameters(model, layout: Layout, ranks: List[Dict[str, torch.Tens
             for name, t in named.items():
                 for p in layout.pieces(name, r):
                     model.params[p.hf].narrow(p.dim, p.start, p.length).copy_(
-                        t.narrow(p.dim, p.at, p.length))
+                        (t[p.expert] if p.expert >= 0 else t).narrow(p.dim, p.at, p.length))
                     written.add(p.hf)
     return len(written)
 
@@ -200,9 +198,6 @@ class WeightUpdateRoutes:
                 handles = [decode_handle(data) for data in serialized[:self.tp_size]]
             except ValueError as exc:
                 raise HTTPError(400, str(exc)) from None
-            if fmt == "direct" and self.layout is None:
-                raise HTTPError(400, "load_format 'direct' needs SGLang's per-rank layout, which "
-                                     "this model has not here (a mixture-of-experts family)")
 
             def read():
                 with contextlib.ExitStack() as stack:
@@ -212,7 +207,7 @@ class WeightUpdateRoutes:
                             return load_rank_parameters(self.core.model, self.layout, ranks)
                         except ValueError as exc:
                             scheduler_dies(exc)
-                    if self.layout is None or self.tp_size == 1:
+                    if self.tp_size == 1:
                         return sum(self.core.model.load_weights(named) for named in ranks)
                     return load_rank_slices(self.core.model, self.layout, ranks)
 

@@ -71,18 +71,23 @@ def _protocol_args(weight_version, incremental_streaming_output: bool, stream_in
 
 
 def sglang_command(model_path: str, *, port: int, host: str = "127.0.0.1", tp: int = 1,
-                   base_gpu_id: int = 0,
+                   base_gpu_id: int = 0, ep: int = 1, moe_runner_backend: str = "auto",
                    mem_fraction_static: float = 0.8, api_key: Optional[str] = None,
                    max_running_requests: Optional[int] = None, weight_version: Optional[str] = "0",
                    incremental_streaming_output: bool = True, stream_interval: int = 8,
                    deterministic: bool = False, routed_experts: bool = False,
                    extra_args: Sequence[str] = (), python: str = sys.executable) -> List[str]:
     """The ``sglang.launch_server`` command line for one rollout engine (``routed_experts``:
-    capture MoE routings for routing replay, ``--enable-return-routed-experts``)."""
+    capture MoE routings for routing replay, ``--enable-return-routed-experts``; ``ep``,
+    ``moe_runner_backend``: ``--ep-size``, ``--moe-runner-backend`` where not SGLang's default)."""
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
            "--port", str(port), "--tp-size", str(tp), "--base-gpu-id", str(base_gpu_id),
            "--mem-fraction-static",
            str(mem_fraction_static), "--skip-server-warmup"]
+    if int(ep) > 1:
+        cmd += ["--ep-size", str(int(ep))]
+    if moe_runner_backend != "auto":
+        cmd += ["--moe-runner-backend", moe_runner_backend]
     if max_running_requests:
         cmd += ["--max-running-requests", str(max_running_requests)]
     if api_key:
@@ -101,7 +106,7 @@ def cpu_engine_command(model_path: str, *, port: int = 0, host: str = "127.0.0.1
                        incremental_streaming_output: bool = False, stream_interval: int = 1,
                        deterministic: bool = False, routed_experts: bool = False,
                        startup_delay_s: float = 0.0, decode_delay_s: float = 0.0,
-                       tp: int = 1, python: str = sys.executable) -> List[str]:
+                       tp: int = 1, ep: int = 1, python: str = sys.executable) -> List[str]:
     """The CPU engine's command line; stream style and determinism default to SGLang's
     defaults (cumulative chunks every token, ``sampling_seed`` ignored). ``startup_delay_s``
     (a test/twin knob, ``rollout.cpu_startup_delay_s``): it answers 503 ("Starting") on
@@ -117,6 +122,8 @@ def cpu_engine_command(model_path: str, *, port: int = 0, host: str = "127.0.0.1
         cmd.append("--enable-return-routed-experts")
     if int(tp) > 1:  # one weight payload per rank (the CPU computes every rank's part)
         cmd += ["--tp-size", str(int(tp))]
+    if int(ep) > 1:  # which experts each rank's payload holds
+        cmd += ["--ep-size", str(int(ep))]
     if startup_delay_s and float(startup_delay_s) > 0:
         cmd += ["--startup-delay-s", f"{float(startup_delay_s):g}"]
     if decode_delay_s and float(decode_delay_s) > 0:
@@ -144,6 +151,8 @@ def engine_command_from_config(rollout_cfg, model_path: str, *, port: int,
                   weight_version="0", routed_experts=routed_experts)
     if rollout_cfg.backend == "sglang":
         return sglang_command(model_path, port=port, host=rollout_cfg.host, tp=rollout_cfg.engine_tp,
+                              ep=int(rollout_cfg.engine_ep),
+                              moe_runner_backend=rollout_cfg.moe_runner_backend,
                               base_gpu_id=engine_gpu_ids(rollout_cfg, index)[0]
                               if base_gpu_id is None else base_gpu_id,
                               mem_fraction_static=rollout_cfg.mem_fraction_static, api_key=api_key,
@@ -153,6 +162,7 @@ def engine_command_from_config(rollout_cfg, model_path: str, *, port: int,
                               kv_capacity_tokens=rollout_cfg.kv_capacity_tokens,
                               max_running_requests=rollout_cfg.max_running_requests,
                               seed=index, tp=int(rollout_cfg.engine_tp),
+                              ep=int(rollout_cfg.engine_ep),
                               startup_delay_s=float(getattr(rollout_cfg, "cpu_startup_delay_s",
                                                             0.0) or 0.0),
                               **common)
@@ -232,26 +242,41 @@ def engine_pull_spec(rollout_cfg, index: int, weight_sync=None,
 
 
 @functools.lru_cache(maxsize=16)
-def _layout_facts(model_path: str, tp: int):
-    """(attention heads, tied embeddings) of the checkpoint at ``model_path`` laid out at TP
-    ``tp``, or why it cannot be (read once per run, not once per engine)."""
+def _layout_facts(model_path: str, tp: int, ep: int):
+    """(attention heads, tied embeddings, mixture of experts) of the checkpoint at
+    ``model_path`` laid out at TP ``tp`` and EP ``ep``, or why it cannot be (read once per run,
+    not once per engine)."""
     from ..models import get_adapter, load_hf_config
     from ..weights.engine_layout import layout_for_config
 
     try:
         config = load_hf_config(model_path)
-        return layout_for_config(config, tp).heads, get_adapter(config).tied_embeddings(config)
+        adapter = get_adapter(config)
+        return (layout_for_config(config, tp, adapter, ep).heads,
+                adapter.tied_embeddings(config), adapter.is_moe)
     except (ValueError, OSError) as exc:  # LayoutError, AdapterError, no config.json
         return str(exc)
 
 
+def engine_gpu_capability():
+    """The compute capability of this node's first GPU (its engines' kind), None without one."""
+    import torch
+
+    return torch.cuda.get_device_capability(0) if torch.cuda.is_available() else None
+
+
 def shard_pull(rollout_cfg, weight_sync, model_path: Optional[str],
-               transport: str) -> Optional[Tuple[int, int, bool]]:
-    """(engine TP, attention heads, tied embeddings) when an engine's ranks pull only their own
-    shards (``weight_sync.engine_pull``: shard; auto: at ``rollout.engine_tp`` > 1 for a dense
-    model pulling from its node's relay), else None. ``shard`` where it cannot be is refused;
-    ``auto`` falls back to whole tensors where the model cannot be read or laid out."""
+               transport: str) -> Optional[Tuple[int, int, bool, int]]:
+    """(engine TP, attention heads, tied embeddings, engine EP) when an engine's ranks pull only
+    their own shards (``weight_sync.engine_pull``: shard; auto: at ``rollout.engine_tp`` > 1
+    pulling from its node's relay; for an MoE model only where SGLang keeps its experts in the
+    layout covered: ``engine_layout.moe_layout_known`` of ``rollout.moe_runner_backend`` and
+    the node's GPU), else None. ``shard`` where it cannot be is refused; ``auto`` falls back to
+    whole tensors where the model cannot be read or laid out."""
+    from ..weights.engine_layout import moe_layout_known
+
     mode, tp = getattr(weight_sync, "engine_pull", "auto"), int(rollout_cfg.engine_tp)
+    ep = int(getattr(rollout_cfg, "engine_ep", 1))
     if mode == "whole" or (mode == "auto" and tp < 2):
         return None
     if transport not in ("shm", "sglang_cuda_ipc"):
@@ -259,10 +284,16 @@ def shard_pull(rollout_cfg, weight_sync, model_path: Optional[str],
     elif model_path is None:
         why = "the served model is not known here"
     else:
-        facts = _layout_facts(model_path, tp)
-        if isinstance(facts, tuple):
-            return (tp, *facts)
-        why = facts
+        facts = _layout_facts(model_path, tp, ep)
+        if isinstance(facts, str):
+            why = facts
+        else:
+            heads, tied, moe = facts
+            why = moe_layout_known(getattr(rollout_cfg, "moe_runner_backend", "auto"),
+                                   engine_gpu_capability(),
+                                   cpu=rollout_cfg.backend == "cpu") if moe else ""
+            if not why:
+                return (tp, heads, tied, ep)
     if mode == "shard":
         raise ValueError(f"LMC-E519: weight_sync.engine_pull=shard: {why}")
     return None

@@ -33,7 +33,11 @@ FILES = ("sglang/api/v1/api_types.py", "sglang/srt/entrypoints/http_server.py",
          "sglang/srt/managers/scheduler_components/output_streamer.py",
          # the per-rank parameter layout (weights/engine_layout.py)
          "sglang/srt/layers/vocab_parallel_embedding.py", "sglang/srt/layers/linear.py",
-         "sglang/srt/models/qwen2.py", "sglang/srt/models/qwen3.py", "sglang/srt/models/llama.py")
+         "sglang/srt/models/qwen2.py", "sglang/srt/models/qwen3.py", "sglang/srt/models/llama.py",
+         # ... and of the experts (Qwen3-MoE, SGLang's default MoE runner)
+         "sglang/srt/models/qwen3_moe.py", "sglang/srt/layers/moe/fused_moe_triton/layer.py",
+         "sglang/srt/layers/quantization/unquant.py", "sglang/srt/distributed/parallel_state.py",
+         "sglang/srt/arg_groups/model_overrides/qwen3_moe.py")
 
 
 def cache_dir() -> str:

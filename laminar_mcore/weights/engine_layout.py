@@ -1,4 +1,4 @@
-"""SGLang 0.5.23's per-rank parameter layout of a dense model: what each engine TP rank holds.
+"""SGLang 0.5.23's per-rank parameter layout: what each engine TP rank holds.
 
 An SGLang engine of TP size N keeps, on each rank, its slice of every parameter under
 SGLang's own names, with the projections fused (``models/qwen2.py``, ``llama.py``,
@@ -23,8 +23,18 @@ parameters (``default_weight_loader``: names must exist, sizes must be equal), s
 serves this layout lets each engine GPU copy only its own shard. ``Layout`` is computed from a
 checkpoint's tensor names and shapes plus the attention head count (the only fact the shapes do
 not carry); the relay builds each rank's tensors with ``fill`` and the CPU engine takes them
-back with ``pieces`` (``rollout/engine_weights.py``). MoE families are not covered (SGLang's
-fused experts layout): their engines take whole tensors.
+back with ``pieces`` (``rollout/engine_weights.py``).
+
+Mixture-of-experts layers (Qwen3-MoE, ``models/qwen3_moe.py``: ``FusedMoE`` with SGLang's
+default runner, ``layers/moe/fused_moe_triton/layer.py``) at TP ``N`` and ``--ep-size E``: the
+router ``mlp.gate`` whole on every rank (``ReplicatedLinear``); ``mlp.experts.w13_weight``
+[experts / E, 2 I / (N / E), H] (each local expert's rows of gate, then of up) and
+``mlp.experts.w2_weight`` [experts / E, H, I / (N / E)] (its columns of down). Rank ``r``
+holds experts ``[k * experts / E, (k + 1) * experts / E)`` with ``k = r // (N / E)`` (the EP
+group is every ``N / E``-th rank, ``distributed/parallel_state.py``) and the ``r % (N / E)``-th
+slice of each. That is the layout the ``triton`` runner keeps (and ``auto`` on GPUs other than
+SM100, where SGLang picks flashinfer's TRT-LLM runner for Qwen3-MoE and reorders the experts'
+blocks): ``moe_layout_known`` says which.
 """
 
 from __future__ import annotations
@@ -45,6 +55,8 @@ _FUSED = {"self_attn.q_proj": ("self_attn.qkv_proj", 0),
           "mlp.gate_proj": ("mlp.gate_up_proj", 0), "mlp.up_proj": ("mlp.gate_up_proj", 1)}
 _ROW_PARALLEL = {"self_attn.o_proj.weight", "mlp.down_proj.weight"}
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_EXPERT_ROLES = ("w13", "w2")
 
 
 class LayoutError(ValueError):
@@ -61,6 +73,7 @@ class Piece:
     start: int
     length: int
     at: int
+    expert: int = -1  # >= 0: in ``out[expert]`` (a stacked expert parameter)
 
 
 def padded_vocab(vocab: int, tp: int) -> int:
@@ -71,15 +84,40 @@ def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // pad) * pad
 
 
+def moe_layout_known(moe_runner_backend: str, capability=None, cpu: bool = False) -> str:
+    """'' when SGLang 0.5.23 keeps its experts in the layout above, else why not: the
+    ``triton`` runner does; ``auto`` does except on SM100 (``capability`` (10, x): the
+    Qwen3-MoE override picks ``flashinfer_trtllm``, ``arg_groups/model_overrides/qwen3_moe.py``)
+    or where the GPU is not known (``capability`` None, not ``cpu``); the CPU engine always
+    does. Other runners (triton_kernels transposes, flashinfer's reorder and pad, cutlass puts
+    up before gate) are not covered."""
+    if cpu or moe_runner_backend == "triton":
+        return ""
+    if moe_runner_backend != "auto":
+        return (f"rollout.moe_runner_backend={moe_runner_backend} keeps SGLang's experts in a "
+                "layout of its own (only triton, and auto off SM100 GPUs, are covered)")
+    if capability is None:
+        return ("the engine GPU is not known here, and SGLang's auto MoE runner lays experts out "
+                "by it (set rollout.moe_runner_backend=triton)")
+    if int(capability[0]) == 10:
+        return ("on an SM100 GPU SGLang's auto MoE runner for Qwen3-MoE is flashinfer_trtllm, "
+                "whose expert layout is not covered (set rollout.moe_runner_backend=triton)")
+    return ""
+
+
 class Layout:
-    """SGLang's parameters of a dense checkpoint at TP ``tp``: ``shapes`` (name -> the rank's
-    shape, equal on every rank), ``dtypes``, and each rank's ``pieces``."""
+    """SGLang's parameters of a checkpoint at TP ``tp`` (and ``--ep-size`` ``ep`` for its
+    experts): ``shapes`` (name -> the rank's shape, equal on every rank), ``dtypes``, and each
+    rank's ``pieces``."""
 
     def __init__(self, hf_shapes: Mapping[str, Sequence[int]], heads: int, tp: int,
-                 hf_dtypes: Mapping[str, torch.dtype] = None):
-        if tp < 1:
-            raise LayoutError(f"tp size {tp} must be >= 1")
-        self.tp, self.heads = int(tp), int(heads)
+                 hf_dtypes: Mapping[str, torch.dtype] = None, ep: int = 1):
+        if tp < 1 or ep < 1 or tp % ep:
+            raise LayoutError(f"LMC-E519: TP {tp} and expert parallel size {ep}: both must be "
+                              ">= 1 and EP must divide TP (SGLang's moe_tp_size = tp / ep): "
+                              "choose rollout.engine_ep dividing rollout.engine_tp")
+        self.tp, self.heads, self.ep = int(tp), int(heads), int(ep)
+        self.moe_tp = self.tp // self.ep
         self.hf_shapes = {k: tuple(int(d) for d in v) for k, v in hf_shapes.items()
                           if not k.endswith("rotary_emb.inv_freq")}
         self._plan: Dict[str, List[Tuple[str, str, int]]] = {}  # name -> [(hf, role, part)]
@@ -104,8 +142,14 @@ class Layout:
         m = _LAYER.match(hf)
         if m:
             prefix, rest = f"model.layers.{m.group(1)}.", m.group(2)
-            if rest in _REPLICATED:
+            if rest in _REPLICATED or rest == "mlp.gate.weight":  # norms; the MoE router
                 return hf, "whole", 0
+            e = _EXPERT.match(rest)
+            if e:
+                expert, kind = int(e.group(1)), e.group(2)
+                if kind == "down":
+                    return f"{prefix}mlp.experts.w2_weight", "w2", expert
+                return f"{prefix}mlp.experts.w13_weight", "w13", 2 * expert + (kind == "up")
             if rest in _ROW_PARALLEL:
                 return hf, "columns", 0
             stem, _, kind = rest.rpartition(".")
@@ -114,7 +158,7 @@ class Layout:
                 return f"{prefix}{fused}.{kind}", "qkv" if fused.endswith("qkv_proj") else "rows", \
                     part
         raise LayoutError(f"LMC-E519: {hf!r} has no place in SGLang's per-rank layout of a dense "
-                          "model (MoE experts, or a family it does not cover): pull whole tensors "
+                          "model (a family it does not cover): pull whole tensors "
                           "(weight_sync.engine_pull=whole)")
 
     def _check_heads(self) -> None:
@@ -142,16 +186,46 @@ class Layout:
                               "them): choose rollout.engine_tp dividing the heads")
         for hf, shape in self.hf_shapes.items():
             role = self._place(hf)[1]
-            dim = 1 if role == "columns" else 0
+            dim = 1 if role in ("columns", "w2") else 0
             if role in ("rows", "columns") and shape[dim] % tp:
                 raise LayoutError(f"LMC-E519: {hf} {list(shape)} does not split over TP {tp} "
                                   f"along dim {dim}: choose rollout.engine_tp dividing it")
+            if role in _EXPERT_ROLES and shape[dim] % self.moe_tp:
+                raise LayoutError(f"LMC-E519: {hf} {list(shape)} does not split over the "
+                                  f"experts' TP {self.moe_tp} (engine_tp / engine_ep) along dim "
+                                  f"{dim}: choose rollout.engine_ep so that it does")
+        for name, parts in self._plan.items():
+            if parts[0][1] in _EXPERT_ROLES:
+                experts = self._experts(name)
+                per = 2 if parts[0][1] == "w13" else 1
+                if [p for _, _, p in parts] != list(range(per * experts)):
+                    raise LayoutError(f"LMC-E519: {name}: the version does not hold every "
+                                      f"expert's {'gate and up' if per == 2 else 'down'} "
+                                      "projection (SGLang's fused experts take them all)")
+                if self.moe_tp > experts:
+                    raise LayoutError(f"LMC-E519: Tensor parallel size {self.moe_tp} is greater "
+                                      f"than the number of experts {experts} (SGLang refuses "
+                                      "it): raise rollout.engine_ep")
+                if experts % self.ep:
+                    raise LayoutError(f"LMC-E519: {experts} experts do not split over "
+                                      f"expert parallel size {self.ep} (SGLang asserts it): "
+                                      "choose rollout.engine_ep dividing them")
+
+    def _experts(self, name: str) -> int:
+        parts = self._plan[name]
+        return len(parts) // (2 if parts[0][1] == "w13" else 1)
 
     # ------------------------------------------------------------- shapes and pieces
     def _shape(self, name: str) -> Tuple[int, ...]:
         parts = self._plan[name]
         hf, role, _ = parts[0]
         shape = list(self.hf_shapes[hf])
+        if role in _EXPERT_ROLES:  # [local experts, rows, columns] of the experts' TP slice
+            dim = 1 if role == "w2" else 0
+            shape[dim] //= self.moe_tp
+            if role == "w13":
+                shape[0] *= 2
+            return (self._experts(name) // self.ep, *shape)
         if role == "vocab":
             shape[0] = padded_vocab(shape[0], self.tp) // self.tp
         elif role == "columns":
@@ -174,7 +248,10 @@ class Layout:
         if not 0 <= rank < self.tp:
             raise LayoutError(f"rank {rank} is not in [0, {self.tp})")
         out, at = [], 0
-        for hf, role, _ in self._plan[name]:
+        parts = self._plan[name]
+        if parts[0][1] in _EXPERT_ROLES:
+            return self._expert_pieces(name, rank)
+        for hf, role, _ in parts:
             shape = self.hf_shapes[hf]
             if role == "whole":
                 out.append(Piece(hf, 0, 0, shape[0], 0))
@@ -190,6 +267,21 @@ class Layout:
                 replicas, n = self._rows(hf, role)
                 out.append(Piece(hf, 0, (rank // replicas) * n, n, at))
                 at += n
+        return out
+
+    def _expert_pieces(self, name: str, rank: int) -> List[Piece]:
+        """The rank's experts (EP group position ``rank // moe_tp``), each its ``rank % moe_tp``
+        slice: gate's rows then up's (w13), or down's columns (w2)."""
+        parts, per = self._plan[name], 2 if self._plan[name][0][1] == "w13" else 1
+        local = self._experts(name) // self.ep
+        first, slot = (rank // self.moe_tp) % self.ep * local, rank % self.moe_tp
+        out = []
+        for j in range(local):
+            for k in range(per):
+                hf = parts[(first + j) * per + k][0]
+                dim = 1 if per == 1 else 0
+                n = self.hf_shapes[hf][dim] // self.moe_tp
+                out.append(Piece(hf, dim, slot * n, n, k * n, j))
         return out
 
     def hf_pieces(self, rank: int) -> Dict[str, List[Piece]]:
@@ -222,9 +314,11 @@ class Layout:
                               f"{list(self.shapes[name])}")
         covered = 0
         for p in self.pieces(name, rank):
-            out.narrow(p.dim, p.at, p.length).copy_(hf(p.hf).narrow(p.dim, p.start, p.length),
-                                                    non_blocking=True)
-            covered = max(covered, p.at + p.length) if p.dim == 0 else out.shape[0]
+            into = out[p.expert] if p.expert >= 0 else out
+            into.narrow(p.dim, p.at, p.length).copy_(hf(p.hf).narrow(p.dim, p.start, p.length),
+                                                     non_blocking=True)
+            covered = max(covered, p.at + p.length) if p.dim == 0 and p.expert < 0 \
+                else out.shape[0]
         if covered < out.shape[0]:
             out[covered:].zero_()
         return out
@@ -245,17 +339,13 @@ class Layout:
         return out
 
 
-def layout_for_config(hf_config, tp: int, adapter=None) -> Layout:
+def layout_for_config(hf_config, tp: int, adapter=None, ep: int = 1) -> Layout:
     """The layout of a model the CPU engine (or a launcher) has the config of."""
     from ..models import get_adapter
 
     adapter = adapter or get_adapter(hf_config)
-    if adapter.is_moe:
-        raise LayoutError(f"LMC-E519: {adapter.name} is a mixture-of-experts family: SGLang's "
-                          "per-rank layout of its experts is not covered; its engines take whole "
-                          "tensors (weight_sync.engine_pull=whole)")
-    return Layout(adapter.hf_shapes(hf_config), adapter.shape(hf_config).heads, tp)
+    return Layout(adapter.hf_shapes(hf_config), adapter.shape(hf_config).heads, tp, ep=ep)
 
 
 __all__ = ["Layout", "LayoutError", "Piece", "VOCAB_PADDING", "layout_for_config",
-           "padded_vocab"]
+           "moe_layout_known", "padded_vocab"]

@@ -67,10 +67,10 @@ class Puller:
         return self.spec.fmt
 
     async def pull(self, relay, engine, current_version: int) -> Optional[int]:
-        shard = self.spec.option("shard")  # (tp, heads, tied): each rank its own shard
+        shard = self.spec.option("shard")  # (tp, heads, tied, ep): each rank its own shard
         lease = await relay.lease(min_version=current_version + 1, fmt=self.lease_format(),
                                   devices=self.spec.devices or None,
-                                  shard=dict(zip(("tp_size", "heads", "tied"), shard))
+                                  shard=dict(zip(("tp_size", "heads", "tied", "ep_size"), shard))
                                   if shard else None)
         if lease is None:
             return None
