@@ -263,12 +263,14 @@ def test_moe_train_job_with_expert_parallelism_and_routing_replay(tmp_path, layo
     (weight_sync.export=per_rank: each EP rank sends its own experts, no gather; issue 52;
     test_moe checks the stage lead's EP gather), served by the CPU engine with routed experts
     returned and replayed; ``ep2_pp2_striped``: EP2 x PP2 (four ranks), the version striped
-    over two master relays, one per stage, on two rollout nodes (weight_sync.master_relays=2).
-    Every step consumes tokens of the trainer's own version, so every step's
+    over two master relays, one per stage, on two rollout nodes (weight_sync.master_relays=2),
+    served to TP2 EP2 engines whose ranks each pull only their own experts (SGLang's direct
+    payloads). Every step consumes tokens of the trainer's own version, so every step's
     mismatch says the engine served exactly the trainer's weights (fp32: below 1e-4) -- each
     published version, not only the first; the books balance; the MoE losses are reported."""
     extra = ["parallel.pp=2", "cluster.trainer.nproc_per_node=4", "weight_sync.master_relays=2",
-             "cluster.rollout_nodes=2"] if layout == "ep2_pp2_striped" else []
+             "cluster.rollout_nodes=2", "rollout.engine_tp=2",
+             "rollout.engine_ep=2"] if layout == "ep2_pp2_striped" else []
     out = subprocess.run(
         [sys.executable, "-m", "laminar_mcore.launch", "experiment=cpu_moe", "mode=sync",
          "output_dir=out", "run_name=moe", "trainer.total_steps=3", "data.num_eval=16",
@@ -287,5 +289,8 @@ def test_moe_train_job_with_expert_parallelism_and_routing_replay(tmp_path, layo
                 "moe_load_balancing_loss", "moe_z_loss"} <= set(r)
         assert r["moe_load_balancing_loss"] > 0
     if layout == "ep2_pp2_striped":  # parts 0-1 (stage 0's EP ranks) to one master, 2-3 another
+        assert summary["engine_pull"] == "shard", summary
+        assert summary["engine_pull_loads"]["direct"] >= 3, summary["engine_pull_loads"]
+        assert "flattened_bucket" not in summary["engine_pull_loads"]
         to = dict(re.findall(r"\[publish\] stage (\d+): channel \w+ to (\S+)", out.stdout))
         assert to["0"] == to["1"] != to["2"] == to["3"], to
