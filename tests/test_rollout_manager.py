@@ -462,3 +462,33 @@ def test_areal_mode_interrupts_generation_for_each_new_version(tmp_path):
         assert (behav[cut:] - ref1[cut:]).abs().max().item() <= 1e-4
     assert manager.stats.generated == buffer.consumed + buffer.buffered + sum(buffer.discarded.values())
     assert not buffer.discarded
+
+
+def test_an_engine_a_repacked_trajectory_is_heading_to_does_not_pull_before_it_lands():
+    """Repack aborts a long tail at its source to continue it on a destination of the same
+    version; if the destination's own trajectories finish first it would pull the next
+    version and the moved one would find no engine of its version (the race that lost a
+    trajectory as no_engine_of_its_version). Until it lands -- or ends at its source, or goes
+    elsewhere -- the destination is expected to stay; then it is free to pull."""
+    from laminar_mcore.data.pools import InFlight
+    from laminar_mcore.data.trajectory import Trajectory
+
+    src = EngineHandle("src", None, None, None, version=0, capacity=4, draining=True)
+    dest = EngineHandle("dest", None, None, None, version=0, capacity=4, draining=True)
+    manager = _manager([src, dest], [{"prompt_ids": [1]}], ExperienceBuffer(group_size=4), {},
+                       batch=1, rollout=RolloutConfig(repack=True))
+    items = {}
+    for k in range(3):
+        traj = Trajectory([1] * 10, [2] * 90, [0.0] * 90, 0, "g", uid=f"t{k}")
+        items[k] = src.in_flight[traj.uid] = InFlight(traj, "src")
+        items[k].migrate_to = "dest"  # what Repacker.repack_once sets, with dest.incoming
+        dest.incoming[traj.uid] = items[k]
+    assert manager._expecting(dest) and not manager._expecting(src)
+    # t0 lands (manager.generate: placed on its destination); t1 finished at its source
+    # before the abort reached it; t2 is still on its way
+    del src.in_flight["t0"]
+    items[0].migrate_to, items[0].engine, dest.in_flight["t0"] = None, "dest", items[0]
+    del src.in_flight["t1"]
+    assert manager._expecting(dest) and list(dest.incoming) == ["t2"]
+    items[2].migrate_to = None  # it went elsewhere (e.g. its destination changed)
+    assert not manager._expecting(dest) and not dest.incoming

@@ -66,6 +66,8 @@ class Elastic:
                     handed += 1
                     continue
                 item.migrate_to = dest.name if dest is not None else None
+                if dest is not None:
+                    dest.incoming[rid] = item
                 with contextlib.suppress(EngineError):
                     await engine.client.abort_request(rid)
                 handed += dest is not None

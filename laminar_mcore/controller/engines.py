@@ -29,6 +29,9 @@ class EngineHandle:
     version: int = 0
     capacity: int = 16
     in_flight: Dict[str, InFlight] = field(default_factory=dict)
+    # trajectories repack (or a leaving engine) is moving here, by rid: until they land (or end
+    # elsewhere) it does not pull, or they would find it on another version and be lost
+    incoming: Dict[str, InFlight] = field(default_factory=dict)
     healthy: bool = True
     draining: bool = False
     paused: bool = False  # mode=areal: paused with abort for a weight update

@@ -286,8 +286,8 @@ class RolloutManager(Admission, EngineHealth, WeightPulls, Elastic):
                 engine.draining = True
                 if self.repack and 0 < len(engine.in_flight) <= self.repacker.limit(engine):
                     self.repacker.now.set()  # a long-tail engine: look for a destination now
-            if engine.draining and not engine.in_flight and self._barrier_ready() \
-                    and not engine.evaluating:
+            if engine.draining and not engine.in_flight and not self._expecting(engine) \
+                    and self._barrier_ready() and not engine.evaluating:
                 await self._pull(engine)
                 continue
             room = engine.capacity - len(engine.in_flight) - engine.resuming

@@ -33,6 +33,17 @@ logger = logging.getLogger(__name__)
 class WeightPulls:
     """The weight-update half of ``RolloutManager`` (see the module docstring)."""
 
+    def _expecting(self, engine: EngineHandle) -> bool:
+        """Whether trajectories are on their way to ``engine`` (repack or a leaving engine
+        aborted them at their source to continue here): it must not pull before they land, or
+        they find it on another version. One that landed, or ended or went elsewhere instead,
+        is forgotten."""
+        for rid, item in list(engine.incoming.items()):
+            src = self._engine(item.engine)
+            if item.migrate_to != engine.name or src is None or rid not in src.in_flight:
+                del engine.incoming[rid]
+        return bool(engine.incoming)
+
     async def _pull(self, engine: EngineHandle) -> None:
         engine.pulling = True
         try:

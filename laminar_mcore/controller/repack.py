@@ -109,6 +109,7 @@ class Repacker:
                     moved += 1
                     continue
                 item.migrate_to = dest.name
+                dest.incoming[rid] = item
                 try:
                     await src.client.abort_request(rid)
                     moved += 1
