@@ -13,9 +13,9 @@ from typing import Sequence
 
 
 def default_cache(name: str, env: str) -> str:
-    """``$env`` when set, else ``.venv/<name>`` of this checkout."""
+    """``$env`` when set (and not empty), else ``.venv/<name>`` of this checkout."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return os.environ.get(env, os.path.join(root, ".venv", name))
+    return os.environ.get(env) or os.path.join(root, ".venv", name)
 
 
 def fetch_wheel_files(package: str, version: str, files: Sequence[str], target: str,
