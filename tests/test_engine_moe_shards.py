@@ -14,7 +14,8 @@ from laminar_mcore.models.hf import save_hf_checkpoint, tiny_hf_config
 from laminar_mcore.rollout.engine_weights import load_rank_parameters, load_rank_slices
 from laminar_mcore.rollout.model import DecoderLM
 from laminar_mcore.testing import sglang_source
-from laminar_mcore.weights.engine_layout import Layout, LayoutError, layout_for_config
+from laminar_mcore.weights.engine_layout import (Layout, LayoutError, layout_for_config,
+                                                 sglang_moe_layout)
 
 from .test_engine_shards import TOKEN, _generate, _state
 
@@ -37,6 +38,11 @@ def _sglang_expert_loader(tp, ep, rank):
     scope = {"torch": torch, "_is_cpu": False, "_weight_layout_method": lambda layer: None,
              "_maybe_copy_weight_view_before_h2d": lambda w: w}
     exec(compile(ast.Module(body=fns, type_ignores=[]), "sglang", "exec"), scope)
+    groups = sglang_source.read("sglang/srt/distributed/parallel_state.py")
+    for rule in ("ranks = list(range(st, en, moe_tp_size))",  # the EP groups, st = moe_tp_idx
+                 "+ ep_dp_combined_idx * moe_tp_size",  # the MoE-TP groups: consecutive ranks
+                 '"moe_tp_size": tp_size // moe_ep_size // moe_dp_size'):
+        assert rule in groups + sglang_source.read("sglang/srt/runtime_context.py"), rule
     moe_tp = tp // ep
     ep_groups = [list(range(i, tp, moe_tp)) for i in range(moe_tp)]  # range(st, en, moe_tp)
     tp_groups = [list(range(k * moe_tp, (k + 1) * moe_tp)) for k in range(ep)]  # range(st, en)
@@ -99,10 +105,8 @@ def test_moe_ranks_hold_sglangs_experts_and_give_back_the_model_bit_for_bit(tp, 
 
 def test_moe_layouts_sglang_refuses_or_we_do_not_cover_are_refused():
     """What SGLang refuses (an EP not dividing TP or the experts, more MoE-TP ranks than
-    experts) is refused with the fix; a version missing an expert cannot be laid out; the
-    runners whose expert layout differs are named (read from SGLang's Qwen3-MoE override)."""
-    from laminar_mcore.weights.engine_layout import moe_layout_known
-
+    experts) is refused with the fix; a version missing an expert's tensors cannot be laid out;
+    nor a dense layer beside experts (SGLang 0.5.23's Qwen3-MoE has none)."""
     cfg = tiny_hf_config("qwen3_moe")  # 8 experts, moe_intermediate_size 32
     with pytest.raises(LayoutError, match="LMC-E519.*engine_ep dividing rollout.engine_tp"):
         layout_for_config(cfg, 4, ep=3)
@@ -113,14 +117,39 @@ def test_moe_layouts_sglang_refuses_or_we_do_not_cover_are_refused():
     del shapes["model.layers.1.mlp.experts.3.up_proj.weight"]
     with pytest.raises(LayoutError, match="LMC-E519.*every expert's gate and up"):
         Layout(shapes, 4, 2, ep=2)
+    experts = {k: v for k, v in shapes.items() if "layers.0.mlp.experts" in k}
+    with pytest.raises(LayoutError, match="LMC-E519: 8 experts do not split over expert "
+                                          "parallel size 3"):
+        Layout(experts, 4, 3, ep=3)  # (a stripe without attention lays out alone)
+    with pytest.raises(LayoutError, match="LMC-E519.*count \\[7, 8\\] experts"):
+        Layout({k: v for k, v in get_adapter(cfg).hf_shapes(cfg).items()
+                if "experts.7." not in k or "layers.1." not in k}, 4, 2)
+    with pytest.raises(LayoutError, match="LMC-E519.*makes every layer sparse"):
+        layout_for_config(tiny_hf_config("qwen3_moe", mlp_only_layers=[1]), 2)
+    assert "is_layer_sparse = True" in sglang_source.read("sglang/srt/models/qwen3_moe.py")
+
+
+def test_an_engine_says_whether_its_experts_are_in_the_layout():
+    """``/server_info`` holds SGLang's resolved arguments: on an SM100 GPU its Qwen3-MoE
+    override has made ``auto`` flashinfer_trtllm (read from its source here); any argument
+    that moves or re-lays the experts, or another TP/EP than the pull's, says no."""
     override = sglang_source.read("sglang/srt/arg_groups/model_overrides/qwen3_moe.py")
-    assert 'if get_platform().is_sm100:' in override
+    assert "if get_platform().is_sm100:" in override
     assert 'overrides["moe_runner_backend"] = "flashinfer_trtllm"' in override
-    assert moe_layout_known("triton", (10, 0)) == moe_layout_known("auto", (9, 0)) == ""
-    assert moe_layout_known("auto", None, cpu=True) == ""
-    assert "SM100" in moe_layout_known("auto", (10, 0))
-    assert "not known" in moe_layout_known("auto", None)
-    assert "triton_kernels" in moe_layout_known("triton_kernels", (9, 0))
+    server = sglang_source.read("sglang/srt/entrypoints/http_server.py")
+    assert "**build_server_info(server_args, _global_state.scheduler_info)" in server
+    hopper = {"tp_size": 8, "ep_size": 8, "moe_runner_backend": "auto", "moe_a2a_backend": "none",
+              "enable_eplb": False, "ep_num_redundant_experts": 0, "moe_dp_size": 1,
+              "init_expert_location": "trivial", "enable_dp_attention": False,
+              "quantization": None}
+    assert sglang_moe_layout(hopper, 8, 8) == ""
+    assert sglang_moe_layout({**hopper, "moe_runner_backend": "triton"}, 8, 8) == ""
+    assert sglang_moe_layout({"tp_size": 2, "ep_size": 2}, 2, 2) == ""  # the CPU engine's
+    for key, value in (("moe_runner_backend", "flashinfer_trtllm"), ("ep_size", 1),
+                       ("moe_runner_backend", "triton_kernels"), ("enable_eplb", True),
+                       ("ep_num_redundant_experts", 32), ("moe_a2a_backend", "deepep"),
+                       ("enable_dp_attention", True), ("quantization", "fp8")):
+        assert f"{key}={value!r}" in sglang_moe_layout({**hopper, key: value}, 8, 8), key
 
 
 @pytest.mark.multiprocess
@@ -132,7 +161,7 @@ def test_ep2_moe_engine_ranks_pull_only_their_experts_from_a_real_relay(tmp_path
     from laminar_mcore.netutil import TOKEN_ENV
     from laminar_mcore.parallel import destroy_trainer_parallel, init_trainer_parallel
     from laminar_mcore.relay.client import RelayClient
-    from laminar_mcore.relay.transports import PullSpec, pull_latest_into_engine
+    from laminar_mcore.relay.transports import PullSpec, make_puller, pull_latest_into_engine
     from laminar_mcore.rollout.client import SGLangClient
     from laminar_mcore.rollout.launcher import EngineProcess, cpu_engine_command
     from laminar_mcore.trainer.model import build_gpt_model
@@ -182,6 +211,30 @@ def test_ep2_moe_engine_ranks_pull_only_their_experts_from_a_real_relay(tmp_path
         assert version_bytes / 2 <= served[0] / 2 < 0.6 * version_bytes, (served, version_bytes)
         outputs = [_generate(e.url, [3, 17, 42, 5]) for e in engines]
         assert outputs[0] == outputs[1] and len(outputs[0][0]) == 6, outputs
+
+        async def verified():
+            """A run's puller asks the engine first (``verify``): the TP2 EP2 engine confirms
+            an EP2 shard; asked for EP1 shards, it says ep_size=2 -- auto pulls whole tensors
+            instead, shard refuses."""
+            loads = []
+            async with RelayClient(master.url, TOKEN) as relay, \
+                    SGLangClient(engines[0].url) as eng:
+                for ep, mode in ((2, "auto"), (1, "auto"), (1, "shard")):
+                    puller = make_puller(PullSpec("shm", options=(
+                        ("ranks", 2), ("shard", (2, cfg.num_attention_heads, False, ep)),
+                        ("verify", mode))))
+                    try:
+                        assert await puller.pull(relay, eng, 0) == 1
+                    except ValueError as exc:
+                        loads.append(str(exc))
+                    else:
+                        loads.append(puller.loads)
+            return loads
+
+        loads = asyncio.run(verified())
+        assert loads[:2] == [{"direct": 1}, {"flattened_bucket": 1}], loads
+        assert "LMC-E519" in loads[2] and "ep_size=2" in loads[2], loads
+        assert _generate(engines[0].url, [3, 17, 42, 5]) == outputs[1]
     finally:
         if publisher is not None:
             publisher.close()
@@ -190,13 +243,11 @@ def test_ep2_moe_engine_ranks_pull_only_their_experts_from_a_real_relay(tmp_path
         destroy_trainer_parallel()
 
 
-def test_an_moe_engines_pull_follows_its_moe_runner_and_gpu(tmp_path, monkeypatch):
-    """An MoE engine pulls its shard where SGLang keeps the experts in the covered layout: the
-    CPU engine always; SGLang with the triton runner, or auto on a Hopper GPU (capability 9.0)
-    but not on SM100 (10.0, flashinfer's TRT-LLM runner) or where no GPU says which; ``shard``
-    is refused there with the reason. The GPU facts are set here, as on a GPU node."""
-    import torch.cuda
-
+def test_an_moe_engines_pull_is_decided_from_the_config_then_by_the_engine(tmp_path):
+    """From the config: an MoE engine of TP > 1 pulls its shard (and has its own /server_info
+    confirm the layout at its first pull: ``verify``) where ``rollout.moe_runner_backend`` is
+    auto or triton; another runner pulls whole tensors, and ``shard`` is refused there. The
+    SGLang command carries ``--ep-size`` and the runner."""
     from laminar_mcore.config.schema import RolloutConfig, WeightSyncConfig
     from laminar_mcore.rollout.launcher import engine_pull_spec, sglang_command
 
@@ -207,23 +258,22 @@ def test_an_moe_engines_pull_follows_its_moe_runner_and_gpu(tmp_path, monkeypatc
     def spec(backend="cpu", runner="auto", mode="auto", tp=2, ep=2):
         rollout = RolloutConfig(backend=backend, engine_tp=tp, engine_ep=ep,
                                 moe_runner_backend=runner)
-        return engine_pull_spec(rollout, 0, WeightSyncConfig(engine_pull=mode),
-                                model).option("shard")
+        return engine_pull_spec(rollout, 0, WeightSyncConfig(engine_pull=mode), model)
 
     heads = cfg.num_attention_heads
-    assert spec() == (2, heads, False, 2) and spec(ep=1) == (2, heads, False, 1)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert spec("sglang") is None and spec("sglang", "triton") == (2, heads, False, 2)
-    with pytest.raises(ValueError, match="LMC-E519.*GPU is not known"):
-        spec("sglang", mode="shard")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    for capability, want in (((9, 0), (2, heads, False, 2)), ((10, 0), None)):
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0, c=capability: c)
-        assert spec("sglang") == want, capability
-    assert spec("sglang", "triton") == (2, heads, False, 2)
-    assert spec("sglang", "flashinfer_cutlass") is None
-    with pytest.raises(ValueError, match="LMC-E519.*SM100"):
-        spec("sglang", mode="shard")
+    for backend in ("cpu", "sglang"):
+        for runner, mode in (("auto", "auto"), ("triton", "shard")):
+            got = spec(backend, runner, mode)
+            assert got.option("shard") == (2, heads, False, 2), (backend, runner)
+            assert got.option("verify") == mode
+    assert spec(ep=1).option("shard") == (2, heads, False, 1)
+    assert spec("sglang", "flashinfer_trtllm").option("shard") is None
+    with pytest.raises(ValueError, match="LMC-E519.*moe_runner_backend=cutlass"):
+        spec("sglang", "cutlass", "shard")
+    dense = tiny_hf_config("qwen2")
+    save_hf_checkpoint(str(tmp_path / "dense"), dense, _state(dense, dtype=torch.float32))
+    assert engine_pull_spec(RolloutConfig(engine_tp=2), 0, WeightSyncConfig(),
+                            str(tmp_path / "dense")).option("verify") is None
     command = sglang_command(model, port=1, tp=2, ep=2, moe_runner_backend="triton")
     assert command[command.index("--ep-size") + 1] == "2"
     assert command[command.index("--moe-runner-backend") + 1] == "triton"

@@ -238,7 +238,13 @@ def engine_pull_spec(rollout_cfg, index: int, weight_sync=None,
     devices = tuple(f"cuda:{g}" for g in engine_gpu_ids(rollout_cfg, index))
     spec = transport_module(name).spec_for(rollout_cfg, weight_sync, devices)
     shard = shard_pull(rollout_cfg, weight_sync, model_path, name)
-    return replace(spec, options=spec.options + (("shard", shard),)) if shard else spec
+    if not shard:
+        return spec
+    # an MoE engine's own /server_info confirms its experts' layout at the first pull (SGLang's
+    # resolved MoE runner: an SM100 GPU's, extra_args'): ``verify`` says what to do if not
+    moe = _layout_facts(model_path, shard[0], shard[3])[2]
+    verify = (("verify", getattr(weight_sync, "engine_pull", "auto")),) if moe else ()
+    return replace(spec, options=spec.options + (("shard", shard),) + verify)
 
 
 @functools.lru_cache(maxsize=16)
@@ -258,23 +264,14 @@ def _layout_facts(model_path: str, tp: int, ep: int):
         return str(exc)
 
 
-def engine_gpu_capability():
-    """The compute capability of this node's first GPU (its engines' kind), None without one."""
-    import torch
-
-    return torch.cuda.get_device_capability(0) if torch.cuda.is_available() else None
-
-
 def shard_pull(rollout_cfg, weight_sync, model_path: Optional[str],
                transport: str) -> Optional[Tuple[int, int, bool, int]]:
     """(engine TP, attention heads, tied embeddings, engine EP) when an engine's ranks pull only
     their own shards (``weight_sync.engine_pull``: shard; auto: at ``rollout.engine_tp`` > 1
-    pulling from its node's relay; for an MoE model only where SGLang keeps its experts in the
-    layout covered: ``engine_layout.moe_layout_known`` of ``rollout.moe_runner_backend`` and
-    the node's GPU), else None. ``shard`` where it cannot be is refused; ``auto`` falls back to
-    whole tensors where the model cannot be read or laid out."""
-    from ..weights.engine_layout import moe_layout_known
-
+    pulling from its node's relay; for an MoE model with ``rollout.moe_runner_backend`` auto or
+    triton, the engine's own ``/server_info`` confirming the layout at its first pull:
+    ``engine_pull_spec``), else None. ``shard`` where it cannot be is refused; ``auto`` falls
+    back to whole tensors where the model cannot be read or laid out."""
     mode, tp = getattr(weight_sync, "engine_pull", "auto"), int(rollout_cfg.engine_tp)
     ep = int(getattr(rollout_cfg, "engine_ep", 1))
     if mode == "whole" or (mode == "auto" and tp < 2):
@@ -289,9 +286,10 @@ def shard_pull(rollout_cfg, weight_sync, model_path: Optional[str],
             why = facts
         else:
             heads, tied, moe = facts
-            why = moe_layout_known(getattr(rollout_cfg, "moe_runner_backend", "auto"),
-                                   engine_gpu_capability(),
-                                   cpu=rollout_cfg.backend == "cpu") if moe else ""
+            runner = getattr(rollout_cfg, "moe_runner_backend", "auto")
+            why = (f"rollout.moe_runner_backend={runner} keeps SGLang's experts in a layout of "
+                   "its own (auto and triton are covered)") \
+                if moe and runner not in ("auto", "triton") else ""
             if not why:
                 return (tp, heads, tied, ep)
     if mode == "shard":

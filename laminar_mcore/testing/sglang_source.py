@@ -37,7 +37,7 @@ FILES = ("sglang/api/v1/api_types.py", "sglang/srt/entrypoints/http_server.py",
          # ... and of the experts (Qwen3-MoE, SGLang's default MoE runner)
          "sglang/srt/models/qwen3_moe.py", "sglang/srt/layers/moe/fused_moe_triton/layer.py",
          "sglang/srt/layers/quantization/unquant.py", "sglang/srt/distributed/parallel_state.py",
-         "sglang/srt/arg_groups/model_overrides/qwen3_moe.py")
+         "sglang/srt/arg_groups/model_overrides/qwen3_moe.py", "sglang/srt/runtime_context.py")
 
 
 def cache_dir() -> str:

@@ -34,7 +34,7 @@ holds experts ``[k * experts / E, (k + 1) * experts / E)`` with ``k = r // (N / 
 group is every ``N / E``-th rank, ``distributed/parallel_state.py``) and the ``r % (N / E)``-th
 slice of each. That is the layout the ``triton`` runner keeps (and ``auto`` on GPUs other than
 SM100, where SGLang picks flashinfer's TRT-LLM runner for Qwen3-MoE and reorders the experts'
-blocks): ``moe_layout_known`` says which.
+blocks): ``sglang_moe_layout`` tells from what the engine reports.
 """
 
 from __future__ import annotations
@@ -84,24 +84,29 @@ def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // pad) * pad
 
 
-def moe_layout_known(moe_runner_backend: str, capability=None, cpu: bool = False) -> str:
-    """'' when SGLang 0.5.23 keeps its experts in the layout above, else why not: the
-    ``triton`` runner does; ``auto`` does except on SM100 (``capability`` (10, x): the
-    Qwen3-MoE override picks ``flashinfer_trtllm``, ``arg_groups/model_overrides/qwen3_moe.py``)
-    or where the GPU is not known (``capability`` None, not ``cpu``); the CPU engine always
-    does. Other runners (triton_kernels transposes, flashinfer's reorder and pad, cutlass puts
-    up before gate) are not covered."""
-    if cpu or moe_runner_backend == "triton":
-        return ""
-    if moe_runner_backend != "auto":
-        return (f"rollout.moe_runner_backend={moe_runner_backend} keeps SGLang's experts in a "
-                "layout of its own (only triton, and auto off SM100 GPUs, are covered)")
-    if capability is None:
-        return ("the engine GPU is not known here, and SGLang's auto MoE runner lays experts out "
-                "by it (set rollout.moe_runner_backend=triton)")
-    if int(capability[0]) == 10:
-        return ("on an SM100 GPU SGLang's auto MoE runner for Qwen3-MoE is flashinfer_trtllm, "
-                "whose expert layout is not covered (set rollout.moe_runner_backend=triton)")
+# SGLang 0.5.23 ServerArgs (``/server_info``: the resolved values) that change where a rank's
+# experts are or how they are laid out, with the values that keep the layout above
+MOE_LAYOUT_ARGS = {"moe_runner_backend": ("auto", "triton"), "moe_a2a_backend": ("none",),
+                   "enable_eplb": (False,), "ep_num_redundant_experts": (0,),
+                   "init_expert_location": ("trivial",), "moe_dp_size": (1,),
+                   "enable_dp_attention": (False,), "quantization": (None,)}
+
+
+def sglang_moe_layout(info: Mapping, tp: int, ep: int) -> str:
+    """'' when an engine whose ``/server_info`` is ``info`` keeps its experts in the layout
+    above at TP ``tp`` and EP ``ep``, else why not. SGLang reports its *resolved* arguments
+    there: on an SM100 GPU its Qwen3-MoE override has already turned ``auto`` into
+    ``flashinfer_trtllm`` (``arg_groups/model_overrides/qwen3_moe.py``: w1/w3 swapped, blocked
+    experts), while ``auto`` left as it is means the triton runner (``unquant.py``); the
+    triton-kernels runner transposes each expert, a cutlass layout puts up before gate, EPLB
+    and redundant experts move them, an all-to-all backend or attention DP changes what a rank
+    holds. A key the engine does not report is taken at SGLang's default (the CPU engine
+    reports its TP and EP only)."""
+    for key, want in (("tp_size", (tp,)), ("ep_size", (ep,)), *MOE_LAYOUT_ARGS.items()):
+        got = info.get(key, want[0])
+        if got not in want:
+            return (f"the engine reports {key}={got!r} (/server_info), where its experts are in "
+                    f"SGLang's default layout only at {key}={want[0]!r}")
     return ""
 
 
@@ -157,8 +162,8 @@ class Layout:
                 fused, part = _FUSED[stem]
                 return f"{prefix}{fused}.{kind}", "qkv" if fused.endswith("qkv_proj") else "rows", \
                     part
-        raise LayoutError(f"LMC-E519: {hf!r} has no place in SGLang's per-rank layout of a dense "
-                          "model (a family it does not cover): pull whole tensors "
+        raise LayoutError(f"LMC-E519: {hf!r} has no place in SGLang's per-rank layout of a "
+                          "model of the families covered: pull whole tensors "
                           "(weight_sync.engine_pull=whole)")
 
     def _check_heads(self) -> None:
@@ -210,6 +215,28 @@ class Layout:
                     raise LayoutError(f"LMC-E519: {experts} experts do not split over "
                                       f"expert parallel size {self.ep} (SGLang asserts it): "
                                       "choose rollout.engine_ep dividing them")
+        self._check_moe_layers()
+
+    def _check_moe_layers(self) -> None:
+        """Every MoE layer's gate/up, down and router agree on its number of experts; no dense
+        MLP beside experts: SGLang 0.5.23's Qwen3-MoE makes every layer sparse
+        (``models/qwen3_moe.py`` ``stage_facts``), whatever ``mlp_only_layers`` says."""
+        counts: Dict[str, set] = {}
+        for name, parts in self._plan.items():
+            layer = name.split("mlp.")[0]
+            if parts[0][1] in _EXPERT_ROLES:
+                counts.setdefault(layer, set()).add(self._experts(name))
+            elif name.endswith("mlp.gate.weight"):
+                counts.setdefault(layer, set()).add(self.hf_shapes[name][0])
+        for layer, seen in counts.items():
+            if len(seen) > 1:
+                raise LayoutError(f"LMC-E519: {layer}mlp: its gate/up and down projections "
+                                  f"and router count {sorted(seen)} experts (a version missing "
+                                  "an expert's tensors?)")
+        if counts and any(n.endswith("mlp.gate_up_proj.weight") for n in self._plan):
+            raise LayoutError("LMC-E519: a dense MLP beside experts: SGLang 0.5.23's Qwen3-MoE "
+                              "makes every layer sparse (models/qwen3_moe.py), so it cannot "
+                              "serve a model with mlp_only_layers or decoder_sparse_step > 1")
 
     def _experts(self, name: str) -> int:
         parts = self._plan[name]
@@ -348,4 +375,4 @@ def layout_for_config(hf_config, tp: int, adapter=None, ep: int = 1) -> Layout:
 
 
 __all__ = ["Layout", "LayoutError", "Piece", "VOCAB_PADDING", "layout_for_config",
-           "moe_layout_known", "padded_vocab"]
+           "padded_vocab", "sglang_moe_layout"]

@@ -62,12 +62,33 @@ class Puller:
     def __init__(self, spec):
         self.spec = spec
         self.loads: Dict[str, int] = {}  # versions applied, by load_format (a run's summary)
+        self.shard = spec.option("shard")  # (tp, heads, tied, ep): each rank its own shard
+        self._verified = not spec.option("verify")
+
+    async def _verify(self, engine) -> None:
+        """An MoE engine's experts are in the layout a shard pull serves only if its resolved
+        arguments say so (``engine_layout.sglang_moe_layout`` of its ``/server_info``, asked
+        once): if not, ``verify`` auto pulls whole tensors from then on, shard refuses."""
+        import logging
+
+        from ...weights.engine_layout import sglang_moe_layout
+
+        why = sglang_moe_layout(await engine.get_server_info(), self.shard[0], self.shard[3])
+        if why and self.spec.option("verify") == "shard":
+            raise ValueError(f"LMC-E519: weight_sync.engine_pull=shard: {why}")
+        if why:
+            logging.getLogger(__name__).warning(
+                "engine %s pulls whole tensors: %s", getattr(engine, "url", "?"), why)
+            self.shard = None
+        self._verified = True
 
     def lease_format(self) -> str:
         return self.spec.fmt
 
     async def pull(self, relay, engine, current_version: int) -> Optional[int]:
-        shard = self.spec.option("shard")  # (tp, heads, tied, ep): each rank its own shard
+        if not self._verified:
+            await self._verify(engine)
+        shard = self.shard
         lease = await relay.lease(min_version=current_version + 1, fmt=self.lease_format(),
                                   devices=self.spec.devices or None,
                                   shard=dict(zip(("tp_size", "heads", "tied", "ep_size"), shard))
