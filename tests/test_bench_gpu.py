@@ -87,6 +87,8 @@ def _assert_coverage(figures, stdout):
     # a shard pull's direct payloads (each rank's own parameters), opened in the engine process
     assert figures["shard_pull_equal"] is True and figures["shard_pull_groups_checked"] == 2
     assert 0.5 <= figures["shard_pull_rank_fraction"] < 0.55
+    assert figures["shard_pull_moe_equal"] is True  # an MoE layer's experts at TP2 EP2
+    assert 0.5 <= figures["shard_pull_moe_rank_fraction"] < 0.55
     assert figures["cuda_ipc_second_process_buckets"] == figures["publish_buckets"] > 1
     assert figures["cuda_ipc_second_process_device"] == "cpu"
     opened = _entry(figures["cuda_ipc_exercised"], "second_process_open")

@@ -308,16 +308,18 @@ class _Keep:
         return "kept"
 
 
-def test_the_cuda_ipc_exporter_cuts_each_ranks_parameters_onto_its_device():
+@pytest.mark.parametrize("family,ep", [("qwen2", 1), ("qwen3_moe", 2)])
+def test_the_cuda_ipc_exporter_cuts_each_ranks_parameters_onto_its_device(family, ep):
     """The GPU path of a shard pull, on CPU devices: group by group, rank r's payload is
     SGLang's direct list of (name, tensor) with exactly the layout's rank-r tensors, whatever
-    stored bucket each source tensor sits in (the version spread over many small buckets)."""
+    stored bucket each source tensor sits in (the version spread over many small buckets);
+    for Qwen3-MoE at EP2, each rank's fused experts [experts / 2, ...] too."""
     from laminar_mcore.relay.shard_pulls import ShardPlan
     from laminar_mcore.relay.store import VersionStore
     from laminar_mcore.relay.transports.cuda_ipc import CudaIpcExporter, standin_bucket_classes
     from laminar_mcore.weights.bucket import BucketPacker
 
-    cfg = tiny_hf_config("qwen2", vocab_size=200)
+    cfg = tiny_hf_config(family, vocab_size=200)
     state = _state(cfg, seed=3)
     store = VersionStore()
     try:
@@ -329,10 +331,10 @@ def test_the_cuda_ipc_exporter_cuts_each_ranks_parameters_onto_its_device():
             stored.shm.buffer.copy_(b.buffer)
             store.progress(sv, stored, b.buffer.numel())
         assert len(buckets) > 4 and store.try_complete(sv)
-        plan = ShardPlan.of_version(store, sv, 2, cfg.num_attention_heads)
+        plan = ShardPlan.of_version(store, sv, 2, cfg.num_attention_heads, ep=ep)
         bucket_cls, meta_cls, _ = standin_bucket_classes()
         exporter = CudaIpcExporter(classes=(bucket_cls, meta_cls, _Keep), require_cuda=False)
-        layout = layout_for_config(cfg, 2)
+        layout = layout_for_config(cfg, 2, ep=ep)
         seen = set()
         for i in range(len(plan.groups)):
             _Keep.kept.clear()
@@ -346,6 +348,8 @@ def test_the_cuda_ipc_exporter_cuts_each_ranks_parameters_onto_its_device():
                     seen.add(name)
             exporter.free("lease", [i])
         assert seen == set(layout.names)
+        if ep > 1:
+            assert layout.shapes["model.layers.0.mlp.experts.w13_weight"][0] == 4
         with pytest.raises(ValueError, match="one device per TP rank"):
             exporter.payload_shard("lease", 0, plan, ["cpu"])
         exporter.release("lease")
@@ -355,15 +359,15 @@ def test_the_cuda_ipc_exporter_cuts_each_ranks_parameters_onto_its_device():
 
 def test_each_engine_ranks_pull_is_decided_from_the_config_and_the_model(tmp_path):
     """``weight_sync.engine_pull``: auto pulls shards at engine TP > 1 for a dense model (with
-    its head count and tie in the spec), whole tensors at TP1, for an MoE model or a model the
-    TP does not divide; ``shard`` where it cannot be is refused with the reason."""
+    its head count and tie in the spec), whole tensors at TP1 or for a model the TP does not
+    divide; ``shard`` where it cannot be is refused with the reason (MoE:
+    test_engine_moe_shards)."""
     from laminar_mcore.config.schema import RolloutConfig, WeightSyncConfig
     from laminar_mcore.rollout.launcher import engine_pull_spec
 
     dirs = {}
     for name, cfg in (("qwen2", tiny_hf_config("qwen2")),
-                      ("llama", tiny_hf_config("llama", tie_word_embeddings=True)),
-                      ("moe", tiny_hf_config("qwen3_moe"))):
+                      ("llama", tiny_hf_config("llama", tie_word_embeddings=True))):
         dirs[name] = str(tmp_path / name)
         save_hf_checkpoint(dirs[name], cfg, _state(cfg, dtype=torch.float32))
 

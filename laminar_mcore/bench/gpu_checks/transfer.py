@@ -280,10 +280,55 @@ def _shard_pull(b: Bench, exporter, engine, buffers) -> Tuple[bool, dict]:
               f"{groups} groups x 2 ranks opened in another process, equal to the layout",
               "a rank's payload was not opened, or differed")
     version = sum(t.numel() * t.element_size() for t in named.values())
-    return ok, {"shard_pull_groups_checked": groups, "shard_pull_equal": bool(equal),
-                "shard_pull_groups": len(plan.groups),
-                "shard_pull_rank_fraction": sum(plan.rank_bytes(i) for i in range(
-                    len(plan.groups))) / max(version, 1)}
+    moe_ok, moe = _moe_shard_pull(b, exporter, engine)
+    return ok and moe_ok, {
+        "shard_pull_groups_checked": groups, "shard_pull_equal": bool(equal),
+        "shard_pull_groups": len(plan.groups),
+        "shard_pull_rank_fraction": sum(plan.rank_bytes(i) for i in range(
+            len(plan.groups))) / max(version, 1), **moe}
+
+
+def _moe_shard_pull(b: Bench, exporter, engine) -> Tuple[bool, dict]:
+    """An MoE layer's shard pull at TP2 EP2 (both ranks on this device): one Qwen3-30B-A3B
+    layer (128 experts of 768 x 2048, bf16: 1.2 GB; 8 small experts in the rehearsal), each
+    rank's fused experts (``w13_weight`` [64, 1536, 2048], ``w2_weight``) cut onto the device
+    and opened by the engine process as SGLang's direct load does, equal to the layout."""
+    from ...relay.shard_pulls import ShardPlan
+
+    experts, inter, hidden, heads, kv, dim = (128, 768, 2048, 32, 4, 128) if b.cuda else \
+        (8, 32, 64, 4, 2, 16)
+    p = "model.layers.0."
+    shapes = {p + "self_attn.q_proj.weight": (heads * dim, hidden),
+              p + "self_attn.k_proj.weight": (kv * dim, hidden),
+              p + "self_attn.v_proj.weight": (kv * dim, hidden),
+              p + "self_attn.o_proj.weight": (hidden, heads * dim),
+              p + "mlp.gate.weight": (experts, hidden)}
+    for e in range(experts):
+        for proj, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)),
+                            ("down", (hidden, inter))):
+            shapes[f"{p}mlp.experts.{e}.{proj}_proj.weight"] = shape
+    g = torch.Generator().manual_seed(7)
+    named = {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()}
+    plan = ShardPlan.of_tensors(named, 2, heads, 512 << 20, ep=2)
+    equal, opened = True, 0
+    for i in range(len(plan.groups)):
+        per_rank = exporter.payload_shard("moe", i, plan, [str(b.device)] * 2)
+        for rank, payload in enumerate(per_rank):
+            want = [(n, plan.layout.fill(n, rank, plan.tensor, torch.empty(
+                plan.layout.shapes[n], dtype=plan.layout.dtypes[n]))) for n in plan.groups[i]]
+            index, digest, _ = engine.ask((i, payload, "direct"))
+            opened += index == i
+            equal &= digest == _digest(want)
+        exporter.free("moe", [i])
+    exporter.release("moe")
+    ok = opened == 2 * len(plan.groups) and equal
+    w13 = plan.layout.shapes[p + "mlp.experts.w13_weight"]
+    b.covered("shard_pull_moe_experts", ok, f"an MoE layer's {len(plan.groups)} groups x 2 "
+              f"ranks (w13_weight {list(w13)} each) opened in another process, equal to the "
+              "layout", "a rank's payload was not opened, or differed")
+    version = sum(t.numel() * t.element_size() for t in named.values())
+    return ok, {"shard_pull_moe_equal": bool(equal), "shard_pull_moe_rank_fraction": sum(
+        plan.rank_bytes(i) for i in range(len(plan.groups))) / version}
 
 
 def _engine_main(conn, sglang: bool) -> None:
