@@ -284,6 +284,20 @@ def test_flattened_bucket_payloads_are_what_sglangs_receivers_read(sglang, monke
     rebuilt = dict(tb.FlattenedTensorBucket(flattened_tensor=payload["flattened_tensor"],
                                             metadata=payload["metadata"]).reconstruct_tensors())
     assert list(rebuilt) == list(named) and all(same(rebuilt[n], t) for n, t in named.items())
+    # what the relay serves: its stored bucket (64-byte starts) copied up whole, in one copy
+    from laminar_mcore.weights.bucket import ShmBucket
+
+    stored, stored_metas = ShmBucket.from_tensors(named)
+    try:
+        exporter.payload_stored("lease", 1, stored.buffer, stored_metas, ["cpu"])
+        payload = Capture.last
+        assert [m.start_idx for m in payload["metadata"]] == [m.offset for m in stored_metas]
+        rebuilt = dict(tb.FlattenedTensorBucket(flattened_tensor=payload["flattened_tensor"],
+                                                metadata=payload["metadata"]).reconstruct_tensors())
+        assert list(rebuilt) == list(named)
+        assert all(same(rebuilt[n], t) for n, t in named.items())
+    finally:
+        stored.close()
     exporter.release("lease")
 
 

@@ -156,6 +156,15 @@ def resume_state(cfg: LaminarConfig, out_dir: str, log) -> Optional[dict]:
     return None
 
 
+def _engine_pull(planned, handles) -> str:
+    """shard, whole or mixed: what the run planned, less the MoE engines whose own
+    ``/server_info`` turned a shard pull into whole tensors (their pullers' ``shard`` None)."""
+    if not planned:
+        return "whole"
+    kept = [getattr(h.puller, "shard", None) is not None for h in handles]
+    return "shard" if all(kept) else "mixed" if any(kept) else "whole"
+
+
 def _pull_loads(handles) -> dict:
     """Versions the engines' pullers applied, by SGLang ``load_format`` (an agent's pulls run
     on its node and are not counted here)."""
@@ -271,10 +280,10 @@ def finish_run(controller: Controller, result: dict, initial: EvalResult, t_star
                "wall_seconds": time.time() - t_start, "model_path": task.model_path,
                "engine_transport": engine_transport(cfg.rollout, cfg.weight_sync),
                # each engine rank its own shard (weight_sync.engine_pull), or every tensor
-               "engine_pull": "shard" if shard_pull(cfg.rollout, cfg.weight_sync,
-                                                    task.model_path, engine_transport(
-                                                        cfg.rollout, cfg.weight_sync))
-               else "whole",
+               "engine_pull": _engine_pull(shard_pull(cfg.rollout, cfg.weight_sync,
+                                                      task.model_path, engine_transport(
+                                                          cfg.rollout, cfg.weight_sync)),
+                                           controller.manager.engines),
                # versions the engines applied, by SGLang load_format (direct: their own shards)
                "engine_pull_loads": _pull_loads(controller.manager.engines)}
     balanced = books["trajectories_generated"] == (books["trajectories_consumed"]

@@ -206,7 +206,9 @@ def check_cuda_ipc(b: Bench) -> Tuple[bool, str]:
                 if i >= 2:  # the engine applied bucket i-2 (the relay's /bucket protocol)
                     exporter.free("lease", [i - 2])
                 named = read_bucket(bucket.buffer, bucket.metas)
-                per_rank = exporter.payload("lease", i, named, devices)
+                # what the relay serves: its stored bucket, copied up whole
+                per_rank = exporter.payload_stored("lease", i, bucket.buffer, bucket.metas,
+                                                   devices)
                 payload_bytes += sum(len(p) for p in per_rank)
                 index, digest, on = engine.ask((i, per_rank[0]))
                 opened += index == i
@@ -215,6 +217,7 @@ def check_cuda_ipc(b: Bench) -> Tuple[bool, str]:
             held = exporter.held("lease")
             exporter.release("lease")
         shard = _shard_pull(b, exporter, engine, buffers)
+        _relay_h2d(b, max(buffers, key=lambda bkt: bkt.nbytes))
     finally:
         engine.close()
     left = (torch.cuda.memory_allocated() / GB) if b.cuda else 0.0
@@ -246,6 +249,46 @@ def check_cuda_ipc(b: Bench) -> Tuple[bool, str]:
                 f"held, engine-GPU peak {mem['pull']:.2f} GB (largest bucket {largest / GB:.2f} GB), "
                 f"{payload_bytes} payload bytes, {left:.2f} GB allocated after release; "
                 f"{opened} rebuilt in pid {engine.pid}, bytes {'equal' if equal else 'DIFFERENT'}")
+
+
+def _relay_h2d(b: Bench, bucket) -> None:
+    """The relay's copy of a stored bucket up to an engine GPU: from its shared memory as it is
+    (pageable: what it does today) and after registering those pages with CUDA
+    (``cudaHostRegister``: what pinning the relay's buckets would give), and what registering
+    costs -- the figures that decide whether the relay should pin its buckets."""
+    from ...weights.bucket import ShmBucket
+
+    shm = ShmBucket(bucket.buffer.numel(), prefix="laminar-bench")  # as the relay stores it
+    try:
+        shm.buffer.copy_(bucket.buffer)
+        _h2d_from(b, shm.buffer)
+    finally:
+        shm.close()
+
+
+def _h2d_from(b: Bench, buffer: torch.Tensor) -> None:
+    dev = torch.empty(buffer.numel(), dtype=torch.uint8, device=b.device)
+    pageable = b.timed(lambda: dev.copy_(buffer, non_blocking=True), repeat=3)
+    gb = buffer.numel() / GB
+    b.figures["relay_h2d_pageable_gb_per_s"] = gb / pageable
+    if not b.cuda:
+        b.not_exercised("relay_h2d_registered", "no GPU (CPU rehearsal: nothing to register)")
+        return
+    cudart = torch.cuda.cudart()
+    t0 = time.perf_counter()
+    err = cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
+    register_s = time.perf_counter() - t0
+    try:
+        pinned = b.timed(lambda: dev.copy_(buffer, non_blocking=True), repeat=3) \
+            if int(err) == 0 else float("nan")
+    finally:
+        if int(err) == 0:
+            cudart.cudaHostUnregister(buffer.data_ptr())
+    b.figures.update({"relay_h2d_registered_gb_per_s": gb / pinned,
+                      "relay_h2d_register_s": register_s, "relay_h2d_bucket_gb": gb})
+    b.covered("relay_h2d_registered", int(err) == 0, f"{gb:.2f} GB bucket: pageable "
+              f"{gb / pageable:.1f} GB/s, registered {gb / pinned:.1f} GB/s (registering took "
+              f"{register_s:.3f} s)", f"cudaHostRegister failed ({err})")
 
 
 SHARD_GROUPS = 2  # groups of a shard pull sent to the engine (the embedding and first layers)

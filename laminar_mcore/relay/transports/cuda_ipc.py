@@ -187,6 +187,37 @@ class CudaIpcExporter:
         self._keep(lease_id, index, keep, targets)
         return per_rank
 
+    def payload_stored(self, lease_id: str, index: int, buffer: torch.Tensor, metas,
+                       devices: Sequence[str]) -> List[str]:
+        """Bucket ``index`` of a lease straight from the relay's stored bucket (``buffer``, its
+        ``weights.bucket.TensorMeta`` list): one host-to-device copy of the whole bucket per
+        engine GPU instead of one per tensor, the payload's metadata the stored offsets (64-byte
+        starts: multiples of ``IPC_ALIGN``; SGLang reads ``start_idx``/``end_idx`` as given).
+        A bucket of slices, or with an offset SGLang could not view, is served tensor by tensor
+        (``payload``)."""
+        from ...weights.bucket import dtype_from_name, read_bucket
+
+        if any(m.offset % IPC_ALIGN or m.full_shape is not None for m in metas):
+            return self.payload(lease_id, index, read_bucket(buffer, metas), devices)
+        targets = self.check_devices(devices)
+        if self._classes is None:
+            self._classes = _sglang_bucket_classes()
+        bucket_cls, meta_cls, serializer = self._classes
+        metadata = [meta_cls(name=m.name, shape=torch.Size(m.shape),
+                             dtype=dtype_from_name(m.dtype), start_idx=m.offset,
+                             end_idx=m.offset + m.nbytes, numel=m.nbytes) for m in metas]
+        end = max((m.offset + m.nbytes for m in metas), default=0)
+        keep, per_rank = [], []
+        for device in targets:
+            flat = torch.empty(end, dtype=torch.uint8, device=device)
+            flat.copy_(buffer[:end], non_blocking=True)  # the gaps too: the stored bytes
+            bucket = bucket_cls(flattened_tensor=flat, metadata=metadata)
+            keep.append(flat)
+            per_rank.append(serializer.serialize(
+                {"flattened_tensor": flat, "metadata": bucket.get_metadata()}, output_str=True))
+        self._keep(lease_id, index, keep, targets)
+        return per_rank
+
     def payload_shard(self, lease_id: str, index: int, plan, devices: Sequence[str]) -> List[str]:
         """Group ``index`` of a shard pull (``relay.shard_pulls.ShardPlan``): rank r's own
         parameters cut straight onto ``devices[r]`` (only its slices cross the bus), serialized
@@ -278,10 +309,8 @@ class Exporter(_Exporter):
         return devices
 
     def serve(self, lease_id, index, bucket, devices):
-        from ...weights.bucket import read_bucket
-
-        return self.ipc.payload(lease_id, index, read_bucket(bucket.shm.buffer, bucket.metas),
-                                devices)
+        return self.ipc.payload_stored(lease_id, index, bucket.shm.buffer, bucket.metas,
+                                       devices)
 
     def copies(self, devices):
         return len(devices)  # the bucket on every GPU of the engine
