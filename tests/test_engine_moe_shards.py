@@ -14,8 +14,9 @@ from laminar_mcore.models.hf import save_hf_checkpoint, tiny_hf_config
 from laminar_mcore.rollout.engine_weights import load_rank_parameters, load_rank_slices
 from laminar_mcore.rollout.model import DecoderLM
 from laminar_mcore.testing import sglang_source
-from laminar_mcore.weights.engine_layout import (Layout, LayoutError, layout_for_config,
-                                                 sglang_moe_layout)
+from laminar_mcore.weights.engine_layout import (LAYOUT_ARGS, MOE_LAYOUT_ARGS, Layout,
+                                                 LayoutError, layout_for_config,
+                                                 sglang_layout_mismatch)
 
 from .test_engine_shards import TOKEN, _generate, _state
 
@@ -129,27 +130,51 @@ def test_moe_layouts_sglang_refuses_or_we_do_not_cover_are_refused():
     assert "is_layer_sparse = True" in sglang_source.read("sglang/srt/models/qwen3_moe.py")
 
 
-def test_an_engine_says_whether_its_experts_are_in_the_layout():
-    """``/server_info`` holds SGLang's resolved arguments: on an SM100 GPU its Qwen3-MoE
-    override has made ``auto`` flashinfer_trtllm (read from its source here); any argument
-    that moves or re-lays the experts, or another TP/EP than the pull's, says no."""
+def _sglang_defaults() -> dict:
+    """Every ServerArgs field's declared default, read from SGLang 0.5.23's field modules."""
+    import re
+
+    out = {}
+    for module in ("parallel", "exec_", "model"):
+        text = sglang_source.read(f"sglang/srt/arg_groups/fields/{module}.py")
+        for m in re.finditer(r"^    (\w+): A\[.*?\] = (.+?)$", text, re.M | re.S):
+            out.setdefault(m.group(1), m.group(2).strip())
+    return out
+
+
+def test_an_engine_says_whether_its_weights_are_in_the_layout():
+    """``/server_info`` holds SGLang's resolved arguments, every field at the top level
+    (``build_server_info``: ``server_args.resolved_dict()``; read from its source here, with
+    each field's declared default, which is the value the layout needs); on an SM100 GPU its
+    Qwen3-MoE override has made ``auto`` flashinfer_trtllm. Any argument that moves or re-lays
+    the weights, another TP/EP than the pull's, or a key missing says no."""
     override = sglang_source.read("sglang/srt/arg_groups/model_overrides/qwen3_moe.py")
     assert "if get_platform().is_sm100:" in override
     assert 'overrides["moe_runner_backend"] = "flashinfer_trtllm"' in override
-    server = sglang_source.read("sglang/srt/entrypoints/http_server.py")
-    assert "**build_server_info(server_args, _global_state.scheduler_info)" in server
-    hopper = {"tp_size": 8, "ep_size": 8, "moe_runner_backend": "auto", "moe_a2a_backend": "none",
-              "enable_eplb": False, "ep_num_redundant_experts": 0, "moe_dp_size": 1,
-              "init_expert_location": "trivial", "enable_dp_attention": False,
-              "quantization": None}
-    assert sglang_moe_layout(hopper, 8, 8) == ""
-    assert sglang_moe_layout({**hopper, "moe_runner_backend": "triton"}, 8, 8) == ""
-    assert sglang_moe_layout({"tp_size": 2, "ep_size": 2}, 2, 2) == ""  # the CPU engine's
+    assert "result = server_args.resolved_dict()" in sglang_source.read(
+        "sglang/srt/utils/common.py")
+    assert 'resolved["enable_dp_attention"] = resolving_view(self).attn_dp_size > 1' in \
+        sglang_source.read("sglang/srt/server_args.py")
+    defaults = _sglang_defaults()
+    for key, want in {**LAYOUT_ARGS, **MOE_LAYOUT_ARGS, "tp_size": (1,), "ep_size": (1,)}.items():
+        assert ast.literal_eval(defaults[key]) == want[0], (key, defaults.get(key))
+    hopper = {"tp_size": 8, "ep_size": 8, **{k: v[0] for k, v in LAYOUT_ARGS.items()},
+              **{k: v[0] for k, v in MOE_LAYOUT_ARGS.items()}, "frontend": "python"}
+    assert sglang_layout_mismatch(hopper, 8, 8, moe=True) == ""
+    assert sglang_layout_mismatch({**hopper, "moe_runner_backend": "triton"}, 8, 8, True) == ""
+    assert sglang_layout_mismatch({**hopper, "ep_size": 1}, 8, 8, moe=False) == ""  # dense
+    cpu = {"tp_size": 2, "ep_size": 2, "frontend": "laminar-cpu"}  # what the CPU engine says
+    assert sglang_layout_mismatch(cpu, 2, 2, moe=True) == ""
+    assert "has no enable_eplb" in sglang_layout_mismatch(
+        {k: v for k, v in hopper.items() if k != "enable_eplb"}, 8, 8, moe=True)
     for key, value in (("moe_runner_backend", "flashinfer_trtllm"), ("ep_size", 1),
                        ("moe_runner_backend", "triton_kernels"), ("enable_eplb", True),
                        ("ep_num_redundant_experts", 32), ("moe_a2a_backend", "deepep"),
-                       ("enable_dp_attention", True), ("quantization", "fp8")):
-        assert f"{key}={value!r}" in sglang_moe_layout({**hopper, key: value}, 8, 8), key
+                       ("enable_dp_attention", True), ("quantization", "fp8"),
+                       ("attn_cp_size", 2), ("enable_paged_experts", True)):
+        why = sglang_layout_mismatch({**hopper, key: value}, 8, 8, moe=True)
+        assert f"{key}={value!r}" in why, key
+    assert "attn_cp_size=2" in sglang_layout_mismatch({**hopper, "attn_cp_size": 2}, 8, 8, False)
 
 
 @pytest.mark.multiprocess
@@ -222,7 +247,7 @@ def test_ep2_moe_engine_ranks_pull_only_their_experts_from_a_real_relay(tmp_path
                 for ep, mode in ((2, "auto"), (1, "auto"), (1, "shard")):
                     puller = make_puller(PullSpec("shm", options=(
                         ("ranks", 2), ("shard", (2, cfg.num_attention_heads, False, ep)),
-                        ("verify", mode))))
+                        ("verify", mode), ("moe", True))))
                     try:
                         assert await puller.pull(relay, eng, 0) == 1
                     except ValueError as exc:
@@ -244,8 +269,8 @@ def test_ep2_moe_engine_ranks_pull_only_their_experts_from_a_real_relay(tmp_path
 
 
 def test_an_moe_engines_pull_is_decided_from_the_config_then_by_the_engine(tmp_path):
-    """From the config: an MoE engine of TP > 1 pulls its shard (and has its own /server_info
-    confirm the layout at its first pull: ``verify``) where ``rollout.moe_runner_backend`` is
+    """From the config: an MoE engine of TP > 1 pulls its shard (and, as every shard pull, has
+    its own /server_info confirm the layout at its first pull: ``verify``) where ``rollout.moe_runner_backend`` is
     auto or triton; another runner pulls whole tensors, and ``shard`` is refused there. The
     SGLang command carries ``--ep-size`` and the runner."""
     from laminar_mcore.config.schema import RolloutConfig, WeightSyncConfig
@@ -265,15 +290,16 @@ def test_an_moe_engines_pull_is_decided_from_the_config_then_by_the_engine(tmp_p
         for runner, mode in (("auto", "auto"), ("triton", "shard")):
             got = spec(backend, runner, mode)
             assert got.option("shard") == (2, heads, False, 2), (backend, runner)
-            assert got.option("verify") == mode
+            assert got.option("verify") == mode and got.option("moe") is True
     assert spec(ep=1).option("shard") == (2, heads, False, 1)
     assert spec("sglang", "flashinfer_trtllm").option("shard") is None
     with pytest.raises(ValueError, match="LMC-E519.*moe_runner_backend=cutlass"):
         spec("sglang", "cutlass", "shard")
     dense = tiny_hf_config("qwen2")
     save_hf_checkpoint(str(tmp_path / "dense"), dense, _state(dense, dtype=torch.float32))
-    assert engine_pull_spec(RolloutConfig(engine_tp=2), 0, WeightSyncConfig(),
-                            str(tmp_path / "dense")).option("verify") is None
+    dense_spec = engine_pull_spec(RolloutConfig(engine_tp=2), 0, WeightSyncConfig(),
+                                  str(tmp_path / "dense"))
+    assert dense_spec.option("verify") == "auto" and dense_spec.option("moe") is False
     command = sglang_command(model, port=1, tp=2, ep=2, moe_runner_backend="triton")
     assert command[command.index("--ep-size") + 1] == "2"
     assert command[command.index("--moe-runner-backend") + 1] == "triton"

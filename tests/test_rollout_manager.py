@@ -464,31 +464,51 @@ def test_areal_mode_interrupts_generation_for_each_new_version(tmp_path):
     assert not buffer.discarded
 
 
-def test_an_engine_a_repacked_trajectory_is_heading_to_does_not_pull_before_it_lands():
+def test_an_engine_a_repacked_trajectory_is_heading_to_does_not_pull_before_it_lands(tmp_path):
     """Repack aborts a long tail at its source to continue it on a destination of the same
-    version; if the destination's own trajectories finish first it would pull the next
+    version; if the destination's own trajectories finished first it would pull the next
     version and the moved one would find no engine of its version (the race that lost a
-    trajectory as no_engine_of_its_version). Until it lands -- or ends at its source, or goes
-    elsewhere -- the destination is expected to stay; then it is free to pull."""
+    trajectory as no_engine_of_its_version). ``repack_once`` (against a real CPU engine's
+    /v1/loads and abort) marks every move before it aborts any: the destination is expecting
+    it until it lands, ends at its source, or goes elsewhere; then it is free to pull."""
     from laminar_mcore.data.pools import InFlight
     from laminar_mcore.data.trajectory import Trajectory
 
-    src = EngineHandle("src", None, None, None, version=0, capacity=4, draining=True)
-    dest = EngineHandle("dest", None, None, None, version=0, capacity=4, draining=True)
-    manager = _manager([src, dest], [{"prompt_ids": [1]}], ExperienceBuffer(group_size=4), {},
-                       batch=1, rollout=RolloutConfig(repack=True))
-    items = {}
-    for k in range(3):
-        traj = Trajectory([1] * 10, [2] * 90, [0.0] * 90, 0, "g", uid=f"t{k}")
-        items[k] = src.in_flight[traj.uid] = InFlight(traj, "src")
-        items[k].migrate_to = "dest"  # what Repacker.repack_once sets, with dest.incoming
-        dest.incoming[traj.uid] = items[k]
-    assert manager._expecting(dest) and not manager._expecting(src)
-    # t0 lands (manager.generate: placed on its destination); t1 finished at its source
-    # before the abort reached it; t2 is still on its way
-    del src.in_flight["t0"]
-    items[0].migrate_to, items[0].engine, dest.in_flight["t0"] = None, "dest", items[0]
-    del src.in_flight["t1"]
-    assert manager._expecting(dest) and list(dest.incoming) == ["t2"]
-    items[2].migrate_to = None  # it went elsewhere (e.g. its destination changed)
-    assert not manager._expecting(dest) and not dest.incoming
+    cfg = tiny_hf_config("qwen2")
+    model_dir = str(tmp_path / "model")
+    save_hf_checkpoint(model_dir, cfg, _state(cfg, 0))
+    engine = EngineProcess(cpu_engine_command(model_dir, kv_capacity_tokens=512),
+                           log_path=str(tmp_path / "engine.log")).start()
+    try:
+        def handle(name):
+            return EngineHandle(name, SGLangClient(engine.url, retries=0), None, None,
+                                version=0, capacity=8, draining=True)  # long tails: <= 2
+
+        src, dest = handle("src"), handle("dest")
+        manager = _manager([src, dest], [{"prompt_ids": [1]}], ExperienceBuffer(group_size=4),
+                           {}, batch=1, rollout=RolloutConfig(repack=True))
+        items = {}
+        for k, engine_of in ((0, src), (1, dest), (2, dest)):  # dest: the densest, has room
+            traj = Trajectory([1] * 10, [2] * 20, [0.0] * 20, 0, "g", uid=f"t{k}")
+            items[k] = engine_of.in_flight[traj.uid] = InFlight(traj, engine_of.name)
+        assert asyncio.run(manager.repacker.repack_once()) == 1
+        assert items[0].migrate_to == "dest" and dest.incoming == {"t0": ("src", items[0])}
+        del dest.in_flight["t1"], dest.in_flight["t2"]  # its own work done before t0 lands
+        assert manager._expecting(dest) and not manager._expecting(src)
+        # t0 lands (manager.generate: placed on its destination): dest may pull once it drains
+        del src.in_flight["t0"]
+        items[0].migrate_to, items[0].engine, dest.in_flight["t0"] = None, "dest", items[0]
+        assert not manager._expecting(dest) and not dest.incoming
+        # a move whose trajectory ended at its source, or went elsewhere, is forgotten too
+        for k, how in ((3, "ended"), (4, "elsewhere")):
+            traj = Trajectory([1] * 10, [2] * 20, [0.0] * 20, 0, "g", uid=f"t{k}")
+            items[k] = src.in_flight[traj.uid] = InFlight(traj, "src")
+            items[k].migrate_to, dest.incoming[traj.uid] = "dest", ("src", items[k])
+            assert manager._expecting(dest)
+            if how == "ended":
+                del src.in_flight[traj.uid]
+            else:  # (an engine failure resumed it on another engine: its move is off)
+                items[k].migrate_to = None
+            assert not manager._expecting(dest), how
+    finally:
+        engine.stop()

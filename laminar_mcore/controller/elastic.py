@@ -67,7 +67,7 @@ class Elastic:
                     continue
                 item.migrate_to = dest.name if dest is not None else None
                 if dest is not None:
-                    dest.incoming[rid] = item
+                    dest.incoming[rid] = (engine.name, item)
                 with contextlib.suppress(EngineError):
                     await engine.client.abort_request(rid)
                 handed += dest is not None

@@ -7,7 +7,7 @@ planner (controller/repack.py) reads it, the controller's API reports it; nothin
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from ..data.pools import ExperienceBuffer, InFlight, PartialResponsePool, PromptPool
 from ..metrics.prometheus import SECONDS_BUCKETS, Histogram
@@ -29,9 +29,10 @@ class EngineHandle:
     version: int = 0
     capacity: int = 16
     in_flight: Dict[str, InFlight] = field(default_factory=dict)
-    # trajectories repack (or a leaving engine) is moving here, by rid: until they land (or end
-    # elsewhere) it does not pull, or they would find it on another version and be lost
-    incoming: Dict[str, InFlight] = field(default_factory=dict)
+    # trajectories repack (or a leaving engine) is moving here, by rid: (the engine it leaves,
+    # the trajectory). Until they land (or end, or go elsewhere) it does not pull, or they
+    # would find it on another version and be lost
+    incoming: Dict[str, Tuple[str, InFlight]] = field(default_factory=dict)
     healthy: bool = True
     draining: bool = False
     paused: bool = False  # mode=areal: paused with abort for a weight update

@@ -366,7 +366,7 @@ class RolloutManager(Admission, EngineHealth, WeightPulls, Elastic):
                 raise Discard("protocol_error", str(exc)) from None
             except EngineError as exc:
                 self._left(engine, item.rid)
-                item.interrupted_at = None
+                item.interrupted_at = item.migrate_to = None  # (a move it was on is off)
                 if self._stop.is_set():
                     raise Stopped() from None
                 logger.warning("engine %s failed on %s: %s", engine.name, item.rid, exc)
@@ -390,7 +390,8 @@ class RolloutManager(Admission, EngineHealth, WeightPulls, Elastic):
             if reason == "abort" and item.stale:  # aborted (or moved) when it fell too far behind
                 raise Discard("stale")
             if reason == "abort" and target is not None:
-                if target.healthy and target.version == item.traj.weight_version:
+                if target.healthy and target.version == item.traj.weight_version \
+                        and not target.pulling:
                     item.engine = target.name
                     target.in_flight[item.rid] = item
                     engine = target

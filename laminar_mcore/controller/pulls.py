@@ -22,6 +22,7 @@ from typing import Optional
 from ..data.pools import InFlight
 from ..netutil import EngineError
 from ..relay.client import RelayError, WeightApplyError
+from ..weights.engine_layout import EngineLayoutError
 from .engines import EngineHandle
 from .episode import Discard, Stopped
 
@@ -38,9 +39,10 @@ class WeightPulls:
         aborted them at their source to continue here): it must not pull before they land, or
         they find it on another version. One that landed, or ended or went elsewhere instead,
         is forgotten."""
-        for rid, item in list(engine.incoming.items()):
-            src = self._engine(item.engine)
-            if item.migrate_to != engine.name or src is None or rid not in src.in_flight:
+        for rid, (source, item) in list(engine.incoming.items()):
+            src = self._engine(source)
+            if item.migrate_to != engine.name or item.engine != source or src is None \
+                    or rid not in src.in_flight:
                 del engine.incoming[rid]
         return bool(engine.incoming)
 
@@ -76,6 +78,9 @@ class WeightPulls:
         except EngineError as exc:
             logger.warning("engine %s could not pull: %s", engine.name, exc)
             self._mark_unhealthy(engine, epoch)
+            return
+        except EngineLayoutError as exc:  # a setting to change: a restart would not help
+            self._fatal(f"engine {engine.name}'s weight pull", exc)
             return
         if engine.epoch != epoch:
             return  # the engine was replaced while this pull ran: the new one pulls itself
@@ -174,7 +179,7 @@ class WeightPulls:
             self._left(engine, item.rid)
             return await self._resume_interrupted(item, engine), "interrupt"
         target, item.migrate_to = self._engine(item.migrate_to), None
-        if target is not None and target.healthy and \
+        if target is not None and target.healthy and not target.pulling and \
                 target.version == item.traj.weight_version:
             if engine is not None:
                 self._left(engine, item.rid)

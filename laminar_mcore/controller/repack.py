@@ -94,6 +94,9 @@ class Repacker:
     async def repack_once(self) -> int:
         moves = self.plan(await self.kv_free())
         moved = 0
+        aborts = []
+        # every move is marked before any abort is awaited: each destination is expecting its
+        # trajectories (``incoming``: it does not pull) from the start
         for src, dest, rids in moves:
             for rid in rids:
                 item = src.in_flight.get(rid)
@@ -109,13 +112,17 @@ class Repacker:
                     moved += 1
                     continue
                 item.migrate_to = dest.name
-                dest.incoming[rid] = item
-                try:
-                    await src.client.abort_request(rid)
-                    moved += 1
-                except EngineError as exc:
+                dest.incoming[rid] = (src.name, item)
+                aborts.append((src, dest, rid, item))
+        for src, dest, rid, item in aborts:
+            try:
+                await src.client.abort_request(rid)
+                moved += 1
+            except EngineError as exc:
+                if item.migrate_to == dest.name:
                     item.migrate_to = None
-                    logger.warning("repack: could not abort %s on %s: %s", rid, src.name, exc)
+                dest.incoming.pop(rid, None)
+                logger.warning("repack: could not abort %s on %s: %s", rid, src.name, exc)
         if moved:
             self.stats.repack_rounds += 1
             logger.info("repack: moved %d trajectories off %s", moved,

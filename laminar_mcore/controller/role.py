@@ -157,12 +157,14 @@ def resume_state(cfg: LaminarConfig, out_dir: str, log) -> Optional[dict]:
 
 
 def _engine_pull(planned, handles) -> str:
-    """shard, whole or mixed: what the run planned, less the MoE engines whose own
-    ``/server_info`` turned a shard pull into whole tensors (their pullers' ``shard`` None)."""
-    if not planned:
-        return "whole"
-    kept = [getattr(h.puller, "shard", None) is not None for h in handles]
-    return "shard" if all(kept) else "mixed" if any(kept) else "whole"
+    """shard, whole or mixed: what the engines applied (``direct``: their own shards,
+    ``flattened_bucket``: whole tensors; an engine whose ``/server_info`` turned its shard
+    pulls into whole tensors counts as whole), or what the run planned before any pull."""
+    loads = _pull_loads(handles)
+    if not loads:
+        return "shard" if planned else "whole"
+    direct, whole = loads.get("direct", 0), sum(n for f, n in loads.items() if f != "direct")
+    return "mixed" if direct and whole else "shard" if direct else "whole"
 
 
 def _pull_loads(handles) -> dict:

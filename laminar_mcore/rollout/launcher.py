@@ -240,11 +240,12 @@ def engine_pull_spec(rollout_cfg, index: int, weight_sync=None,
     shard = shard_pull(rollout_cfg, weight_sync, model_path, name)
     if not shard:
         return spec
-    # an MoE engine's own /server_info confirms its experts' layout at the first pull (SGLang's
-    # resolved MoE runner: an SM100 GPU's, extra_args'): ``verify`` says what to do if not
+    # the engine's own /server_info confirms its layout at the first pull (SGLang's resolved
+    # arguments: an SM100 GPU's MoE runner, extra_args'): ``verify`` says what to do if not
     moe = _layout_facts(model_path, shard[0], shard[3])[2]
-    verify = (("verify", getattr(weight_sync, "engine_pull", "auto")),) if moe else ()
-    return replace(spec, options=spec.options + (("shard", shard),) + verify)
+    return replace(spec, options=spec.options + (
+        ("shard", shard), ("verify", getattr(weight_sync, "engine_pull", "auto")),
+        ("moe", moe)))
 
 
 @functools.lru_cache(maxsize=16)

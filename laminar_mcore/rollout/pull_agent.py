@@ -22,6 +22,7 @@ from aiohttp import web
 from ..netutil import engine_api_key, error_response, token_middleware
 from ..relay.client import RelayClient, RelayError, WeightApplyError
 from ..relay.transports import Puller, PullSpec, make_puller
+from ..weights.engine_layout import EngineLayoutError
 from .client import EngineError, SGLangClient
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,8 @@ class PullAgent:
                     return web.json_response({"error": str(exc), "kind": "relay"}, status=502)
                 except EngineError as exc:
                     return web.json_response({"error": str(exc), "kind": "engine"}, status=502)
+                except EngineLayoutError as exc:  # engine_pull=shard where it cannot be
+                    return web.json_response({"error": str(exc), "kind": "layout"}, status=409)
             return web.json_response({"version": version})
 
         app = web.Application(middlewares=[token_middleware(self.token)])
@@ -143,6 +146,8 @@ class AgentPuller(Puller):
             raise WeightApplyError(message, mixed=bool(body.get("mixed")))
         if kind == "relay":
             raise RelayError(message)
+        if kind == "layout":
+            raise EngineLayoutError(message)
         raise EngineError("pull agent", r.status, message)
 
     async def aclose(self) -> None:

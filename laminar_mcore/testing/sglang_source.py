@@ -37,7 +37,10 @@ FILES = ("sglang/api/v1/api_types.py", "sglang/srt/entrypoints/http_server.py",
          # ... and of the experts (Qwen3-MoE, SGLang's default MoE runner)
          "sglang/srt/models/qwen3_moe.py", "sglang/srt/layers/moe/fused_moe_triton/layer.py",
          "sglang/srt/layers/quantization/unquant.py", "sglang/srt/distributed/parallel_state.py",
-         "sglang/srt/arg_groups/model_overrides/qwen3_moe.py", "sglang/srt/runtime_context.py")
+         "sglang/srt/arg_groups/model_overrides/qwen3_moe.py", "sglang/srt/runtime_context.py",
+         # ... and the arguments /server_info reports (what decides an engine's layout)
+         "sglang/srt/arg_groups/fields/parallel.py", "sglang/srt/arg_groups/fields/model.py",
+         "sglang/srt/server_args.py", "sglang/srt/utils/common.py")
 
 
 def cache_dir() -> str:

@@ -34,7 +34,7 @@ holds experts ``[k * experts / E, (k + 1) * experts / E)`` with ``k = r // (N / 
 group is every ``N / E``-th rank, ``distributed/parallel_state.py``) and the ``r % (N / E)``-th
 slice of each. That is the layout the ``triton`` runner keeps (and ``auto`` on GPUs other than
 SM100, where SGLang picks flashinfer's TRT-LLM runner for Qwen3-MoE and reorders the experts'
-blocks): ``sglang_moe_layout`` tells from what the engine reports.
+blocks): ``sglang_layout_mismatch`` tells from what the engine reports.
 """
 
 from __future__ import annotations
@@ -63,6 +63,12 @@ class LayoutError(ValueError):
     """A model that SGLang's per-rank layout cannot hold at this TP size (the message says why)."""
 
 
+class EngineLayoutError(LayoutError):
+    """An engine that reports (``/server_info``) a layout other than the one its shard pulls
+    need, with ``weight_sync.engine_pull=shard``: a configuration to change, not a fault of
+    the engine (the run stops and says why)."""
+
+
 @dataclass(frozen=True)
 class Piece:
     """Rank tensor ``out.narrow(dim, at, length)`` is Hugging Face tensor
@@ -84,28 +90,40 @@ def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // pad) * pad
 
 
-# SGLang 0.5.23 ServerArgs (``/server_info``: the resolved values) that change where a rank's
-# experts are or how they are laid out, with the values that keep the layout above
+# SGLang 0.5.23 ServerArgs (``/server_info``: the resolved values) that change what a rank
+# holds, with the values that keep the layout above: of any model (attention data or context
+# parallel, quantized weights) ...
+LAYOUT_ARGS = {"enable_dp_attention": (False,), "attn_cp_size": (1,), "quantization": (None,)}
+# ... and of an MoE model's experts (where they are, how they are laid out)
 MOE_LAYOUT_ARGS = {"moe_runner_backend": ("auto", "triton"), "moe_a2a_backend": ("none",),
                    "enable_eplb": (False,), "ep_num_redundant_experts": (0,),
                    "init_expert_location": ("trivial",), "moe_dp_size": (1,),
-                   "enable_dp_attention": (False,), "quantization": (None,)}
+                   "enable_paged_experts": (False,)}
 
 
-def sglang_moe_layout(info: Mapping, tp: int, ep: int) -> str:
-    """'' when an engine whose ``/server_info`` is ``info`` keeps its experts in the layout
-    above at TP ``tp`` and EP ``ep``, else why not. SGLang reports its *resolved* arguments
-    there: on an SM100 GPU its Qwen3-MoE override has already turned ``auto`` into
+def sglang_layout_mismatch(info: Mapping, tp: int, ep: int, moe: bool) -> str:
+    """'' when an engine whose ``/server_info`` is ``info`` holds the layout above at TP
+    ``tp`` (and, for an MoE model, EP ``ep``), else why not. SGLang reports its *resolved*
+    arguments there: on an SM100 GPU its Qwen3-MoE override has already turned ``auto`` into
     ``flashinfer_trtllm`` (``arg_groups/model_overrides/qwen3_moe.py``: w1/w3 swapped, blocked
     experts), while ``auto`` left as it is means the triton runner (``unquant.py``); the
     triton-kernels runner transposes each expert, a cutlass layout puts up before gate, EPLB
-    and redundant experts move them, an all-to-all backend or attention DP changes what a rank
-    holds. A key the engine does not report is taken at SGLang's default (the CPU engine
-    reports its TP and EP only)."""
-    for key, want in (("tp_size", (tp,)), ("ep_size", (ep,)), *MOE_LAYOUT_ARGS.items()):
+    and redundant experts move them, an all-to-all backend or attention DP/CP changes what a
+    rank holds. Every key must be there (a renamed one is a mismatch), except from the CPU
+    engine (``frontend`` laminar-cpu), which reports its TP and EP only: SGLang's defaults
+    otherwise. Not visible there: ROCm's aiter layout (``SGLANG_USE_AITER``), and a quantized
+    checkpoint loaded without ``--quantization``."""
+    keys = [("tp_size", (tp,)), *LAYOUT_ARGS.items()]
+    if moe:
+        keys += [("ep_size", (ep,)), *MOE_LAYOUT_ARGS.items()]
+    twin = info.get("frontend") == "laminar-cpu"
+    for key, want in keys:
+        if key not in info and not twin:
+            return (f"the engine's /server_info has no {key} (not SGLang 0.5.23's?), so its "
+                    "layout cannot be confirmed")
         got = info.get(key, want[0])
         if got not in want:
-            return (f"the engine reports {key}={got!r} (/server_info), where its experts are in "
+            return (f"the engine reports {key}={got!r} (/server_info), where its weights are in "
                     f"SGLang's default layout only at {key}={want[0]!r}")
     return ""
 
@@ -374,5 +392,5 @@ def layout_for_config(hf_config, tp: int, adapter=None, ep: int = 1) -> Layout:
     return Layout(adapter.hf_shapes(hf_config), adapter.shape(hf_config).heads, tp, ep=ep)
 
 
-__all__ = ["Layout", "LayoutError", "Piece", "VOCAB_PADDING", "layout_for_config",
-           "padded_vocab", "sglang_moe_layout"]
+__all__ = ["EngineLayoutError", "Layout", "LayoutError", "Piece", "VOCAB_PADDING", "layout_for_config",
+           "padded_vocab", "sglang_layout_mismatch"]

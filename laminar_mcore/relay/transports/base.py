@@ -66,16 +66,18 @@ class Puller:
         self._verified = not spec.option("verify")
 
     async def _verify(self, engine) -> None:
-        """An MoE engine's experts are in the layout a shard pull serves only if its resolved
-        arguments say so (``engine_layout.sglang_moe_layout`` of its ``/server_info``, asked
-        once): if not, ``verify`` auto pulls whole tensors from then on, shard refuses."""
+        """An engine holds the layout a shard pull serves only if its resolved arguments say so
+        (``engine_layout.sglang_layout_mismatch`` of its ``/server_info``, asked once): if not,
+        ``verify`` auto pulls whole tensors from then on, shard refuses."""
         import logging
 
-        from ...weights.engine_layout import sglang_moe_layout
+        from ...weights.engine_layout import EngineLayoutError, sglang_layout_mismatch
 
-        why = sglang_moe_layout(await engine.get_server_info(), self.shard[0], self.shard[3])
+        why = sglang_layout_mismatch(await engine.get_server_info(), self.shard[0],
+                                     self.shard[3], bool(self.spec.option("moe")))
         if why and self.spec.option("verify") == "shard":
-            raise ValueError(f"LMC-E519: weight_sync.engine_pull=shard: {why}")
+            raise EngineLayoutError(f"LMC-E519: weight_sync.engine_pull=shard: {why}; use "
+                                    "engine_pull=auto (whole tensors there) or change it")
         if why:
             logging.getLogger(__name__).warning(
                 "engine %s pulls whole tensors: %s", getattr(engine, "url", "?"), why)
