@@ -194,7 +194,8 @@ class CudaIpcExporter:
         engine GPU instead of one per tensor, the payload's metadata the stored offsets (64-byte
         starts: multiples of ``IPC_ALIGN``; SGLang reads ``start_idx``/``end_idx`` as given).
         A bucket of slices, or with an offset SGLang could not view, is served tensor by tensor
-        (``payload``)."""
+        (``payload``). The bytes between tensors are the stored bucket's (SGLang never reads
+        them), not zeroes as ``payload`` writes."""
         from ...weights.bucket import dtype_from_name, read_bucket
 
         if any(m.offset % IPC_ALIGN or m.full_shape is not None for m in metas):
