@@ -130,6 +130,28 @@ def test_moe_layouts_sglang_refuses_or_we_do_not_cover_are_refused():
     assert "is_layer_sparse = True" in sglang_source.read("sglang/srt/models/qwen3_moe.py")
 
 
+def test_sglang_engines_refuse_a_qwen3_moe_with_dense_layers(tmp_path):
+    """SGLang 0.5.23 serves every Qwen3-MoE layer as MoE (its source, above): an SGLang engine
+    of a checkpoint with dense layers is refused before it is launched; the CPU engine, which
+    serves them, and an all-sparse checkpoint are not."""
+    from laminar_mcore.config.schema import LaminarConfig
+    from laminar_mcore.rollout.launcher import check_sglang_serves, engine_process
+
+    from .test_engine_shards import _state as state_of
+
+    for name, cfg in (("dense1", tiny_hf_config("qwen3_moe", mlp_only_layers=[1])),
+                      ("sparse", tiny_hf_config("qwen3_moe"))):
+        save_hf_checkpoint(str(tmp_path / name), cfg, state_of(cfg, dtype=torch.float32))
+    with pytest.raises(ValueError, match=r"LMC-E314: .*layers \[1\] are dense"):
+        check_sglang_serves(str(tmp_path / "dense1"))
+    check_sglang_serves(str(tmp_path / "sparse"))
+    check_sglang_serves(str(tmp_path / "no-such-dir"))  # left to SGLang to say
+    run = LaminarConfig()
+    run.rollout.backend = "sglang"
+    with pytest.raises(ValueError, match="LMC-E314"):
+        engine_process(run, str(tmp_path / "dense1"), str(tmp_path / "e.log"), 0)
+
+
 def _sglang_defaults() -> dict:
     """Every ServerArgs field's declared default, read from SGLang 0.5.23's field modules."""
     import re

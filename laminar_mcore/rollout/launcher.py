@@ -298,6 +298,29 @@ def shard_pull(rollout_cfg, weight_sync, model_path: Optional[str],
     return None
 
 
+def check_sglang_serves(model_path: str) -> None:
+    """Refuse (``ValueError``, LMC-E314) a checkpoint SGLang 0.5.23 would serve wrong without
+    saying so: a Qwen3-MoE with dense layers (``mlp_only_layers``, ``decoder_sparse_step`` > 1)
+    -- its Qwen3-MoE makes every layer sparse (``models/qwen3_moe.py`` ``stage_facts``), so it
+    would generate with experts those layers do not have. A config that cannot be read is left
+    to SGLang."""
+    from ..models import get_adapter, load_hf_config
+
+    try:
+        config = load_hf_config(model_path)
+        adapter = get_adapter(config)
+    except (ValueError, OSError):
+        return
+    if adapter.is_moe:
+        dense = [i for i, moe in enumerate(adapter.moe_shape(config).moe_layers) if not moe]
+        if dense:
+            raise ValueError(f"LMC-E314: {model_path}: layers {dense[:8]} are dense "
+                             "(mlp_only_layers / decoder_sparse_step), but SGLang 0.5.23 serves "
+                             "every Qwen3-MoE layer as a mixture of experts: it would generate "
+                             "with experts they do not have. Use rollout.backend=cpu, or a "
+                             "checkpoint whose every layer is sparse")
+
+
 def engine_process(cfg, model_path: str, log_path: str, index: int,
                    api_key: Optional[str] = None,
                    visible: Optional[str] = None) -> "EngineProcess":
@@ -308,7 +331,10 @@ def engine_process(cfg, model_path: str, log_path: str, index: int,
     of the machine can read: the CPU engine takes it from its environment, SGLang from a
     ``--config`` file only its owner can read, next to the log. ``visible``: its
     ``CUDA_VISIBLE_DEVICES`` (the GPU map's mask of its own GPUs, '' for none; SGLang's
-    ``--base-gpu-id`` is then 0); None: the launcher's environment, unchanged."""
+    ``--base-gpu-id`` is then 0); None: the launcher's environment, unchanged. A checkpoint
+    SGLang would serve wrong is refused (``check_sglang_serves``)."""
+    if cfg.rollout.backend == "sglang":
+        check_sglang_serves(model_path)
     port = 0 if cfg.rollout.backend == "cpu" else free_port()
     command = engine_command_from_config(cfg.rollout, model_path, port=port, index=index,
                                          seed=cfg.seed,
