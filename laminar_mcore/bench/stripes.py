@@ -214,8 +214,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     one = statistics.median(result["times"]["one_master"])
     two = statistics.median(result["times"]["two_masters"])
     figures = {
-        "stripes_sync_s_one_master": round(one, 3),
-        "stripes_sync_s_two_masters": round(two, 3),
+        "stripes_sync_s_one_master": round(one, 4),
+        "stripes_sync_s_two_masters": round(two, 4),
         "stripes_speedup": round(one / two, 3),
         **{f"stripes_blocked_s_{tier}": round(statistics.median(result["blocked"][tier]), 4)
            for tier in ("one_master", "two_masters")},
