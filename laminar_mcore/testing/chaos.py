@@ -320,10 +320,22 @@ class ChaosRun:
 
     @staticmethod
     def _check_recovered(kill: Kill, records: List[dict]) -> None:
+        """An engine has recovered when *it* serves again: the first engine taken down after
+        the kill (the victim: killed, or hung until its heartbeat finds it) and then serving.
+        Another engine's ``serving`` (one restarted earlier, just back) is not it -- taking it
+        for the hung engine's once ended a run while the hung engine still held requests."""
         kind, events = RECOVERED[kill.kind]
         events = events if isinstance(events, tuple) else (events,)
+        victim, since = None, kill.time
+        if kind == "engine":
+            down = next((r for r in records if r.get("kind") == "fault" and r.get("fault") ==
+                         "engine" and r.get("event") == "down" and r.get("time", 0) >= kill.time),
+                        None)
+            if down is None:
+                return
+            victim, since = down.get("engine"), down["time"]
         for r in records:
             if r.get("kind") == "fault" and r.get("fault") == kind and r.get("event") in events \
-                    and r.get("time", 0) >= kill.time:
+                    and r.get("time", 0) >= since and victim in (None, r.get("engine")):
                 kill.recovered_at = r["time"]
                 return
