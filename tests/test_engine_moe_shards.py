@@ -11,14 +11,12 @@ import torch
 
 from laminar_mcore.models import get_adapter
 from laminar_mcore.models.hf import save_hf_checkpoint, tiny_hf_config
-from laminar_mcore.rollout.engine_weights import load_rank_parameters, load_rank_slices
-from laminar_mcore.rollout.model import DecoderLM
 from laminar_mcore.testing import sglang_source
 from laminar_mcore.weights.engine_layout import (LAYOUT_ARGS, MOE_LAYOUT_ARGS, Layout,
                                                  LayoutError, layout_for_config,
                                                  sglang_layout_mismatch)
 
-from .test_engine_shards import TOKEN, _generate, _state
+from .test_engine_shards import TOKEN, _generate, _state, assert_the_ranks_give_back
 
 
 def _sglang_expert_loader(tp, ep, rank):
@@ -97,11 +95,7 @@ def test_moe_ranks_hold_sglangs_experts_and_give_back_the_model_bit_for_bit(tp, 
             assert torch.equal(named[p + "gate.weight"], state[p + "gate.weight"])
         ranks.append(named)
     assert not any(t.isnan().any() for named in ranks for t in named.values())
-    for load, payloads in ((load_rank_parameters, ranks), (load_rank_slices, [state] * tp)):
-        model = DecoderLM(cfg, {k: torch.zeros_like(v) for k, v in state.items()})
-        load(model, layout, payloads)
-        differ = [k for k, v in state.items() if not torch.equal(model.params[k], v.float())]
-        assert not differ, f"{load.__name__}: {differ[:3]}"
+    assert_the_ranks_give_back(cfg, layout, ranks, state)
 
 
 def test_moe_layouts_sglang_refuses_or_we_do_not_cover_are_refused():
@@ -291,10 +285,10 @@ def test_ep2_moe_engine_ranks_pull_only_their_experts_from_a_real_relay(tmp_path
 
 
 def test_an_moe_engines_pull_is_decided_from_the_config_then_by_the_engine(tmp_path):
-    """From the config: an MoE engine of TP > 1 pulls its shard (and, as every shard pull, has
-    its own /server_info confirm the layout at its first pull: ``verify``) where ``rollout.moe_runner_backend`` is
-    auto or triton; another runner pulls whole tensors, and ``shard`` is refused there. The
-    SGLang command carries ``--ep-size`` and the runner."""
+    """From the config: an MoE engine of TP > 1 pulls its shard (and, as every shard pull, has its
+    own /server_info confirm the layout at its first pull: ``verify``) where
+    ``rollout.moe_runner_backend`` is auto or triton; another runner pulls whole tensors, and
+    ``shard`` is refused there. The SGLang command carries ``--ep-size`` and the runner."""
     from laminar_mcore.config.schema import RolloutConfig, WeightSyncConfig
     from laminar_mcore.rollout.launcher import engine_pull_spec, sglang_command
 

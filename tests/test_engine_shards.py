@@ -93,9 +93,14 @@ def test_each_rank_holds_sglangs_slices_and_the_ranks_give_back_the_model_bit_fo
     assert not embed[real:].any()
     assert not any(t.isnan().any() for named in ranks for t in named.values())
 
-    # the CPU engine takes every rank's parameters back into the model (direct), and whole
-    # tensors narrowed per rank (flattened_bucket at TP > 1): bit for bit either way
-    for load, payloads in ((load_rank_parameters, ranks), (load_rank_slices, [state] * tp)):
+    assert_the_ranks_give_back(cfg, layout, ranks, state)
+
+
+def assert_the_ranks_give_back(cfg, layout, ranks, state):
+    """The CPU engine takes every rank's parameters back into the model (direct), and whole
+    tensors narrowed per rank (flattened_bucket at TP > 1): bit for bit either way."""
+    for load, payloads in ((load_rank_parameters, ranks),
+                           (load_rank_slices, [state] * layout.tp)):
         model = DecoderLM(cfg, {k: torch.zeros_like(v) for k, v in state.items()})
         load(model, layout, payloads)
         differ = [k for k, v in state.items() if not torch.equal(model.params[k], v.float())]

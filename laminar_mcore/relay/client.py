@@ -138,8 +138,8 @@ class RelayClient:
         """Lease the newest version at or above ``min_version``: shared-memory handles (CPU
         engines) or, with ``fmt="sglang_cuda_ipc"``, SGLang's CUDA IPC payloads for the
         engine's ``devices`` (one per TP rank; ``device`` is the one-GPU shorthand). With
-        ``shard`` ({tp_size, heads, tied, ep_size}) each bucket holds each rank's own parameters in SGLang's
-        per-rank layout (``load_format="direct"``; relay/shard_pulls.py)."""
+        ``shard`` ({tp_size, heads, tied, ep_size}) each bucket holds each rank's own parameters
+        in SGLang's per-rank layout (``load_format="direct"``; relay/shard_pulls.py)."""
         body = {"min_version": min_version, "format": fmt}
         if shard is not None:
             body["shard"] = dict(shard)

@@ -1,14 +1,15 @@
 """Pulls of each engine rank's own shard: a leased version served in SGLang's per-rank layout.
 
 A lease asked with ``shard: {tp_size, heads, tied, ep_size}`` (an engine of TP ``tp_size`` and
-expert parallel size ``ep_size`` whose model has ``heads`` attention heads) is served as SGLang's fused per-rank parameters
-(``weights/engine_layout.py``) instead of whole Hugging Face tensors: the version's parameters
-in groups of about one stored bucket's size per rank, each ``/bucket`` one group with one
-payload per rank holding only that rank's slices, for ``/update_weights_from_tensor`` with
-``load_format="direct"``. An engine GPU then receives its shard (about 1/TP of the model, plus
-the replicated norms and key/value heads) instead of every tensor whole. The relay holds the
-version whole as before; each rank's tensors are cut from it as its group is served, directly
-into the transport's buffer (shared memory, or the rank's GPU for CUDA IPC).
+expert parallel size ``ep_size`` whose model has ``heads`` attention heads) is served as
+SGLang's fused per-rank parameters (``weights/engine_layout.py``) instead of whole Hugging Face
+tensors: the version's parameters in groups of about one stored bucket's size per rank, each
+``/bucket`` one group with one payload per rank holding only that rank's slices, for
+``/update_weights_from_tensor`` with ``load_format="direct"``. An engine GPU then receives its
+shard (about 1/TP of the model, plus the replicated norms and key/value heads) instead of every
+tensor whole. The relay holds the version whole as before; each rank's tensors are cut from it
+as its group is served, directly into the transport's buffer (shared memory, or the rank's GPU
+for CUDA IPC).
 """
 
 from __future__ import annotations

@@ -6,11 +6,10 @@ Which parts of that path the code has (docs/weights.md): per-rank export (``weig
 engines, striped master relays on rollout nodes of their own (``weight_sync.master_relays``)
 deltas found on the trainer's GPU (``kernels/delta.py`` in the publisher), and engine GPUs
 copying only their own shard (``weight_sync.engine_pull``: dense models, and MoE engines whose
-MoE runner keeps SGLang's default expert layout). Not yet: a node's relay taking only its engines' share (every relay holds
-the whole version). The figures
-here model the design with costs measured where the parts exist, each source named;
-``costs.relay_sync_stages`` models the path of stage leads into one master relay, whole
-versions to every relay.
+MoE runner keeps SGLang's default expert layout). Not yet: a node's relay taking only its
+engines' share (every relay holds the whole version). The figures here model the design with
+costs measured where the parts exist, each source named; ``costs.relay_sync_stages`` models the
+path of stage leads into one master relay, whole versions to every relay.
 
 The model, for B = params x 2 bytes (bf16) on 8-GPU nodes:
 

@@ -392,5 +392,5 @@ def layout_for_config(hf_config, tp: int, adapter=None, ep: int = 1) -> Layout:
     return Layout(adapter.hf_shapes(hf_config), adapter.shape(hf_config).heads, tp, ep=ep)
 
 
-__all__ = ["EngineLayoutError", "Layout", "LayoutError", "Piece", "VOCAB_PADDING", "layout_for_config",
-           "padded_vocab", "sglang_layout_mismatch"]
+__all__ = ["EngineLayoutError", "Layout", "LayoutError", "Piece", "VOCAB_PADDING",
+           "layout_for_config", "padded_vocab", "sglang_layout_mismatch"]

@@ -307,18 +307,8 @@ def _shard_pull(b: Bench, exporter, engine, buffers) -> Tuple[bool, dict]:
         named.update(read_bucket(bucket.buffer, bucket.metas))
     plan = ShardPlan.of_tensors(named, 2, b.shared["publish_heads"],
                                 max(bkt.nbytes for bkt in buffers))
-    groups, equal, opened = min(SHARD_GROUPS, len(plan.groups)), True, 0
-    for i in range(groups):
-        per_rank = exporter.payload_shard("shard", i, plan, [str(b.device)] * 2)
-        for rank, payload in enumerate(per_rank):
-            want = [(n, plan.layout.fill(n, rank, plan.tensor, torch.empty(
-                plan.layout.shapes[n], dtype=plan.layout.dtypes[n]))) for n in plan.groups[i]]
-            index, digest, _ = engine.ask((i, payload, "direct"))
-            opened += index == i
-            equal &= digest == _digest(want)
-        exporter.free("shard", [i])
-    exporter.release("shard")
-    ok = opened == 2 * groups and equal
+    groups = min(SHARD_GROUPS, len(plan.groups))
+    ok, equal = _open_groups(b, exporter, engine, plan, "shard", groups)
     b.covered("shard_pull_direct_payloads", ok,
               f"{groups} groups x 2 ranks opened in another process, equal to the layout",
               "a rank's payload was not opened, or differed")
@@ -329,6 +319,24 @@ def _shard_pull(b: Bench, exporter, engine, buffers) -> Tuple[bool, dict]:
         "shard_pull_groups": len(plan.groups),
         "shard_pull_rank_fraction": sum(plan.rank_bytes(i) for i in range(
             len(plan.groups))) / max(version, 1), **moe}
+
+
+def _open_groups(b: Bench, exporter, engine, plan, lease: str, groups: int) -> Tuple[bool, bool]:
+    """The first ``groups`` groups of ``plan`` at TP2 (both ranks on this device), cut onto the
+    device and opened by the engine process as SGLang's direct load does: (every rank's
+    payload opened and equal to the layout, every one equal)."""
+    equal, opened = True, 0
+    for i in range(groups):
+        per_rank = exporter.payload_shard(lease, i, plan, [str(b.device)] * 2)
+        for rank, payload in enumerate(per_rank):
+            want = [(n, plan.layout.fill(n, rank, plan.tensor, torch.empty(
+                plan.layout.shapes[n], dtype=plan.layout.dtypes[n]))) for n in plan.groups[i]]
+            index, digest, _ = engine.ask((i, payload, "direct"))
+            opened += index == i
+            equal &= digest == _digest(want)
+        exporter.free(lease, [i])
+    exporter.release(lease)
+    return opened == 2 * groups and equal, equal
 
 
 def _moe_shard_pull(b: Bench, exporter, engine) -> Tuple[bool, dict]:
@@ -353,18 +361,7 @@ def _moe_shard_pull(b: Bench, exporter, engine) -> Tuple[bool, dict]:
     g = torch.Generator().manual_seed(7)
     named = {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()}
     plan = ShardPlan.of_tensors(named, 2, heads, 512 << 20, ep=2)
-    equal, opened = True, 0
-    for i in range(len(plan.groups)):
-        per_rank = exporter.payload_shard("moe", i, plan, [str(b.device)] * 2)
-        for rank, payload in enumerate(per_rank):
-            want = [(n, plan.layout.fill(n, rank, plan.tensor, torch.empty(
-                plan.layout.shapes[n], dtype=plan.layout.dtypes[n]))) for n in plan.groups[i]]
-            index, digest, _ = engine.ask((i, payload, "direct"))
-            opened += index == i
-            equal &= digest == _digest(want)
-        exporter.free("moe", [i])
-    exporter.release("moe")
-    ok = opened == 2 * len(plan.groups) and equal
+    ok, equal = _open_groups(b, exporter, engine, plan, "moe", len(plan.groups))
     w13 = plan.layout.shapes[p + "mlp.experts.w13_weight"]
     b.covered("shard_pull_moe_experts", ok, f"an MoE layer's {len(plan.groups)} groups x 2 "
               f"ranks (w13_weight {list(w13)} each) opened in another process, equal to the "

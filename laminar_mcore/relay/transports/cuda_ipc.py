@@ -165,14 +165,12 @@ class CudaIpcExporter:
         targets = self.check_devices(devices)
         if self._classes is None:
             self._classes = _sglang_bucket_classes()
-        bucket_cls, meta_cls, serializer = self._classes
-        metadata, total = ipc_layout(named, meta_cls)  # 16-byte starts, explicit start/end
-        keep, per_rank = [], []
-        for device in targets:
+        metadata, total = ipc_layout(named, self._classes[1])  # 16-byte starts, explicit ends
+
+        def fill(flat: torch.Tensor) -> None:
             # One allocation of the bucket's size per GPU, filled in place (building it with
             # SGLang's torch.cat would hold the bucket twice while it is made). Padding bytes
             # are zeroed so that a payload's bytes never depend on stale GPU memory.
-            flat = torch.empty(total, dtype=torch.uint8, device=device)
             end = 0
             for meta, t in zip(metadata, named.values()):
                 if meta.start_idx > end:
@@ -180,6 +178,18 @@ class CudaIpcExporter:
                 flat[meta.start_idx:meta.end_idx].view(t.dtype).view(t.shape).copy_(
                     t.detach(), non_blocking=True)
                 end = meta.end_idx
+
+        return self._flat_payloads(lease_id, index, targets, total, metadata, fill)
+
+    def _flat_payloads(self, lease_id: str, index: int, targets, total: int, metadata,
+                       fill) -> List[str]:
+        """One flattened bucket of ``total`` bytes per GPU of ``targets``, ``fill``-ed in place,
+        serialized as SGLang's payload with ``metadata`` and kept until the engine applied it."""
+        bucket_cls, _, serializer = self._classes
+        keep, per_rank = [], []
+        for device in targets:
+            flat = torch.empty(total, dtype=torch.uint8, device=device)
+            fill(flat)
             bucket = bucket_cls(flattened_tensor=flat, metadata=metadata)
             keep.append(flat)
             per_rank.append(serializer.serialize(
@@ -203,21 +213,14 @@ class CudaIpcExporter:
         targets = self.check_devices(devices)
         if self._classes is None:
             self._classes = _sglang_bucket_classes()
-        bucket_cls, meta_cls, serializer = self._classes
+        meta_cls = self._classes[1]
         metadata = [meta_cls(name=m.name, shape=torch.Size(m.shape),
                              dtype=dtype_from_name(m.dtype), start_idx=m.offset,
                              end_idx=m.offset + m.nbytes, numel=m.nbytes) for m in metas]
         end = max((m.offset + m.nbytes for m in metas), default=0)
-        keep, per_rank = [], []
-        for device in targets:
-            flat = torch.empty(end, dtype=torch.uint8, device=device)
-            flat.copy_(buffer[:end], non_blocking=True)  # the gaps too: the stored bytes
-            bucket = bucket_cls(flattened_tensor=flat, metadata=metadata)
-            keep.append(flat)
-            per_rank.append(serializer.serialize(
-                {"flattened_tensor": flat, "metadata": bucket.get_metadata()}, output_str=True))
-        self._keep(lease_id, index, keep, targets)
-        return per_rank
+        # one copy of the stored bytes, the gaps between tensors too
+        return self._flat_payloads(lease_id, index, targets, end, metadata,
+                                   lambda flat: flat.copy_(buffer[:end], non_blocking=True))
 
     def payload_shard(self, lease_id: str, index: int, plan, devices: Sequence[str]) -> List[str]:
         """Group ``index`` of a shard pull (``relay.shard_pulls.ShardPlan``): rank r's own
