@@ -146,13 +146,11 @@ class RolloutManager(Admission, EngineHealth, WeightPulls, Elastic):
     def _drop(self, item: InFlight) -> None:
         """Take ``item`` off its engine (any engine, if not there) and out of the pool."""
         engine = self._engine(item.engine)
-        if engine is not None and item.rid in engine.in_flight:
-            self._left(engine, item.rid)
-        else:  # usually gone already (a finished trajectory): a lookup per engine, no call
-            rid = item.rid
+        if engine is not None:  # every move sets item.engine: only there can it be in flight
+            self._left(engine, item.rid)  # (usually gone already: a finished trajectory)
+        else:
             for e in self.engines:
-                if rid in e.in_flight:
-                    self._left(e, rid)
+                self._left(e, item.rid)
         with contextlib.suppress(KeyError):  # it may have left the pool already
             self.partial.finish(item.rid)
 

@@ -58,8 +58,17 @@ class Repacker:
             if len(tails) < 2:
                 continue
             load = {e.name: len(e.in_flight) for e in tails}
-            tokens = {e.name: sum(i.traj.num_tokens
-                                  for i in e.in_flight.values()) for e in tails}
+            # tokens an engine holds: counted when first needed (most plans move nothing, and
+            # a sum over thousands of in-flight trajectories every few seconds is the cost of
+            # a long run), plus what moves have added to it
+            counted: Dict[str, int] = {}
+            added: Dict[str, int] = {}
+
+            def tokens(e: EngineHandle) -> int:
+                if e.name not in counted:
+                    counted[e.name] = sum(i.traj.num_tokens for i in e.in_flight.values())
+                return counted[e.name] + added.get(e.name, 0)
+
             emptied = set()
             # sources: the least loaded first; destinations: the densest first (best fit)
             for src in sorted(tails, key=lambda e: load[e.name]):
@@ -67,8 +76,11 @@ class Repacker:
                 if n == 0 or src.name in emptied:
                     continue
                 fits = [d for d in tails if d is not src and d.name not in emptied
-                        and load[d.name] >= n and d.capacity - load[d.name] >= n
-                        and free.get(d.name, tokens[src.name]) >= tokens[src.name]]
+                        and load[d.name] >= n and d.capacity - load[d.name] >= n]
+                if not fits:
+                    continue
+                need = tokens(src)
+                fits = [d for d in fits if free.get(d.name, need) >= need]
                 if not fits:
                     continue
                 dest = min(fits, key=lambda d: d.capacity - load[d.name] - n)
@@ -76,8 +88,8 @@ class Repacker:
                 load[dest.name] += n
                 load[src.name] = 0
                 if dest.name in free:
-                    free[dest.name] -= tokens[src.name]
-                tokens[dest.name] += tokens[src.name]
+                    free[dest.name] -= need
+                added[dest.name] = added.get(dest.name, 0) + need
                 emptied.add(src.name)
         return moves
 
