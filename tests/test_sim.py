@@ -185,6 +185,9 @@ def test_report_and_placement_sweep_write_their_keys(tmp_path):
     assert figures["explain_staleness_max_laminar_buffer_1"] <= figures["staleness_max_laminar"]
     assert figures[f"explain_tokens_per_s_laminar_buffer_8_{point}"] == \
         figures[f"tokens_per_s_{point}_laminar"]
+    # ... the floor of the longest responses' staleness, and the cap 2 iterations put on it
+    assert figures["explain_staleness_run_cap"] == 1
+    assert figures["explain_staleness_floor_laminar_7B_32"] >= 0
     # ... and with and without repack where the table has both, with prefill free
     for g in (16, 32):
         assert f"explain_repack_generation_gain_without_prefill_7B_{g}" in figures

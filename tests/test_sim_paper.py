@@ -72,3 +72,40 @@ def test_areal_at_eta_4_is_measured_at_areals_own_split_without_a_sweep():
                                      {groups[0]: 16, groups[1]: 8}, lambda g, t: [], 1, 2, 3, 4,
                                      w, log=lambda _: None)
     assert splits == {groups[0]: 16, groups[1]: 8}
+
+
+@pytest.mark.parametrize("model", ["7B", "72B"])
+def test_staleness_floor_is_what_a_simulated_engine_takes_alone(model):
+    """The staleness floor's decode time (``decode_alone_s``) is what the simulated engine
+    takes for one max-length response with nothing else running; the floor is that time over
+    the run's iteration, whole iterations."""
+    import asyncio
+
+    from laminar_mcore.sim.clock import run_virtual
+    from laminar_mcore.sim.costs import cost_for
+    from laminar_mcore.sim.engine import SimEngine
+    from laminar_mcore.sim.extras import decode_alone_s, staleness_floor
+    from laminar_mcore.sim.workload import Workload
+
+    w = Workload()
+    cost = cost_for(model, "laminar")
+    prompt = int(w.prompt_median)
+
+    async def alone() -> float:
+        engine = SimEngine("e0", cost, capacity=16, kv_capacity=cost.kv_tokens())
+        r = engine.submit("g/0", prompt, w.max_response, prompt)
+        n, _ = await r.future
+        assert n == w.max_response
+        return asyncio.get_running_loop().time() - cost.prefill_s(prompt)
+
+    simulated = run_virtual(alone())
+    assert decode_alone_s(cost, prompt, w.max_response) == pytest.approx(simulated, rel=5e-3)  # (its segments)
+    runs = [{"mode": "laminar", "model": model, "gpus": g, "iteration_s": simulated / 4.5,
+             "engine_tp": cost.engine_tp, "marks": [1.0] * 15, "staleness": {str(s): 1}}
+            for g, s in ((64, 14), (128, 9))] + [{"mode": "areal", "iteration_s": 1.0}]
+    floors = staleness_floor(runs, w)
+    assert floors[f"explain_staleness_floor_laminar_{model}_64"] == 4
+    assert floors["explain_staleness_floor_max_laminar"] == 4
+    # 15 iterations cannot show more than 14: the 64-GPU run's 14 is that cap
+    assert floors["explain_staleness_run_cap"] == 14
+    assert floors["explain_staleness_capped_points"] == f"{model}_64"

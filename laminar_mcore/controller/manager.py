@@ -144,7 +144,8 @@ class RolloutManager(Admission, EngineHealth, WeightPulls, Elastic):
                                f"{self.error}") from self.error
 
     def _drop(self, item: InFlight) -> None:
-        """Take ``item`` off its engine (any engine, if not there) and out of the pool."""
+        """Take ``item`` off its engine (``item.engine``; every engine if that names none) and out
+        of the pool."""
         engine = self._engine(item.engine)
         if engine is not None:  # every move sets item.engine: only there can it be in flight
             self._left(engine, item.rid)  # (usually gone already: a finished trajectory)

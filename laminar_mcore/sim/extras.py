@@ -141,6 +141,7 @@ def explain(args, workload: Workload, report, results: List[dict],
     runs = report.run_points(scaling + stale + repack, args.jobs, log)
     out = explain_scaling(report, runs[:len(scaling)], models)
     out.update(explain_staleness(most_stale, runs[len(scaling):len(scaling) + len(stale)]))
+    out.update(staleness_floor(results, workload))
     out.update(explain_repack(runs[len(scaling) + len(stale):]))
     return out
 
@@ -212,6 +213,46 @@ def explain_staleness(r: Optional[dict], runs: List[dict]) -> Dict[str, object]:
             f"explain_staleness_max_laminar_buffer_{b}": max(map(int, run["staleness"])),
             f"explain_tokens_per_s_laminar_buffer_{b}_{point}": round(run["tokens_per_s"], 1),
             f"explain_tokens_per_s_laminar_buffer_{table}_{point}": round(r["tokens_per_s"], 1)}
+
+
+def decode_alone_s(cost, prompt: int, tokens: int) -> float:
+    """Seconds to decode ``tokens`` tokens after a ``prompt``-token prompt with nothing else
+    on the engine (batch 1 every step): the fastest any scheduler can generate a response."""
+    return sum(cost.decode_step_s(1, prompt + i) for i in range(tokens))
+
+
+def staleness_floor(results: List[dict], workload: Workload) -> Dict[str, object]:
+    """The least staleness laminar's longest responses can have at each point of the table
+    at its pace: a ``max_response``-token response decoded alone on its engine
+    (``decode_alone_s``, the fastest the engine goes) spans that many of the run's iterations
+    (at their mean length), so one that is trained on is about that many versions behind.
+    ``explain_staleness_floor_laminar_<point>`` beside the measured
+    ``staleness_max_<point>_laminar``; ``explain_decode_alone_s_<model>``. And the other
+    side: a run of n iterations cannot show a staleness above n - 1 (version 0's trajectories
+    trained on at the last step), ``explain_staleness_run_cap``; the points whose measured
+    maximum sits on that cap (``explain_staleness_capped_points``) would show more in a
+    longer run."""
+    from .costs import cost_for
+
+    out: Dict[str, object] = {}
+    floors, capped, cap = [], [], 0
+    for r in results:
+        if r["mode"] != "laminar" or len(r.get("marks") or ()) < 2:  # (no iteration to span)
+            continue
+        cost = cost_for(r["model"], "laminar", r.get("engine_tp") or None)
+        alone = decode_alone_s(cost, int(workload.prompt_median), workload.max_response)
+        out[f"explain_decode_alone_s_{r['model']}"] = round(alone, 1)
+        floor = int(alone // r["iteration_s"])
+        out[f"explain_staleness_floor_laminar_{r['model']}_{r['gpus']}"] = floor
+        floors.append(floor)
+        cap = max(cap, len(r["marks"]) - 1)
+        if r["staleness"] and max(map(int, r["staleness"])) == len(r["marks"]) - 1:
+            capped.append(f"{r['model']}_{r['gpus']}")
+    if floors:
+        out["explain_staleness_floor_max_laminar"] = max(floors)
+        out["explain_staleness_run_cap"] = cap
+        out["explain_staleness_capped_points"] = ",".join(capped)
+    return out
 
 
 # explain_repack's prefill: at a million times the table's compute efficiency (microseconds)
