@@ -236,11 +236,15 @@ def staleness_floor(results: List[dict], workload: Workload) -> Dict[str, object
 
     out: Dict[str, object] = {}
     floors, capped, cap = [], [], 0
+    alone_s: Dict[tuple, float] = {}  # per (model, engine TP): the same at every point
     for r in results:
         if r["mode"] != "laminar" or len(r.get("marks") or ()) < 2:  # (no iteration to span)
             continue
-        cost = cost_for(r["model"], "laminar", r.get("engine_tp") or None)
-        alone = decode_alone_s(cost, int(workload.prompt_median), workload.max_response)
+        key = (r["model"], r.get("engine_tp") or None)
+        if key not in alone_s:
+            alone_s[key] = decode_alone_s(cost_for(key[0], "laminar", key[1]),
+                                          int(workload.prompt_median), workload.max_response)
+        alone = alone_s[key]
         out[f"explain_decode_alone_s_{r['model']}"] = round(alone, 1)
         floor = int(alone // r["iteration_s"])
         out[f"explain_staleness_floor_laminar_{r['model']}_{r['gpus']}"] = floor

@@ -49,11 +49,12 @@ RECOVERED = {"engine": ("engine", "serving"), "engine_hang": ("engine", "serving
 
 
 def _engines_down(records: List[dict]) -> List[str]:
-    """The engines whose last ``down`` / ``serving`` fault record is ``down``."""
+    """The engines whose last ``down`` / ``serving`` / ``evicted`` fault record is ``down``
+    (an evicted engine is not coming back: nothing waits for it)."""
     last: dict = {}
     for r in records:
         if r.get("kind") == "fault" and r.get("fault") == "engine" and \
-                r.get("event") in ("down", "serving"):
+                r.get("event") in ("down", "serving", "evicted"):
             last[r.get("engine")] = r["event"]
     return [e for e, event in last.items() if event == "down"]
 
