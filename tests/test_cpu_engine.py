@@ -12,6 +12,7 @@ import torch
 from laminar_mcore.models import get_adapter
 from laminar_mcore.models.hf import initial_hf_state, save_hf_checkpoint, tiny_hf_config
 from laminar_mcore.rollout.client import EngineError, SGLangClient
+from laminar_mcore.rollout.engine_weights import PARTIALLY_UPDATED
 from laminar_mcore.rollout.launcher import EngineProcess, cpu_engine_command
 from laminar_mcore.weights.bucket import ShmBucket, encode_handle
 
@@ -266,17 +267,19 @@ def test_weight_updates_need_a_session_wait_for_running_requests_and_flush(engin
     assert (lp - ref).abs().max().item() <= 1e-4
 
 
-def test_bad_weight_updates_are_refused_and_change_nothing(engine, models):
+def test_bad_weight_updates_are_refused_or_skipped_as_sglang_does(engine, models):
+    """Garbage is refused (400) and changes nothing; names the model has no parameter for are
+    skipped with SGLang's warning and the update succeeds (SGLang's load_weights: a silently
+    stale tensor on a real engine, not an error -- test_sglang_conformance)."""
     cfg, paths, root = models
-    bad = {"model.norm.weight": torch.zeros(3)}
-    bucket, metas = ShmBucket.from_tensors(bad)
+    unknown = {"model.layers.0.mlp.no_such_proj.weight": torch.zeros(3)}
+    bucket, metas = ShmBucket.from_tensors(unknown)
 
     async def go(c):
         before = await c.generate([5, 5], {"max_new_tokens": 6, "temperature": 0})
         await c.begin_weight_update()
         errors = []
         for call in (
-            c.update_weights_from_tensor([encode_handle(bucket.handle(metas))]),
             c.update_weights_from_tensor(["not base64!"]),
             c.update_weights_from_tensor([encode_handle(bucket.handle(metas))], load_format="npz"),
             c.update_weights_from_disk(str(root / "missing")),
@@ -284,17 +287,47 @@ def test_bad_weight_updates_are_refused_and_change_nothing(engine, models):
             with pytest.raises(EngineError) as err:
                 await call
             errors.append(err.value)
+        skipped = await c.update_weights_from_tensor([encode_handle(bucket.handle(metas))],
+                                                     weight_version="v-skip")
         await c.end_weight_update()
         after = await c.generate([5, 5], {"max_new_tokens": 6, "temperature": 0})
-        return before, errors, after
+        await c.update_weights_from_disk(paths[1], weight_version="0")
+        return before, errors, skipped, after
 
     try:
-        before, errors, after = run(_with_client(engine.url, go))
+        before, errors, skipped, after = run(_with_client(engine.url, go))
     finally:
         bucket.close()
     assert all(e.status == 400 for e in errors)
-    assert "shape (3,)" in errors[0].message and "flattened_bucket" in errors[2].message
+    assert "flattened_bucket" in errors[1].message and "is not a directory" in errors[2].message
+    assert skipped["success"] and after["meta_info"]["weight_version"] == "v-skip"
     assert before["output_ids"] == after["output_ids"]
+    assert ("Parameter model.layers.0.mlp.no_such_proj.weight not found in params_dict"
+            in (root / "engine.log").read_text())
+
+
+def test_a_flattened_bucket_of_another_size_ends_the_engine_as_it_ends_sglangs(models):
+    """SGLang 0.5.23 loads a flattened bucket with nothing around it to catch its weight
+    loader's size assertion: the scheduler dies and takes the server down. The twin too."""
+    cfg, paths, root = models
+    cmd = cpu_engine_command(paths[1], api_key=KEY, kv_capacity_tokens=256)
+    bucket, metas = ShmBucket.from_tensors({"model.norm.weight": torch.zeros(3)})
+    try:
+        with EngineProcess(cmd, log_path=str(root / "engine-dies.log")) as proc:
+            async def go():
+                async with SGLangClient(proc.url, api_key=KEY, timeout_s=30, retries=0) as c:
+                    await c.begin_weight_update()
+                    with pytest.raises(EngineError):
+                        await c.update_weights_from_tensor([encode_handle(bucket.handle(metas))])
+
+            run(go())
+            proc.proc.wait(timeout=30)
+            assert proc.proc.returncode != 0
+    finally:
+        bucket.close()
+    log = (root / "engine-dies.log").read_text()
+    assert "a flattened_bucket weight payload failed to load" in log
+    assert "Attempted to load weight ((3,))" in log
 
 
 def test_weights_from_a_gloo_broadcast_group(engine, models):
@@ -337,6 +370,22 @@ def test_weights_from_a_gloo_broadcast_group(engine, models):
             results[f"{fmt}-version"] = await c.get_weight_version()
             results[f"{fmt}-greedy"] = await c.generate([2, 7], {"max_new_tokens": 8, "temperature": 0})
             await c.update_weights_from_disk(paths[1], weight_version="0")
+        # a size that differs, received and then loaded in order: SGLang's loader fails at it
+        # with every tensor before it loaded, and says so
+        bad = {n: new_state[n] for n in names[:-1]}
+        bad[names[-1]] = torch.zeros(3)
+        await c.begin_weight_update()
+        update = asyncio.create_task(c.update_weights_from_distributed(
+            names, [str(bad[n].dtype).removeprefix("torch.") for n in names],
+            [list(bad[n].shape) for n in names], "wsync", weight_version="partial"))
+        await asyncio.to_thread(send_tensors, pg, bad, None)
+        with pytest.raises(EngineError) as partial:
+            await update
+        await c.end_weight_update()
+        results["partial"] = partial.value
+        results["partial-version"] = await c.get_weight_version()
+        results["partial-greedy"] = await c.generate([2, 7], {"max_new_tokens": 8, "temperature": 0})
+        await c.update_weights_from_disk(paths[1], weight_version="0")
         results["destroyed"] = await c.destroy_weights_update_group("wsync")
         with pytest.raises(EngineError, match="no weight update group 'wsync'"):
             await c.destroy_weights_update_group("wsync")
@@ -350,16 +399,28 @@ def test_weights_from_a_gloo_broadcast_group(engine, models):
     assert out["destroyed"]["success"]
     assert out["None-version"] == "dist-None" and out["flattened_bucket-version"] == "dist-flattened_bucket"
     assert out["None-greedy"]["output_ids"] == greedy["output_ids"]
+    assert out["partial"].status == 400 and out["partial"].message == PARTIALLY_UPDATED.format(
+        f"Attempted to load weight ((3,)) into parameter "
+        f"({tuple(new_state[names[-1]].shape)}) {names[-1]}")
+    assert out["partial-version"] == "0"  # no version recorded for a failed update
+    old = _state(cfg, 1)
+    assert greedy["output_ids"] == _greedy(cfg, new_state)
+    assert out["partial-greedy"]["output_ids"] == _greedy(
+        cfg, {**new_state, names[-1]: old[names[-1]]})
+    assert _greedy(cfg, {**new_state, names[-1]: old[names[-1]]}) != _greedy(cfg, old)
+
+
+def _greedy(cfg, state, seq=(2, 7), n=8):
     from laminar_mcore.rollout.model import DecoderLM
 
-    ref = DecoderLM(cfg, new_state)
+    ref = DecoderLM(cfg, state)
     kv = ref.new_kv_cache(64)
-    seq, expected = [2, 7], []
-    for _ in range(8):
+    seq, out = list(seq), []
+    for _ in range(n):
         token = int(ref.forward([seq], [torch.arange(len(seq))], [0], kv)[0].argmax())
-        expected.append(token)
+        out.append(token)
         seq = seq + [token]
-    assert greedy["output_ids"] == expected
+    return out
 
 
 def _raw(url, path, body=None, key=KEY, method="POST"):

@@ -421,3 +421,62 @@ def test_the_twin_at_scale_behaves_as_0_5_23s_source(sglang, tmp_path):
         "update_weights_from_tensor must run between begin_weight_update() and "
         "end_weight_update()")
     assert flush.startswith("Cache flushed.") and finished_first
+
+
+def test_whole_tensor_loads_skip_and_fail_where_sglangs_load_weights_do(sglang, caplog):
+    """A flattened bucket, a broadcast and a checkpoint reach SGLang 0.5.23's legacy
+    ``load_weights`` (the default): a name it has no parameter for is logged and skipped, never
+    refused (rotary frequencies and an extra bias silently); a size that differs fails the weight
+    loader's assertion mid-load -- uncaught for a tensor update (the scheduler dies, the twin
+    too: test_cpu_engine), caught for a broadcast with the tensors before it loaded. The twin's
+    model does the same, with SGLang's message."""
+    import logging
+
+    import torch
+
+    from laminar_mcore.rollout.engine_weights import PARTIALLY_UPDATED
+    from laminar_mcore.rollout.model import DecoderLM
+
+    assert "SGLANG_ENABLE_WEIGHT_LOADER_V2 = EnvBool(False)" in sglang.read("sglang/srt/environ.py")
+    for family in ("qwen2", "qwen3", "llama", "qwen3_moe"):
+        src = sglang.read(f"sglang/srt/models/{family}.py")
+        for snippet in ('logger.warning(f"Parameter {name} not found in params_dict")',
+                        '"rotary_emb.inv_freq" in name',
+                        'if name.endswith(".bias") and name not in params_dict:'):
+            assert snippet in src, (family, snippet)
+    loader = _between(sglang.read("sglang/srt/model_loader/weight_utils.py"),
+                      "def default_weight_loader(", "\ndef ")
+    assert 'f"Attempted to load weight ({loaded_weight.size()}) "' in loader
+    runner = sglang.read("sglang/srt/model_executor/model_runner_components/weight_updater.py")
+    flattened = _between(runner, "def _update_weights_from_flattened_bucket(", "\n    def ")
+    assert "self.get_model().load_weights(reconstructed_tensors)" in flattened
+    assert "try:" not in flattened  # nothing catches a failed assertion: the scheduler ends
+    dist = _between(runner, "def load_weights_from_distributed(", "\n    def ")
+    assert "except Exception as e:" in dist
+    message = re.findall(r'f?"([^"]*)"', _between(dist, "error_msg = (", ")\n"))
+    assert "".join(message).replace("{e}", "{}") == PARTIALLY_UPDATED
+
+    for family in ("qwen2", "llama"):
+        cfg = tiny_hf_config(family)
+        base = initial_hf_state(type("M", (), {"path": None})(), cfg, 0)
+        new = initial_hf_state(type("M", (), {"path": None})(), cfg, 1)
+        model = DecoderLM(cfg, base)
+        names = sorted(base)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="laminar_mcore.cpu_engine"):
+            loaded = model.load_like_sglang({
+                names[0]: new[names[0]], "model.no_such.weight": torch.zeros(3),
+                "model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(4),
+                "model.layers.0.mlp.down_proj.bias": torch.zeros(3)})
+        assert loaded == 1 and torch.equal(model.params[names[0]], new[names[0]].to(model.dtype))
+        assert "model.no_such.weight" not in model.params
+        assert [r.getMessage() for r in caplog.records] == [
+            "Parameter model.no_such.weight not found in params_dict"]
+        wrong = {names[1]: new[names[1]], names[2]: torch.zeros(3), names[3]: new[names[3]]}
+        for atomic in (True, False):
+            before = {n: model.params[n].clone() for n in names[1:4]}
+            with pytest.raises(ValueError, match=r"Attempted to load weight \(\(3,\)\)"):
+                model.load_like_sglang(wrong, atomic=atomic)
+            # from disk nothing is written (SGLang rolls back); otherwise what came before is
+            assert torch.equal(model.params[names[1]], before[names[1]]) == atomic
+            assert torch.equal(model.params[names[3]], before[names[3]])

@@ -261,9 +261,10 @@ def test_apply_version_leaves_an_engine_on_a_complete_version(engines, model_dir
     names = sorted(new)
     good1, metas1 = ShmBucket.from_tensors({n: new[n] for n in names[:3]})
     good2, metas2 = ShmBucket.from_tensors({n: new[n] for n in names[3:]})
-    bad, bad_metas = ShmBucket.from_tensors({names[3]: torch.zeros(1)})
     ok = [[encode_handle(good1.handle(metas1))], [encode_handle(good2.handle(metas2))]]
-    broken = [[encode_handle(good1.handle(metas1))], [encode_handle(bad.handle(bad_metas))]]
+    # the second bucket refused (400) after the first loaded: a payload the engine cannot read
+    # (a tensor of another size would end the engine, as it ends SGLang's scheduler)
+    broken = [[encode_handle(good1.handle(metas1))], ["not base64!"]]
 
     async def go():
         async with SGLangClient(b.url, incremental_stream=True) as c, \
@@ -283,7 +284,7 @@ def test_apply_version_leaves_an_engine_on_a_complete_version(engines, model_dir
     try:
         mixed, after_mix, version, greedy, unreachable = run(go())
     finally:
-        for bucket in (good1, good2, bad):
+        for bucket in (good1, good2):
             bucket.close()
     assert mixed.mixed and "may hold a mix" in str(mixed) and after_mix == "0"
     assert version == "8"

@@ -61,13 +61,24 @@ def rank_layout(model, tp: int, ep: int = 1) -> Tuple[int, Layout]:
         raise ValueError(f"--tp-size {tp} --ep-size {ep}: {exc}") from None
 
 
-def scheduler_dies(exc: BaseException) -> None:
-    """What SGLang 0.5.23 does with a direct payload it cannot load (a name that is not one of
-    its parameters, a size that differs): nothing catches the error
-    (``scheduler_components/weight_updater.py``), the scheduler process ends and takes the
-    server down (``run_scheduler_process``). The twin ends the same way, saying why."""
-    logger.error("a direct weight payload failed to load (%s): SGLang 0.5.23's scheduler "
-                 "exits on it, and so does this engine", exc)
+class LoadFailed(Exception):
+    """A load that failed after receiving, with SGLang's whole message (``_apply``)."""
+
+
+# SGLang 0.5.23's answer to a broadcast whose load failed (model_runner_components/
+# weight_updater.py, load_weights_from_distributed): the tensors before the failing one loaded
+PARTIALLY_UPDATED = ("Failed to update parameter online: {}. The full weights of the "
+                     "ModelRunner are partially updated. Please discard the whole weights.")
+
+
+def scheduler_dies(exc: BaseException, fmt: str = "direct") -> None:
+    """What SGLang 0.5.23 does with a payload of ``/update_weights_from_tensor`` it cannot load
+    (direct: a name that is not one of its parameters, a size that differs; flattened_bucket:
+    a size that differs): nothing catches the error (``scheduler_components/weight_updater.py``),
+    the scheduler process ends and takes the server down (``run_scheduler_process``). The twin
+    ends the same way, saying why."""
+    logger.error("a %s weight payload failed to load (%s): SGLang 0.5.23's scheduler "
+                 "exits on it, and so does this engine", fmt, exc)
     logging.shutdown()
     os._exit(1)
 
@@ -99,13 +110,17 @@ def load_rank_parameters(model, layout: Layout, ranks: List[Dict[str, torch.Tens
 
 def load_rank_slices(model, layout: Layout, ranks: List[Dict[str, torch.Tensor]]) -> int:
     """``load_format="flattened_bucket"`` at TP > 1: rank r's payload holds whole Hugging Face
-    tensors, of which rank r keeps its slices (SGLang's weight loaders narrow them); checked
-    as ``load_weights`` checks, before anything is written."""
-    ranks = [model.checked(named) for named in ranks]
+    tensors, of which rank r keeps its slices (SGLang's weight loaders narrow them), read as
+    SGLang's ``load_weights`` reads them (``DecoderLM.load_like_sglang``): a name the model has
+    no parameter for is skipped, a size that differs raises ``ValueError`` after what came
+    before it was written."""
     written = set()
     with torch.no_grad():
         for r, named in enumerate(ranks):
             for hf, t in named.items():
+                if not model.sglang_keeps(hf):
+                    continue
+                model._check_size(hf, t)
                 for p in layout.hf_pieces(r).get(hf, []):
                     model.params[hf].narrow(p.dim, p.start, p.length).copy_(
                         t.narrow(p.dim, p.start, p.length))
@@ -168,6 +183,8 @@ class WeightUpdateRoutes:
                 return False, SESSION_REQUIRED.format(op=op)
             try:
                 await load()
+            except LoadFailed as exc:
+                return False, str(exc)
             except (ValueError, KeyError, RuntimeError) as exc:
                 return False, f"{failed}: {exc}"
             if body.get("flush_cache", True) and not (await self._command("flush_cache"))[0]:
@@ -202,14 +219,14 @@ class WeightUpdateRoutes:
             def read():
                 with contextlib.ExitStack() as stack:
                     ranks = [stack.enter_context(open_handle(h)) for h in handles]
-                    if fmt == "direct":
-                        try:
+                    try:
+                        if fmt == "direct":
                             return load_rank_parameters(self.core.model, self.layout, ranks)
-                        except ValueError as exc:
-                            scheduler_dies(exc)
-                    if self.tp_size == 1:
-                        return sum(self.core.model.load_weights(named) for named in ranks)
-                    return load_rank_slices(self.core.model, self.layout, ranks)
+                        if self.tp_size == 1:
+                            return self.core.model.load_like_sglang(ranks[0])
+                        return load_rank_slices(self.core.model, self.layout, ranks)
+                    except ValueError as exc:
+                        scheduler_dies(exc, fmt)
 
             return await self._command("call", read)
 
@@ -298,7 +315,10 @@ class WeightUpdateRoutes:
                 raise HTTPError(400, "shapes must be lists of non-negative ints")
             specs = [(str(n), torch_dtype(d), tuple(s)) for n, d, s in zip(names, dtypes, shapes)]
             named = await asyncio.to_thread(receive_tensors, self.dist_group["pg"], specs, fmt)
-            return await self._command("update_weights", named, None)
+            try:  # SGLang loads in order: a failure leaves the tensors before it loaded
+                return await self._command("update_weights", named, None, False)
+            except ValueError as exc:
+                raise LoadFailed(PARTIALLY_UPDATED.format(exc)) from None
 
         return await self._apply("update_weights_from_distributed", body, load,
                                  succeeded="Succeeded to update parameter online.",

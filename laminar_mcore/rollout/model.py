@@ -8,6 +8,7 @@ names it accepts are Hugging Face's, as produced by ``ModelAdapter.mcore_to_hf``
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -15,6 +16,14 @@ import torch
 import torch.nn.functional as F
 
 from ..models import get_adapter
+
+logger = logging.getLogger("laminar_mcore.cpu_engine")
+
+# Names SGLang 0.5.23's legacy ``load_weights`` (models/qwen2.py, llama.py, qwen3.py,
+# qwen3_moe.py) passes over without a word; any other name it has no parameter for it logs
+# (``Parameter NAME not found in params_dict``) and skips, an extra bias silently.
+SGLANG_SILENT_SKIPS = ("rotary_emb.inv_freq", "projector", "rotary_emb.cos_cached",
+                       "rotary_emb.sin_cached")
 
 
 def rope_inv_freq(head_dim: int, theta: float, llama3_factor: Optional[float]) -> torch.Tensor:
@@ -96,6 +105,42 @@ class DecoderLM:
             else:
                 self.params[name] = tensor.detach().to(self.dtype).clone().contiguous()
         return len(named)
+
+    @torch.no_grad()
+    def load_like_sglang(self, named: Mapping[str, torch.Tensor], atomic: bool = False) -> int:
+        """Whole Hugging Face tensors as SGLang 0.5.23's ``load_weights`` takes them (a flattened
+        bucket, a broadcast, a checkpoint), in order: a name the model has no parameter for is
+        skipped (logged as SGLang logs it, ``SGLANG_SILENT_SKIPS``, a tied ``lm_head`` and an
+        extra bias silently), so an update of names the model does not have succeeds and
+        changes nothing; a tensor of another size raises ``ValueError`` (SGLang's weight loader
+        asserts). Not ``atomic`` (a flattened bucket, a broadcast) the tensors before it are
+        written, as SGLang's are; ``atomic`` (from disk, which SGLang rolls back) nothing is.
+        Returns how many tensors were written."""
+        keep = [(name, tensor) for name, tensor in named.items() if self.sglang_keeps(name)]
+        if atomic:
+            for name, tensor in keep:
+                self._check_size(name, tensor)
+        for name, tensor in keep:
+            self._check_size(name, tensor)
+            self.params[name].copy_(tensor)
+        return len(keep)
+
+    def sglang_keeps(self, name: str) -> bool:
+        """Whether SGLang 0.5.23's ``load_weights`` loads ``name`` (else it skips it, saying
+        so unless ``SGLANG_SILENT_SKIPS``, a tied ``lm_head`` or an extra bias)."""
+        if any(s in name for s in SGLANG_SILENT_SKIPS) or (
+                self.tied and name == self.adapter.HF_LM_HEAD):
+            return False
+        if name not in self.expected:
+            if not name.endswith(".bias"):
+                logger.warning("Parameter %s not found in params_dict", name)
+            return False
+        return True
+
+    def _check_size(self, name: str, tensor: torch.Tensor) -> None:
+        if tuple(tensor.shape) != self.expected[name]:
+            raise ValueError(f"Attempted to load weight ({tuple(tensor.shape)}) into parameter "
+                             f"({self.expected[name]}) {name}")
 
     def new_kv_cache(self, capacity_tokens: int) -> Tuple[torch.Tensor, torch.Tensor]:
         s = self.shape

@@ -40,7 +40,9 @@ FILES = ("sglang/api/v1/api_types.py", "sglang/srt/entrypoints/http_server.py",
          "sglang/srt/arg_groups/model_overrides/qwen3_moe.py", "sglang/srt/runtime_context.py",
          # ... and the arguments /server_info reports (what decides an engine's layout)
          "sglang/srt/arg_groups/fields/parallel.py", "sglang/srt/arg_groups/fields/model.py",
-         "sglang/srt/server_args.py", "sglang/srt/utils/common.py")
+         "sglang/srt/server_args.py", "sglang/srt/utils/common.py",
+         # how a whole-tensor update loads (the legacy loader, its size check)
+         "sglang/srt/environ.py", "sglang/srt/model_loader/weight_utils.py")
 
 
 def cache_dir() -> str:
