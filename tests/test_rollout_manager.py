@@ -308,6 +308,9 @@ def test_repack_plan_is_best_fit_within_a_version_and_respects_kv_room():
     plan = manager.plan_repack({"a": 0, "b": 600, "c": 300})  # b full after a: c stays
     assert [(s.name, d.name) for s, d, _ in plan] == [("a", "b")]
     assert manager.plan_repack({"a": 0, "b": 100, "c": 100}) == []  # no room anywhere
+    # exactly as many tokens free as a holds: it fits (b then has none left for c)
+    plan = manager.plan_repack({"a": 0, "b": 500, "c": 499})
+    assert [(s.name, d.name) for s, d, _ in plan] == [("a", "b")]
 
 
 async def _slow_pull_proxy(target: str, slow_pulls: int, delay_s: float):

@@ -69,6 +69,19 @@ class Repacker:
                     counted[e.name] = sum(i.traj.num_tokens for i in e.in_flight.values())
                 return counted[e.name] + added.get(e.name, 0)
 
+            def more_than(e: EngineHandle, limit: int) -> bool:
+                """Whether ``tokens(e) > limit``, summing only as far as that takes (most
+                sources hold more than any destination's KV cache has free)."""
+                if e.name in counted:
+                    return tokens(e) > limit
+                total = added.get(e.name, 0)
+                for i in e.in_flight.values():
+                    total += i.traj.num_tokens
+                    if total > limit:
+                        return True
+                counted[e.name] = total - added.get(e.name, 0)
+                return False
+
             emptied = set()
             # sources: the least loaded first; destinations: the densest first (best fit)
             for src in sorted(tails, key=lambda e: load[e.name]):
@@ -77,8 +90,9 @@ class Repacker:
                     continue
                 fits = [d for d in tails if d is not src and d.name not in emptied
                         and load[d.name] >= n and d.capacity - load[d.name] >= n]
-                if not fits:
-                    continue
+                if not fits or (all(d.name in free for d in fits)
+                                and more_than(src, max(free[d.name] for d in fits))):
+                    continue  # (no destination's KV cache holds its tokens)
                 need = tokens(src)
                 fits = [d for d in fits if free.get(d.name, need) >= need]
                 if not fits:
