@@ -206,6 +206,12 @@ def test_a_constant_of_another_weight_protocol_does_not_move_a_run():
     assert not unread(nccl, "broadcast") and not unread(links, "laminar")
     assert not unread({"EFFICIENCY.trainer_mfu": 0.3}, "laminar")
     assert not unread({"Workload.sigma_sample": 0.7}, "broadcast")
+    # half of 7B laminar's TP 1 is TP 1 again (the clamp): the base run; half of verl's TP 2 is not
+    half = {"SETTING.engine_tp_scale": 0.5}
+    assert unread(half, "laminar", "laminar", "7B") and not unread(half, "laminar", "laminar")
+    assert not unread(half, "colocated", "sync", "7B") and not unread(half, "laminar", "laminar",
+                                                                         "32B")
+    assert run("laminar", half) == run("laminar", None)
     assert run("laminar", nccl) == run("laminar", None)
     assert run("one_step", links) == run("one_step", None)
     # and the constants a protocol does read move it

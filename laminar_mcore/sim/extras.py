@@ -48,11 +48,12 @@ def sensitivity_run(args, workload: Workload, report, log=print) -> Dict[str, ob
                 keys.append(i)
     # a variant of a weight protocol's constants cannot move a run of another protocol: such a
     # run is the base run (sensitivity.unread), taken from it instead of simulated again
-    reuse = [unread(spec["overrides"], _protocol(spec), spec["mode"]) for spec in specs]
+    reuse = [unread(spec["overrides"], _protocol(spec), spec["mode"], spec["model"])
+             for spec in specs]
     todo = [spec for spec, r in zip(specs, reuse) if not r]
     log(f"sensitivity: {len(todo)} runs of {iterations} iterations "
         f"({len(specs) - len(todo)} others are their base run: a constant of another "
-        f"weight protocol)")
+        f"weight protocol, another system's eta, an engine TP the clamp keeps)")
     done = iter(report.run_points(todo, args.jobs, log))
     base_runs = {}
     results = []

@@ -46,8 +46,7 @@ def with_settings(spec: dict, overrides: Optional[Dict[str, float]]) -> dict:
         if table != "SETTING":
             continue
         if key == "engine_tp_scale":
-            tp = costs.paper_engine_tp(spec["model"], spec["mode"])
-            spec["engine_tp"] = max(1, min(8, int(round(tp * value))))
+            spec["engine_tp"] = engine_tp(spec["model"], spec["mode"], value)
         elif key == "areal_eta":
             spec["eta"] = int(value)
     return spec
@@ -81,13 +80,24 @@ PROTOCOL_READS = {
 }
 
 
-def unread(override: Optional[Dict[str, float]], protocol: str, mode: str = "") -> bool:
-    """Whether a run of ``protocol`` (and ``mode``) reads none of ``override``'s constants
-    (so that its result is the base run's): another protocol's constants, or AReaL's eta in
-    a run of another system."""
+def engine_tp(model: str, mode: str, scale: float = 1.0) -> int:
+    """The paper's engine TP for ``model`` and ``mode`` times ``scale``, within 1..8 GPUs."""
+    return max(1, min(8, int(round(costs.paper_engine_tp(model, mode) * scale))))
+
+
+def unread(override: Optional[Dict[str, float]], protocol: str, mode: str = "",
+           model: str = "") -> bool:
+    """Whether a run of ``protocol`` (and ``mode``, ``model``) reads none of ``override``'s
+    constants (so that its result is the base run's): another protocol's constants, AReaL's
+    eta in a run of another system, or an engine TP scale that the clamp to 1..8 GPUs turns
+    back into the paper's (half of TP 1)."""
     other = set().union(*(v for k, v in PROTOCOL_READS.items() if k != protocol))
     if mode and costs.system_of(mode) != "areal":
         other.add("SETTING.areal_eta")
+    scale = (override or {}).get("SETTING.engine_tp_scale")
+    if model and mode and scale is not None and engine_tp(model, mode, scale) == \
+            engine_tp(model, mode):
+        other.add("SETTING.engine_tp_scale")
     return bool(override) and all(name in other for name in override)
 
 
