@@ -47,6 +47,27 @@ def _get(url: str, path: str) -> dict:
         return json.loads(resp.read())
 
 
+def _publish_port(key: str, url: str, timeout_s: float = 120.0) -> int:
+    """Relay ``key``'s publish port from its ``/health``, waiting for the relay to listen (the
+    relays start beside the trainer: on a busy machine one may still be importing torch when
+    a rank first asks) and to have the port."""
+    import urllib.error
+
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            port = _get(url, "/health").get("publish_port")
+        except (urllib.error.URLError, ConnectionError) as exc:
+            port, why = None, f"not answering ({exc})"
+        else:
+            why = "no publish port"
+        if port is not None:
+            return int(port)
+        if time.time() > deadline:
+            raise RuntimeError(f"relay {key} at {url}: {why} after {timeout_s:.0f} s; see its log")
+        time.sleep(0.2)
+
+
 def worker(args) -> None:
     """One trainer rank (under torchrun): publish alternately to the two tiers, time each."""
     import torch.distributed as dist
@@ -67,12 +88,7 @@ def worker(args) -> None:
     for name, relays in tiers.items():
         masters = []
         for key in relays:
-            deadline = time.time() + 120
-            while (port := _get(urls[key], "/health").get("publish_port")) is None:
-                if time.time() > deadline:
-                    raise RuntimeError(f"relay {key} has no publish port")
-                time.sleep(0.2)
-            masters.append((args.relays[key][0], int(port)))
+            masters.append((args.relays[key][0], _publish_port(key, urls[key])))
         publishers[name] = WeightPublisher(
             model, cfg, master_relays=masters if name == "two_masters" else (),
             relay_host=masters[0][0], publish_port=masters[0][1],
