@@ -3,6 +3,7 @@ protocol, continuous batching, pause modes, aborts, weight updates, auth and bad
 
 import asyncio
 import json
+import shutil
 import urllib.error
 import urllib.request
 
@@ -306,28 +307,44 @@ def test_bad_weight_updates_are_refused_or_skipped_as_sglang_does(engine, models
             in (root / "engine.log").read_text())
 
 
-def test_a_flattened_bucket_of_another_size_ends_the_engine_as_it_ends_sglangs(models):
+@pytest.mark.parametrize("source", ["flattened_bucket", "disk"])
+def test_a_tensor_of_another_size_ends_the_engine_as_it_ends_sglangs(models, tmp_path, source):
     """SGLang 0.5.23 loads a flattened bucket with nothing around it to catch its weight
-    loader's size assertion: the scheduler dies and takes the server down. The twin too."""
+    loader's size assertion, and a checkpoint's rollback reads the same checkpoint again: the
+    scheduler dies and takes the server down. The twin too."""
+    from safetensors.torch import load_file, save_file
+
     cfg, paths, root = models
-    cmd = cpu_engine_command(paths[1], api_key=KEY, kv_capacity_tokens=256)
+    bad_dir = tmp_path / "bad"
+    shutil.copytree(paths[1], bad_dir)
+    for f in bad_dir.glob("*.safetensors"):
+        state = load_file(str(f))
+        if "model.norm.weight" in state:
+            state["model.norm.weight"] = torch.zeros(3)
+            save_file(state, str(f))
     bucket, metas = ShmBucket.from_tensors({"model.norm.weight": torch.zeros(3)})
+    log = tmp_path / "engine.log"
     try:
-        with EngineProcess(cmd, log_path=str(root / "engine-dies.log")) as proc:
+        with EngineProcess(cpu_engine_command(paths[1], api_key=KEY, kv_capacity_tokens=256),
+                           log_path=str(log)) as proc:
             async def go():
                 async with SGLangClient(proc.url, api_key=KEY, timeout_s=30, retries=0) as c:
                     await c.begin_weight_update()
                     with pytest.raises(EngineError):
-                        await c.update_weights_from_tensor([encode_handle(bucket.handle(metas))])
+                        if source == "disk":
+                            await c.update_weights_from_disk(str(bad_dir))
+                        else:
+                            await c.update_weights_from_tensor(
+                                [encode_handle(bucket.handle(metas))])
 
             run(go())
             proc.proc.wait(timeout=30)
             assert proc.proc.returncode != 0
     finally:
         bucket.close()
-    log = (root / "engine-dies.log").read_text()
-    assert "a flattened_bucket weight payload failed to load" in log
-    assert "Attempted to load weight ((3,))" in log
+    what = f"the checkpoint {bad_dir}" if source == "disk" else "a flattened_bucket weight payload"
+    text = log.read_text()
+    assert f"{what} failed to load" in text and "Attempted to load weight ((3,))" in text
 
 
 def test_weights_from_a_gloo_broadcast_group(engine, models):

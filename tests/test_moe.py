@@ -75,13 +75,12 @@ def test_a_missing_extra_or_misnamed_expert_tensor_is_a_named_error():
     mcore.pop("decoder.layers.3.mlp.experts.local_experts.0.linear_fc2.weight")
     with pytest.raises(AdapterError, match=r"local_experts\.0\.linear_fc2\.weight.*missing"):
         adapter.mcore_to_hf(cfg, mcore)
-    # the CPU engine's loader fails on a wrong expert shape (SGLang's size check); from a
-    # checkpoint, which SGLang rolls back, it writes nothing
+    # the CPU engine's loader fails on a wrong expert shape (SGLang's size check), naming it
     model = DecoderLM(cfg, hf)
     before = model.params["model.layers.0.mlp.experts.0.down_proj.weight"].clone()
     bad = {"model.layers.0.mlp.experts.0.down_proj.weight": torch.zeros(64, 33)}
     with pytest.raises(ValueError, match=r"\(\(64, 33\)\).*experts\.0\.down_proj\.weight"):
-        model.load_like_sglang(bad, atomic=True)
+        model.load_like_sglang(bad)
     assert torch.equal(model.params["model.layers.0.mlp.experts.0.down_proj.weight"], before)
 
 

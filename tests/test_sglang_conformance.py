@@ -427,9 +427,9 @@ def test_whole_tensor_loads_skip_and_fail_where_sglangs_load_weights_do(sglang, 
     """A flattened bucket, a broadcast and a checkpoint reach SGLang 0.5.23's legacy
     ``load_weights`` (the default): a name it has no parameter for is logged and skipped, never
     refused (rotary frequencies and an extra bias silently); a size that differs fails the weight
-    loader's assertion mid-load -- uncaught for a tensor update (the scheduler dies, the twin
-    too: test_cpu_engine), caught for a broadcast with the tensors before it loaded. The twin's
-    model does the same, with SGLang's message."""
+    loader's assertion mid-load -- uncaught for a tensor update and, through its rollback, for
+    a checkpoint (the scheduler dies, the twin too: test_cpu_engine), caught for a broadcast
+    with the tensors before it loaded. The twin's model does the same, with SGLang's message."""
     import logging
 
     import torch
@@ -455,6 +455,15 @@ def test_whole_tensor_loads_skip_and_fail_where_sglangs_load_weights_do(sglang, 
     assert "except Exception as e:" in dist
     message = re.findall(r'f?"([^"]*)"', _between(dist, "error_msg = (", ")\n"))
     assert "".join(message).replace("{e}", "{}") == PARTIALLY_UPDATED
+    # from disk, the rollback reads the weights again from the checkpoint the update named (the
+    # path is set before loading), so a tensor of another size fails it too, uncaught
+    disk = _between(runner, "def update_weights_from_disk(", "\n    def ")
+    assert disk.index("self.model_config.model_path = model_path") < disk.index(
+        "Rolling back to original weights.")
+    rollback = disk[disk.index("Rolling back to original weights."):]
+    assert "iter = get_weight_iter(self.model_config)" in rollback
+    assert "model_load_weights(self.get_model(), iter)" in rollback
+    assert "try:" not in rollback[:rollback.index("return False, message")]
 
     for family in ("qwen2", "llama"):
         cfg = tiny_hf_config(family)
@@ -473,10 +482,10 @@ def test_whole_tensor_loads_skip_and_fail_where_sglangs_load_weights_do(sglang, 
         assert [r.getMessage() for r in caplog.records] == [
             "Parameter model.no_such.weight not found in params_dict"]
         wrong = {names[1]: new[names[1]], names[2]: torch.zeros(3), names[3]: new[names[3]]}
-        for atomic in (True, False):
-            before = {n: model.params[n].clone() for n in names[1:4]}
-            with pytest.raises(ValueError, match=r"Attempted to load weight \(\(3,\)\)"):
-                model.load_like_sglang(wrong, atomic=atomic)
-            # from disk nothing is written (SGLang rolls back); otherwise what came before is
-            assert torch.equal(model.params[names[1]], before[names[1]]) == atomic
-            assert torch.equal(model.params[names[3]], before[names[3]])
+        before = {n: model.params[n].clone() for n in names[1:4]}
+        with pytest.raises(ValueError, match=r"Attempted to load weight \(\(3,\)\)"):
+            model.load_like_sglang(wrong)
+        # in order: what came before the failing tensor is loaded, what comes after is not
+        assert torch.equal(model.params[names[1]], new[names[1]].to(model.dtype))
+        assert not torch.equal(model.params[names[1]], before[names[1]])
+        assert torch.equal(model.params[names[3]], before[names[3]])

@@ -190,11 +190,9 @@ class EngineCore:
     def _cmd_continue(self):
         self.paused = None
 
-    def _cmd_update_weights(self, named_tensors: dict, version: Optional[str],
-                            atomic: bool = True):
-        """Whole tensors as SGLang's ``load_weights`` takes them (``DecoderLM.load_like_sglang``:
-        ``atomic`` from disk, where SGLang rolls a failure back; not from a broadcast)."""
-        count = self.model.load_like_sglang(named_tensors, atomic=atomic)
+    def _cmd_update_weights(self, named_tensors: dict, version: Optional[str]):
+        """Whole tensors as SGLang's ``load_weights`` takes them (``DecoderLM.load_like_sglang``)."""
+        count = self.model.load_like_sglang(named_tensors)
         if version is not None:
             self.weight_version = str(version)
         return count

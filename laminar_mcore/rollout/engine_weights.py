@@ -12,8 +12,12 @@
   tensors each rank narrows (``flattened_bucket``), or each rank's own parameters in SGLang's
   fused per-rank layout (``direct``, ``weights/engine_layout.py``); the served model is their
   union (one CPU computes every rank's part). Entries past the TP size are ignored, as SGLang
-  ignores them; a direct payload SGLang cannot load ends the engine, as it ends SGLang's
-  scheduler (``scheduler_dies``).
+  ignores them; whole tensors load as SGLang's ``load_weights`` loads them
+  (``DecoderLM.load_like_sglang``: a name it has no parameter for is skipped);
+- what SGLang's scheduler cannot load ends the engine, as it ends that scheduler
+  (``scheduler_dies``): a direct payload of a name that is not a parameter, a tensor of another
+  size in a direct payload, a flattened bucket or a checkpoint; a broadcast's fails the call
+  with the tensors before it loaded (``PARTIALLY_UPDATED``).
 
 Mixed into ``CpuEngineServer``; it never imports trainer code.
 """
@@ -71,14 +75,17 @@ PARTIALLY_UPDATED = ("Failed to update parameter online: {}. The full weights of
                      "ModelRunner are partially updated. Please discard the whole weights.")
 
 
-def scheduler_dies(exc: BaseException, fmt: str = "direct") -> None:
-    """What SGLang 0.5.23 does with a payload of ``/update_weights_from_tensor`` it cannot load
-    (direct: a name that is not one of its parameters, a size that differs; flattened_bucket:
-    a size that differs): nothing catches the error (``scheduler_components/weight_updater.py``),
-    the scheduler process ends and takes the server down (``run_scheduler_process``). The twin
-    ends the same way, saying why."""
-    logger.error("a %s weight payload failed to load (%s): SGLang 0.5.23's scheduler "
-                 "exits on it, and so does this engine", fmt, exc)
+def scheduler_dies(exc: BaseException, what: str = "a direct weight payload") -> None:
+    """What SGLang 0.5.23 does with weights it cannot load, ``what``: a payload of
+    ``/update_weights_from_tensor`` (direct: a name that is not one of its parameters, a size
+    that differs; flattened_bucket: a size that differs) -- nothing catches the error
+    (``scheduler_components/weight_updater.py``) -- or a checkpoint of
+    ``/update_weights_from_disk`` with a tensor of another size: its rollback reads the
+    weights again from the checkpoint the update named (``model_config.model_path`` is set
+    before loading) and fails the same way, uncaught. The scheduler process ends and takes
+    the server down (``run_scheduler_process``). The twin ends the same way, saying why."""
+    logger.error("%s failed to load (%s): SGLang 0.5.23's scheduler exits on it, and so does "
+                 "this engine", what, exc)
     logging.shutdown()
     os._exit(1)
 
@@ -226,7 +233,7 @@ class WeightUpdateRoutes:
                             return self.core.model.load_like_sglang(ranks[0])
                         return load_rank_slices(self.core.model, self.layout, ranks)
                     except ValueError as exc:
-                        scheduler_dies(exc, fmt)
+                        scheduler_dies(exc, f"a {fmt} weight payload")
 
             return await self._command("call", read)
 
@@ -240,18 +247,16 @@ class WeightUpdateRoutes:
         from ..models.hf import load_hf_config, load_hf_state_dict
 
         try:
-            config = load_hf_config(path)
-            if self.core.model.adapter.shape(config) != self.core.model.shape:
-                raise ValueError("the checkpoint's architecture differs from the served model")
+            load_hf_config(path)
             state = await asyncio.to_thread(load_hf_state_dict, path)
-        except ValueError as exc:
+        except ValueError as exc:  # SGLang: its weights iterator cannot be had
             raise HTTPError(400, f"cannot load {path}: {exc}") from None
 
         async def update():  # no session needed, as in SGLang 0.5.23
             try:
                 await self._command("update_weights", state, None)
             except ValueError as exc:
-                return False, f"Failed to update weights: {exc}"
+                scheduler_dies(exc, f"the checkpoint {path}")
             self.model_path = path
             if body.get("flush_cache", True) and not (await self._command("flush_cache"))[0]:
                 return False, FLUSH_REFUSED
@@ -316,7 +321,7 @@ class WeightUpdateRoutes:
             specs = [(str(n), torch_dtype(d), tuple(s)) for n, d, s in zip(names, dtypes, shapes)]
             named = await asyncio.to_thread(receive_tensors, self.dist_group["pg"], specs, fmt)
             try:  # SGLang loads in order: a failure leaves the tensors before it loaded
-                return await self._command("update_weights", named, None, False)
+                return await self._command("update_weights", named, None)
             except ValueError as exc:
                 raise LoadFailed(PARTIALLY_UPDATED.format(exc)) from None
 

@@ -107,23 +107,21 @@ class DecoderLM:
         return len(named)
 
     @torch.no_grad()
-    def load_like_sglang(self, named: Mapping[str, torch.Tensor], atomic: bool = False) -> int:
+    def load_like_sglang(self, named: Mapping[str, torch.Tensor]) -> int:
         """Whole Hugging Face tensors as SGLang 0.5.23's ``load_weights`` takes them (a flattened
         bucket, a broadcast, a checkpoint), in order: a name the model has no parameter for is
-        skipped (logged as SGLang logs it, ``SGLANG_SILENT_SKIPS``, a tied ``lm_head`` and an
+        skipped (logged as SGLang logs it; ``SGLANG_SILENT_SKIPS``, a tied ``lm_head`` and an
         extra bias silently), so an update of names the model does not have succeeds and
         changes nothing; a tensor of another size raises ``ValueError`` (SGLang's weight loader
-        asserts). Not ``atomic`` (a flattened bucket, a broadcast) the tensors before it are
-        written, as SGLang's are; ``atomic`` (from disk, which SGLang rolls back) nothing is.
-        Returns how many tensors were written."""
-        keep = [(name, tensor) for name, tensor in named.items() if self.sglang_keeps(name)]
-        if atomic:
-            for name, tensor in keep:
+        asserts) with the tensors before it written, as SGLang's are. Returns how many tensors
+        were written."""
+        written = 0
+        for name, tensor in named.items():
+            if self.sglang_keeps(name):
                 self._check_size(name, tensor)
-        for name, tensor in keep:
-            self._check_size(name, tensor)
-            self.params[name].copy_(tensor)
-        return len(keep)
+                self.params[name].copy_(tensor)
+                written += 1
+        return written
 
     def sglang_keeps(self, name: str) -> bool:
         """Whether SGLang 0.5.23's ``load_weights`` loads ``name`` (else it skips it, saying
