@@ -441,9 +441,19 @@ def test_whole_tensor_loads_skip_and_fail_where_sglangs_load_weights_do(sglang, 
     for family in ("qwen2", "qwen3", "llama", "qwen3_moe"):
         src = sglang.read(f"sglang/srt/models/{family}.py")
         for snippet in ('logger.warning(f"Parameter {name} not found in params_dict")',
-                        '"rotary_emb.inv_freq" in name',
+                        '"rotary_emb.inv_freq" in name', "layer_id >= self.model.end_layer",
                         'if name.endswith(".bias") and name not in params_dict:'):
             assert snippet in src, (family, snippet)
+        stacked = _between(src, "for param_name, weight_name, shard_id in stacked_params_mapping:",
+                           "break\n")
+        assert "name = name.replace(weight_name, param_name)" in stacked
+        # Qwen3 looks a renamed name up unguarded (KeyError); the others skip it
+        assert ("if name not in params_dict:" in stacked) == (family != "qwen3"), family
+    assert 'name = add_prefix(name, "model")' in sglang.read("sglang/srt/models/qwen3.py")
+    moe = sglang.read("sglang/srt/models/qwen3_moe.py")  # its warning comes after a skip
+    assert moe.index("if name not in params_dict:\n                        continue\n\n"
+                     "                    if name in params_dict.keys():") < moe.index(
+        'logger.warning(f"Parameter {name} not found in params_dict")')
     loader = _between(sglang.read("sglang/srt/model_loader/weight_utils.py"),
                       "def default_weight_loader(", "\ndef ")
     assert 'f"Attempted to load weight ({loaded_weight.size()}) "' in loader
@@ -481,6 +491,14 @@ def test_whole_tensor_loads_skip_and_fail_where_sglangs_load_weights_do(sglang, 
         assert "model.no_such.weight" not in model.params
         assert [r.getMessage() for r in caplog.records] == [
             "Parameter model.no_such.weight not found in params_dict"]
+        if family == "llama":  # no such layer: silently; a fused name: renamed, warned of
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="laminar_mcore.cpu_engine"):
+                assert model.load_like_sglang({
+                    "model.layers.99.mlp.gate_proj.weight": torch.zeros(3),
+                    "model.layers.0.self_attn.qkv_proj.weight": torch.zeros(3)}) == 0
+            assert [r.getMessage() for r in caplog.records] == [
+                "Parameter model.layers.0.self_attn.qkqkv_proj.weight not found in params_dict"]
         wrong = {names[1]: new[names[1]], names[2]: torch.zeros(3), names[3]: new[names[3]]}
         before = {n: model.params[n].clone() for n in names[1:4]}
         with pytest.raises(ValueError, match=r"Attempted to load weight \(\(3,\)\)"):
@@ -489,3 +507,11 @@ def test_whole_tensor_loads_skip_and_fail_where_sglangs_load_weights_do(sglang, 
         assert torch.equal(model.params[names[1]], new[names[1]].to(model.dtype))
         assert not torch.equal(model.params[names[1]], before[names[1]])
         assert torch.equal(model.params[names[3]], before[names[3]])
+    # Qwen3: a name without "model." is loaded; a fused name raises SGLang's KeyError text
+    cfg = tiny_hf_config("qwen3")
+    new = initial_hf_state(type("M", (), {"path": None})(), cfg, 1)
+    model = DecoderLM(cfg, initial_hf_state(type("M", (), {"path": None})(), cfg, 0))
+    assert model.load_like_sglang({"norm.weight": new["model.norm.weight"]}) == 1
+    assert torch.equal(model.params["model.norm.weight"], new["model.norm.weight"].to(model.dtype))
+    with pytest.raises(ValueError, match=r"^'model\.layers\.0\.mlp\.gate_gate_up_proj\.weight'$"):
+        model.load_like_sglang({"model.layers.0.mlp.gate_up_proj.weight": torch.zeros(3)})

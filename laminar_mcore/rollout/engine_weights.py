@@ -125,7 +125,8 @@ def load_rank_slices(model, layout: Layout, ranks: List[Dict[str, torch.Tensor]]
     with torch.no_grad():
         for r, named in enumerate(ranks):
             for hf, t in named.items():
-                if not model.sglang_keeps(hf):
+                hf = model.sglang_name(hf)
+                if hf is None:
                     continue
                 model._check_size(hf, t)
                 for p in layout.hf_pieces(r).get(hf, []):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -21,9 +22,14 @@ logger = logging.getLogger("laminar_mcore.cpu_engine")
 
 # Names SGLang 0.5.23's legacy ``load_weights`` (models/qwen2.py, llama.py, qwen3.py,
 # qwen3_moe.py) passes over without a word; any other name it has no parameter for it logs
-# (``Parameter NAME not found in params_dict``) and skips, an extra bias silently.
+# (``Parameter NAME not found in params_dict``; Qwen3-MoE silently) and skips, an extra bias
+# or a layer the model does not have silently -- except Qwen3's, whose fused-parameter branch
+# looks the renamed name up unguarded (a KeyError) for a name holding one of these parts.
 SGLANG_SILENT_SKIPS = ("rotary_emb.inv_freq", "projector", "rotary_emb.cos_cached",
                        "rotary_emb.sin_cached")
+SGLANG_STACKED = (("qkv_proj", "q_proj"), ("qkv_proj", "k_proj"), ("qkv_proj", "v_proj"),
+                  ("gate_up_proj", "gate_proj"), ("gate_up_proj", "up_proj"))
+_LAYER_ID = re.compile(r"layers\.(\d+)\.")  # SGLang's get_layer_id
 
 
 def rope_inv_freq(head_dim: int, theta: float, llama3_factor: Optional[float]) -> torch.Tensor:
@@ -110,30 +116,47 @@ class DecoderLM:
     def load_like_sglang(self, named: Mapping[str, torch.Tensor]) -> int:
         """Whole Hugging Face tensors as SGLang 0.5.23's ``load_weights`` takes them (a flattened
         bucket, a broadcast, a checkpoint), in order: a name the model has no parameter for is
-        skipped (logged as SGLang logs it; ``SGLANG_SILENT_SKIPS``, a tied ``lm_head`` and an
-        extra bias silently), so an update of names the model does not have succeeds and
+        skipped (``sglang_name``), so an update of names the model does not have succeeds and
         changes nothing; a tensor of another size raises ``ValueError`` (SGLang's weight loader
-        asserts) with the tensors before it written, as SGLang's are. Returns how many tensors
-        were written."""
+        asserts: the twin refuses every size that differs, where SGLang's fused loaders cut or
+        zero-pad rows of q/k/v, gate/up and experts) with the tensors before it written, as
+        SGLang's are. Returns how many tensors were written."""
         written = 0
         for name, tensor in named.items():
-            if self.sglang_keeps(name):
+            name = self.sglang_name(name)
+            if name is not None:
                 self._check_size(name, tensor)
                 self.params[name].copy_(tensor)
                 written += 1
         return written
 
-    def sglang_keeps(self, name: str) -> bool:
-        """Whether SGLang 0.5.23's ``load_weights`` loads ``name`` (else it skips it, saying
-        so unless ``SGLANG_SILENT_SKIPS``, a tied ``lm_head`` or an extra bias)."""
+    def sglang_name(self, name: str) -> Optional[str]:
+        """The parameter SGLang 0.5.23's ``load_weights`` loads ``name`` into (its Hugging Face
+        name here), or None where it skips it: rotary frequencies, a layer the model does not
+        have, an extra bias silently; a tied ``lm_head`` and any other name with a warning
+        (Llama's lm_head and Qwen3-MoE's names silently). Qwen3 adds ``model.`` to a name that
+        lacks it, and raises (``ValueError``, the text of SGLang's ``KeyError``) for a name
+        it has no parameter for that holds a fused parameter's part."""
+        family = getattr(self.config, "model_type", "")
+        if family == "qwen3" and name.startswith(("layers.", "embed_tokens.", "norm.")):
+            name = "model." + name
+        layer = _LAYER_ID.search(name)
         if any(s in name for s in SGLANG_SILENT_SKIPS) or (
-                self.tied and name == self.adapter.HF_LM_HEAD):
-            return False
-        if name not in self.expected:
-            if not name.endswith(".bias"):
-                logger.warning("Parameter %s not found in params_dict", name)
-            return False
-        return True
+                layer is not None and int(layer.group(1)) >= self.shape.layers):
+            return None
+        if name in self.expected and not (self.tied and name == self.adapter.HF_LM_HEAD):
+            return name
+        if name.endswith(".bias"):
+            return None
+        renamed = name  # renamed by each fused part it holds, in SGLang's order
+        for fused, part in SGLANG_STACKED:
+            if part in renamed:
+                renamed = renamed.replace(part, fused)
+                if family == "qwen3":
+                    raise ValueError(repr(renamed))
+        if family != "qwen3_moe" and not (family == "llama" and name == self.adapter.HF_LM_HEAD):
+            logger.warning("Parameter %s not found in params_dict", renamed)
+        return None
 
     def _check_size(self, name: str, tensor: torch.Tensor) -> None:
         if tuple(tensor.shape) != self.expected[name]:
