@@ -234,8 +234,14 @@ def test_weight_updates_need_a_session_wait_for_running_requests_and_flush(engin
         task = await _start_long(c, "paused", n=150)
         await c.pause_generation("in_place")
         await c.begin_weight_update()
-        with pytest.raises(EngineError) as kept:
-            await c.update_weights_from_disk(paths[1])
+        with pytest.raises(EngineError) as kept:  # loaded, its version recorded, not flushed
+            await c.update_weights_from_disk(paths[1], weight_version="v2.5")
+        served_after_kept = await c.get_weight_version()  # SGLang's tokenizer side: unchanged
+        held = (await c.get_load()).kv_used_tokens
+        await c.continue_generation()  # a token or more under v2.5 (outputs carry it)
+        while (await c.get_load()).kv_used_tokens <= held:
+            await asyncio.sleep(0.002)
+        await c.pause_generation("in_place")
         await c.update_weights_from_tensor(payload, weight_version="v3", flush_cache=False)
         await c.end_weight_update()
         await c.continue_generation()
@@ -243,10 +249,10 @@ def test_weight_updates_need_a_session_wait_for_running_requests_and_flush(engin
         back = await c.update_weights_from_disk(paths[1], weight_version="v4")  # no session
         restored = await c.generate(prompt, {"max_new_tokens": 10, "sampling_seed": 3})
         return (outside.value, twice.value, unmixed, after, kept.value, mixed, back,
-                restored)
+                restored, served_after_kept)
 
     try:
-        outside, twice, unmixed, after, kept, mixed, back, restored = run(
+        outside, twice, unmixed, after, kept, mixed, back, restored, served_after_kept = run(
             _with_client(engine.url, go))
     finally:
         bucket.close()
@@ -256,9 +262,11 @@ def test_weight_updates_need_a_session_wait_for_running_requests_and_flush(engin
     assert unmixed["meta_info"]["weight_versions"] == [{"version": "0", "start": 0, "end": 150}]
     assert after["meta_info"]["weight_version"] == "v2"
     assert kept.status == 400 and "cache was not flushed" in kept.message
-    spans = mixed["meta_info"]["weight_versions"]
-    assert [s["version"] for s in spans] == ["v2", "v3"]
-    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 150
+    assert served_after_kept == "v2"
+    spans = mixed["meta_info"]["weight_versions"]  # the scheduler's side recorded v2.5
+    assert [s["version"] for s in spans] == ["v2", "v2.5", "v3"]
+    assert spans[0]["start"] == 0 and spans[-1]["end"] == 150
+    assert all(a["end"] == b["start"] for a, b in zip(spans, spans[1:]))
     assert back["success"] and restored["meta_info"]["weight_version"] == "v4"
     lp = torch.tensor([x[0] for x in after["meta_info"]["output_token_logprobs"]])
     ref = _reference_logprobs(cfg, new_state, prompt, after["output_ids"])

@@ -94,6 +94,8 @@ class CpuEngineServer(ControlRoutes, WeightUpdateRoutes):
                                deterministic=args.enable_deterministic_inference,
                                decode=self.decode, decode_delay_s=args.decode_delay_s)
         self.model_path = args.model_path
+        # /model_info's version: SGLang's tokenizer side, set only by an update that succeeds
+        self.served_version = args.weight_version
         self.tp_size, self.layout = rank_layout(model, args.tp_size, args.ep_size)
         self.served_model_name = args.served_model_name or args.model_path
         self.context_length = int(args.context_length or model.config.max_position_embeddings)

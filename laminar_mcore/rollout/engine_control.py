@@ -101,7 +101,7 @@ class ControlRoutes:
             "model_path": self.model_path, "served_model_name": self.served_model_name,
             "tokenizer_path": self.model_path if self.tokenizer is not None else None,
             "is_generation": True, "preferred_sampling_params": None,
-            "weight_version": self.core.weight_version, "load_format": "auto",
+            "weight_version": self.served_version, "load_format": "auto",
             "model_type": cfg.model_type, "architectures": getattr(cfg, "architectures", None),
             "has_image_understanding": False, "has_audio_understanding": False})
 

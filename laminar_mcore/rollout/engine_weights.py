@@ -195,16 +195,25 @@ class WeightUpdateRoutes:
                 return False, str(exc)
             except (ValueError, KeyError, RuntimeError) as exc:
                 return False, f"{failed}: {exc}"
-            if body.get("flush_cache", True) and not (await self._command("flush_cache"))[0]:
-                return False, FLUSH_REFUSED  # the weights changed; the served version did not
-            message = succeeded
-            if body.get("weight_version") is not None:
-                await self._command("set_version", str(body["weight_version"]))
-                message += f" Weight version updated to {body['weight_version']}."
-            return True, message
+            return await self._recorded(body, succeeded)
 
         return self._answer(*await self._model_update(
             update, abort_all=bool(body.get("abort_all_requests", False))))
+
+    async def _recorded(self, body: dict, message: str) -> Tuple[bool, str]:
+        """After a load that succeeded, in SGLang 0.5.23's order: the scheduler records the
+        version (outputs carry it from now on), then flushes the cache if asked -- a refused
+        flush fails the call with the new weights and that version in place, while
+        ``/model_info`` (the tokenizer side, updated only on success) keeps the old one."""
+        version = body.get("weight_version")
+        if version is not None:
+            await self._command("set_version", str(version))
+        if body.get("flush_cache", True) and not (await self._command("flush_cache"))[0]:
+            return False, FLUSH_REFUSED
+        if version is not None:
+            self.served_version = str(version)
+            message += f" Weight version updated to {version}."
+        return True, message
 
     async def update_weights_from_tensor(self, request: web.Request):
         body = await self._json(request)
@@ -259,13 +268,7 @@ class WeightUpdateRoutes:
             except ValueError as exc:
                 scheduler_dies(exc, f"the checkpoint {path}")
             self.model_path = path
-            if body.get("flush_cache", True) and not (await self._command("flush_cache"))[0]:
-                return False, FLUSH_REFUSED
-            message = "Succeeded to update model weights."
-            if body.get("weight_version") is not None:
-                await self._command("set_version", str(body["weight_version"]))
-                message += f" Weight version updated to {body['weight_version']}."
-            return True, message
+            return await self._recorded(body, "Succeeded to update model weights.")
 
         success, message = await self._model_update(
             update, abort_all=bool(body.get("abort_all_requests", False)))
@@ -351,6 +354,7 @@ class WeightUpdateRoutes:
         if body.get("abort_all_requests"):
             await self._command("abort", None, True)
         await self._command("set_version", str(body["new_version"]))
+        self.served_version = str(body["new_version"])
         return web.json_response({"success": True, "message":
                                   f"Weight version updated to {body['new_version']}",
                                   "new_version": str(body["new_version"])})
