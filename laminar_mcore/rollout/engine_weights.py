@@ -128,7 +128,7 @@ def load_rank_slices(model, layout: Layout, ranks: List[Dict[str, torch.Tensor]]
                 hf = model.sglang_name(hf)
                 if hf is None:
                     continue
-                model._check_size(hf, t)
+                model.check_size(hf, t)
                 for p in layout.hf_pieces(r).get(hf, []):
                     model.params[hf].narrow(p.dim, p.start, p.length).copy_(
                         t.narrow(p.dim, p.start, p.length))

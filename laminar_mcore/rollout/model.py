@@ -80,37 +80,26 @@ class DecoderLM:
         self.layer_names = [self.adapter.hf_layer_names(i, hf_config) for i in range(s.layers)]
         self.expert_names = {i: [self.adapter.hf_expert_names(i, e) for e in range(self.moe.experts)]
                              for i, moe in enumerate(self.moe.moe_layers) if moe} if self.moe else {}
-        self.load_weights(state, strict=True)
+        self._load_initial(state)
 
-    def checked(self, named: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """``named`` without what the model does not keep (rotary frequencies, a tied
-        ``lm_head``), every name and shape checked (``ValueError``)."""
-        named = {k: v for k, v in named.items() if not k.endswith("rotary_emb.inv_freq")}
-        if self.tied and self.adapter.HF_LM_HEAD in named:
-            named.pop(self.adapter.HF_LM_HEAD)
+    @torch.no_grad()
+    def _load_initial(self, state: Mapping[str, torch.Tensor]) -> None:
+        """The checkpoint the engine starts from: every tensor the family's adapter names, each
+        name and shape checked before anything is kept (``ValueError``); rotary frequencies and
+        a tied ``lm_head`` are not kept. Updates load through ``load_like_sglang``."""
+        named = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+        if self.tied:
+            named.pop(self.adapter.HF_LM_HEAD, None)
         unknown = sorted(set(named) - set(self.expected))
         if unknown:
             raise ValueError(f"unknown weight names: {unknown[:8]}")
+        missing = sorted(set(self.expected) - set(named))
+        if missing:
+            raise ValueError(f"missing weights: {missing[:8]}")
         for name, tensor in named.items():
-            if tuple(tensor.shape) != self.expected[name]:
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {self.expected[name]}")
-        return named
-
-    @torch.no_grad()
-    def load_weights(self, named: Mapping[str, torch.Tensor], strict: bool = False) -> int:
-        """Copy tensors in by name (all of them when ``strict``); every name and shape is checked
-        before anything is written, so a bad update leaves the weights untouched."""
-        named = self.checked(named)
-        if strict:
-            missing = sorted(set(self.expected) - set(named))
-            if missing:
-                raise ValueError(f"missing weights: {missing[:8]}")
-        for name, tensor in named.items():
-            if name in self.params:
-                self.params[name].copy_(tensor)
-            else:
-                self.params[name] = tensor.detach().to(self.dtype).clone().contiguous()
-        return len(named)
+            self.check_size(name, tensor)
+        self.params = {name: t.detach().to(self.dtype).clone().contiguous()
+                       for name, t in named.items()}
 
     @torch.no_grad()
     def load_like_sglang(self, named: Mapping[str, torch.Tensor]) -> int:
@@ -125,7 +114,7 @@ class DecoderLM:
         for name, tensor in named.items():
             name = self.sglang_name(name)
             if name is not None:
-                self._check_size(name, tensor)
+                self.check_size(name, tensor)
                 self.params[name].copy_(tensor)
                 written += 1
         return written
@@ -158,7 +147,7 @@ class DecoderLM:
             logger.warning("Parameter %s not found in params_dict", renamed)
         return None
 
-    def _check_size(self, name: str, tensor: torch.Tensor) -> None:
+    def check_size(self, name: str, tensor: torch.Tensor) -> None:
         if tuple(tensor.shape) != self.expected[name]:
             raise ValueError(f"Attempted to load weight ({tuple(tensor.shape)}) into parameter "
                              f"({self.expected[name]}) {name}")
